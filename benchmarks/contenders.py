@@ -1,0 +1,225 @@
+"""The contenders the harness compares: a small registry of named ``prepare`` functions.
+
+A contender turns ``(model, example_inputs)`` into something callable like the model: ``fn(*args)``
+returns the model's outputs (any pytree of tensors; ONNX Runtime's list of arrays is turned back into
+tensors). ``prepare`` may return the callable itself or a :class:`Prepared` that also carries a short
+``note`` for the results table and an ``info`` dict that lands in ``results.json``.
+
+The runner hands every contender but ``eager`` its own ``copy.deepcopy`` of the model, in eval mode, and
+calls ``prepare`` and the first call under ``torch.no_grad()``; the time of both together is the row's
+"prepare s" (export / compile / optimize time).
+
+Adding a contender (e.g. fxforge -> ONNX Runtime)::
+
+    from benchmarks.contenders import Prepared, register
+
+    @register("fxforge-ort", "fxforge.optimize(model, target='onnxruntime')")
+    def _fxforge_ort(model, args):
+        import fxforge
+        opt = fxforge.optimize(model, example_inputs=args, target="onnxruntime")
+        return Prepared(opt, note=_report_note(opt.report), info={"counts": dict(opt.report.counts)})
+
+and it is then selectable with ``--contenders eager,fxforge-ort``. The order of :data:`CONTENDERS` is the
+default order of the run and of the tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` may return instead of a bare callable.
+
+    Attributes:
+        fn: called as ``fn(*example_inputs)``; returns the outputs (a pytree of tensors).
+        note: a short text for the table's "note" column (e.g. which rewrites fired).
+        info: anything JSON-serialisable; stored under the row's ``info`` in ``results.json``.
+    """
+
+    fn: Callable[..., Any]
+    note: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named way to run a model.
+
+    Attributes:
+        name: the name used by ``--contenders`` and in the tables.
+        prepare: ``prepare(model, example_inputs) -> callable | Prepared``.
+        description: one line for ``--list`` and the results header.
+        copy_model: give ``prepare`` its own deep copy of the model (all but ``eager`` do, so that no
+            contender can change the weights or modules another one runs).
+    """
+
+    name: str
+    prepare: Callable[[nn.Module, tuple], Any]
+    description: str = ""
+    copy_model: bool = True
+
+
+CONTENDERS: dict[str, Contender] = {}
+
+
+def register(name: str, description: str = "", *, copy_model: bool = True):
+    """Decorator: register ``prepare`` as the contender ``name`` (replacing one of the same name)."""
+
+    def deco(prepare: Callable[[nn.Module, tuple], Any]) -> Callable[[nn.Module, tuple], Any]:
+        CONTENDERS[name] = Contender(name, prepare, description, copy_model)
+        return prepare
+
+    return deco
+
+
+def as_prepared(obj: Any) -> Prepared:
+    """Normalise what a ``prepare`` returned into a :class:`Prepared`."""
+    if isinstance(obj, Prepared):
+        return obj
+    if not callable(obj):
+        raise TypeError(f"prepare returned {type(obj).__name__}, which is not callable")
+    return Prepared(obj)
+
+
+def _device_of(args: tuple) -> torch.device:
+    for leaf in torch.utils._pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# eager
+
+
+@register("eager", "the model as is (eval mode, torch.no_grad)", copy_model=False)
+def _eager(model: nn.Module, args: tuple) -> Callable[..., Any]:
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@register("torch.compile", "torch.compile(model), default backend (Inductor)")
+def _torch_compile(model: nn.Module, args: tuple) -> Prepared:
+    compiled = torch.compile(model)
+    return Prepared(compiled, note="inductor")
+
+
+# --------------------------------------------------------------------------------------------------
+# ONNX Runtime on a plain torch.onnx export
+
+
+def ort_session_options(threads: int | None = None):
+    """SessionOptions the harness uses for every ONNX Runtime contender (no spinning, torch's threads)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return so
+
+
+def ort_providers(device: torch.device) -> list[str]:
+    """CUDA only when the model runs on a CUDA device (so both sides run on the same hardware)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class OrtCallable:
+    """Runs an ``onnxruntime.InferenceSession`` like the model: tensors in, list of tensors out.
+
+    Only the tensor leaves of the arguments are fed, in pytree order, to the session inputs in order
+    (what ``torch.onnx.export(dynamo=True)`` produces for a flat signature).
+    """
+
+    def __init__(self, session, device: torch.device):
+        self.session = session
+        self.device = device
+        self.input_names = [i.name for i in session.get_inputs()]
+
+    def __call__(self, *args: Any) -> list[torch.Tensor]:
+        leaves = [x for x in torch.utils._pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+        if len(leaves) != len(self.input_names):
+            raise ValueError(
+                f"the ONNX model takes {len(self.input_names)} inputs {self.input_names}, "
+                f"got {len(leaves)} tensors"
+            )
+        feeds = {name: t.detach().cpu().numpy() for name, t in zip(self.input_names, leaves)}
+        outs = self.session.run(None, feeds)
+        return [torch.from_numpy(o).to(self.device) for o in outs]
+
+
+@register("ort", "torch.onnx.export(model, args, dynamo=True) in an onnxruntime InferenceSession")
+def _ort(model: nn.Module, args: tuple) -> Prepared:
+    import onnxruntime as ort
+
+    device = _device_of(args)
+    with tempfile.TemporaryDirectory(prefix="fxforge-bench-") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log):
+                torch.onnx.export(model, args, path, dynamo=True, verbose=False)
+        except Exception as exc:
+            # The exporter's progress lines say which step failed; keep the last ones.
+            tail = "\n".join(log.getvalue().strip().splitlines()[-5:])
+            raise RuntimeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{tail}") from exc
+        session = ort.InferenceSession(
+            path, sess_options=ort_session_options(), providers=ort_providers(device)
+        )
+        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+    return Prepared(
+        OrtCallable(session, device),
+        note=f"{session.get_providers()[0].replace('ExecutionProvider', '')}",
+        info={"onnx_bytes": size, "providers": session.get_providers()},
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# fxforge
+
+
+def report_note(report: Any) -> str:
+    """A short note from an fxforge Report: the rewrites that fired and how often."""
+    counts = dict(getattr(report, "counts", None) or {})
+    fired = {k: v for k, v in counts.items() if v}
+    if not fired:
+        return "no rewrite applied"
+    return ", ".join(f"{k}×{v}" for k, v in sorted(fired.items()))
+
+
+def report_info(report: Any) -> dict[str, Any]:
+    """The JSON part of an fxforge Report: its counts and its readable summary."""
+    if report is None:
+        return {}
+    counts = {str(k): int(v) for k, v in dict(getattr(report, "counts", None) or {}).items()}
+    try:
+        text = str(report)
+    except Exception as exc:  # noqa: BLE001 - a broken __str__ must not lose the row
+        text = f"<str(report) failed: {type(exc).__name__}: {exc}>"
+    return {"rewrite_counts": counts, "report": text}
+
+
+@register("fxforge", "fxforge.optimize(model, example_inputs=args, target='native')")
+def _fxforge(model: nn.Module, args: tuple) -> Prepared:
+    import fxforge
+
+    opt = fxforge.optimize(model, example_inputs=args, target="native")
+    report = getattr(opt, "report", None)
+    return Prepared(opt, note=report_note(report), info=report_info(report))

@@ -1,0 +1,277 @@
+"""Results output: ``results.json``, the harness block of ``RESULTS.md``, the machine description.
+
+The markdown table is built from :data:`COLUMNS`, a list of :class:`Column` read left to right. A later
+issue adds a column by appending one (its ``render`` reads a row dict; a contender can put whatever it
+needs under ``row["info"]`` through :class:`benchmarks.contenders.Prepared`)::
+
+    from benchmarks.report import COLUMNS, Column
+    COLUMNS.insert(-1, Column("peak MiB", lambda row: fmt_float(row["info"].get("peak_mib"), 1)))
+
+``RESULTS.md`` is shared with other sections written by hand or by other tools: the harness only replaces
+the text between :data:`BEGIN` and :data:`END` and keeps everything else byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BEGIN = "<!-- harness:begin -->"
+END = "<!-- harness:end -->"
+
+SKELETON = f"""# fxforge benchmark results
+
+Every number here is a ratio against a peer measured in the same run (interleaved repetitions, medians).
+The block between the harness markers below is rewritten by `python -m benchmarks` (see
+`benchmarks/run.py`); text outside the markers is kept as is, so other sections can live here.
+
+{BEGIN}
+_No harness run recorded yet: run `python -m benchmarks`._
+{END}
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# formatting
+
+
+def fmt_float(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def fmt_err(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def md_cell(text: str, limit: int = 160) -> str:
+    """One line, no pipes, at most ``limit`` characters: safe inside a markdown table cell."""
+    line = " ".join(str(text).split())
+    if len(line) > limit:
+        line = line[: limit - 1] + "…"
+    return line.replace("|", "\\|")
+
+
+def note_of(row: dict[str, Any]) -> str:
+    if row.get("error"):
+        first = str(row["error"]).strip().splitlines()[0] if str(row["error"]).strip() else "failed"
+        return f"**failed** ({row.get('stage', '?')}): {first}"
+    note = row.get("note") or ""
+    median, iqr = row.get("median_ms"), row.get("iqr_ms")
+    if median and iqr is not None and row.get("n_calls", 0) >= 8 and iqr > NOISY_IQR * median:
+        note = f"{note}; noisy (IQR {100 * iqr / median:.0f}% of median)" if note else (
+            f"noisy (IQR {100 * iqr / median:.0f}% of median)"
+        )
+    return note
+
+
+NOISY_IQR = 0.25
+"""A row whose inter-quartile range exceeds this fraction of its median gets a "noisy" note."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the markdown table: a header and ``render(row) -> str``."""
+
+    header: str
+    render: Callable[[dict[str, Any]], str]
+    align: str = "left"  # "left" | "right"
+
+
+COLUMNS: list[Column] = [
+    Column("model", lambda r: r["model"]),
+    Column("contender", lambda r: r["contender"]),
+    Column("median ms", lambda r: fmt_float(r.get("median_ms"), 3), "right"),
+    Column("× vs eager", lambda r: fmt_ratio(r.get("ratio_vs_eager")), "right"),
+    Column("prepare s", lambda r: fmt_float(r.get("prepare_s"), 2), "right"),
+    Column("max abs err", lambda r: fmt_err(r.get("max_abs_err")), "right"),
+    Column("note", note_of),
+]
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[Column] | None = None) -> str:
+    columns = COLUMNS if columns is None else columns
+    head = "| " + " | ".join(c.header for c in columns) + " |"
+    rule = "|" + "|".join("---:" if c.align == "right" else "---" for c in columns) + "|"
+    body = ["| " + " | ".join(md_cell(c.render(r)) for c in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+# --------------------------------------------------------------------------------------------------
+# machine
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return getattr(mod, "__version__", "?")
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """What the header says about the machine and the software."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "onnxruntime": _version("onnxruntime"),
+        "onnx": _version("onnx"),
+        "transformers": _version("transformers"),
+        "threads": threads,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        info["affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    info["loadavg_start"] = load_average()
+    return info
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: other work on the machine shows up as noise in the timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_line(machine: dict[str, Any], meta: dict[str, Any]) -> str:
+    def fmt(load: list[float] | None) -> str:
+        return "n/a" if not load else " / ".join(f"{x:.2f}" for x in load)
+
+    line = f"- Load average (1/5/15 min): {fmt(machine.get('loadavg_start'))} at start"
+    if meta.get("loadavg_end"):
+        line += f", {fmt(meta['loadavg_end'])} at end"
+    return line + " (other work on the machine is timing noise)"
+
+
+def markdown_block(result: dict[str, Any]) -> str:
+    """The text between the harness markers for one run (without the markers)."""
+    meta = result["meta"]
+    m = meta["machine"]
+    t = meta["timing"]
+    cores = f"{m['cores']} logical cores"
+    if m.get("affinity") and m["affinity"] != m["cores"]:
+        cores += f" ({m['affinity']} usable)"
+    versions = f"torch {m['torch']}, onnxruntime {m.get('onnxruntime') or 'n/a'}"
+    if m.get("transformers"):
+        versions += f", transformers {m['transformers']}"
+    lines = [
+        "## Harness run",
+        "",
+        f"- Machine: {m['cpu']}, {cores}" + (f", GPU {m['cuda']}" if m.get("cuda") else ""),
+        f"- Software: Python {m['python']}, {versions}",
+        (
+            f"- Threads: torch.set_num_threads({m['threads']}); ONNX Runtime intra-op threads = the "
+            "same, no spinning"
+        ),
+        load_line(m, meta),
+        f"- Date: {meta['date']}" + (f", commit {meta['commit']}" if meta.get("commit") else ""),
+        f"- Command: `{meta['command']}`",
+        (
+            f"- Timing: {plural(t['warmup'], 'warm-up call')} per contender, then "
+            f"{plural(t['rounds'], 'round')} × {plural(t['reps'], 'call')} per contender, contenders "
+            "interleaved in a rotating order; median over all timed calls. "
+            "× vs eager = eager ms / contender ms (> 1 is faster). prepare s = prepare + first call "
+            "(export / compile / optimize). max abs err = against eager's outputs."
+        ),
+        "",
+        markdown_table(result["rows"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path`` and rename it over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the harness block replaced by ``block`` (appended when there are no markers)."""
+    new = f"{BEGIN}\n{block.rstrip()}\n{END}"
+    start = text.find(BEGIN)
+    end = text.find(END, start + len(BEGIN)) if start >= 0 else -1
+    if start >= 0 and end >= 0:
+        return text[:start] + new + text[end + len(END):]
+    if not text.strip():
+        return replace_block(SKELETON, block)
+    return text.rstrip("\n") + "\n\n" + new + "\n"
+
+
+def write_markdown(path: str, result: dict[str, Any]) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = SKELETON
+    write_atomic(path, replace_block(old, markdown_block(result)))
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN / inf become strings (JSON has no such numbers); tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")

@@ -1,0 +1,443 @@
+"""The harness: prepare every contender on every model, time them interleaved, write the results.
+
+Per model, in one process and one run:
+
+1. build the model (seeded, eval mode) and compute eager's outputs once, as the reference;
+2. for each contender: ``prepare`` (on its own deep copy of the model) and make the first call; the time
+   of both is "prepare s"; the first call's outputs give "max abs err" against the reference;
+3. warm every contender up, then ``rounds`` rounds; in round ``r`` the contenders run in a rotated order
+   (starting with the ``r``-th), each ``reps`` calls back to back, each call timed on its own;
+4. median over all timed calls of a contender, and ``eager ms / contender ms`` (> 1 is faster).
+
+A contender that raises (while preparing, on its first call, or while being timed) becomes a failed row
+with the error text; the run goes on. All calls run under ``torch.no_grad()``.
+
+Example:
+    python -m benchmarks --models hf_bert,resnet_cnn --contenders eager,ort,fxforge --rounds 5 --reps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from benchmarks import contenders as contenders_mod
+from benchmarks import report
+from benchmarks import suite as suite_mod
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
+DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
+DEFAULT_CONTENDERS = ["eager", "torch.compile", "ort", "fxforge"]
+
+DEFAULTS = {"rounds": 5, "reps": 10, "warmup": 3}
+QUICK = {"rounds": 1, "reps": 3, "warmup": 1}
+BUSY_LOAD = 0.25  # per core: above this, the run warns that other work will show up in the timings
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def error_text(exc: BaseException, limit: int = 2000) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def short_traceback(exc: BaseException, lines: int = 30) -> str:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return "\n".join(tb.rstrip().splitlines()[-lines:])
+
+
+class OutputMismatch(Exception):
+    """The contender's outputs do not line up with eager's (count or shapes)."""
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an output pytree (transformers' ModelOutput is a pytree), in pytree order."""
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def max_abs_error(reference: Any, output: Any) -> float:
+    """Largest ``|eager - contender|`` over all output tensors, compared position by position."""
+    ref, out = tensor_leaves(reference), tensor_leaves(output)
+    if len(ref) != len(out):
+        raise OutputMismatch(f"{len(out)} output tensors, eager has {len(ref)}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(ref, out)):
+        if tuple(a.shape) != tuple(b.shape):
+            raise OutputMismatch(f"output {i}: shape {tuple(b.shape)}, eager has {tuple(a.shape)}")
+        if a.numel() == 0:
+            continue
+        a64 = a.detach().to("cpu", torch.float64)
+        b64 = b.detach().to("cpu", torch.float64)
+        diff = (a64 - b64).abs()
+        # NaN where eager has NaN too counts as equal; any other NaN is an infinite error.
+        both_nan = torch.isnan(a64) & torch.isnan(b64)
+        diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+        value = float(diff.max()) if not torch.isnan(diff).any() else math.inf
+        worst = max(worst, value)
+    return worst
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def make_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def git_commit() -> str | None:
+    """``git describe``-like short commit of the repository (read-only), or None."""
+    root = os.path.dirname(PACKAGE_DIR)
+    try:
+        sha = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}{' (dirty)' if dirty else ''}" if sha else None
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def time_interleaved(
+    fns: dict[str, Callable[..., Any]],
+    args: tuple,
+    *,
+    warmup: int,
+    rounds: int,
+    reps: int,
+    sync: Callable[[], None] = lambda: None,
+) -> tuple[dict[str, list[list[float]]], dict[str, BaseException]]:
+    """Time ``fns`` on ``args``: warm-up, then ``rounds`` rounds in a rotating order, ``reps`` calls each.
+
+    Returns:
+        ``(times, failures)``: ``times[name][round]`` is the list of per-call milliseconds of that
+        contender in that round; ``failures[name]`` the exception that stopped a contender (it is then
+        left out of the remaining rounds).
+    """
+    names = list(fns)
+    times: dict[str, list[list[float]]] = {n: [] for n in names}
+    failures: dict[str, BaseException] = {}
+    with torch.no_grad():
+        for name in names:
+            try:
+                for _ in range(warmup):
+                    fns[name](*args)
+                sync()
+            except Exception as exc:  # noqa: BLE001 - any error fails this contender, not the run
+                failures[name] = exc
+        alive = [n for n in names if n not in failures]
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for r in range(rounds):
+                k = r % len(alive) if alive else 0
+                for name in alive[k:] + alive[:k]:
+                    if name in failures:
+                        continue
+                    fn = fns[name]
+                    per_call: list[float] = []
+                    try:
+                        for _ in range(reps):
+                            t0 = time.perf_counter_ns()
+                            fn(*args)
+                            sync()
+                            per_call.append((time.perf_counter_ns() - t0) / 1e6)
+                    except Exception as exc:  # noqa: BLE001 - any error fails this contender
+                        failures[name] = exc
+                        continue
+                    times[name].append(per_call)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    return times, failures
+
+
+# --------------------------------------------------------------------------------------------------
+# one model
+
+
+def new_row(model: str, contender: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "contender": contender,
+        "status": "ok",
+        "median_ms": None,
+        "ratio_vs_eager": None,
+        "prepare_s": None,
+        "max_abs_err": None,
+        "note": "",
+        "error": None,
+        "stage": None,
+        "info": {},
+    }
+
+
+def fail(row: dict[str, Any], stage: str, exc: BaseException) -> None:
+    row.update(status="failed", stage=stage, error=error_text(exc), traceback=short_traceback(exc))
+
+
+def run_model(
+    entry: suite_mod.SuiteEntry,
+    selected: list[contenders_mod.Contender],
+    *,
+    warmup: int,
+    rounds: int,
+    reps: int,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """All rows of one model (one per contender, in ``selected`` order)."""
+    rows = {c.name: new_row(entry.name, c.name) for c in selected}
+    sync = make_sync(device)
+
+    t0 = time.perf_counter()
+    try:
+        model, args = suite_mod.build(entry)
+        model = model.to(device)
+        args = to_device(args, device)
+        with torch.no_grad():
+            reference = model(*args)
+        sync()
+    except Exception as exc:  # noqa: BLE001 - a model that does not build fails its rows, not the run
+        log(f"[{entry.name}] build failed: {error_text(exc, 300)}")
+        for row in rows.values():
+            fail(row, "build", exc)
+        return list(rows.values())
+    log(f"[{entry.name}] built in {time.perf_counter() - t0:.1f} s")
+
+    if any(c.name == "torch.compile" for c in selected):
+        # A fresh compile cache per model (and no cache growth over the suite).
+        importlib.import_module("torch._dynamo").reset()
+
+    fns: dict[str, Callable[..., Any]] = {}
+    for c in selected:
+        row = rows[c.name]
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                target = copy.deepcopy(model) if c.copy_model else model
+                prepared = contenders_mod.as_prepared(c.prepare(target, args))
+                out = prepared.fn(*args)
+                sync()
+        except Exception as exc:  # noqa: BLE001 - any error fails this contender, not the run
+            fail(row, "prepare", exc)
+            log(f"[{entry.name}] {c.name}: failed to prepare: {error_text(exc, 300)}")
+            continue
+        row["prepare_s"] = time.perf_counter() - t0
+        row["note"] = prepared.note
+        row["info"] = dict(prepared.info)
+        try:
+            row["max_abs_err"] = max_abs_error(reference, out)
+        except OutputMismatch as exc:
+            row["status"] = "mismatch"
+            row["note"] = f"**output mismatch**: {exc}" + (f"; {row['note']}" if row["note"] else "")
+        fns[c.name] = prepared.fn
+        log(
+            f"[{entry.name}] {c.name}: prepared in {row['prepare_s']:.2f} s, "
+            f"max abs err {report.fmt_err(row['max_abs_err'])}"
+        )
+        del out
+
+    times, failures = time_interleaved(fns, args, warmup=warmup, rounds=rounds, reps=reps, sync=sync)
+    for name, exc in failures.items():
+        fail(rows[name], "run", exc)
+        log(f"[{entry.name}] {name}: failed while timed: {error_text(exc, 300)}")
+    for name, per_round in times.items():
+        row = rows[name]
+        if name in failures or not per_round:
+            continue
+        flat = [t for rnd in per_round for t in rnd]
+        q = statistics.quantiles(flat, n=4) if len(flat) >= 2 else [flat[0]] * 3
+        row.update(
+            median_ms=statistics.median(flat),
+            min_ms=min(flat),
+            iqr_ms=q[2] - q[0],
+            n_calls=len(flat),
+            round_medians_ms=[statistics.median(rnd) for rnd in per_round],
+            times_ms=[round(t, 4) for t in flat],
+        )
+    eager_ms = rows["eager"]["median_ms"] if "eager" in rows else None
+    for row in rows.values():
+        if eager_ms and row["median_ms"]:
+            row["ratio_vs_eager"] = eager_ms / row["median_ms"]
+    summary = ", ".join(
+        f"{n} {report.fmt_float(r['median_ms'], 3)} ms" if r["median_ms"] is not None else f"{n} failed"
+        for n, r in rows.items()
+    )
+    log(f"[{entry.name}] {summary}")
+    del fns, model, args, reference
+    gc.collect()
+    return list(rows.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Compare eager, torch.compile, ONNX Runtime and fxforge on the model suite, "
+        "interleaved, in one run.",
+    )
+    p.add_argument("--models", type=_csv, default=None, help="comma-separated suite entries (default: all "
+                   "default entries; see --list)")
+    p.add_argument("--contenders", type=_csv, default=None,
+                   help=f"comma-separated contenders (default: {','.join(DEFAULT_CONTENDERS)}); eager is "
+                   "always added, the ratios are against it")
+    p.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {DEFAULTS['rounds']})")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"calls per contender per round (default {DEFAULTS['reps']})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"warm-up calls per contender (default {DEFAULTS['warmup']})")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and ORT intra-op threads "
+                   "(default 2)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run (default cpu)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results.json (default benchmarks/out/)")
+    p.add_argument("--markdown", default=DEFAULT_MARKDOWN,
+                   help="markdown file whose harness block is replaced (default benchmarks/RESULTS.md)")
+    p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK['rounds']} round, {QUICK['reps']} reps, {QUICK['warmup']} warm-up (smoke runs)")
+    p.add_argument("--list", action="store_true", help="list the suite and the contenders, then exit")
+    return p
+
+
+def _list(out=sys.stdout) -> None:
+    print("models:", file=out)
+    for e in suite_mod.SUITE:
+        flag = "" if e.default else "  (only when named)"
+        print(f"  {e.name:22s} [{e.group}] {e.description}{flag}", file=out)
+    print("contenders:", file=out)
+    for c in contenders_mod.CONTENDERS.values():
+        print(f"  {c.name:22s} {c.description}", file=out)
+
+
+def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | None = None) -> int:
+    """Run the harness; returns the exit status (0 done, 2 usage).
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+        suite: the entries to choose from (default :data:`benchmarks.suite.SUITE`); tests pass their own.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.list:
+        _list()
+        return 0
+
+    timing = dict(QUICK if opts.quick else DEFAULTS)
+    for key in timing:
+        if getattr(opts, key) is not None:
+            timing[key] = getattr(opts, key)
+    if timing["rounds"] < 1 or timing["reps"] < 1 or timing["warmup"] < 0:
+        parser.error("--rounds and --reps must be >= 1, --warmup >= 0")
+    if opts.threads < 1:
+        parser.error("--threads must be >= 1")
+
+    try:
+        entries = suite_mod.select(opts.models, suite)
+    except KeyError as exc:
+        parser.error(str(exc.args[0]))
+    names = opts.contenders or list(DEFAULT_CONTENDERS)
+    unknown = [n for n in names if n not in contenders_mod.CONTENDERS]
+    if unknown:
+        parser.error(f"unknown contender(s) {', '.join(unknown)}; known: "
+                     f"{', '.join(contenders_mod.CONTENDERS)}")
+    if "eager" not in names:
+        log("adding eager: the ratios are against it")
+        names = ["eager", *names]
+    names = list(dict.fromkeys(names))
+    selected = [contenders_mod.CONTENDERS[n] for n in names]
+
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    device = torch.device(opts.device)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(opts.threads)
+    try:
+        return _run(opts, argv, entries, selected, timing, device)
+    finally:  # main() is also called in-process (tests): leave torch's thread count as it was
+        torch.set_num_threads(threads_before)
+
+
+def _run(
+    opts: argparse.Namespace,
+    argv: list[str],
+    entries: list[suite_mod.SuiteEntry],
+    selected: list[contenders_mod.Contender],
+    timing: dict[str, int],
+    device: torch.device,
+) -> int:
+
+    result: dict[str, Any] = {
+        "meta": {
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python -m benchmarks" + (f" {shlex.join(argv)}" if argv else ""),
+            "commit": git_commit(),
+            "machine": report.machine_info(torch.get_num_threads()),
+            "device": str(device),
+            "timing": timing,
+            "models": [e.name for e in entries],
+            "contenders": {c.name: c.description for c in selected},
+            "complete": False,
+        },
+        "rows": [],
+    }
+    json_path = os.path.join(opts.out, "results.json")
+    load = result["meta"]["machine"].get("loadavg_start")
+    if load and load[0] >= BUSY_LOAD * (os.cpu_count() or 1):
+        log(f"warning: load average {load[0]:.2f} on {os.cpu_count()} cores: other processes are running, "
+            "timings will be noisy")
+    log(f"benchmarks: {len(entries)} model(s) × {len(selected)} contender(s), "
+        f"{timing['rounds']} round(s) × {timing['reps']} rep(s), {torch.get_num_threads()} thread(s)")
+    for entry in entries:
+        result["rows"].extend(run_model(entry, selected, device=device, **timing))
+        report.write_json(json_path, result)  # partial results survive a crash or ^C
+    result["meta"]["complete"] = True
+    result["meta"]["loadavg_end"] = report.load_average()
+    report.write_json(json_path, result)
+    log(f"wrote {json_path}")
+    if not opts.no_markdown:
+        report.write_markdown(opts.markdown, result)
+        log(f"wrote {opts.markdown}")
+    print(report.markdown_table(result["rows"]))
+    return 0

@@ -1,0 +1,1 @@
+"""Runnable fxforge examples: example user models (``examples.models``), scripts and notebooks."""

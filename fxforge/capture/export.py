@@ -1,0 +1,111 @@
+"""Capture with ``torch.export`` (non-strict) and turn the program back into a callable GraphModule.
+
+The GraphModule keeps the module's calling convention (same positional and keyword inputs, same output
+structure, pytrees such as transformers' ``ModelOutput`` included), shares the module's parameters and
+buffers, and applies buffer mutations (BatchNorm running statistics in training mode) as eager does.
+
+Example:
+    >>> import torch
+    >>> gm = export_graph_module(torch.nn.Linear(2, 3), (torch.ones(1, 2),), {})
+    >>> gm(torch.ones(1, 2)).shape
+    torch.Size([1, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# Loggers that narrate a failed export at WARNING level; the failure itself is reported by fxforge.
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+
+
+@contextlib.contextmanager
+def quiet_export() -> Iterator[None]:
+    """Silence what torch.export prints to stderr while it fails (partial graphs, guard warnings).
+
+    Example:
+        >>> with quiet_export():
+        ...     pass
+    """
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def export_graph_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    """``torch.export.export(module, args, kwargs, strict=False).module()``, without the per-call hooks.
+
+    The exported module checks its inputs against the exported shapes on every call; fxforge keys its
+    graphs by input signature instead, so those hooks are dropped. Parameters and buffers are the
+    module's own objects.
+
+    Raises:
+        Exception: whatever ``torch.export`` raises; the caller turns it into a capture reason.
+
+    Example:
+        >>> gm = export_graph_module(torch.nn.ReLU(), (torch.ones(2),), {})
+        >>> gm(-torch.ones(2)).tolist()
+        [0.0, 0.0]
+    """
+    with quiet_export():
+        program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+    unlifted = _unlift(program)
+    graph_module = torch.fx.GraphModule(unlifted, unlifted.graph, module.__class__.__name__)
+    _drop_guards(graph_module)
+    _share_state(graph_module, module)
+    return graph_module
+
+
+def _unlift(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """``program.module()`` without the guard-checking node where this torch can leave it out."""
+    if "check_guards" in inspect.signature(program.module).parameters:
+        return program.module(check_guards=False)
+    return program.module()
+
+
+def _drop_guards(graph_module: torch.fx.GraphModule) -> None:
+    """Remove a ``_guards_fn`` call (input-shape guards, no outputs) that newer torch puts in the graph.
+
+    The graph is specialised to the example shapes either way; callers key graphs by input signature.
+    """
+    guards = [n for n in graph_module.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    for node in guards:
+        if node.users:
+            return
+        graph_module.graph.erase_node(node)
+    if guards:
+        graph_module.delete_submodule("_guards_fn")
+        graph_module.graph.lint()
+        graph_module.recompile()
+
+
+def _share_state(graph_module: torch.fx.GraphModule, module: nn.Module) -> None:
+    """Point the graph's parameters and buffers at the module's own tensors, by qualified name."""
+    own = dict(module.named_parameters(remove_duplicate=False))
+    own.update(dict(module.named_buffers(remove_duplicate=False)))
+    for name, tensor in list(graph_module.named_parameters(remove_duplicate=False)) + list(
+        graph_module.named_buffers(remove_duplicate=False)
+    ):
+        original = own.get(name)
+        if original is None or original is tensor:
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = graph_module.get_submodule(owner_name) if owner_name else graph_module
+        if isinstance(original, nn.Parameter):
+            owner._parameters[attr] = original
+        else:
+            owner._buffers[attr] = original

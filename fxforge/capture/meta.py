@@ -1,0 +1,145 @@
+"""Shape, dtype and source metadata on every node.
+
+:func:`annotate` fills ``node.meta['val']`` (a FakeTensor, or a pytree of them) and
+``node.meta['tensor_meta']`` by running the graph under ``FakeTensorMode``, so no real compute happens.
+Graphs from ``torch.export`` already carry ``val``; symbolic traces get it here. When fake propagation is
+impossible (an opaque leaf whose control flow depends on data), the graph is run once on the real
+example inputs instead and that is recorded.
+
+Example:
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 3))
+    >>> annotate(gm, (torch.ones(4, 2),), {}).source
+    'fake'
+    >>> [tuple(n.meta['val'].shape) for n in gm.graph.nodes if n.op == 'call_function']
+    [(4, 3)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils import _pytree as pytree
+
+from fxforge.capture.source import first_line, user_line_of_stack_trace
+from fxforge.verify import isolated
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaInfo:
+    """How node metadata was obtained: ``"fake"`` tensors, ``"export"`` (torch.export's own), or
+    ``"real"`` (one real run, with ``reason`` saying why fake propagation was impossible).
+
+    Example:
+        >>> MetaInfo("fake").source
+        'fake'
+    """
+
+    source: str
+    reason: str = ""
+
+
+def placeholder_values(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list[Any]:
+    """The values the graph's placeholders take for a call ``graph_module(*args, **kwargs)``.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+        >>> len(placeholder_values(gm, (torch.ones(1),), {}))
+        1
+    """
+    in_spec = getattr(graph_module, "_in_spec", None)
+    if in_spec is not None:
+        flat, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        return flat
+    signature = inspect.signature(graph_module.forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return list(bound.arguments.values())
+
+
+class _FakeProp(torch.fx.Interpreter):
+    def __init__(self, module: torch.fx.GraphModule, mode: FakeTensorMode):
+        super().__init__(module, garbage_collect_values=True)
+        self.mode = mode
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        _store(n, result)
+        return result
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor):
+            return self.mode.from_tensor(value, static_shapes=True)
+        return value
+
+
+class _RealProp(torch.fx.Interpreter):
+    def __init__(self, module: torch.fx.GraphModule, mode: FakeTensorMode):
+        super().__init__(module, garbage_collect_values=True)
+        self.mode = mode
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        fake = pytree.tree_map_only(torch.Tensor, lambda t: self.mode.from_tensor(t.detach(), static_shapes=True), result)
+        _store(n, fake)
+        return result
+
+
+def _store(node: torch.fx.Node, value: Any) -> None:
+    node.meta["val"] = value
+    if isinstance(value, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+
+
+def annotate_sources(graph_module: torch.fx.GraphModule) -> None:
+    """Record the user's source line of each node (``node.meta['fxforge_source']``) where torch kept one.
+
+    Example:
+        >>> annotate_sources(torch.fx.symbolic_trace(torch.nn.ReLU()))
+    """
+    for node in graph_module.graph.nodes:
+        line = user_line_of_stack_trace(node.meta.get("stack_trace"))
+        if line:
+            node.meta["fxforge_source"] = line
+
+
+def annotate(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, *, force: bool = False) -> MetaInfo:
+    """Fill shape/dtype metadata on every node of ``graph_module`` for inputs like ``args``/``kwargs``.
+
+    Args:
+        graph_module: the graph to annotate (modified in place: ``node.meta``).
+        args, kwargs: example inputs; only their shapes/dtypes are used unless fake propagation fails.
+        force: re-propagate even if every node already has ``val`` (after a rewrite).
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Flatten())
+        >>> annotate(gm, (torch.ones(2, 3, 4),), {}).source
+        'fake'
+    """
+    annotate_sources(graph_module)
+    nodes = [n for n in graph_module.graph.nodes if n.op not in ("output",)]
+    if not force and all("val" in n.meta for n in nodes):
+        for node in nodes:  # torch.export fills 'val' everywhere but 'tensor_meta' only in places
+            if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" not in node.meta:
+                node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+        return MetaInfo("export")
+    values = placeholder_values(graph_module, args, kwargs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_values = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in values]
+    try:
+        # Modules called by the graph see fake inputs but own real buffers: BatchNorm in training mode
+        # would still count num_batches_tracked up, so buffers are restored afterwards.
+        with isolated(graph_module), mode:
+            _FakeProp(graph_module, mode).run(*fake_values)
+        return MetaInfo("fake")
+    except Exception as error:  # noqa: BLE001 - any failure means: fall back to one real run
+        reason = first_line(error)
+    with isolated(graph_module), torch.no_grad():
+        _RealProp(graph_module, mode).run(*values)
+    return MetaInfo("real", reason)

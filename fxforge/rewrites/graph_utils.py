@@ -1,0 +1,211 @@
+"""Facts about fx nodes that every rewrite needs: which ops have effects, what a node's tensor is, and
+how to copy a GraphModule without copying the model's parameters.
+
+Example:
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU(inplace=True))
+    >>> [is_effectful(n, gm) for n in gm.graph.nodes if n.op == "call_function"]
+    [True]
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx.node import _side_effectful_functions
+
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul,
+}
+
+F = nn.functional
+# Functions whose result depends on the RNG unless told they are not training.
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu,
+    F.gumbel_softmax, torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_"}
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """A readable name for what a node calls: ``relu``, ``Conv2d``, ``aten.add.Tensor``, ``view``.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); n = g.call_method("view", (x, 2))
+        >>> target_name(n)
+        'view'
+    """
+    target = node.target
+    if node.op == "call_module":
+        return str(target)
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def submodule(node: torch.fx.Node, gm: torch.fx.GraphModule) -> nn.Module | None:
+    """The module a ``call_module`` node calls, else None.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU()))
+        >>> [type(submodule(n, gm)).__name__ for n in gm.graph.nodes if n.op == "call_module"]
+        ['ReLU']
+    """
+    if node.op != "call_module":
+        return None
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def _is_torch_nn_module(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.modules")
+
+
+def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """True when removing or reordering ``node`` could change results even if its value is unused.
+
+    Effects: mutation (in-place ops, ``inplace=True``, setitem, ATen ops with mutable schemas), random
+    numbers (an unused dropout still advances the RNG in training), and calls into modules whose effects
+    fxforge cannot see (user modules kept opaque, torch.nn modules in training mode, export's guards).
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> a, b = g.call_method("add_", (x, 1)), g.call_method("add", (x, 1)); _ = g.output(x)
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        >>> is_effectful(a, gm), is_effectful(b, gm)
+        (True, False)
+    """
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "get_attr":
+        return False
+    target = node.target
+    if node.op == "call_module":
+        module = submodule(node, gm)
+        if module is None or not _is_torch_nn_module(module):
+            return True
+        return bool(getattr(module, "inplace", False)) or module.training
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = str(target)
+        return (name.endswith("_") and not name.startswith("__")) or name in _RANDOM_METHODS or name == "__setitem__"
+    if target in _side_effectful_functions or target in _INPLACE_OPERATORS:
+        return True
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overload = target if isinstance(target, torch._ops.OpOverload) else None
+        if overload is not None:
+            return overload._schema.is_mutable or torch.Tag.nondeterministic_seeded in overload.tags
+        return True
+    if target in _RANDOM_FUNCTIONS:
+        return _training_flag(node, default=True)
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _training_flag(node: torch.fx.Node, default: bool) -> bool:
+    """The ``training``/``train`` argument of a dropout-like call (third positional argument)."""
+    for key in ("training", "train"):
+        if key in node.kwargs:
+            return bool(node.kwargs[key])
+    if len(node.args) >= 3 and isinstance(node.args[2], bool):
+        return node.args[2]
+    return default
+
+
+def fake_value(node: Any) -> torch.Tensor | None:
+    """The FakeTensor recorded on a node (``meta['val']``), or None when it has none or is no tensor.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> fake_value(x) is None
+        True
+    """
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = node.meta.get("val")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own copy of the graph that shares every submodule, parameter and buffer.
+
+    Passes mutate the copy; the original stays intact for comparison and rollback.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+        >>> copy_graph_module(gm).weight is gm.weight
+        True
+    """
+    with warnings.catch_warnings():
+        # Deep-copying export's pytree codegen trips a deprecation inside torch's own treespec pickling.
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    new = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def mutated_aliases(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """True when ``node``'s value, or a view of it reached through its users, is mutated in place.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); v = g.call_method("view", (x, -1))
+        >>> _ = g.call_method("add_", (v, 1))
+        >>> mutated_aliases(x, torch.fx.GraphModule(torch.nn.Module(), g))
+        True
+    """
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.op == "output":
+                continue
+            if is_effectful(user, gm) and (user.args[:1] == (current,) or user.op == "call_module"):
+                return True
+            if is_view_op(user):
+                stack.append(user)
+    return False
+
+
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute",
+                 "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "t", "T", "mT",
+                 "contiguous", "to", "type", "type_as", "float", "double", "half", "detach", "unfold",
+                 "chunk", "split", "unbind", "__getitem__", "as_strided", "movedim", "swapaxes"}
+
+
+def is_view_op(node: torch.fx.Node) -> bool:
+    """True when ``node`` may return a view (an alias) of its first argument.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> is_view_op(g.call_method("transpose", (x, 0, 1)))
+        True
+    """
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return target.is_view or any(a.alias_info is not None and not a.alias_info.is_write
+                                     for a in target._schema.returns)
+    name = getattr(target, "__name__", "")
+    return name in _VIEW_METHODS or target is operator.getitem

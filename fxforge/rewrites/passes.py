@@ -1,0 +1,79 @@
+"""What a rewrite pass is: a named function that edits a GraphModule and says what it did.
+
+A pass is a plain function ``(graph_module, ctx) -> None`` that mutates the graph and tells ``ctx`` each
+change (:meth:`PassContext.matched`) and each refusal (:meth:`PassContext.refused`). The pipeline copies
+the graph before the pass, lints and verifies after it, and rolls it back if results changed.
+
+Example:
+    >>> import torch
+    >>> def noop(gm, ctx):
+    ...     pass
+    >>> Pass("noop", noop, "does nothing").name
+    'noop'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from fxforge.capture.source import node_source
+from fxforge.rewrites.report import Match, NearMiss
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass knows about the graph it edits, and where it writes down what it did.
+
+    Attributes:
+        rule: the pass's name, used in the report.
+        training: whether the graph was captured in training mode.
+        method: ``"fx"`` or ``"export"``.
+        matches, near_misses: filled by :meth:`matched` and :meth:`refused`.
+
+    Example:
+        >>> ctx = PassContext("demo", training=False, method="fx")
+        >>> g = torch.fx.Graph(); n = g.placeholder("x")
+        >>> ctx.refused(n, "not a tensor"); ctx.near_misses[0].reason
+        'not a tensor'
+    """
+
+    rule: str
+    training: bool
+    method: str
+    matches: list[Match] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+
+    def matched(self, what: str, nodes: list[torch.fx.Node]) -> None:
+        """Record one application that replaced ``nodes`` (call before erasing them)."""
+        source = next((s for s in (node_source(n) for n in nodes) if s), None)
+        self.matches.append(Match(self.rule, what, [n.name for n in nodes], source))
+
+    def refused(self, node: torch.fx.Node, reason: str) -> None:
+        """Record that the pass looked at ``node`` and refused, with the reason."""
+        self.near_misses.append(NearMiss(self.rule, node.name, reason, node_source(node)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """A named rewrite pass.
+
+    Attributes:
+        name: how users select it (``rewrites=["cleanup"]``) and how the report counts it.
+        run: ``(graph_module, ctx) -> None``; edits the graph in place.
+        description: one line for ``fxforge rewrites``.
+
+    Example:
+        >>> Pass("x", lambda gm, ctx: None, "one line").description
+        'one line'
+    """
+
+    name: str
+    run: Callable[[torch.fx.GraphModule, PassContext], None]
+    description: str = ""
+
+    def apply(self, graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
+        """Run the pass on ``graph_module`` (the pipeline calls this)."""
+        self.run(graph_module, ctx)

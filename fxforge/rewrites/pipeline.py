@@ -1,0 +1,103 @@
+"""``rewrite()``: run passes in order, lint after each, verify each against the graph before it.
+
+Example:
+    >>> import torch, fxforge
+    >>> cap = fxforge.capture(torch.nn.Sequential(torch.nn.Identity(), torch.nn.ReLU()), (torch.ones(2),))
+    >>> rewrite(cap).report.counts
+    {'cleanup': 1}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxforge.capture.meta import annotate
+from fxforge.capture.source import first_line
+from fxforge.captured import Captured
+from fxforge.rewrites.graph_utils import copy_graph_module
+from fxforge.rewrites.passes import PassContext
+from fxforge.rewrites.registry import resolve
+from fxforge.rewrites.report import RolledBack
+from fxforge.verify import check_same, isolated, random_like
+
+# Example inputs plus this many random inputs of the same shapes and dtypes.
+RANDOM_CHECKS = 2
+
+
+def verification_inputs(captured: Captured, count: int = RANDOM_CHECKS) -> list[tuple[tuple, dict]]:
+    """The inputs each pass is checked on: the example inputs, then ``count`` random ones like them.
+
+    Example:
+        >>> import fxforge
+        >>> cap = fxforge.capture(torch.nn.ReLU(), (torch.ones(3),))
+        >>> len(verification_inputs(cap))
+        3
+    """
+    inputs = [(captured.example_args, captured.example_kwargs)]
+    for seed in range(1, count + 1):
+        inputs.append(random_like((captured.example_args, captured.example_kwargs), seed=seed))
+    return inputs
+
+
+def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules: list) -> list[Any]:
+    outputs = []
+    for i, (args, kwargs) in enumerate(inputs):
+        with isolated(*modules, seed=i), torch.no_grad():
+            outputs.append(gm(*args, **kwargs))
+    return outputs
+
+
+def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) -> Captured:
+    """Apply rewrites to a captured graph and return a new ``Captured`` with a report.
+
+    Passes run in order. Each works on a copy of the graph (parameters shared, never modified), the
+    graph is linted after it, and with ``verify=True`` its output is compared with the graph before it on
+    the example inputs and on random inputs of the same shapes and dtypes (same RNG seed, buffers
+    restored). A pass that raises or changes results beyond tolerance is rolled back and reported with
+    the error it caused.
+
+    Args:
+        captured: from :func:`fxforge.capture`; left unchanged.
+        rewrites: ``"default"``, a list of built-in names, or pass objects.
+        verify: check each pass numerically (recommended; costs one run of the graph per input per pass).
+
+    Example:
+        >>> import fxforge
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout()).eval()
+        >>> new = rewrite(fxforge.capture(model, (torch.ones(1, 2),)))
+        >>> new.report.counts, len(new.graph_module.graph.nodes) < len(model and [0] * 4)
+        ({'cleanup': 1}, True)
+    """
+    passes = resolve(rewrites)
+    report = captured.report.copy()
+    current = captured.graph_module
+    modules = [captured.module, current]
+    inputs = verification_inputs(captured) if verify else []
+    reference = _outputs(current, inputs, modules) if verify else None
+    for rewrite_pass in passes:
+        ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method)
+        candidate = copy_graph_module(current)
+        try:
+            rewrite_pass.apply(candidate, ctx)
+            candidate.graph.lint()
+            candidate.recompile()
+            if ctx.matches:
+                annotate(candidate, captured.example_args, captured.example_kwargs, force=True)
+        except Exception as error:  # noqa: BLE001 - a broken pass is rolled back, never fatal
+            report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), f"raised {first_line(error)}"))
+            continue
+        report.near_misses.extend(ctx.near_misses)
+        if not ctx.matches:
+            continue
+        if verify:
+            result = check_same(current, candidate, inputs, [captured.module, candidate], reference_outputs=reference)
+            if not result.ok:
+                report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), result.reason))
+                continue
+            report.verified.append(f"{rewrite_pass.name}: max abs error {result.max_abs_err:.3g}")
+        report.matches.extend(ctx.matches)
+        current = candidate
+    report.nodes_after = len(current.graph.nodes)
+    return captured.replace(graph_module=current, report=report)

@@ -1,0 +1,68 @@
+"""The built-in rewrites by name, and how ``rewrites=`` is resolved.
+
+``rewrites`` takes ``"default"``, a list of built-in names, or pass objects (anything with a ``name``
+and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.passes.Pass`), mixed freely.
+
+Example:
+    >>> [p.name for p in resolve("default")]
+    ['cleanup']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fxforge.rewrites.cleanup import CLEANUP
+from fxforge.rewrites.passes import Pass
+
+# Read top to bottom: the order in which "default" runs them.
+BUILTIN: dict[str, Pass] = {
+    CLEANUP.name: CLEANUP,
+}
+DEFAULT: list[str] = ["cleanup"]
+
+
+class UnknownRewriteError(ValueError):
+    """A rewrite name that is not built in; the message lists the valid names.
+
+    Example:
+        >>> str(UnknownRewriteError("nope"))
+        "unknown rewrite 'nope'; built-in rewrites: cleanup"
+    """
+
+    def __init__(self, name: str):
+        super().__init__(f"unknown rewrite {name!r}; built-in rewrites: {', '.join(BUILTIN)}")
+        self.name = name
+
+
+def resolve(rewrites: str | Iterable[Any] | None) -> list[Any]:
+    """Turn ``rewrites=`` into a list of pass objects, in order.
+
+    Raises:
+        UnknownRewriteError: a name that is not built in.
+        TypeError: an entry that is neither a name nor a pass object.
+
+    Example:
+        >>> [p.name for p in resolve(["cleanup"])]
+        ['cleanup']
+    """
+    if rewrites is None:
+        return []
+    if isinstance(rewrites, str):
+        names = DEFAULT if rewrites == "default" else [n.strip() for n in rewrites.split(",") if n.strip()]
+        return resolve(list(names))
+    resolved = []
+    for entry in rewrites:
+        if isinstance(entry, str):
+            if entry == "default":
+                resolved.extend(resolve("default"))
+            elif entry in BUILTIN:
+                resolved.append(BUILTIN[entry])
+            else:
+                raise UnknownRewriteError(entry)
+        elif hasattr(entry, "apply") and hasattr(entry, "name"):
+            resolved.append(entry)
+        else:
+            raise TypeError(f"rewrites entries must be names or objects with .name and .apply(), got {entry!r}")
+    return resolved

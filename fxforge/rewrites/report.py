@@ -1,0 +1,159 @@
+"""What the pipeline did, and why: applied matches, near misses, rolled-back passes.
+
+Example:
+    >>> r = Report(method="fx")
+    >>> r.matches.append(Match("cleanup", "dropout in eval", ["dropout"], "m.py:3: x = self.drop(x)"))
+    >>> r.counts
+    {'cleanup': 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections import Counter
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """One application of a rewrite.
+
+    Attributes:
+        rule: the rewrite's name (a key of ``Report.counts``).
+        what: a short description of the change ("dropout in eval removed").
+        nodes: the names of the nodes it replaced.
+        source: the user's source line of the first replaced node, where known.
+
+    Example:
+        >>> str(Match("cleanup", "identity removed", ["id_1"], None))
+        'cleanup: identity removed [id_1]'
+    """
+
+    rule: str
+    what: str
+    nodes: list[str]
+    source: str | None = None
+
+    def __str__(self) -> str:
+        where = f"  ({self.source})" if self.source else ""
+        return f"{self.rule}: {self.what} [{', '.join(self.nodes)}]{where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NearMiss:
+    """A place where a rewrite almost applied, and the reason it refused.
+
+    Example:
+        >>> str(NearMiss("cleanup", "to", "dtype changes", None))
+        'cleanup refused at to: dtype changes'
+    """
+
+    rule: str
+    node: str
+    reason: str
+    source: str | None = None
+
+    def __str__(self) -> str:
+        where = f"  ({self.source})" if self.source else ""
+        return f"{self.rule} refused at {self.node}: {self.reason}{where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolledBack:
+    """A pass whose output differed from the graph before it, so it was undone.
+
+    Example:
+        >>> str(RolledBack("bad", 3, "on example inputs: output: max abs error 2 exceeds tolerance 1e-05"))
+        'bad rolled back (3 matches): on example inputs: output: max abs error 2 exceeds tolerance 1e-05'
+    """
+
+    rule: str
+    matches: int
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.rule} rolled back ({self.matches} matches): {self.error}"
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything the capture and the rewrites did to a model, in order.
+
+    ``counts`` maps rule names to applications that were kept; ``str()`` is a readable summary and
+    ``_repr_html_`` renders tables in Jupyter.
+
+    Example:
+        >>> print(Report(method="export", nodes_before=10, nodes_after=8))
+        fxforge report: captured with export; 10 -> 8 nodes
+          no rewrite applied
+    """
+
+    method: str = ""
+    opaque: list = dataclasses.field(default_factory=list)
+    meta_source: str = ""
+    matches: list[Match] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    rolled_back: list[RolledBack] = dataclasses.field(default_factory=list)
+    verified: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Applications kept per rule, e.g. ``{"cleanup": 3}``."""
+        return dict(Counter(m.rule for m in self.matches))
+
+    def copy(self) -> Report:
+        """A copy whose lists can be extended without touching this report."""
+        return dataclasses.replace(
+            self,
+            opaque=list(self.opaque),
+            matches=list(self.matches),
+            near_misses=list(self.near_misses),
+            rolled_back=list(self.rolled_back),
+            verified=list(self.verified),
+            notes=list(self.notes),
+        )
+
+    def __str__(self) -> str:
+        lines = [f"fxforge report: captured with {self.method or '?'}; {self.nodes_before} -> {self.nodes_after} nodes"]
+        for item in self.opaque:
+            lines.append(f"  opaque: {item}")
+        if self.meta_source == "real":
+            lines.append("  shapes from one real run (fake propagation was impossible)")
+        if self.counts:
+            lines.append("  applied: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.counts.items())))
+        else:
+            lines.append("  no rewrite applied")
+        lines.extend(f"  {m}" for m in self.matches)
+        lines.extend(f"  ROLLED BACK {r}" for r in self.rolled_back)
+        lines.extend(f"  near miss: {n}" for n in self.near_misses)
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+
+        def table(title: str, header: list[str], rows: list[list[str]]) -> str:
+            if not rows:
+                return ""
+            head = "".join(f"<th>{esc(h)}</th>" for h in header)
+            body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+            return f"<h4>{esc(title)}</h4><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "none"
+        parts = [
+            f"<div class='fxforge-report'><b>fxforge</b>: captured with {esc(self.method)}; "
+            f"{self.nodes_before} &rarr; {self.nodes_after} nodes; applied: {esc(counts)}",
+            table("Applied", ["rule", "change", "nodes", "source"],
+                  [[m.rule, m.what, ", ".join(m.nodes), m.source or ""] for m in self.matches]),
+            table("Rolled back", ["rule", "matches", "error"],
+                  [[r.rule, r.matches, r.error] for r in self.rolled_back]),
+            table("Near misses", ["rule", "node", "reason", "source"],
+                  [[n.rule, n.node, n.reason, n.source or ""] for n in self.near_misses]),
+            table("Opaque modules", ["module", "type", "reason", "source"],
+                  [[o.name, o.type, o.reason, o.source or ""] for o in self.opaque]),
+            "</div>",
+        ]
+        return "".join(parts)

@@ -1,0 +1,104 @@
+"""One rewritten graph per input signature, captured on first sight, eager when capture fails.
+
+Example:
+    >>> import torch
+    >>> cache = GraphCache(torch.nn.ReLU(), eager=torch.nn.ReLU())
+    >>> cache((torch.ones(2),), {}).tolist()
+    [1.0, 1.0]
+    >>> len(cache.graphs)
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+from torch import nn
+
+from fxforge.capture import capture
+from fxforge.capture.source import first_line
+from fxforge.captured import Captured
+from fxforge.rewrites.pipeline import rewrite
+from fxforge.runtime.signature import describe_signature, input_signature
+
+
+class FallbackWarning(UserWarning):
+    """fxforge could not capture a model for some inputs and runs it eagerly instead."""
+
+
+class GraphCache:
+    """Captures and rewrites ``module`` per input signature and runs the right graph for each call.
+
+    Args:
+        module: what is captured (its mode at call time is the mode captured).
+        eager: what runs when capture fails (the module's own forward).
+        rewrites, verify, method: passed to :func:`fxforge.capture` and :func:`fxforge.rewrite`.
+
+    Example:
+        >>> cache = GraphCache(torch.nn.Linear(2, 2), eager=None)
+        >>> _ = cache((torch.ones(1, 2),), {}); cache.last.method
+        'fx'
+    """
+
+    def __init__(self, module: nn.Module, eager: Callable[..., Any] | None, *, rewrites: Any = "default",
+                 verify: bool = True, method: str = "auto"):
+        self.module = module
+        self.eager = eager if eager is not None else module
+        self.rewrites = rewrites
+        self.verify = verify
+        self.method = method
+        self.graphs: dict[Hashable, Captured | None] = {}
+        self.last: Captured | None = None
+        self.capturing = False
+        self._warned: set[str] = set()
+
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        previous, self.capturing = self.capturing, True
+        try:
+            yield
+        finally:
+            self.capturing = previous
+
+    def prepare(self, args: tuple, kwargs: dict) -> Captured | None:
+        """Capture and rewrite for this call's signature (or return the cached result).
+
+        Returns None, after one warning per distinct reason, when the module cannot be captured.
+        """
+        key = input_signature(args, kwargs, self.module.training)
+        if key in self.graphs:
+            return self.graphs[key]
+        try:
+            with self._capturing():
+                captured = capture(self.module, args, self.method, example_kwargs=kwargs, check=self.verify)
+                captured = rewrite(captured, self.rewrites, verify=self.verify)
+        except Exception as error:  # noqa: BLE001 - any failure falls back to eager with a warning
+            reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
+            if reason not in self._warned:
+                self._warned.add(reason)
+                warnings.warn(
+                    f"fxforge: running {type(self.module).__name__} eagerly for inputs "
+                    f"{describe_signature(args, kwargs)}: {reason}",
+                    FallbackWarning,
+                    stacklevel=4,
+                )
+            self.graphs[key] = None
+            return None
+        self.graphs[key] = captured
+        self.last = captured
+        return captured
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        captured = self.prepare(args, kwargs)
+        if captured is None:
+            return self.eager(*args, **kwargs)
+        return captured.graph_module(*args, **kwargs)
+
+    def clear(self) -> None:
+        """Forget every graph (after new weights are loaded, or the module changed)."""
+        self.graphs.clear()
+        self.last = None
+

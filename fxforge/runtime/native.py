@@ -1,0 +1,157 @@
+"""``OptimizedModule``: the model, run through its rewritten graphs, with the model's own state.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout()).eval()
+    >>> opt = OptimizedModule(model)
+    >>> opt(torch.ones(1, 3)).shape, list(opt.state_dict()) == list(model.state_dict())
+    (torch.Size([1, 3]), True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from fxforge.captured import Captured
+from fxforge.rewrites.report import Report
+from fxforge.runtime.cache import GraphCache
+
+
+def _clear_graphs_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """Graphs may hold values derived from the old weights (folded convolutions): drop them."""
+    cache = module.__dict__.get("_fxforge_cache")
+    if cache is not None:
+        cache.clear()
+
+
+class OptimizedModule(nn.Module):
+    """An ``nn.Module`` that runs ``model`` through fxforge's rewritten graphs.
+
+    It shares the model's parameters, buffers and submodules (the same objects, under the same names:
+    ``state_dict`` keys are the model's, so checkpoints load either way, and ``.to()``/``.train()``
+    act on both). It keeps one graph per input signature (shapes, strides, dtypes, devices,
+    train/eval) and captures again on a new one; when capture fails it runs the model eagerly after one
+    :class:`~fxforge.runtime.cache.FallbackWarning`. Attributes it does not have are looked up on the
+    model (``opt.config`` for a transformers model).
+
+    Args:
+        model: the module to run.
+        rewrites, verify, method: see :func:`fxforge.optimize`.
+
+    Example:
+        >>> opt = OptimizedModule(torch.nn.ReLU())
+        >>> opt(-torch.ones(2)).tolist(), opt.report.method
+        ([0.0, 0.0], 'fx')
+    """
+
+    def __init__(self, model: nn.Module, *, rewrites: Any = "default", verify: bool = True, method: str = "auto"):
+        super().__init__()
+        # Share the model's registries instead of registering it as a child: keys stay un-prefixed.
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        self.__dict__["original"] = model
+        self.__dict__["_fxforge_cache"] = GraphCache(model, eager=model, rewrites=rewrites, verify=verify, method=method)
+        self.training = model.training
+        self.register_load_state_dict_post_hook(_clear_graphs_after_load)
+
+    @property
+    def cache(self) -> GraphCache:
+        """The graphs captured so far, one per input signature."""
+        return self.__dict__["_fxforge_cache"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.cache(args, kwargs)
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Captured | None:
+        """Capture and rewrite for these inputs now, without running; returns the ``Captured`` (or None)."""
+        return self.cache.prepare(args, kwargs)
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        self.original.train(mode)
+        self.training = mode
+        return self
+
+    @property
+    def captured(self) -> Captured | None:
+        """The most recently prepared graph, with its report."""
+        return self.cache.last
+
+    @property
+    def report(self) -> Report | None:
+        """The report of the most recently prepared graph (None before the first call)."""
+        return self.cache.last.report if self.cache.last is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def extra_repr(self) -> str:
+        return f"model={type(self.original).__name__}, graphs={len(self.cache.graphs)}"
+
+
+def optimize_class(cls: type[nn.Module], *, rewrites: Any = "default", verify: bool = True,
+                   method: str = "auto") -> type[nn.Module]:
+    """A subclass of ``cls`` whose instances capture and rewrite themselves on their first call.
+
+    The subclass keeps the class's name, module and docstring; instances are ordinary instances of
+    ``cls`` (same attributes, same ``state_dict``), with a per-instance graph cache and ``report``.
+
+    Example:
+        >>> Fast = optimize_class(torch.nn.Linear)
+        >>> layer = Fast(2, 2)
+        >>> isinstance(layer, torch.nn.Linear), layer(torch.ones(1, 2)).shape
+        (True, torch.Size([1, 2]))
+    """
+    eager_forward = cls.forward
+
+    # functools.wraps keeps the user's signature visible (fx reads it through __wrapped__).
+    @functools.wraps(eager_forward)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        cache = self.__dict__.get("_fxforge_cache")
+        if cache is None:
+            cache = GraphCache(self, eager=lambda *a, **k: eager_forward(self, *a, **k), rewrites=rewrites,
+                               verify=verify, method=method)
+            self.__dict__["_fxforge_cache"] = cache
+        if cache.capturing:
+            return eager_forward(self, *args, **kwargs)
+        return cache(args, kwargs)
+
+    def fxforge_report(self) -> Report | None:
+        cache = self.__dict__.get("_fxforge_cache")
+        return cache.last.report if cache is not None and cache.last is not None else None
+
+    def __getstate__(self):
+        state = (super(optimized, self).__getstate__() if hasattr(super(optimized, self), "__getstate__")
+                 else self.__dict__).copy()
+        state.pop("_fxforge_cache", None)
+        return state
+
+    original_init = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self.register_load_state_dict_post_hook(_clear_graphs_after_load)
+
+    namespace = {
+        "forward": forward,
+        "fxforge_report": property(fxforge_report, doc="What fxforge did to this instance's latest graph."),
+        "__getstate__": __getstate__,
+        "__init__": __init__,
+        "__doc__": cls.__doc__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    if not hasattr(cls, "report"):
+        namespace["report"] = namespace["fxforge_report"]
+    optimized = type(cls.__name__, (cls,), namespace)
+    return optimized

@@ -1,0 +1,218 @@
+"""Numerical checks shared by capture and the rewrite pipeline.
+
+Every claim fxforge makes about "the same results" goes through :func:`compare_outputs`, and every
+extra run fxforge makes of a user's model goes through :func:`isolated`, so that checking never
+changes the model (BatchNorm running statistics, RNG state) behind the user's back.
+
+Example:
+    >>> import torch
+    >>> compare_outputs(torch.ones(2), torch.ones(2) + 1e-9).ok
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+# (rtol, atol) per dtype; atol is scaled by the magnitude of the reference output.
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (2e-2, 1e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Outcome of comparing two outputs.
+
+    Attributes:
+        ok: True when structure, shapes, dtypes and values agree within tolerance.
+        max_abs_err: the largest absolute difference over all floating-point leaves.
+        reason: why ``ok`` is False ("" when it is True).
+
+    Example:
+        >>> compare_outputs((torch.zeros(1),), (torch.ones(1),)).reason
+        'output[0]: max abs error 1 exceeds tolerance 1e-05'
+    """
+
+    ok: bool
+    max_abs_err: float
+    reason: str = ""
+
+
+def _leaf_name(path: tuple) -> str:
+    return "output" + pytree.keystr(path) if path else "output"
+
+
+def compare_outputs(reference: Any, actual: Any, *, rtol_scale: float = 1.0) -> Comparison:
+    """Compare two (nested) outputs leaf by leaf.
+
+    Containers must have the same structure (a transformers ``ModelOutput`` is a pytree). Floating-point
+    tensors agree when ``|a - r| <= atol * max(1, max|r|) + rtol * |r|`` with tolerances chosen by dtype,
+    NaNs in the same places; integer and boolean tensors and non-tensor leaves must be equal.
+
+    Example:
+        >>> compare_outputs({"a": torch.ones(3)}, {"a": torch.ones(3)}).ok
+        True
+    """
+    ref_leaves, ref_spec = pytree.tree_flatten_with_path(reference)
+    act_leaves, act_spec = pytree.tree_flatten_with_path(actual)
+    if ref_spec != act_spec:
+        return Comparison(False, float("inf"), f"output structure differs: {ref_spec} vs {act_spec}")
+    worst = 0.0
+    for (path, r), (_, a) in zip(ref_leaves, act_leaves):
+        name = _leaf_name(path)
+        if isinstance(r, torch.Tensor) != isinstance(a, torch.Tensor):
+            return Comparison(False, float("inf"), f"{name}: tensor vs {type(a).__name__}")
+        if not isinstance(r, torch.Tensor):
+            if r != a:
+                return Comparison(False, float("inf"), f"{name}: {r!r} != {a!r}")
+            continue
+        if r.shape != a.shape or r.dtype != a.dtype:
+            return Comparison(
+                False, float("inf"), f"{name}: {tuple(r.shape)}/{r.dtype} vs {tuple(a.shape)}/{a.dtype}"
+            )
+        if r.numel() == 0:
+            continue
+        r_cpu, a_cpu = r.detach().cpu(), a.detach().cpu()
+        if not (r.is_floating_point() or r.is_complex()):
+            if not torch.equal(r_cpu, a_cpu):
+                return Comparison(False, float("inf"), f"{name}: integer values differ")
+            continue
+        r64, a64 = r_cpu.double(), a_cpu.double()
+        nan_r, nan_a = torch.isnan(r64), torch.isnan(a64)
+        if not torch.equal(nan_r, nan_a):
+            return Comparison(False, float("inf"), f"{name}: NaNs in different places")
+        finite = ~nan_r
+        diff = (r64 - a64).abs()[finite]
+        if diff.numel() == 0:
+            continue
+        inf_mismatch = torch.isinf(r64[finite]) | torch.isinf(a64[finite])
+        if inf_mismatch.any() and not torch.equal(r64[finite][inf_mismatch], a64[finite][inf_mismatch]):
+            return Comparison(False, float("inf"), f"{name}: infinities differ")
+        diff = torch.where(inf_mismatch, torch.zeros_like(diff), diff)
+        rtol, atol = _TOLERANCES.get(r.dtype, (1e-4, 1e-5))
+        rtol, atol = rtol * rtol_scale, atol * rtol_scale
+        ref_abs = r64[finite].abs().masked_fill(inf_mismatch, 0)
+        scale = max(1.0, float(ref_abs.max()))
+        allowed = atol * scale + rtol * ref_abs
+        err = float(diff.max())
+        worst = max(worst, err)
+        if bool((diff > allowed).any()):
+            return Comparison(False, worst, f"{name}: max abs error {err:.3g} exceeds tolerance {atol * scale:.3g}")
+    return Comparison(True, worst)
+
+
+def _module_states(modules: Sequence[torch.nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    seen: set[int] = set()
+    saved = []
+    for module in modules:
+        for buf in module.buffers():
+            if id(buf) not in seen:
+                seen.add(id(buf))
+                saved.append((buf, buf.detach().clone()))
+    return saved
+
+
+@contextlib.contextmanager
+def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
+    """Run a block with a fixed RNG seed and restore the modules' buffers and the RNG afterwards.
+
+    Inside, dropout and other random ops draw the same numbers on every run, so two graphs can be
+    compared in training mode; BatchNorm running statistics updated inside are put back on exit.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(3).train()
+        >>> with isolated(bn):
+        ...     _ = bn(torch.randn(4, 3))
+        >>> float(bn.running_mean.abs().sum())
+        0.0
+    """
+    saved = _module_states(modules)
+    devices = [t.device for t, _ in saved if t.device.type == "cuda"]
+    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, copy in saved:
+                    buf.copy_(copy)
+
+
+def random_like(example: Any, seed: int) -> Any:
+    """Random inputs with the shapes, dtypes and devices of ``example`` (a pytree of tensors).
+
+    Floating-point tensors are drawn from a normal distribution with the example's mean and spread for
+    odd seeds, and centred on zero (scale: the larger of spread and mean) for even seeds, so that signs
+    the example never shows are tried too; integer tensors uniformly from the example's range (so token ids stay valid ids); boolean tensors are
+    kept as given, since masks encode structure (padding, causality) rather than data.
+
+    Example:
+        >>> x = random_like((torch.zeros(2, 3),), seed=1)[0]
+        >>> x.shape
+        torch.Size([2, 3])
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return t
+        if t.is_floating_point():
+            data = t.detach().double()
+            std = float(data.std()) if t.numel() > 1 else 1.0
+            std = std if std > 0 else 1.0
+            mean = float(data.mean())
+            if seed % 2 == 0:
+                std, mean = max(std, abs(mean)), 0.0
+            out = torch.randn(t.shape, generator=gen, dtype=torch.float64) * std + mean
+            return out.to(dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+        if t.dtype == torch.bool or t.is_complex():
+            return t.clone()
+        lo, hi = int(t.min()), int(t.max())
+        return torch.randint(lo, hi + 1, t.shape, generator=gen, dtype=torch.int64).to(t.dtype).to(t.device)
+
+    return pytree.tree_map(draw, example)
+
+
+def check_same(
+    reference: Callable[..., Any],
+    candidate: Callable[..., Any],
+    inputs: Sequence[tuple[tuple, dict]],
+    modules: Sequence[torch.nn.Module],
+    *,
+    reference_outputs: list | None = None,
+) -> Comparison:
+    """Run ``reference`` and ``candidate`` on each ``(args, kwargs)`` in ``inputs`` and compare.
+
+    Both run under :func:`isolated` with the same seed, so random ops agree and no buffer changes.
+    ``reference_outputs`` (one per input) skips re-running the reference.
+
+    Example:
+        >>> f = lambda x: x * 2
+        >>> check_same(f, lambda x: x + x, [((torch.ones(2),), {})], []).ok
+        True
+    """
+    worst = 0.0
+    for i, (args, kwargs) in enumerate(inputs):
+        if reference_outputs is not None:
+            ref = reference_outputs[i]
+        else:
+            with isolated(*modules, seed=i), torch.no_grad():
+                ref = reference(*args, **kwargs)
+        with isolated(*modules, seed=i), torch.no_grad():
+            out = candidate(*args, **kwargs)
+        result = compare_outputs(ref, out)
+        worst = max(worst, result.max_abs_err)
+        if not result.ok:
+            kind = "example inputs" if i == 0 else f"random inputs #{i}"
+            return Comparison(False, result.max_abs_err, f"on {kind}: {result.reason}")
+    return Comparison(True, worst)

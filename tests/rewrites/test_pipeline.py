@@ -1,0 +1,113 @@
+"""The pipeline: passes in order, verification against the graph before, rollback with the error."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.rewrites.registry import UnknownRewriteError
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.act(self.lin(x))) * 2
+
+
+def relu_to_sigmoid(gm, ctx):
+    """A deliberately wrong rewrite: relu is not sigmoid."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.ReLU):
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(torch.sigmoid, node.args)
+            ctx.matched("relu made sigmoid", [node])
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+
+
+def raising_pass(gm, ctx):
+    raise RuntimeError("pass exploded")
+
+
+WRONG = fxforge.Pass("wrong", relu_to_sigmoid, "replaces relu by sigmoid")
+
+
+def _captured():
+    model = Net().eval()
+    return model, fxforge.capture(model, (torch.randn(4, 8),))
+
+
+def test_wrong_pass_is_rolled_back_and_reported():
+    model, cap = _captured()
+    new = fxforge.rewrite(cap, ["cleanup", WRONG])
+    assert new.report.counts == {"cleanup": 1}
+    [rolled] = new.report.rolled_back
+    assert rolled.rule == "wrong" and rolled.matches == 1
+    assert "max abs error" in rolled.error and "on example inputs" in rolled.error
+    assert "ROLLED BACK wrong" in str(new.report)
+    assert "Rolled back" in new.report._repr_html_()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(new.graph_module(x), model(x))
+
+
+def test_without_verification_the_wrong_pass_lands():
+    model, cap = _captured()
+    new = fxforge.rewrite(cap, [WRONG], verify=False)
+    assert new.report.counts == {"wrong": 1} and not new.report.rolled_back
+    x = torch.randn(4, 8)
+    assert not torch.allclose(new.graph_module(x), model(x))
+
+
+def test_a_pass_that_raises_is_rolled_back_not_fatal():
+    _, cap = _captured()
+    new = fxforge.rewrite(cap, [fxforge.Pass("boom", raising_pass), "cleanup"])
+    assert new.report.rolled_back[0].error == "raised RuntimeError: pass exploded"
+    assert new.report.counts == {"cleanup": 1}
+
+
+def test_random_inputs_catch_what_the_example_hides():
+    """A rewrite that is right only for the example's values is caught by the random inputs."""
+    model = nn.Sequential(nn.ReLU()).eval()
+    example = torch.ones(64)  # relu(x) == x for all-positive x
+
+    def drop_relu(gm, ctx):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module":
+                ctx.matched("relu dropped", [node])
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+
+    new = fxforge.rewrite(fxforge.capture(model, (example,)), [fxforge.Pass("drop_relu", drop_relu)])
+    assert new.report.rolled_back and "random inputs" in new.report.rolled_back[0].error
+
+
+def test_unknown_rewrite_names_the_valid_ones():
+    _, cap = _captured()
+    with pytest.raises(UnknownRewriteError, match="built-in rewrites: cleanup"):
+        fxforge.rewrite(cap, ["no_such_rule"])
+    with pytest.raises(TypeError):
+        fxforge.rewrite(cap, [42])
+
+
+def test_report_summary_and_html():
+    _, cap = _captured()
+    new = fxforge.rewrite(cap)
+    text = str(new.report)
+    assert text.startswith("fxforge report: captured with fx;")
+    assert "cleanup: dropout in eval removed [drop]" in text
+    assert "test_pipeline.py" in text  # the user's source line
+    html = new.report._repr_html_()
+    assert "<table>" in html and "dropout in eval removed" in html
+    assert new.report.nodes_after == new.report.nodes_before - 1
+
+
+def test_graph_is_linted_and_parameters_shared():
+    model, cap = _captured()
+    new = fxforge.rewrite(cap)
+    new.graph_module.graph.lint()
+    assert new.graph_module.get_submodule("lin").weight is model.lin.weight

@@ -1,0 +1,117 @@
+"""OptimizedModule: shared state, one graph per signature, training equal to eager, eager fallback."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.runtime.cache import FallbackWarning
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(x.mean((2, 3)))
+
+
+class Gated(nn.Module):
+    """Data-dependent control flow in the root: neither fx nor export can capture it."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return -x
+
+
+def test_state_dict_keys_and_objects_are_the_models():
+    model = ConvNet().eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 8, 8),))
+    assert list(opt.state_dict()) == list(model.state_dict())
+    assert opt.conv.weight is model.conv.weight
+    assert dict(opt.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    # a checkpoint saved from either loads into the other
+    fresh = ConvNet()
+    fresh.load_state_dict(opt.state_dict())
+    opt.load_state_dict(fresh.state_dict())
+
+
+def test_one_graph_per_signature_and_new_shapes_recapture():
+    model = ConvNet().eval()
+    opt = fxforge.optimize(model)
+    for batch in (1, 2, 1, 3):
+        x = torch.randn(batch, 3, 8, 8)
+        torch.testing.assert_close(opt(x), model(x))
+    assert len(opt.cache.graphs) == 3
+    assert opt.report.counts == {"cleanup": 1}
+
+
+def test_training_mode_equals_eager_outputs_gradients_and_running_stats():
+    torch.manual_seed(0)
+    model = ConvNet().train()
+    twin = copy.deepcopy(model)
+    opt = fxforge.optimize(twin)
+    x = torch.randn(4, 3, 8, 8)
+    torch.manual_seed(1)
+    expected = model(x)
+    expected.sum().backward()
+    torch.manual_seed(1)
+    actual = opt(x)
+    actual.sum().backward()
+    torch.testing.assert_close(actual, expected)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    torch.testing.assert_close(twin.bn.running_mean, model.bn.running_mean)
+    torch.testing.assert_close(twin.bn.running_var, model.bn.running_var)
+    assert int(twin.bn.num_batches_tracked) == int(model.bn.num_batches_tracked) == 1
+
+
+def test_train_and_eval_get_their_own_graphs():
+    model = ConvNet()
+    opt = fxforge.optimize(model)
+    x = torch.randn(2, 3, 8, 8)
+    opt.train()
+    opt(x)
+    opt.eval()
+    assert not model.training and not model.bn.training
+    torch.testing.assert_close(opt(x), model(x))
+    assert len(opt.cache.graphs) == 2
+
+
+def test_capture_failure_falls_back_to_eager_with_one_warning():
+    opt = fxforge.optimize(Gated())
+    x = torch.ones(3)
+    with pytest.warns(FallbackWarning, match="running Gated eagerly for inputs \\(float32\\[3\\]\\)"):
+        assert opt(x).tolist() == [2.0, 2.0, 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt(-x).tolist() == [1.0, 1.0, 1.0]  # same signature: no second warning, still eager
+
+
+def test_loading_new_weights_clears_graphs():
+    model = ConvNet().eval()
+    opt = fxforge.optimize(model, (torch.randn(1, 3, 8, 8),))
+    other = ConvNet().eval()
+    opt.load_state_dict(other.state_dict())
+    assert not opt.cache.graphs
+    x = torch.randn(1, 3, 8, 8)
+    torch.testing.assert_close(opt(x), other(x))
+
+
+def test_dtype_change_and_attribute_passthrough():
+    model = ConvNet().eval()
+    model.config = {"name": "convnet"}
+    opt = fxforge.optimize(model)
+    assert opt.config == {"name": "convnet"}
+    opt.double()
+    x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    assert opt(x).dtype == torch.float64 and model.conv.weight.dtype == torch.float64
