@@ -340,9 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _list(out=sys.stdout) -> None:
+def _list(suite: list[suite_mod.SuiteEntry] | None = None, out=sys.stdout) -> None:
     print("models:", file=out)
-    for e in suite_mod.SUITE:
+    for e in suite_mod.SUITE if suite is None else suite:
         flag = "" if e.default else "  (only when named)"
         print(f"  {e.name:22s} [{e.group}] {e.description}{flag}", file=out)
     print("contenders:", file=out)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | N
     parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.list:
-        _list()
+        _list(suite)
         return 0
 
     timing = dict(QUICK if opts.quick else DEFAULTS)
@@ -407,7 +407,7 @@ def _run(
     timing: dict[str, int],
     device: torch.device,
 ) -> int:
-
+    """The run proper, with the options checked and torch's threads set: every model, then the files."""
     result: dict[str, Any] = {
         "meta": {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
