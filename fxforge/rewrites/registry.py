@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup']
+    ['cleanup', 'conv_bn_fold']
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from fxforge.rewrites.cleanup import CLEANUP
+from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
 from fxforge.rewrites.passes import Pass
 
 # Read top to bottom: the order in which "default" runs them.
 BUILTIN: dict[str, Pass] = {
     CLEANUP.name: CLEANUP,
+    CONV_BN_FOLD.name: CONV_BN_FOLD,
 }
-DEFAULT: list[str] = ["cleanup"]
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold"]
 
 
 class UnknownRewriteError(ValueError):
@@ -28,7 +30,7 @@ class UnknownRewriteError(ValueError):
 
     Example:
         >>> str(UnknownRewriteError("nope"))
-        "unknown rewrite 'nope'; built-in rewrites: cleanup"
+        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold"
     """
 
     def __init__(self, name: str):

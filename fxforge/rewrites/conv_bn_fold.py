@@ -1,0 +1,90 @@
+"""``conv_bn_fold``: a convolution followed by an eval-mode BatchNorm becomes one convolution.
+
+BatchNorm in eval mode is an affine map per channel, ``y = (x - mean) / sqrt(var + eps) * gamma + beta``,
+so after a convolution it folds into the convolution's weights and bias:
+``w' = w * scale`` and ``b' = (b - mean) * scale + beta`` with ``scale = gamma / sqrt(var + eps)``.
+
+The rules, top to bottom (one per dimensionality; each pattern matches ``nn.ConvNd``/``F.convNd``/
+``aten.convNd``/``aten.convolution``, with or without bias, followed by ``nn.BatchNormNd``/
+``F.batch_norm``/``aten.batch_norm``/``aten._native_batch_norm_legit_no_training``):
+
+- conv1d + batch_norm → conv1d with folded weights
+- conv2d + batch_norm → conv2d with folded weights
+- conv3d + batch_norm → conv3d with folded weights
+
+The folded weights are new tensors registered on the GraphModule (computed in float64); the model's
+own parameters are never modified. The rule refuses, with the reason in the report, BatchNorm using
+batch statistics (training mode), BatchNorm without running statistics, channel counts that do not line
+up, and (by the engine) a convolution whose output is also used elsewhere.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    >>> new = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 8, 8),)), ["conv_bn_fold"])
+    >>> new.report.counts
+    {'conv_bn_fold': 1}
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxforge.rewrites.pattern import Match, Rule, rules_pass
+
+F = nn.functional
+CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def refuse_unfoldable(match: Match) -> str | None:
+    """Why the BatchNorm cannot be folded into the convolution, or None.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); _ = g.output(x)
+        >>> m = Match(torch.fx.GraphModule(torch.nn.Module(), g), {"mean": None, "training": False}, [x])
+        >>> refuse_unfoldable(m)
+        'BatchNorm has no running statistics (track_running_stats=False)'
+    """
+    if match["mean"] is None or match["var"] is None:
+        return "BatchNorm has no running statistics (track_running_stats=False)"
+    if match["training"]:
+        return "BatchNorm uses batch statistics in training mode; folding needs eval mode"
+    weight, mean, var = match.tensor("w"), match.tensor("mean"), match.tensor("var")
+    if weight is None or mean is None or var is None:
+        return "no shape metadata for the convolution weight or the BatchNorm statistics"
+    channels = weight.shape[0]
+    others = [match.tensor(k) for k in ("b", "gamma", "beta") if match[k] is not None]
+    if any(t is None or tuple(t.shape) != (channels,) for t in [mean, var, *others]):
+        return f"BatchNorm parameters do not have the convolution's {channels} output channels"
+    if any(not t.is_floating_point() for t in [weight, mean, var, *others]):
+        return "non-floating-point convolution or BatchNorm tensors"
+    return None
+
+
+def conv_bn_rule(dims: int) -> Rule:
+    """The fold rule for ``dims``-dimensional convolutions (1, 2 or 3).
+
+    Example:
+        >>> conv_bn_rule(2).name
+        'conv2d + batch_norm'
+    """
+    conv = CONVS[dims]
+
+    def pattern(x, w, b, stride, padding, dilation, groups, mean, var, gamma, beta, training, momentum, eps):
+        y = conv(x, w, b, stride, padding, dilation, groups)
+        return F.batch_norm(y, mean, var, gamma, beta, training, momentum, eps)
+
+    def replacement(x, w, b, stride, padding, dilation, groups, mean, var, gamma, beta, training, momentum, eps):
+        scale = torch.rsqrt(var + eps) if gamma is None else gamma * torch.rsqrt(var + eps)
+        shift = -mean * scale if b is None else (b - mean) * scale
+        shift = shift if beta is None else shift + beta
+        folded = w * scale.reshape([-1] + [1] * (dims + 1))
+        return conv(x, folded, shift, stride, padding, dilation, groups)
+
+    return Rule(f"conv{dims}d + batch_norm", pattern, replacement, check=refuse_unfoldable, fold=True,
+                description=f"conv{dims}d followed by eval-mode BatchNorm -> one conv{dims}d with folded weights")
+
+
+RULES: list[Rule] = [conv_bn_rule(1), conv_bn_rule(2), conv_bn_rule(3)]
+
+CONV_BN_FOLD = rules_pass("conv_bn_fold", RULES, "fold eval-mode BatchNorm into the convolution before it (1d/2d/3d)")
