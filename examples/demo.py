@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fxforge  # noqa: E402
-from examples.models import EXAMPLES  # noqa: E402
-from fxforge.verify import compare_outputs  # noqa: E402
+import fxforge
+from examples.models import EXAMPLES
+from fxforge.verify import compare_outputs
 
 
 def _interleaved_medians(fns, inputs, reps: int = 30) -> list[float]:

@@ -16,4 +16,4 @@ from fxforge.rewrites.pipeline import rewrite
 from fxforge.rewrites.report import Report
 from fxforge.runtime.native import OptimizedModule
 
-__all__ = ["capture", "rewrite", "optimize", "Captured", "CaptureError", "OptimizedModule", "Pass", "Report"]
+__all__ = ["CaptureError", "Captured", "OptimizedModule", "Pass", "Report", "capture", "optimize", "rewrite"]

@@ -67,7 +67,7 @@ def load_model(spec: str, model_args: dict[str, Any]) -> nn.Module:
         sys.path.insert(0, str(root))
         try:
             module = importlib.import_module(dotted)
-        except Exception as error:  # noqa: BLE001 - the user's file failed to import
+        except Exception as error:
             raise CommandError(f"{location} failed to import: {type(error).__name__}: {error}") from error
     else:
         try:
@@ -79,7 +79,7 @@ def load_model(spec: str, model_args: dict[str, Any]) -> nn.Module:
         raise CommandError(f"{location} has no {name!r}")
     try:
         model = factory(**model_args)
-    except Exception as error:  # noqa: BLE001 - the user's constructor raised
+    except Exception as error:
         raise CommandError(f"{name}({', '.join(f'{k}={v!r}' for k, v in model_args.items())}) raised "
                            f"{type(error).__name__}: {error}") from error
     if not isinstance(model, nn.Module):
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as error:
         print(f"fxforge: error: {error}", file=sys.stderr)
         return 1
-    except Exception as error:  # noqa: BLE001 - one line unless --debug
+    except Exception as error:
         if args.debug:
             raise
         print(f"fxforge: error: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)

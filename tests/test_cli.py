@@ -8,7 +8,7 @@ import pytest
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fxforge.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fxforge.cli", *args], capture_output=True, text=True, check=False,
                           cwd=cwd, timeout=120)
 
 

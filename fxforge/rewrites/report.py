@@ -144,8 +144,8 @@ class Report:
 
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts.items())) or "none"
         parts = [
-            f"<div class='fxforge-report'><b>fxforge</b>: captured with {esc(self.method)}; "
-            f"{self.nodes_before} &rarr; {self.nodes_after} nodes; applied: {esc(counts)}",
+            (f"<div class='fxforge-report'><b>fxforge</b>: captured with {esc(self.method)}; "
+            f"{self.nodes_before} &rarr; {self.nodes_after} nodes; applied: {esc(counts)}"),
             table("Applied", ["rule", "change", "nodes", "source"],
                   [[m.rule, m.what, ", ".join(m.nodes), m.source or ""] for m in self.matches]),
             table("Rolled back", ["rule", "matches", "error"],

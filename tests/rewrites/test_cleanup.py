@@ -38,7 +38,7 @@ class DropoutForms(nn.Module):
 def test_dropout_in_eval_is_removed_in_every_form(method):
     model = DropoutForms().eval()
     x = torch.randn(3, 6)
-    cap, new = _rewrite(model, (x,), method)
+    _cap, new = _rewrite(model, (x,), method)
     dropouts = [m for m in new.report.matches if m.what == "dropout in eval removed"]
     # export already drops F.dropout(training=False) itself; fx keeps all three calls
     assert len(dropouts) == (3 if method == "fx" else len(dropouts)) and dropouts
@@ -50,7 +50,7 @@ def test_dropout_in_eval_is_removed_in_every_form(method):
 def test_dropout_in_training_is_kept_with_a_reason():
     model = DropoutForms().train()
     x = torch.randn(3, 6)
-    cap, new = _rewrite(model, (x,), "fx")
+    _cap, new = _rewrite(model, (x,), "fx")
     assert "dropout in eval removed" not in _whats(new.report)
     reasons = [n.reason for n in new.report.near_misses]
     assert "dropout (p=0.3) is active in training mode" in reasons
@@ -75,7 +75,7 @@ class NoOps(nn.Module):
 def test_no_ops_removed_real_conversions_kept(method):
     model = NoOps()
     x = torch.randn(4, 5)
-    cap, new = _rewrite(model, (x,), method)
+    _cap, new = _rewrite(model, (x,), method)
     whats = _whats(new.report)
     assert "reshape to the same shape removed" in whats
     assert "conversion to the same dtype/device removed" in whats
@@ -93,7 +93,7 @@ def test_no_ops_removed_real_conversions_kept(method):
 
 class DeadCode(nn.Module):
     def forward(self, x):
-        unused = x * 2                  # dead: removed
+        x * 2                  # dead: removed
         kept = torch.zeros_like(x)
         kept.add_(1)                    # in-place on a value used later: kept
         _ = torch.rand_like(x)          # random: kept (would shift the RNG stream)
@@ -103,7 +103,7 @@ class DeadCode(nn.Module):
 def test_dead_code_removed_but_effects_kept():
     model = DeadCode()
     x = torch.randn(3)
-    cap, new = _rewrite(model, (x,), "fx")
+    _cap, new = _rewrite(model, (x,), "fx")
     removed = [m for m in new.report.matches if m.what == "dead code removed"]
     assert [m.nodes for m in removed] == [["mul"]]
     targets = _targets(new.graph_module)
@@ -117,7 +117,7 @@ def test_dead_code_removed_but_effects_kept():
 def test_export_buffer_mutation_in_training_is_kept():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
     x = torch.randn(2, 3, 8, 8)
-    cap, new = _rewrite(model, (x,), "export")
+    _cap, new = _rewrite(model, (x,), "export")
     targets = [str(t) for t in _targets(new.graph_module)]
     assert "aten.add_.Tensor" in targets  # num_batches_tracked += 1 survives dead-code elimination
 
