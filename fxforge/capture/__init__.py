@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 import torch
@@ -71,7 +73,8 @@ def _describe(error: BaseException) -> str:
 
 
 def _check(module: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, reference: Any) -> None:
-    with isolated(module), torch.no_grad():
+    # A GraphModule that raises prints its generated code to stderr; the error itself becomes the reason.
+    with isolated(module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         actual = graph_module(*args, **kwargs)
     result = compare_outputs(reference, actual)
     if not result.ok:
@@ -133,25 +136,29 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         if traced is not None:
             reasons["fx"] = "needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque)
     if method in ("auto", "export"):
+        exported = None
         try:
             exported = export_graph_module(module, args, kwargs)
             if check:
                 _check(module, exported, args, kwargs, reference)
-            return _finish(module, exported, "export", [], args, kwargs)
         except Exception as error:  # noqa: BLE001
             reasons["export"] = _describe(error)
+            exported = None
+        if exported is not None:
+            notes = [f"symbolic trace not used: {reasons['fx']}"] if "fx" in reasons else []
+            return _finish(module, exported, "export", [], args, kwargs, notes)
     if traced is not None:
-        result = _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs)
-        result.report.notes.append(f"torch.export failed ({reasons['export']}); kept the trace with opaque leaves")
-        return result
+        notes = [f"torch.export failed ({reasons['export']}); kept the trace with opaque leaves"]
+        return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes)
     raise CaptureError(name, reasons)
 
 
 def _finish(module: nn.Module, graph_module: torch.fx.GraphModule, method: str, opaque: list,
-            args: tuple, kwargs: dict) -> Captured:
+            args: tuple, kwargs: dict, notes: list[str] | None = None) -> Captured:
     info = annotate(graph_module, args, kwargs)
     nodes = len(graph_module.graph.nodes)
     report = Report(method=method, opaque=list(opaque), meta_source=info.source, nodes_before=nodes, nodes_after=nodes)
+    report.notes.extend(notes or [])
     if info.reason:
         report.notes.append(f"shape metadata from a real run: fake propagation failed ({info.reason})")
     return Captured(graph_module, method, list(opaque), args, kwargs, module, module.training, report)

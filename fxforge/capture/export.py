@@ -17,10 +17,12 @@ import contextlib
 import inspect
 import io
 import logging
+import operator
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 # Loggers that narrate a failed export at WARNING level; the failure itself is reported by fxforge.
 _NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
@@ -47,11 +49,13 @@ def quiet_export() -> Iterator[None]:
 
 
 def export_graph_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    """``torch.export.export(module, args, kwargs, strict=False).module()``, without the per-call hooks.
+    """``torch.export.export(module, args, kwargs, strict=False).module()``, without the per-call checks.
 
-    The exported module checks its inputs against the exported shapes on every call; fxforge keys its
-    graphs by input signature instead, so those hooks are dropped. Parameters and buffers are the
-    module's own objects.
+    The exported module checks its inputs against the exported shapes on every call (hooks, and in newer
+    torch a ``_guards_fn`` submodule called from the graph); fxforge keys its graphs by input signature
+    instead, so those are dropped. Python-value inputs (``None``, bools, numbers, strings), which
+    torch.export bakes into the graph, are asserted instead, as a symbolic trace does. Parameters and
+    buffers are the module's own objects.
 
     Raises:
         Exception: whatever ``torch.export`` raises; the caller turns it into a capture reason.
@@ -66,6 +70,7 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.f
     unlifted = _unlift(program)
     graph_module = torch.fx.GraphModule(unlifted, unlifted.graph, module.__class__.__name__)
     _drop_guards(graph_module)
+    _assert_constants(graph_module, args, kwargs)
     _share_state(graph_module, module)
     return graph_module
 
@@ -83,12 +88,44 @@ def _drop_guards(graph_module: torch.fx.GraphModule) -> None:
     The graph is specialised to the example shapes either way; callers key graphs by input signature.
     """
     guards = [n for n in graph_module.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]
+    if any(node.users for node in guards):
+        return
     for node in guards:
-        if node.users:
-            return
         graph_module.graph.erase_node(node)
     if guards:
         graph_module.delete_submodule("_guards_fn")
+        graph_module.graph.lint()
+        graph_module.recompile()
+
+
+def _assert_constants(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Make the graph refuse Python-value inputs (``None``, bools, numbers, strings) other than the ones it
+    was exported with, as a symbolic trace does: torch.export bakes them in and would silently ignore a
+    different value.
+    """
+    in_spec = getattr(graph_module, "_in_spec", None)
+    if in_spec is None:
+        return
+    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    placeholders = list(graph_module.graph.find_nodes(op="placeholder"))
+    if spec != in_spec or len(leaves) != len(placeholders):
+        return
+    last = placeholders[-1] if placeholders else None
+    added = False
+    for (_, value), node in zip(leaves, placeholders):
+        if type(value) not in (bool, int, float, str, type(None)):
+            continue
+        message = f"{node.target} has been specialized to have value {value!r} but got another value"
+        with graph_module.graph.inserting_after(last):
+            if value is None:
+                check = graph_module.graph.call_function(operator.is_, (node, None))
+            else:
+                check = graph_module.graph.call_function(operator.eq, (node, value))
+        with graph_module.graph.inserting_after(check):
+            last = graph_module.graph.call_function(torch._assert, (check, message))
+        check.meta["val"], last.meta["val"] = True, None
+        added = True
+    if added:
         graph_module.graph.lint()
         graph_module.recompile()
 

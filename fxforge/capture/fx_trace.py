@@ -102,25 +102,57 @@ class _LeafTracer(torch.fx.Tracer):
             raise
 
 
+# Python values symbolic tracing can specialise on (torch.fx asserts them at run time, so a call with another
+# value fails loudly instead of running the wrong branch).
+_SPECIALISABLE = (bool, int, float, str, type(None))
+
+
 def concrete_args_for(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Arguments of ``module.forward`` the caller does not pass, fixed to their defaults for tracing.
+    """Arguments of ``module.forward`` fixed for tracing: those the caller does not pass (to their
+    defaults), and those it passes as plain Python values (``None``, bools, numbers, strings).
+
+    A proxy in place of ``mask=None`` would take the ``if mask is not None`` branch, and one in place of
+    ``flag=True`` cannot be branched on at all; fixed, they trace the branch the example takes.
 
     Example:
         >>> class M(torch.nn.Module):
-        ...     def forward(self, x, mask=None):
+        ...     def forward(self, x, mask=None, scale=1.0):
         ...         return x
-        >>> concrete_args_for(M(), (torch.ones(1),), {})
-        {'mask': None}
+        >>> concrete_args_for(M(), (torch.ones(1),), {"scale": 2.0})
+        {'mask': None, 'scale': 2.0}
     """
     signature = inspect.signature(module.forward)
     bound = signature.bind_partial(*args, **kwargs)
     concrete: dict[str, Any] = {}
     for name, param in signature.parameters.items():
-        if name in bound.arguments or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        if param.default is not inspect.Parameter.empty:
+        if name in bound.arguments:
+            value = bound.arguments[name]
+            if type(value) in _SPECIALISABLE:
+                concrete[name] = value
+        elif param.default is not inspect.Parameter.empty:
             concrete[name] = param.default
     return concrete
+
+
+def _restore_placeholder_names(graph: torch.fx.Graph, concrete: dict[str, Any]) -> None:
+    """torch.fx names the placeholder of a concrete argument ``name_1``; give it back its own name, so the
+    graph module takes the same keyword arguments as the module."""
+    if isinstance(graph._codegen, torch.fx.graph._PyTreeCodeGen):
+        # A container argument was flattened: the signature already has the original names, and torch.fx
+        # would write each placeholder's default into the unpacking line (invalid code), so drop them.
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                node.args = ()
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.target, str)]
+    taken = {n.target for n in placeholders}
+    for node in placeholders:
+        base, sep, suffix = node.target.rpartition("_")
+        if sep and suffix.isdigit() and base in concrete and base not in taken:
+            node.target = base
+            taken.add(base)
 
 
 def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: int = 64) -> TraceResult:
@@ -157,6 +189,7 @@ def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: 
             leaves.add(name)
             opaque.append(OpaqueModule(name, type(modules[name]).__name__, reason, source))
             continue
+        _restore_placeholder_names(graph, concrete)
         graph_module = torch.fx.GraphModule(tracer.root, graph, module.__class__.__name__)
         # A leaf whose parent later became a leaf too is inside the parent: report the outermost only.
         outermost = [o for o in opaque if not any(o.name.startswith(p + ".") for p in leaves)]

@@ -62,7 +62,7 @@ def gpt2():
     from transformers import GPT2Config, GPT2Model
 
     config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                        attn_implementation="eager")
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, attn_implementation="eager")
     return _build(GPT2Model, config), _text_inputs()
 
 
@@ -122,14 +122,16 @@ def swin():
     from transformers import SwinConfig, SwinModel
 
     config = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
-                        hidden_dropout_prob=0.1, drop_path_rate=0.2, attn_implementation="eager")
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.2,
+                        attn_implementation="eager")
     return _build(SwinModel, config), _image_inputs(32)
 
 
 def convnext():
     from transformers import ConvNextConfig, ConvNextModel
 
-    config = ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32, drop_path_rate=0.2)
+    config = ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32, drop_path_rate=0.5,
+                            layer_scale_init_value=1.0)  # the default 1e-6 would hide the residual branch
     return _build(ConvNextModel, config), _image_inputs(32)
 
 
