@@ -199,9 +199,9 @@ def report_note(report: Any) -> str:
     """A short note from an fxforge Report: the rewrites that fired and how often."""
     counts = dict(getattr(report, "counts", None) or {})
     fired = {k: v for k, v in counts.items() if v}
-    if not fired:
-        return "no rewrite applied"
-    return ", ".join(f"{k}×{v}" for k, v in sorted(fired.items()))
+    parts = [f"{k}×{v}" for k, v in sorted(fired.items())] or ["no rewrite applied"]
+    parts += [f"{r.rule} rolled back" for r in getattr(report, "rolled_back", None) or []]
+    return ", ".join(parts)
 
 
 def report_info(report: Any) -> dict[str, Any]:

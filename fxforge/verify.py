@@ -23,7 +23,9 @@ from torch.utils import _pytree as pytree
 # (rtol, atol) per dtype; atol is scaled by the magnitude of the reference output.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-7, 1e-9),
-    torch.float32: (1e-4, 1e-5),
+    # float32: rewrites reassociate sums (a folded BatchNorm, a fused kernel); through tens of layers
+    # rounding alone reaches ~2e-5 of the output's scale, while a wrong rewrite is off by O(1).
+    torch.float32: (1e-4, 1e-4),
     torch.float16: (1e-2, 1e-3),
     torch.bfloat16: (2e-2, 1e-2),
 }
@@ -40,7 +42,7 @@ class Comparison:
 
     Example:
         >>> compare_outputs((torch.zeros(1),), (torch.ones(1),)).reason
-        'output[0]: max abs error 1 exceeds tolerance 1e-05'
+        'output[0]: max abs error 1 exceeds tolerance 0.0001'
     """
 
     ok: bool
@@ -99,7 +101,7 @@ def compare_outputs(reference: Any, actual: Any, *, rtol_scale: float = 1.0) -> 
         if inf_mismatch.any() and not torch.equal(r64[finite][inf_mismatch], a64[finite][inf_mismatch]):
             return Comparison(False, float("inf"), f"{name}: infinities differ")
         diff = torch.where(inf_mismatch, torch.zeros_like(diff), diff)
-        rtol, atol = _TOLERANCES.get(r.dtype, (1e-4, 1e-5))
+        rtol, atol = _TOLERANCES.get(r.dtype, (1e-4, 1e-4))
         rtol, atol = rtol * rtol_scale, atol * rtol_scale
         ref_abs = r64[finite].abs().masked_fill(inf_mismatch, 0)
         scale = max(1.0, float(ref_abs.max()))

@@ -111,3 +111,24 @@ def test_graph_is_linted_and_parameters_shared():
     new = fxforge.rewrite(cap)
     new.graph_module.graph.lint()
     assert new.graph_module.get_submodule("lin").weight is model.lin.weight
+
+
+def test_a_subtly_wrong_rewrite_is_still_caught():
+    """A 0.1% error in one weight (a wrong eps in a fold, say) is far above rounding: rolled back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
+
+    def scale_first_weight(gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.op == "call_module")
+        gm.register_buffer("scaled_w", model[0].weight.detach() * 1.001)
+        with gm.graph.inserting_before(node):
+            w = gm.graph.get_attr("scaled_w")
+            b = gm.graph.get_attr("0.bias")
+            new = gm.graph.call_function(torch.nn.functional.linear, (node.args[0], w, b))
+        ctx.matched("linear with a slightly wrong weight", [node])
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+
+    cap = fxforge.capture(model, (torch.randn(8, 64),))
+    new = fxforge.rewrite(cap, [fxforge.Pass("off_by_a_tenth_percent", scale_first_weight)])
+    assert [r.rule for r in new.report.rolled_back] == ["off_by_a_tenth_percent"]
