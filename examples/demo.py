@@ -1,6 +1,6 @@
 """`make demo`: optimize a bundled example model with fxforge and print what it did.
 
-Run: python examples/demo.py [resnet_cnn|densenet|inception|unet|transformer_encoder]
+Run: python examples/demo.py [inception|resnet_cnn|densenet|unet|transformer_encoder]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _interleaved_medians(fns, inputs, reps: int = 30) -> list[float]:
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def main(name: str = "transformer_encoder") -> None:
+def main(name: str = "inception") -> None:
     model, inputs = EXAMPLES[name]()
     model.eval()
     start = time.perf_counter()
