@@ -136,15 +136,13 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         if traced is not None:
             reasons["fx"] = "needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque)
     if method in ("auto", "export"):
-        exported = None
         try:
             exported = export_graph_module(module, args, kwargs)
             if check:
                 _check(module, exported, args, kwargs, reference)
         except Exception as error:  # noqa: BLE001
             reasons["export"] = _describe(error)
-            exported = None
-        if exported is not None:
+        else:
             notes = [f"symbolic trace not used: {reasons['fx']}"] if "fx" in reasons else []
             return _finish(module, exported, "export", [], args, kwargs, notes)
     if traced is not None:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fxforge.capture.fx_trace import PYTHON_CONSTANTS
+
 # Loggers that narrate a failed export at WARNING level; the failure itself is reported by fxforge.
 _NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
 
@@ -113,7 +115,7 @@ def _assert_constants(graph_module: torch.fx.GraphModule, args: tuple, kwargs: d
     last = placeholders[-1] if placeholders else None
     added = False
     for (_, value), node in zip(leaves, placeholders):
-        if type(value) not in (bool, int, float, str, type(None)):
+        if type(value) not in PYTHON_CONSTANTS:
             continue
         message = f"{node.target} has been specialized to have value {value!r} but got another value"
         with graph_module.graph.inserting_after(last):

@@ -104,7 +104,7 @@ class _LeafTracer(torch.fx.Tracer):
 
 # Python values symbolic tracing can specialise on (torch.fx asserts them at run time, so a call with another
 # value fails loudly instead of running the wrong branch).
-_SPECIALISABLE = (bool, int, float, str, type(None))
+PYTHON_CONSTANTS = (bool, int, float, str, type(None))
 
 
 def concrete_args_for(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def concrete_args_for(module: nn.Module, args: tuple, kwargs: dict) -> dict[str,
             continue
         if name in bound.arguments:
             value = bound.arguments[name]
-            if type(value) in _SPECIALISABLE:
+            if type(value) in PYTHON_CONSTANTS:
                 concrete[name] = value
         elif param.default is not inspect.Parameter.empty:
             concrete[name] = param.default

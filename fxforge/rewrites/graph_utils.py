@@ -24,6 +24,8 @@ _INPLACE_OPERATORS = {
     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
     operator.ilshift, operator.irshift, operator.imatmul,
 }
+# The same operators reached as Tensor methods: x.__iadd__(y), x.__setitem__(i, v).
+_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}
 
 F = nn.functional
 # Functions whose result depends on the RNG unless told they are not training.
@@ -74,6 +76,35 @@ def _is_torch_nn_module(module: nn.Module) -> bool:
     return type(module).__module__.startswith("torch.nn.modules")
 
 
+def is_inplace(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """True when ``node`` writes into one of its inputs: ``relu_``/``x.add_``, ``inplace=True`` (argument or
+    module attribute), ``+=`` and ``setitem`` (as operators or dunder methods), ATen ops with mutable schemas.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> a, b, c = (g.call_method(m, (x, 1)) for m in ("__iadd__", "__invert__", "mul_")); _ = g.output(x)
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        >>> is_inplace(a, gm), is_inplace(b, gm), is_inplace(c, gm)
+        (True, False, True)
+    """
+    if node.kwargs.get("inplace") is True:
+        return True
+    target = node.target
+    if node.op == "call_module":
+        return bool(getattr(submodule(node, gm), "inplace", False))
+    if node.op == "call_method":
+        name = str(target)
+        return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
+    if node.op != "call_function":
+        return False
+    if target in _INPLACE_OPERATORS:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
 def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     """True when removing or reordering ``node`` could change results even if its value is unused.
 
@@ -97,13 +128,10 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         module = submodule(node, gm)
         if module is None or not _is_torch_nn_module(module):
             return True
-        return bool(getattr(module, "inplace", False)) or module.training
-    if node.kwargs.get("inplace") is True:
-        return True
+        return is_inplace(node, gm) or module.training
     if node.op == "call_method":
-        name = str(target)
-        return (name.endswith("_") and not name.startswith("__")) or name in _RANDOM_METHODS or name == "__setitem__"
-    if target in _side_effectful_functions or target in _INPLACE_OPERATORS:
+        return is_inplace(node, gm) or str(target) in _RANDOM_METHODS
+    if target in _side_effectful_functions or is_inplace(node, gm):
         return True
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         overload = target if isinstance(target, torch._ops.OpOverload) else None
@@ -112,8 +140,7 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         return True
     if target in _RANDOM_FUNCTIONS:
         return _training_flag(node, default=True)
-    name = getattr(target, "__name__", "")
-    return name.endswith("_") and not name.startswith("_")
+    return False
 
 
 def _training_flag(node: torch.fx.Node, default: bool) -> bool:

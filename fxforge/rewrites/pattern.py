@@ -43,7 +43,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.capture.source import node_source
-from fxforge.rewrites.graph_utils import is_effectful, is_view_op, submodule
+from fxforge.rewrites.graph_utils import is_effectful, is_inplace, is_view_op, submodule
 from fxforge.rewrites.passes import Pass, PassContext
 
 F = nn.functional
@@ -105,7 +105,6 @@ _FUNCTIONS = {fn: name for name, fns, _, _ in FORMS for fn in fns}
 _METHODS = {m: name for name, _, methods, _ in FORMS for m in methods}
 _MODULES = {cls: name for name, _, _, classes in FORMS for cls in classes}
 _FIXED = {F.relu6: {"min_val": 0.0, "max_val": 6.0}, aten.relu6: {"min_val": 0.0, "max_val": 6.0}}
-_INPLACE = {operator.iadd, operator.isub, operator.imul, F.relu_, F.hardtanh_, F.leaky_relu_}
 # Multi-output batch norms of decomposed export graphs, seen through ``getitem(node, 0)``.
 _BN_TUPLES = set(_some(aten, "_native_batch_norm_legit_no_training", "_native_batch_norm_legit", "native_batch_norm"))
 _DUNDER = {"__add__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_", "__mul__": "mul",
@@ -295,7 +294,7 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
     if bound is None:
         return None
     bound = {("input" if k == "self" else "other" if k == "mat2" else k): v for k, v in bound.items()}
-    inplace = bool(bound.get("inplace")) or _is_inplace_target(node) or bool(getattr(submodule(node, gm), "inplace", 0))
+    inplace = bool(bound.get("inplace")) or is_inplace(node, gm)
     if bound.pop("transposed", False):
         return None
     args = {}
@@ -311,17 +310,6 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
     if name == "batch_norm" and args["training"] and args["running_mean"] is not None:
         effect = "updates BatchNorm running statistics (training mode)"
     return Op(name, args, node, covered, inplace, effect)
-
-
-def _is_inplace_target(node: Node) -> bool:
-    target = node.target
-    if node.op == "call_method":
-        return (target.endswith("_") and not target.startswith("__")) or target.startswith("__i")
-    if node.op == "call_module":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    return target in _INPLACE or getattr(target, "__name__", "").endswith("_")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -606,11 +594,8 @@ def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
                 if n not in values:
                     t = _tensor(gm, n)
                     values[n] = t.double() if values is exact and t.is_floating_point() else t
-            args = torch.fx.node.map_arg(node.args, values.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
             with torch.no_grad():
-                fn = getattr(args[0], node.target) if node.op == "call_method" else node.target
-                values[node] = fn(*args[1:], **kwargs) if node.op == "call_method" else fn(*args, **kwargs)
+                values[node] = _call(node, values.__getitem__)
     kept = []
     for node in new:
         value = plain.get(node)
@@ -625,6 +610,15 @@ def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
         if node in plain and not node.users:
             gm.graph.erase_node(node)
     return [n for n in new if n.graph is gm.graph and n not in plain] + kept
+
+
+def _call(node: Node, value_of: Callable[[Node], Any]) -> Any:
+    """Run a ``call_function``/``call_method`` node with its input nodes replaced by ``value_of(node)``."""
+    args = torch.fx.node.map_arg(node.args, value_of)
+    kwargs = torch.fx.node.map_arg(node.kwargs, value_of)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
 
 
 def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
@@ -646,10 +640,7 @@ def _propagate_meta(gm: torch.fx.GraphModule, nodes: list[Node]) -> None:
             if node.op == "get_attr":
                 node.meta["val"] = mode.from_tensor(_tensor(gm, node), static_shapes=True)
                 continue
-            args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
             with mode:
-                fn = getattr(args[0], node.target) if node.op == "call_method" else node.target
-                node.meta["val"] = fn(*args[1:], **kwargs) if node.op == "call_method" else fn(*args, **kwargs)
+                node.meta["val"] = _call(node, lambda n: n.meta.get("val"))
         except Exception:  # noqa: BLE001 - metadata is a convenience; the pipeline re-annotates after the pass
             node.meta.pop("val", None)
