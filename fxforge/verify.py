@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -113,15 +114,36 @@ def compare_outputs(reference: Any, actual: Any, *, rtol_scale: float = 1.0) -> 
     return Comparison(True, worst)
 
 
-def _module_states(modules: Sequence[torch.nn.Module]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    seen: set[int] = set()
-    saved = []
-    for module in modules:
-        for buf in module.buffers():
-            if id(buf) not in seen:
+class _Snapshots:
+    """Copies of buffers, reused while a buffer is unchanged (same ``_version``).
+
+    In eval mode nothing writes to buffers, so isolating the same model again costs no copy. Kernels
+    may update buffers without bumping ``_version`` (BatchNorm's running statistics in training mode),
+    so buffers of modules in training mode are always restored.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def take(self, modules: Sequence[torch.nn.Module]) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
+        """``(buffer, its version or None to always restore, a copy)`` for each buffer of ``modules``."""
+        saved, seen = [], set()
+        for owner in (m for module in modules for m in module.modules()):
+            for buf in owner._buffers.values():
+                if buf is None or id(buf) in seen:
+                    continue
                 seen.add(id(buf))
-                saved.append((buf, buf.detach().clone()))
-    return saved
+                entry = self._by_id.get(id(buf))
+                if entry is None or entry[0]() is not buf or entry[1] != buf._version:
+                    ident = id(buf)
+                    ref = weakref.ref(buf, lambda _, ident=ident: self._by_id.pop(ident, None))
+                    entry = (ref, buf._version, buf.detach().clone())
+                    self._by_id[ident] = entry
+                saved.append((buf, None if owner.training else entry[1], entry[2]))
+        return saved
+
+
+_SNAPSHOTS = _Snapshots()
 
 
 @contextlib.contextmanager
@@ -138,16 +160,17 @@ def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
         >>> float(bn.running_mean.abs().sum())
         0.0
     """
-    saved = _module_states(modules)
-    devices = [t.device for t, _ in saved if t.device.type == "cuda"]
+    saved = _SNAPSHOTS.take(modules)
+    devices = [t.device for t, _, _ in saved if t.device.type == "cuda"]
     with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
         torch.manual_seed(seed)
         try:
             yield
         finally:
             with torch.no_grad():
-                for buf, copy in saved:
-                    buf.copy_(copy)
+                for buf, version, copy in saved:
+                    if version is None or buf._version != version:
+                        buf.copy_(copy)
 
 
 def random_like(example: Any, seed: int) -> Any:

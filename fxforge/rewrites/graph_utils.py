@@ -153,6 +153,19 @@ def _training_flag(node: torch.fx.Node, default: bool) -> bool:
     return default
 
 
+def attribute_tensor(gm: torch.nn.Module, target: str) -> torch.Tensor | None:
+    """The tensor at a dotted attribute path of ``gm`` (what a ``get_attr`` node reads), or None.
+
+    Example:
+        >>> attribute_tensor(torch.nn.Sequential(torch.nn.Linear(2, 3)), "0.bias").shape
+        torch.Size([3])
+    """
+    obj: Any = gm
+    for part in str(target).split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
 def fake_value(node: Any) -> torch.Tensor | None:
     """The FakeTensor recorded on a node (``meta['val']``), or None when it has none or is no tensor.
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from fxforge.capture.source import node_source
-from fxforge.rewrites.report import Match, NearMiss
+from fxforge.rewrites.report import Match, NearMiss, Tuning
 
 
 @dataclasses.dataclass
@@ -31,7 +31,9 @@ class PassContext:
         rule: the pass's name, used in the report.
         training: whether the graph was captured in training mode.
         method: ``"fx"`` or ``"export"``.
-        matches, near_misses: filled by :meth:`matched` and :meth:`refused`.
+        example_args, example_kwargs: the example inputs (None outside the pipeline), for passes that
+            measure (autotune).
+        matches, near_misses, tuning: filled by :meth:`matched`, :meth:`refused` and :meth:`tuned`.
 
     Example:
         >>> ctx = PassContext("demo", training=False, method="fx")
@@ -43,8 +45,11 @@ class PassContext:
     rule: str
     training: bool
     method: str
+    example_args: tuple | None = None
+    example_kwargs: dict | None = None
     matches: list[Match] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    tuning: list[Tuning] = dataclasses.field(default_factory=list)
 
     def matched(self, what: str, nodes: list[torch.fx.Node]) -> None:
         """Record one application that replaced ``nodes`` (call before erasing them)."""
@@ -54,6 +59,10 @@ class PassContext:
     def refused(self, node: torch.fx.Node, reason: str) -> None:
         """Record that the pass looked at ``node`` and refused, with the reason."""
         self.near_misses.append(NearMiss(self.rule, node.name, reason, node_source(node)))
+
+    def tuned(self, subject: str, choice: str, timings: dict[str, float], note: str = "") -> None:
+        """Record a choice made by measurement, with the timings (milliseconds) behind it."""
+        self.tuning.append(Tuning(self.rule, subject, choice, dict(timings), note))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.capture.source import node_source
-from fxforge.rewrites.graph_utils import is_effectful, is_inplace, is_view_op, submodule
+from fxforge.rewrites.graph_utils import attribute_tensor, is_effectful, is_inplace, is_view_op, submodule
 from fxforge.rewrites.passes import Pass, PassContext
 
 F = nn.functional
@@ -198,17 +198,14 @@ def _tensor(gm: torch.fx.GraphModule, value: Any) -> torch.Tensor | None:
         else:
             val = value.meta.get("val")
             return val if isinstance(val, torch.Tensor) else None
-    if target is None:
-        return None
-    obj: Any = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, torch.Tensor) else None
+    return None if target is None else attribute_tensor(gm, target)
 
 
 def _normalize_conv(gm: torch.fx.GraphModule, args: dict, n: int) -> dict | None:
     """Conv strides/paddings/dilations as n-tuples; ``padding="same"/"valid"`` as numbers where exact."""
     def tup(v):
+        if isinstance(v, Node):  # a pattern argument: it binds the whole tuple
+            return v
         return tuple(v) * (n if len(v) == 1 else 1) if isinstance(v, (list, tuple)) else (v,) * n
     args["stride"], args["dilation"] = tup(args["stride"]), tup(args["dilation"])
     padding = args["padding"]

@@ -77,7 +77,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     inputs = verification_inputs(captured) if verify else []
     reference = _outputs(current, inputs, modules) if verify else None
     for rewrite_pass in passes:
-        ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method)
+        ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method,
+                          example_args=captured.example_args, example_kwargs=captured.example_kwargs)
         candidate = copy_graph_module(current)
         try:
             rewrite_pass.apply(candidate, ctx)
@@ -89,6 +90,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
             report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), f"raised {first_line(error)}"))
             continue
         report.near_misses.extend(ctx.near_misses)
+        report.tuning.extend(ctx.tuning)
         if not ctx.matches:
             continue
         if verify:

@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup', 'conv_bn_fold']
+    ['cleanup', 'conv_bn_fold', 'conv_activation']
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fxforge.rewrites.cleanup import CLEANUP
+from fxforge.rewrites.conv_activation import CONV_ACTIVATION
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
 from fxforge.rewrites.passes import Pass
 
@@ -21,8 +22,9 @@ from fxforge.rewrites.passes import Pass
 BUILTIN: dict[str, Pass] = {
     CLEANUP.name: CLEANUP,
     CONV_BN_FOLD.name: CONV_BN_FOLD,
+    CONV_ACTIVATION.name: CONV_ACTIVATION,
 }
-DEFAULT: list[str] = ["cleanup", "conv_bn_fold"]
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation"]
 
 
 class UnknownRewriteError(ValueError):
@@ -30,7 +32,7 @@ class UnknownRewriteError(ValueError):
 
     Example:
         >>> str(UnknownRewriteError("nope"))
-        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold"
+        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation"
     """
 
     def __init__(self, name: str):

@@ -75,6 +75,34 @@ class RolledBack:
         return f"{self.rule} rolled back ({self.matches} matches): {self.error}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """One choice autotune made (a fused op's kernel, the layout, or keeping the fused graph at all).
+
+    Attributes:
+        rule: the pass that asked (``"conv_activation"``).
+        subject: a node name, ``"layout"`` or ``"graph"``.
+        choice: what was kept (``"mkldnn"``, ``"channels-last"``, ``"fused"``, ``"before"``...).
+        timings: candidate -> median milliseconds, measured in the same run.
+        note: why, or why some candidates could not run.
+
+    Example:
+        >>> str(Tuning("conv_activation", "conv_1", "mkldnn", {"mkldnn": 0.5, "composite": 0.75}))
+        'conv_activation autotune conv_1: mkldnn (mkldnn 0.5 ms, composite 0.75 ms)'
+    """
+
+    rule: str
+    subject: str
+    choice: str
+    timings: dict = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+    def __str__(self) -> str:
+        times = ", ".join(f"{k} {v:.3g} ms" for k, v in self.timings.items())
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.rule} autotune {self.subject}: {self.choice} ({times}){note}"
+
+
 @dataclasses.dataclass
 class Report:
     """Everything the capture and the rewrites did to a model, in order.
@@ -95,6 +123,7 @@ class Report:
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     rolled_back: list[RolledBack] = dataclasses.field(default_factory=list)
     verified: list[str] = dataclasses.field(default_factory=list)
+    tuning: list[Tuning] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0
@@ -113,6 +142,7 @@ class Report:
             near_misses=list(self.near_misses),
             rolled_back=list(self.rolled_back),
             verified=list(self.verified),
+            tuning=list(self.tuning),
             notes=list(self.notes),
         )
 
@@ -127,6 +157,7 @@ class Report:
         else:
             lines.append("  no rewrite applied")
         lines.extend(f"  {m}" for m in self.matches)
+        lines.extend(f"  {t}" for t in self.tuning)
         lines.extend(f"  ROLLED BACK {r}" for r in self.rolled_back)
         lines.extend(f"  near miss: {n}" for n in self.near_misses)
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -148,6 +179,9 @@ class Report:
             f"{self.nodes_before} &rarr; {self.nodes_after} nodes; applied: {esc(counts)}"),
             table("Applied", ["rule", "change", "nodes", "source"],
                   [[m.rule, m.what, ", ".join(m.nodes), m.source or ""] for m in self.matches]),
+            table("Autotune", ["rule", "subject", "choice", "timings (ms)", "note"],
+                  [[t.rule, t.subject, t.choice, ", ".join(f"{k} {v:.3g}" for k, v in t.timings.items()), t.note]
+                   for t in self.tuning]),
             table("Rolled back", ["rule", "matches", "error"],
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],

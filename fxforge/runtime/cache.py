@@ -16,12 +16,14 @@ import warnings
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from fxforge.capture import capture
 from fxforge.capture.source import first_line
 from fxforge.captured import Captured
 from fxforge.rewrites.pipeline import rewrite
+from fxforge.runtime.lowering import lower
 from fxforge.runtime.signature import describe_signature, input_signature
 
 
@@ -51,6 +53,8 @@ class GraphCache:
         self.verify = verify
         self.method = method
         self.graphs: dict[Hashable, Captured | None] = {}
+        self.executables: dict[Hashable, torch.fx.GraphModule] = {}  # the graphs lowered to their kernels
+        self._parameters: list[nn.Parameter] | None = None
         self.last: Captured | None = None
         self.capturing = False
         self._warned: set[str] = set()
@@ -68,13 +72,17 @@ class GraphCache:
 
         Returns None, after one warning per distinct reason, when the module cannot be captured.
         """
+        return self._entry(args, kwargs)[0]
+
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[Captured | None, torch.fx.GraphModule | None]:
         key = input_signature(args, kwargs, self.module.training)
         if key in self.graphs:
-            return self.graphs[key]
+            return self.graphs[key], self.executables.get(key)
         try:
             with self._capturing():
                 captured = capture(self.module, args, self.method, example_kwargs=kwargs, check=self.verify)
                 captured = rewrite(captured, self.rewrites, verify=self.verify)
+                executable = lower(captured.graph_module)
         except Exception as error:  # noqa: BLE001 - any failure falls back to eager with a warning
             reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
             if reason not in self._warned:
@@ -86,19 +94,35 @@ class GraphCache:
                     stacklevel=4,
                 )
             self.graphs[key] = None
-            return None
+            return None, None
         self.graphs[key] = captured
+        self.executables[key] = executable
         self.last = captured
-        return captured
+        return captured, executable
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        captured = self.prepare(args, kwargs)
+        captured, executable = self._entry(args, kwargs)
         if captured is None:
             return self.eager(*args, **kwargs)
-        return captured.graph_module(*args, **kwargs)
+        if self._needs_grad(args, kwargs):
+            return captured.graph_module(*args, **kwargs)  # fused custom ops carry autograd
+        return executable(*args, **kwargs)
+
+    def _needs_grad(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call records gradients (the lowered graph's fused kernels have no autograd)."""
+        if not torch.is_grad_enabled():
+            return False
+        if self._parameters is None:
+            self._parameters = list(self.module.parameters())
+        if any(p.requires_grad for p in self._parameters):
+            return True
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
     def clear(self) -> None:
         """Forget every graph (after new weights are loaded, or the module changed)."""
         self.graphs.clear()
+        self.executables.clear()
+        self._parameters = None
         self.last = None
 

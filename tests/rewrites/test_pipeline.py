@@ -96,7 +96,7 @@ def test_unknown_rewrite_names_the_valid_ones():
 
 def test_report_summary_and_html():
     _, cap = _captured()
-    new = fxforge.rewrite(cap)
+    new = fxforge.rewrite(cap, ["cleanup", "conv_bn_fold"])
     text = str(new.report)
     assert text.startswith("fxforge report: captured with fx;")
     assert "cleanup: dropout in eval removed [drop]" in text

@@ -1,0 +1,278 @@
+"""Autotune: keep a fusion only where it measured faster, on the real shapes, on this machine.
+
+After ``conv_activation`` has fused, :func:`autotune`
+
+1. picks each fused op's kernel by timing every kernel that can run it (oneDNN with prepacked weights,
+   cuDNN, the composite of plain ops) on random tensors of the op's real input shapes and strides;
+2. does so for each memory layout worth trying (as captured, and channels-last: inputs converted once
+   at the graph's entry, outputs back once at its exit, so convolutions never reorder in between),
+   and keeps the layout whose fused ops sum to the least time;
+3. times the whole lowered graph against the graph before fusing (interleaved runs, medians) and keeps
+   the fused graph only if it is faster; otherwise the graph goes back to what it was.
+
+Every choice, with the timings behind it, lands in the report (``report.tuning``). Tests and
+experiments can force choices with :func:`forced` (the report then says they were forced).
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    >>> new = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 32, 32),)), ["conv_activation"])
+    >>> [t.subject for t in new.report.tuning][-2:]
+    ['layout', 'graph']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fxforge.capture.meta import annotate
+from fxforge.rewrites.graph_utils import attribute_tensor, copy_graph_module
+from fxforge.rewrites.passes import PassContext
+from fxforge.verify import isolated
+
+aten = torch.ops.aten
+# Seconds of timing spent per measurement, at most, and repetitions at least / at most.
+NODE_BUDGET_S = 0.004
+GRAPH_BUDGET_S = 0.25
+MIN_REPS, MAX_REPS = 3, 25
+# The fused graph must beat the graph before it by this fraction to be kept (timing noise).
+MARGIN = 0.02
+
+
+@dataclasses.dataclass
+class Forced:
+    """Choices taken out of autotune's hands (all None: everything is measured).
+
+    Attributes:
+        kernel: use this kernel wherever it can run (else the composite).
+        layout: ``"as captured"`` or ``"channels-last"``.
+        keep: ``"fused"`` or ``"before"``, instead of timing the whole graph.
+    """
+
+    kernel: str | None = None
+    layout: str | None = None
+    keep: str | None = None
+
+
+FORCED = Forced()
+
+
+@contextlib.contextmanager
+def forced(kernel: str | None = None, layout: str | None = None, keep: str | None = None) -> Iterator[None]:
+    """Force autotune's choices inside the block (for tests and experiments; the report says so).
+
+    Example:
+        >>> with forced(keep="fused"):
+        ...     FORCED.keep
+        'fused'
+        >>> FORCED.keep is None
+        True
+    """
+    previous = dataclasses.replace(FORCED)
+    FORCED.kernel, FORCED.layout, FORCED.keep = kernel, layout, keep
+    try:
+        yield
+    finally:
+        FORCED.kernel, FORCED.layout, FORCED.keep = previous.kernel, previous.layout, previous.keep
+
+
+def kernels_for(device: torch.device) -> tuple[str, ...]:
+    """The kernels worth timing on ``device`` (the composite is always a candidate).
+
+    Example:
+        >>> kernels_for(torch.device("cpu"))[0]
+        'composite'
+    """
+    extra = {"cpu": ("mkldnn",), "cuda": ("cudnn",)}.get(device.type, ())
+    return ("composite", *extra)
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float) -> dict[str, float]:
+    """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
+
+    Example:
+        >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
+        ['a', 'b']
+    """
+    first = {}
+    for name, call in calls.items():
+        call()  # warm-up: packing, allocator, caches
+        start = time.perf_counter()
+        call()
+        first[name] = time.perf_counter() - start
+    total = sum(first.values()) or 1e-6
+    reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
+    samples: dict[str, list[float]] = {name: [first[name]] for name in calls}
+    for _ in range(reps - 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+
+
+def _random_like_meta(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return out.normal_() if out.is_floating_point() else out.zero_()
+
+
+def _constant(gm: torch.fx.GraphModule, value: Any) -> torch.Tensor | None:
+    """The real tensor behind a ``get_attr`` node (a weight, a bias), else None."""
+    if not isinstance(value, Node) or value.op != "get_attr":
+        return None
+    return attribute_tensor(gm, value.target)
+
+
+def tune_kernels(gm: torch.fx.GraphModule, ctx: PassContext, layout: str) -> tuple[float, list[tuple]]:
+    """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
+
+    Identical calls (same op, shapes, strides and settings) are timed once.
+    """
+    from fxforge.runtime.lowering import FUSED_OPS
+
+    total, choices, seen = 0.0, [], {}
+    for node in gm.graph.nodes:
+        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
+        weight = _constant(gm, node.args[1]) if kernel_call else None
+        if weight is None or node.kwargs:
+            continue
+        *op_args, _ = node.args
+        values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
+        key = (node.target, *(tuple(v.shape) + tuple(v.stride()) if isinstance(v, torch.Tensor) else str(v)
+                              for v in values))
+        if key not in seen:
+            real = [_random_like_meta(v) for v in values]
+            real[1] = weight
+            bias = _constant(gm, op_args[2])
+            real[2] = bias if bias is not None else real[2]
+            calls, reasons = {}, {}
+            for kernel in kernels_for(real[0].device):
+                call = kernel_call(kernel, *real)
+                if isinstance(call, str):
+                    reasons[kernel] = call
+                else:
+                    fn, args = call
+                    calls[kernel] = (lambda fn=fn, args=args: fn(*args))
+            with torch.no_grad():
+                timings = time_interleaved(calls, NODE_BUDGET_S)
+            best = min(timings, key=timings.__getitem__)
+            if FORCED.kernel is not None:
+                best = FORCED.kernel if FORCED.kernel in timings else "composite"
+            seen[key] = (best, timings, reasons)
+        best, timings, reasons = seen[key]
+        node.args = (*op_args, best)
+        total += timings[best]
+        choices.append((node.name, best, timings, reasons))
+    return total, choices
+
+
+def to_channels_last(gm: torch.fx.GraphModule) -> int:
+    """Convert 4-d/5-d floating graph inputs to channels-last at entry, and such outputs back at exit.
+
+    Returns the number of conversions inserted (0: nothing to convert).
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Conv2d(3, 3, 1))
+        >>> from fxforge.capture.meta import annotate
+        >>> _ = annotate(gm, (torch.randn(1, 3, 4, 4),), {})
+        >>> to_channels_last(gm)
+        2
+    """
+    graph, count = gm.graph, 0
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() not in formats:
+            continue
+        if not val.is_floating_point() or not node.users:
+            continue
+        with graph.inserting_after(node):
+            converted = graph.call_function(aten.contiguous.default, (node,), {"memory_format": formats[val.dim()]})
+        node.replace_all_uses_with(converted, delete_user_cb=converted.__ne__)
+        count += 1
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def back(value: Any) -> Any:
+        nonlocal count
+        val = value.meta.get("val") if isinstance(value, Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() not in formats or not val.is_contiguous():
+            return value
+        with graph.inserting_before(output):
+            count += 1
+            return graph.call_function(aten.contiguous.default, (value,))
+
+    output.args = torch.fx.node.map_arg(output.args, back)
+    return count
+
+
+def _graph_timer(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Callable[[], Any]:
+    from fxforge.runtime.lowering import lower
+
+    runnable = lower(gm)
+
+    def run() -> Any:
+        with torch.no_grad():
+            return runnable(*args, **kwargs)
+
+    return run
+
+
+def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Choose kernels and layout for ``gm``'s fused ops, or put back ``before`` if fusing is not faster.
+
+    ``gm`` is modified in place (its graph replaced); each choice is recorded with ``ctx.tuned``.
+    Without example inputs (a pass run outside the pipeline) the kernels stay the composite.
+    """
+    if ctx.example_args is None:
+        ctx.tuned("graph", "composite", {}, "no example inputs to time on; kernels left as the composite")
+        return
+    args, kwargs = ctx.example_args, ctx.example_kwargs or {}
+    candidates: dict[str, tuple[torch.fx.GraphModule, float, list]] = {}
+    for layout in ("as captured", "channels-last"):
+        graph = copy_graph_module(gm)
+        if layout == "channels-last" and not to_channels_last(graph):
+            continue
+        graph.recompile()
+        with isolated(graph):
+            annotate(graph, args, kwargs, force=True)
+        total, choices = tune_kernels(graph, ctx, layout)
+        candidates[layout] = (graph, total, choices)
+    layout = min(candidates, key=lambda name: candidates[name][1])
+    if FORCED.layout in candidates:
+        layout = FORCED.layout
+    chosen, _, choices = candidates[layout]
+    for name, best, timings, reasons in choices:
+        ctx.tuned(name, best, timings, "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+    sums = {name: round(c[1], 3) for name, c in candidates.items()}
+    ctx.tuned("layout", layout, sums, "sum of the fused ops' best kernel times per layout" + _forced("layout"))
+    if FORCED.keep is not None:
+        keep, timings, note = FORCED.keep, {}, _forced("keep").lstrip("; ")
+    elif layout == "as captured" and all(best == "composite" for _, best, _, _ in choices):
+        keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
+    else:
+        with isolated(before, chosen):
+            timings = time_interleaved({"fused": _graph_timer(chosen, args, kwargs),
+                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S)
+        keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
+        ratio = timings["before"] / timings["fused"]
+        note = f"{ratio:.2f}x the speed of the graph before" + ("" if keep == "fused" else "; not faster, undone")
+    ctx.tuned("graph", keep, timings, note)
+    if keep == "fused":
+        gm.graph = chosen.graph
+    else:
+        gm.graph = before.graph
+        ctx.matches.clear()
+
+
+def _forced(what: str) -> str:
+    return f"; forced by autotune.forced({what}=...)" if getattr(FORCED, what) is not None else ""

@@ -1,0 +1,191 @@
+"""``conv_activation``: a convolution or linear layer and the activation after it become one fused op.
+
+The rules, top to bottom (``conv`` is every call form of a 1d/2d/3d convolution, ``act`` every form of
+relu, relu6/hardtanh, leaky_relu, gelu, silu, sigmoid, tanh and hardswish; see
+:mod:`fxforge.rewrites.pattern`):
+
+- relu(conv(x) + other)   -> fxforge::conv_pointwise(x, ..., other, "relu")     (residual blocks)
+- act(conv(x))            -> fxforge::conv_pointwise(x, ..., None, act)
+- conv(x) + other         -> fxforge::conv_pointwise(x, ..., other, "none")
+- act(linear(x))          -> fxforge::linear_pointwise(x, ..., act)
+
+It runs after ``conv_bn_fold``, so conv+BN+activation chains end as one op. Each rule refuses, with
+the reason, in training mode (the fused ops are for inference; training keeps eager's ops), when an
+activation's parameter is computed at run time, and when the added tensor's shape or dtype differs from
+the convolution's output (no broadcasting). After fusing, :mod:`fxforge.rewrites.autotune` times the
+kernels of each fused op on the real shapes, picks the memory layout, and keeps the fusion only if the
+whole graph got faster; the report lists its choices and timings.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    >>> cap = fxforge.capture(model, (torch.randn(1, 3, 8, 8),))
+    >>> from fxforge.rewrites.autotune import forced
+    >>> with forced(keep="fused"):  # a model this small may measure no faster fused
+    ...     new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"])
+    >>> new.report.counts
+    {'conv_bn_fold': 1, 'conv_activation': 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from fxforge import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
+from fxforge.rewrites.autotune import autotune
+from fxforge.rewrites.graph_utils import copy_graph_module
+from fxforge.rewrites.passes import Pass, PassContext
+from fxforge.rewrites.pattern import Match, Rule, apply_rules
+
+F = nn.functional
+CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+conv_pointwise = torch.ops.fxforge.conv_pointwise.default
+linear_pointwise = torch.ops.fxforge.linear_pointwise.default
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """One activation the fused ops take.
+
+    Attributes:
+        name: how rules and the report name it.
+        pattern: ``(y, p, q) -> torch calls``; ``p``/``q`` stand for the activation's parameters.
+        fused: ``(p, q) -> (activation, scalars)`` for the fused op (see :mod:`fxforge.fused_ops`).
+
+    Example:
+        >>> HARDTANH.fused(0.0, 6.0)
+        ('hardtanh', [0.0, 6.0])
+    """
+
+    name: str
+    pattern: Callable
+    fused: Callable[[Any, Any], tuple[str, list[float]]]
+
+
+RELU = Activation("relu", lambda y, p, q: torch.relu(y), lambda p, q: ("relu", []))
+HARDTANH = Activation("hardtanh", lambda y, p, q: F.hardtanh(y, p, q), lambda p, q: ("hardtanh", [float(p), float(q)]))
+ACTIVATIONS: list[Activation] = [
+    RELU,
+    HARDTANH,  # nn.ReLU6 and F.relu6 are hardtanh(0, 6)
+    Activation("leaky_relu", lambda y, p, q: F.leaky_relu(y, p), lambda p, q: ("leaky_relu", [float(p)])),
+    Activation("gelu", lambda y, p, q: F.gelu(y, approximate=p),
+               lambda p, q: ("gelu" if p == "none" else "gelu_tanh", [])),
+    Activation("silu", lambda y, p, q: F.silu(y), lambda p, q: ("silu", [])),
+    Activation("sigmoid", lambda y, p, q: torch.sigmoid(y), lambda p, q: ("sigmoid", [])),
+    Activation("tanh", lambda y, p, q: torch.tanh(y), lambda p, q: ("tanh", [])),
+    Activation("hardswish", lambda y, p, q: F.hardswish(y), lambda p, q: ("hardswish", [])),
+]
+NO_ACTIVATION = Activation("none", lambda y, p, q: y, lambda p, q: ("none", []))
+
+
+def refuse_unfusable(match: Match) -> str | None:
+    """Why the matched ops cannot become one fused op, or None.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); _ = g.output(x)
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        >>> refuse_unfusable(Match(gm, {"x": x, "p": x}, [x]))
+        'the activation parameter p is computed at run time'
+    """
+    for name in ("p", "q"):
+        if isinstance(match.bindings.get(name), Node):
+            return f"the activation parameter {name} is computed at run time"
+    if match.bindings.get("p") not in (None, "none", "tanh") and isinstance(match.bindings.get("p"), str):
+        return f"gelu approximation {match['p']!r} is not one the fused op has"
+    padding = match.bindings.get("padding")
+    if isinstance(padding, str):
+        return f"padding={padding!r} that is not a fixed number of elements"
+    result = match.anchor.meta.get("val")
+    tensors = [match.tensor(k) for k in ("x", "w", "other") if k in match.bindings]
+    if not isinstance(result, torch.Tensor) or any(t is None for t in tensors):
+        return "no shape metadata for the matched values"
+    if not all(t.is_floating_point() for t in tensors) or len({t.dtype for t in tensors}) > 1:
+        return "the inputs are not floating point tensors of one dtype"
+    other = match.tensor("other") if "other" in match.bindings else None
+    if other is not None and (other.shape != result.shape or other.dtype != result.dtype):
+        return f"the added tensor has shape {tuple(other.shape)}, the convolution's output {tuple(result.shape)}"
+    return None
+
+
+def conv_rule(dims: int, activation: Activation, residual: bool) -> Rule:
+    """The rule fusing a ``dims``-d convolution, an optional residual add, and ``activation``.
+
+    Example:
+        >>> conv_rule(2, RELU, residual=True).name
+        'relu(conv2d + other)'
+    """
+    conv = CONVS[dims]
+
+    def fused(x, w, b, stride, padding, dilation, groups, other, p, q):
+        name, scalars = activation.fused(p, q)
+        return conv_pointwise(x, w, b, list(stride), list(padding), list(dilation), groups, other, name, scalars,
+                              "composite")
+
+    if residual:
+        def pattern(x, w, b, stride, padding, dilation, groups, other, p, q):
+            return activation.pattern(conv(x, w, b, stride, padding, dilation, groups) + other, p, q)
+
+        def replacement(x, w, b, stride, padding, dilation, groups, other, p=None, q=None):
+            return fused(x, w, b, stride, padding, dilation, groups, other, p, q)
+    else:
+        def pattern(x, w, b, stride, padding, dilation, groups, p, q):
+            return activation.pattern(conv(x, w, b, stride, padding, dilation, groups), p, q)
+
+        def replacement(x, w, b, stride, padding, dilation, groups, p=None, q=None):
+            return fused(x, w, b, stride, padding, dilation, groups, None, p, q)
+
+    inner = f"conv{dims}d + other" if residual else f"conv{dims}d"
+    name = inner if activation is NO_ACTIVATION else f"{activation.name}({inner})"
+    return Rule(name, pattern, replacement, check=refuse_unfusable,
+                description=f"{name} -> fxforge::conv_pointwise")
+
+
+def linear_rule(activation: Activation) -> Rule:
+    """The rule fusing a linear layer and ``activation``.
+
+    Example:
+        >>> linear_rule(RELU).name
+        'relu(linear)'
+    """
+    def pattern(x, w, b, p, q):
+        return activation.pattern(F.linear(x, w, b), p, q)
+
+    def replacement(x, w, b, p=None, q=None):
+        name, scalars = activation.fused(p, q)
+        return linear_pointwise(x, w, b, name, scalars, "composite")
+
+    return Rule(f"{activation.name}(linear)", pattern, replacement, check=refuse_unfusable,
+                description=f"{activation.name}(linear) -> fxforge::linear_pointwise")
+
+
+DIMS = (2, 1, 3)
+RULES: list[Rule] = [
+    *(conv_rule(d, RELU, residual=True) for d in DIMS),
+    *(conv_rule(d, a, residual=False) for d in DIMS for a in ACTIVATIONS),
+    *(conv_rule(d, NO_ACTIVATION, residual=True) for d in DIMS),
+    *(linear_rule(a) for a in ACTIVATIONS),
+]
+
+
+def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """The ``conv_activation`` pass: apply :data:`RULES`, then let autotune keep what is faster."""
+    if ctx.training:
+        for node in graph_module.graph.nodes:
+            if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in RULES):
+                ctx.refused(node, "fused ops are for inference; in training mode eager's ops are kept")
+        return
+    before = copy_graph_module(graph_module)
+    apply_rules(graph_module, ctx, RULES)
+    if ctx.matches:
+        autotune(graph_module, before, ctx)
+
+
+CONV_ACTIVATION = Pass("conv_activation", fuse_and_tune,
+                       "conv (+ residual add) + activation and linear + activation -> one fused op, kept where "
+                       "autotune measured it faster")

@@ -1,0 +1,100 @@
+"""Lowering: the graph a ``Captured`` holds, turned into the graph that actually runs.
+
+Rewrites leave fused ops (``fxforge::conv_pointwise``, ``fxforge::linear_pointwise``) in the graph, each
+with the kernel autotune chose. Calling a custom op from Python costs tens of microseconds of dispatch,
+as much as a small convolution, so :func:`lower` replaces each fused op by a direct call of its kernel:
+oneDNN's fused op on a prepacked weight (packed once, here), cuDNN's fused op, or the plain torch ops
+of the composite. It is the same function the custom op calls (:func:`fxforge.fused_ops.conv_kernel_call`),
+so the lowered graph computes exactly what was verified.
+
+The lowered graph has no autograd for oneDNN's and cuDNN's fused ops: the runtime uses it only when no
+gradient is needed, and the captured graph (whose custom ops have autograd) otherwise.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    >>> cap = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 8, 8),)), ["conv_activation"])
+    >>> x = torch.randn(1, 3, 8, 8)
+    >>> torch.allclose(lower(cap.graph_module)(x), model(x), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from fxforge import fused_ops
+from fxforge.rewrites.graph_utils import attribute_tensor, copy_graph_module
+
+FUSED_OPS = {
+    torch.ops.fxforge.conv_pointwise.default: fused_ops.conv_kernel_call,
+    torch.ops.fxforge.linear_pointwise.default: fused_ops.linear_kernel_call,
+}
+
+
+def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``graph_module`` with every fused op replaced by a direct call of its chosen kernel.
+
+    Fused ops whose weight is not a parameter or buffer of the graph (computed at run time) stay custom
+    op calls. Parameters and buffers are shared with ``graph_module``; prepacked weights are new
+    non-persistent buffers of the copy.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+        >>> lower(gm)(-torch.ones(1)).tolist()
+        [0.0]
+    """
+    new = copy_graph_module(graph_module)
+    graph = new.graph
+    packed = 0
+    for node in list(graph.nodes):
+        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
+        if kernel_call is None or node.kwargs or not isinstance(node.args[1], Node) or node.args[1].op != "get_attr":
+            continue
+        *op_args, kernel = node.args
+        weight = attribute_tensor(new, node.args[1].target)
+        if weight is None:
+            continue
+        call = kernel_call(kernel, op_args[0], weight, *op_args[2:])
+        if isinstance(call, str):
+            call = kernel_call("composite", op_args[0], weight, *op_args[2:])
+        fn, args = call
+        with graph.inserting_before(node):
+            if fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite):
+                tracer = torch.fx.proxy.GraphAppendingTracer(graph)
+                proxied = [torch.fx.Proxy(a, tracer) if isinstance(a, Node) else a for a in op_args]
+                result = fn(*proxied).node
+            else:
+                call_args = []
+                for arg in args:
+                    if isinstance(arg, torch.Tensor):
+                        if arg is weight:
+                            arg = node.args[1]
+                        else:
+                            name = f"_fxforge_packed_{packed}"
+                            packed += 1
+                            new.register_buffer(name, arg, persistent=False)
+                            arg = graph.get_attr(name)
+                    call_args.append(arg)
+                result = graph.call_function(fn, tuple(call_args))
+        result.meta.update(node.meta)
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+    graph.lint()
+    new.recompile()
+    return new
+
+
+def lowered_kernels(graph_module: torch.fx.GraphModule) -> dict[str, int]:
+    """How many fused ops of each kernel a graph holds (``{"mkldnn": 3}``), for reports and tests.
+
+    Example:
+        >>> lowered_kernels(torch.fx.symbolic_trace(torch.nn.ReLU()))
+        {}
+    """
+    counts: dict[str, int] = {}
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in FUSED_OPS:
+            counts[node.args[-1]] = counts.get(node.args[-1], 0) + 1
+    return counts
