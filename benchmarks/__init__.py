@@ -4,4 +4,8 @@
 contender (:mod:`benchmarks.contenders`) on it, times them in one run with interleaved repetitions and
 medians (:mod:`benchmarks.run`), and writes ``benchmarks/out/results.json`` plus the harness block of
 ``benchmarks/RESULTS.md`` (:mod:`benchmarks.report`).
+
+``python -m benchmarks --suite conv`` runs a section instead (the convolutional models at batch 1 and 8
+against ``optimize_for_inference`` and torch.compile): ``benchmarks/out/results-conv.json`` and its own
+block of ``RESULTS.md``, with summary lines under its table.
 """

@@ -29,6 +29,7 @@ import contextlib
 import io
 import os
 import tempfile
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,60 @@ def _eager(model: nn.Module, args: tuple) -> Callable[..., Any]:
 def _torch_compile(model: nn.Module, args: tuple) -> Prepared:
     compiled = torch.compile(model)
     return Prepared(compiled, note="inductor")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.fx.experimental.optimization.optimize_for_inference
+
+
+def raised_in_symbolic_trace(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while ``torch.fx`` symbolically traced a model (inside ``Tracer.trace``)."""
+    suffix = os.path.join("fx", "_symbolic_trace.py")
+    return any(
+        frame.f_code.co_name == "trace" and frame.f_code.co_filename.endswith(suffix)
+        for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
+
+
+def mkldnn_info(gm: nn.Module) -> dict[str, int]:
+    """How much of an ``optimize_for_inference`` result runs in MKLDNN layout.
+
+    ``modules``: MKLDNN modules (prepacked convolutions, linears, batch norms); ``conversions``: the
+    ``to_mkldnn`` / ``to_dense`` calls left in the graph (each is a layout copy at run time).
+    """
+    graph = getattr(gm, "graph", None)
+    nodes = list(graph.nodes) if graph is not None else []
+    conversions = sum(n.op == "call_method" and n.target in ("to_mkldnn", "to_dense") for n in nodes)
+    modules = sum(type(m).__module__ == "torch.utils.mkldnn" for m in gm.modules())
+    return {"mkldnn_modules": modules, "mkldnn_conversions": conversions}
+
+
+@register(
+    "optimize_for_inference",
+    "torch.fx.experimental.optimization.optimize_for_inference(model): conv/BN fusion, dropout "
+    "removal, MKLDNN layouts (symbolic_trace; float32 CPU only)",
+)
+def _optimize_for_inference(model: nn.Module, args: tuple) -> Prepared:
+    """``optimize_for_inference`` on the runner's copy of the model.
+
+    It symbolically traces the model (models with data-dependent control flow, such as the transformers
+    vision models, fail here: the error says so). Inputs and outputs stay dense tensors: the pass wraps
+    every MKLDNN subgraph in ``to_mkldnn`` / ``to_dense`` calls, so the result is called like the model.
+    """
+    from torch.fx.experimental.optimization import optimize_for_inference
+
+    try:
+        gm = optimize_for_inference(model)
+    except Exception as exc:
+        if raised_in_symbolic_trace(exc):
+            raise RuntimeError(f"torch.fx.symbolic_trace failed: {type(exc).__name__}: {exc}") from exc
+        raise
+    info = mkldnn_info(gm)
+    if info["mkldnn_modules"] or info["mkldnn_conversions"]:
+        note = f"mkldnn: {info['mkldnn_modules']} modules, {info['mkldnn_conversions']} layout conversions"
+    else:
+        note = "no MKLDNN subgraph kept"
+    return Prepared(gm, note=note, info=info)
 
 
 # --------------------------------------------------------------------------------------------------

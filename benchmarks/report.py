@@ -8,7 +8,9 @@ needs under ``row["info"]`` through :class:`benchmarks.contenders.Prepared`)::
     COLUMNS.insert(-1, Column("peak MiB", lambda row: fmt_float(row["info"].get("peak_mib"), 1)))
 
 ``RESULTS.md`` is shared with other sections written by hand or by other tools: the harness only replaces
-the text between :data:`BEGIN` and :data:`END` and keeps everything else byte for byte.
+the text between :data:`BEGIN` and :data:`END` and keeps everything else byte for byte. A section run
+(``python -m benchmarks --suite conv``) has its own markers (:func:`markers`), so each run rewrites only
+its own block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,13 @@ from typing import Any
 
 BEGIN = "<!-- harness:begin -->"
 END = "<!-- harness:end -->"
+
+
+def markers(section: str | None = None) -> tuple[str, str]:
+    """The begin and end markers of a section's block (:data:`BEGIN`, :data:`END` for the main run)."""
+    if not section:
+        return BEGIN, END
+    return f"<!-- harness:{section}:begin -->", f"<!-- harness:{section}:end -->"
 
 SKELETON = f"""# fxforge benchmark results
 
@@ -117,6 +127,109 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[Column] | None = No
 
 
 # --------------------------------------------------------------------------------------------------
+# section summaries (lines under a section's table, computed from its rows)
+
+
+def geometric_mean(values: Any) -> float | None:
+    values = [v for v in values if v is not None and v > 0]
+    return statistics.geometric_mean(values) if values else None
+
+
+def row_models(rows: list[dict[str, Any]]) -> list[str]:
+    """The models of ``rows``, in order of first appearance."""
+    return list(dict.fromkeys(r["model"] for r in rows))
+
+
+def timed_rows(rows: list[dict[str, Any]], contender: str) -> dict[str, dict[str, Any]]:
+    """model -> the row of ``contender`` that ran and matched eager's outputs (status ok, with a median)."""
+    return {
+        r["model"]: r for r in rows
+        if r["contender"] == contender and r.get("status") == "ok" and r.get("median_ms")
+    }
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "**not met**"
+
+
+def conv_summary(
+    rows: list[dict[str, Any]],
+    *,
+    contender: str = "fxforge",
+    peer: str = "optimize_for_inference",
+    prepare_model: str = "hf_resnet50",
+    min_geomean: float = 1.2,
+    max_prepare_s: float = 2.0,
+) -> list[str]:
+    """The conv section's summary (issue 3's targets), one markdown bullet per line.
+
+    1. geometric mean of ``contender``'s × vs eager over the models it was timed on (target
+       ``>= min_geomean``); the models it was not timed on (failed, mismatched) are named;
+    2. the models where it is slower than eager (× < 1), and those it was not timed on (target: none);
+    3. geometric mean of ``peer ms / contender ms`` over the models where both were timed (target > 1);
+    4. its prepare (optimize) time on ``prepare_model`` (target ``< max_prepare_s``).
+    """
+    models = row_models(rows)
+    ours, theirs = timed_rows(rows, contender), timed_rows(rows, peer)
+    ratios = {m: ours[m]["ratio_vs_eager"] for m in models if m in ours and ours[m].get("ratio_vs_eager")}
+    untimed = [m for m in models if m not in ratios]
+    return [
+        _geomean_line(contender, ratios, untimed, len(models), min_geomean),
+        _slower_line(contender, ratios, untimed),
+        _peer_line(contender, peer, ours, theirs, models),
+        _prepare_line(contender, rows, prepare_model, max_prepare_s),
+    ]
+
+
+def _geomean_line(
+    contender: str, ratios: dict[str, float], untimed: list[str], n_models: int, target: float
+) -> str:
+    gm = geometric_mean(ratios.values())
+    line = (
+        f"- {contender} × vs eager, geometric mean over {len(ratios)} of {plural(n_models, 'model')}: "
+        f"{fmt_ratio(gm)} (target ≥ {target:.2f}×: {verdict(gm is not None and gm >= target)})"
+    )
+    return line + (f"; not timed on {', '.join(untimed)}" if untimed else "")
+
+
+def _slower_line(contender: str, ratios: dict[str, float], untimed: list[str]) -> str:
+    slower = [f"{m} {fmt_ratio(r)}" for m, r in ratios.items() if r < 1.0]
+    line = f"- {contender} slower than eager (× < 1.00) on: {', '.join(slower) or 'none'}"
+    line += f"; not timed on {', '.join(untimed)}" if untimed else ""
+    return line + f" (target: no model: {verdict(not slower and not untimed)})"
+
+
+def _peer_line(
+    contender: str,
+    peer: str,
+    ours: dict[str, dict[str, Any]],
+    theirs: dict[str, dict[str, Any]],
+    models: list[str],
+) -> str:
+    both = [m for m in models if m in ours and m in theirs]
+    gm = geometric_mean(theirs[m]["median_ms"] / ours[m]["median_ms"] for m in both)
+    line = (
+        f"- {contender} vs {peer} ({peer} ms / {contender} ms), geometric mean over the "
+        f"{plural(len(both), 'model')} where both ran: {fmt_ratio(gm)} "
+        f"(target > 1.00×: {verdict(gm is not None and gm > 1.0)})"
+    )
+    no_peer = [m for m in models if m not in theirs]
+    return line + (f"; {peer} did not run on {', '.join(no_peer)}" if no_peer else "")
+
+
+def _prepare_line(contender: str, rows: list[dict[str, Any]], model: str, target: float) -> str:
+    head = f"- {contender} optimize time (prepare s) on {model}:"
+    row = next((r for r in rows if r["model"] == model and r["contender"] == contender), None)
+    if row is None:
+        return f"{head} not in this run"
+    seconds = row.get("prepare_s")
+    if seconds is None:
+        failed = f"{contender} failed ({row.get('stage') or '?'})"
+        return f"{head} — {failed} (target < {target:g} s: {verdict(False)})"
+    return f"{head} {seconds:.2f} s (target < {target:g} s: {verdict(seconds < target)})"
+
+
+# --------------------------------------------------------------------------------------------------
 # machine
 
 
@@ -181,8 +294,20 @@ def load_line(machine: dict[str, Any], meta: dict[str, Any]) -> str:
     return line + " (other work on the machine is timing noise)"
 
 
+def threads_line(machine: dict[str, Any], meta: dict[str, Any]) -> str:
+    line = f"- Threads: torch.set_num_threads({machine['threads']})"
+    contenders = meta.get("contenders")
+    if contenders is None or "ort" in contenders:
+        line += "; ONNX Runtime intra-op threads = the same, no spinning"
+    return line
+
+
 def markdown_block(result: dict[str, Any]) -> str:
-    """The text between the harness markers for one run (without the markers)."""
+    """The text between the harness markers for one run (without the markers).
+
+    ``meta["title"]`` (default "Harness run") heads the block; ``result["summary"]``, a list of
+    markdown lines (a section's summary), follows the table.
+    """
     meta = result["meta"]
     m = meta["machine"]
     t = meta["timing"]
@@ -193,14 +318,11 @@ def markdown_block(result: dict[str, Any]) -> str:
     if m.get("transformers"):
         versions += f", transformers {m['transformers']}"
     lines = [
-        "## Harness run",
+        f"## {meta.get('title') or 'Harness run'}",
         "",
         f"- Machine: {m['cpu']}, {cores}" + (f", GPU {m['cuda']}" if m.get("cuda") else ""),
         f"- Software: Python {m['python']}, {versions}",
-        (
-            f"- Threads: torch.set_num_threads({m['threads']}); ONNX Runtime intra-op threads = the "
-            "same, no spinning"
-        ),
+        threads_line(m, meta),
         load_line(m, meta),
         f"- Date: {meta['date']}" + (f", commit {meta['commit']}" if meta.get("commit") else ""),
         f"- Command: `{meta['command']}`",
@@ -215,6 +337,8 @@ def markdown_block(result: dict[str, Any]) -> str:
         markdown_table(result["rows"]),
         "",
     ]
+    if result.get("summary"):
+        lines += [*result["summary"], ""]
     return "\n".join(lines)
 
 
@@ -241,25 +365,30 @@ def write_atomic(path: str, text: str) -> None:
         raise
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the harness block replaced by ``block`` (appended when there are no markers)."""
-    new = f"{BEGIN}\n{block.rstrip()}\n{END}"
-    start = text.find(BEGIN)
-    end = text.find(END, start + len(BEGIN)) if start >= 0 else -1
+def replace_block(text: str, block: str, section: str | None = None) -> str:
+    """``text`` with the block of ``section`` (default: the main harness block) replaced by ``block``.
+
+    The block is appended when its markers are not there yet; everything else is kept byte for byte.
+    """
+    begin, end_marker = markers(section)
+    new = f"{begin}\n{block.rstrip()}\n{end_marker}"
+    start = text.find(begin)
+    end = text.find(end_marker, start + len(begin)) if start >= 0 else -1
     if start >= 0 and end >= 0:
-        return text[:start] + new + text[end + len(END):]
+        return text[:start] + new + text[end + len(end_marker):]
     if not text.strip():
-        return replace_block(SKELETON, block)
+        return replace_block(SKELETON, block, section)
     return text.rstrip("\n") + "\n\n" + new + "\n"
 
 
-def write_markdown(path: str, result: dict[str, Any]) -> None:
+def write_markdown(path: str, result: dict[str, Any], section: str | None = None) -> None:
+    """Replace the block of ``section`` (default: the main harness block) in ``path`` with ``result``."""
     try:
         with open(path, encoding="utf-8") as f:
             old = f.read()
     except FileNotFoundError:
         old = SKELETON
-    write_atomic(path, replace_block(old, markdown_block(result)))
+    write_atomic(path, replace_block(old, markdown_block(result), section))
 
 
 def _json_safe(value: Any) -> Any:

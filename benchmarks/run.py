@@ -12,8 +12,13 @@ Per model, in one process and one run:
 A contender that raises (while preparing, on its first call, or while being timed) becomes a failed row
 with the error text; the run goes on. All calls run under ``torch.no_grad()``.
 
+A section (``--suite NAME``, see :data:`SECTIONS`) runs the suite entries tagged ``NAME`` with its own
+contenders, writes ``results-NAME.json`` and its own block of ``RESULTS.md``
+(``<!-- harness:NAME:begin -->`` ... ``<!-- harness:NAME:end -->``), with summary lines under the table.
+
 Example:
     python -m benchmarks --models hf_bert,resnet_cnn --contenders eager,ort,fxforge --rounds 5 --reps 10
+    python -m benchmarks --suite conv
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -49,6 +55,33 @@ DEFAULT_CONTENDERS = ["eager", "torch.compile", "ort", "fxforge"]
 DEFAULTS = {"rounds": 5, "reps": 10, "warmup": 3}
 QUICK = {"rounds": 1, "reps": 3, "warmup": 1}
 BUSY_LOAD = 0.25  # per core: above this, the run warns that other work will show up in the timings
+
+
+@dataclass(frozen=True)
+class Section:
+    """A named part of the benchmarks with its own models, contenders and block of ``RESULTS.md``.
+
+    Attributes:
+        name: the ``--suite`` value; also the suite tag of its models and the name of its block markers.
+        title: the heading of its block.
+        contenders: its default contenders, in run order.
+        summary: ``summary(rows) -> markdown lines`` written under its table (and into the JSON).
+    """
+
+    name: str
+    title: str
+    contenders: tuple[str, ...]
+    summary: Callable[[list[dict[str, Any]]], list[str]] | None = None
+
+
+SECTIONS: dict[str, Section] = {
+    "conv": Section(
+        "conv",
+        "Convolutional models, batch 1 and 8 (issue 3)",
+        ("eager", "optimize_for_inference", "torch.compile", "fxforge"),
+        report.conv_summary,
+    ),
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,11 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare eager, torch.compile, ONNX Runtime and fxforge on the model suite, "
         "interleaved, in one run.",
     )
+    p.add_argument("--suite", choices=list(SECTIONS), default=None,
+                   help="run a section: its tagged models, its contenders, its own block of the markdown "
+                   "file and results-SUITE.json (" + "; ".join(
+                       f"{s.name}: {s.title}, contenders {','.join(s.contenders)}" for s in SECTIONS.values()
+                   ) + ")")
     p.add_argument("--models", type=_csv, default=None, help="comma-separated suite entries (default: all "
-                   "default entries; see --list)")
+                   "default entries, or the section's with --suite; see --list)")
     p.add_argument("--contenders", type=_csv, default=None,
-                   help=f"comma-separated contenders (default: {','.join(DEFAULT_CONTENDERS)}); eager is "
-                   "always added, the ratios are against it")
+                   help=f"comma-separated contenders (default: {','.join(DEFAULT_CONTENDERS)}, or the "
+                   "section's with --suite); eager is always added, the ratios are against it")
     p.add_argument("--rounds", type=int, default=None, help=f"timed rounds (default {DEFAULTS['rounds']})")
     p.add_argument("--reps", type=int, default=None,
                    help=f"calls per contender per round (default {DEFAULTS['reps']})")
@@ -330,9 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and ORT intra-op threads "
                    "(default 2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run (default cpu)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results.json (default benchmarks/out/)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results.json (results-SUITE.json with "
+                   "--suite; default benchmarks/out/)")
     p.add_argument("--markdown", default=DEFAULT_MARKDOWN,
-                   help="markdown file whose harness block is replaced (default benchmarks/RESULTS.md)")
+                   help="markdown file whose harness block (or the section's) is replaced (default "
+                   "benchmarks/RESULTS.md)")
     p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['rounds']} round, {QUICK['reps']} reps, {QUICK['warmup']} warm-up (smoke runs)")
@@ -343,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _list(suite: list[suite_mod.SuiteEntry] | None = None, out=sys.stdout) -> None:
     print("models:", file=out)
     for e in suite_mod.SUITE if suite is None else suite:
-        flag = "" if e.default else "  (only when named)"
+        suites = f" or with --suite {', '.join(e.tags)}" if e.tags else ""
+        flag = "" if e.default else f"  (only when named{suites})"
         print(f"  {e.name:22s} [{e.group}] {e.description}{flag}", file=out)
     print("contenders:", file=out)
     for c in contenders_mod.CONTENDERS.values():
@@ -373,11 +414,14 @@ def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | N
     if opts.threads < 1:
         parser.error("--threads must be >= 1")
 
+    section = SECTIONS[opts.suite] if opts.suite else None
     try:
-        entries = suite_mod.select(opts.models, suite)
+        entries = suite_mod.select(opts.models, suite, tag=section.name if section else None)
     except KeyError as exc:
         parser.error(str(exc.args[0]))
-    names = opts.contenders or list(DEFAULT_CONTENDERS)
+    if not entries:
+        parser.error(f"no suite entry is tagged {opts.suite!r}" if section else "no default suite entry")
+    names = opts.contenders or list(section.contenders if section else DEFAULT_CONTENDERS)
     unknown = [n for n in names if n not in contenders_mod.CONTENDERS]
     if unknown:
         parser.error(f"unknown contender(s) {', '.join(unknown)}; known: "
@@ -394,7 +438,7 @@ def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | N
     threads_before = torch.get_num_threads()
     torch.set_num_threads(opts.threads)
     try:
-        return _run(opts, argv, entries, selected, timing, device)
+        return _run(opts, argv, entries, selected, timing, device, section)
     finally:  # main() is also called in-process (tests): leave torch's thread count as it was
         torch.set_num_threads(threads_before)
 
@@ -406,10 +450,13 @@ def _run(
     selected: list[contenders_mod.Contender],
     timing: dict[str, int],
     device: torch.device,
+    section: Section | None = None,
 ) -> int:
     """The run proper, with the options checked and torch's threads set: every model, then the files."""
     result: dict[str, Any] = {
         "meta": {
+            "suite": section.name if section else None,
+            "title": section.title if section else None,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python -m benchmarks" + (f" {shlex.join(argv)}" if argv else ""),
             "commit": git_commit(),
@@ -422,7 +469,7 @@ def _run(
         },
         "rows": [],
     }
-    json_path = os.path.join(opts.out, "results.json")
+    json_path = os.path.join(opts.out, f"results-{section.name}.json" if section else "results.json")
     load = result["meta"]["machine"].get("loadavg_start")
     if load and load[0] >= BUSY_LOAD * (os.cpu_count() or 1):
         log(f"warning: load average {load[0]:.2f} on {os.cpu_count()} cores: other processes are running, "
@@ -434,10 +481,14 @@ def _run(
         report.write_json(json_path, result)  # partial results survive a crash or ^C
     result["meta"]["complete"] = True
     result["meta"]["loadavg_end"] = report.load_average()
+    if section and section.summary:
+        result["summary"] = section.summary(result["rows"])
     report.write_json(json_path, result)
     log(f"wrote {json_path}")
     if not opts.no_markdown:
-        report.write_markdown(opts.markdown, result)
+        report.write_markdown(opts.markdown, result, section.name if section else None)
         log(f"wrote {opts.markdown}")
     print(report.markdown_table(result["rows"]))
+    for line in result.get("summary", []):
+        print(line)
     return 0

@@ -8,6 +8,10 @@ Entries come from three places:
 * tiny built-ins for the harness's own smoke test (``default=False``: they run only when named with
   ``--models``).
 
+Entries tagged with a section's name (``tags=("conv",)``) form that section: ``python -m benchmarks
+--suite conv`` runs them (see :data:`benchmarks.run.SECTIONS`). The section entries are ``default=False``,
+so the plain ``python -m benchmarks`` run stays as it was.
+
 Nothing is downloaded: every model is built from a config with random (seeded) weights.
 
 Adding a model::
@@ -22,9 +26,11 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 Factory = Callable[[], tuple[nn.Module, tuple]]
 
@@ -40,7 +46,8 @@ class SuiteEntry:
         factory: ``() -> (model, example_inputs)``; the model in eval mode.
         group: where it comes from ("examples", "transformers", "builtin").
         description: one line for ``--list``.
-        default: run when ``--models`` is not given.
+        default: run when neither ``--models`` nor ``--suite`` is given.
+        tags: the sections (``--suite NAME``) the entry belongs to.
     """
 
     name: str
@@ -48,6 +55,7 @@ class SuiteEntry:
     group: str = ""
     description: str = ""
     default: bool = True
+    tags: tuple[str, ...] = ()
 
 
 def build(entry: SuiteEntry, seed: int = 0) -> tuple[nn.Module, tuple]:
@@ -57,6 +65,30 @@ def build(entry: SuiteEntry, seed: int = 0) -> tuple[nn.Module, tuple]:
     if not isinstance(args, tuple):
         args = (args,)
     return model.eval(), args
+
+
+def random_like_batch(x: Any, batch: int) -> Any:
+    """A random tensor like ``x`` but with ``batch`` rows (same non-batch shape and dtype); non-tensors as is.
+
+    Floating tensors are drawn from ``randn``; other dtypes (token ids, masks) take random rows of ``x``.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    if x.is_floating_point():
+        return torch.randn(batch, *x.shape[1:], dtype=x.dtype, device=x.device)
+    return x[torch.randint(0, x.shape[0], (batch,), device=x.device)]
+
+
+def rebatched(factory: Factory, batch: int) -> Factory:
+    """``factory`` with every tensor input replaced by a random one of batch size ``batch``."""
+
+    def wrapped() -> tuple[nn.Module, tuple]:
+        model, args = factory()
+        args = args if isinstance(args, tuple) else (args,)
+        return model, tree_map(lambda x: random_like_batch(x, batch), args)
+
+    wrapped.__name__ = f"{getattr(factory, '__name__', 'factory')}_b{batch}"
+    return wrapped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,6 +137,12 @@ def calibrate_batchnorm(model: nn.Module, make_input: Callable[[], tuple], steps
             bn.momentum = momentum
         model.eval()
     return model
+
+
+def calibrated_image_model(model: nn.Module, size: int = 224) -> tuple[nn.Module, tuple]:
+    """``model`` with its BatchNorm statistics calibrated on random images, and one random 1x3xSxS image."""
+    calibrate_batchnorm(model, lambda: (torch.randn(4, 3, size, size),))
+    return model, (torch.randn(1, 3, size, size),)
 
 
 def hf_bert() -> tuple[nn.Module, tuple]:
@@ -156,9 +194,7 @@ def hf_resnet() -> tuple[nn.Module, tuple]:
         num_labels=1000,
         return_dict=False,
     )
-    model = ResNetForImageClassification(config)
-    calibrate_batchnorm(model, lambda: (torch.randn(4, 3, 224, 224),))
-    return model, (torch.randn(1, 3, 224, 224),)
+    return calibrated_image_model(ResNetForImageClassification(config))
 
 
 def hf_mobilenet_v2() -> tuple[nn.Module, tuple]:
@@ -166,9 +202,24 @@ def hf_mobilenet_v2() -> tuple[nn.Module, tuple]:
     from transformers import MobileNetV2Config, MobileNetV2Model
 
     config = MobileNetV2Config(return_dict=False)
-    model = MobileNetV2Model(config)
-    calibrate_batchnorm(model, lambda: (torch.randn(4, 3, 224, 224),))
-    return model, (torch.randn(1, 3, 224, 224),)
+    return calibrated_image_model(MobileNetV2Model(config))
+
+
+def hf_resnet50() -> tuple[nn.Module, tuple]:
+    """ResNet-50: ResNetForImageClassification, default config, 1000 labels, 1x3x224x224; BN calibrated."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    # The default config, with ImageNet's 1000 labels (the config's default is 2), as in hf_resnet.
+    config = ResNetConfig(num_labels=1000, return_dict=False)
+    return calibrated_image_model(ResNetForImageClassification(config))
+
+
+def hf_mobilenet_v2_224() -> tuple[nn.Module, tuple]:
+    """MobileNetV2ForImageClassification, default config, 1000 labels, 1x3x224x224; BN calibrated."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    config = MobileNetV2Config(num_labels=1000, return_dict=False)
+    return calibrated_image_model(MobileNetV2ForImageClassification(config))
 
 
 def hf_vit() -> tuple[nn.Module, tuple]:
@@ -233,6 +284,40 @@ def tiny_conv_bn() -> tuple[nn.Module, tuple]:
 
 
 # --------------------------------------------------------------------------------------------------
+# the conv section (issue 3): ``python -m benchmarks --suite conv``
+
+CONV_EXAMPLES = ["densenet", "inception", "unet"]
+CONV_BATCHES = (1, 8)
+
+
+def _conv_entry(name: str, factory: Factory, group: str, description: str) -> SuiteEntry:
+    return SuiteEntry(name, factory, group, description, default=False, tags=("conv",))
+
+
+def conv_entries() -> list[SuiteEntry]:
+    """The conv section's entries (tag ``conv``, not default): each model at batch 1 and batch 8.
+
+    The example CNNs are named ``<name>_b<batch>`` (``densenet`` itself is batch 2); the transformers
+    models keep their plain name at batch 1 (``hf_resnet50``) and get ``_b8`` at batch 8 (same weights).
+    """
+    entries = [
+        _conv_entry(f"{name}_b{batch}", rebatched(_example(name), batch), "examples",
+                    f"examples.models.EXAMPLES[{name!r}], batch {batch}")
+        for name in CONV_EXAMPLES
+        for batch in CONV_BATCHES
+    ]
+    for factory in (hf_resnet50, hf_mobilenet_v2_224):
+        doc = factory.__doc__.strip()
+        for batch in CONV_BATCHES:
+            if batch == 1:
+                entries.append(_conv_entry(factory.__name__, factory, "transformers", doc))
+            else:
+                entries.append(_conv_entry(f"{factory.__name__}_b{batch}", rebatched(factory, batch),
+                                           "transformers", doc.replace("1x3x", f"{batch}x3x")))
+    return entries
+
+
+# --------------------------------------------------------------------------------------------------
 # the suite, in run order
 
 SUITE: list[SuiteEntry] = [
@@ -244,14 +329,20 @@ SUITE: list[SuiteEntry] = [
     SuiteEntry("hf_vit", hf_vit, "transformers", hf_vit.__doc__.strip()),
     SuiteEntry("tiny_mlp", tiny_mlp, "builtin", TinyMLP.__doc__.strip(), default=False),
     SuiteEntry("tiny_conv_bn", tiny_conv_bn, "builtin", TinyConvBN.__doc__.strip(), default=False),
+    *conv_entries(),
 ]
 
 
-def select(names: list[str] | None, suite: list[SuiteEntry] | None = None) -> list[SuiteEntry]:
-    """The entries named (in the order given), or the default entries; unknown names raise KeyError."""
+def select(
+    names: list[str] | None, suite: list[SuiteEntry] | None = None, tag: str | None = None
+) -> list[SuiteEntry]:
+    """The entries named (in the order given), else those tagged ``tag``, else the default entries.
+
+    Unknown names raise KeyError.
+    """
     suite = SUITE if suite is None else suite
     if not names:
-        return [e for e in suite if e.default]
+        return [e for e in suite if (tag in e.tags if tag else e.default)]
     by_name = {e.name: e for e in suite}
     unknown = [n for n in names if n not in by_name]
     if unknown:

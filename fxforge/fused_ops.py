@@ -130,6 +130,8 @@ def mkldnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, a
         return f"oneDNN fused convolution needs float32 or bfloat16 (got {input.dtype})"
     if other is not None and (other.dtype != input.dtype or other.dim() != input.dim()):
         return "the added tensor's dtype or rank differs from the convolution's"
+    if other is not None and weight.dim() == 3:
+        return "oneDNN's fused convolution + add runs 2d and 3d convolutions only"
     if other is not None and activation not in ("none", "relu"):
         return f"oneDNN's fused convolution + add takes relu or no activation, not {activation}"
     return None

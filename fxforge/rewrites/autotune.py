@@ -240,11 +240,11 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     candidates: dict[str, tuple[torch.fx.GraphModule, float, list]] = {}
     for layout in ("as captured", "channels-last"):
         graph = copy_graph_module(gm)
-        if layout == "channels-last" and not to_channels_last(graph):
-            continue
-        graph.recompile()
-        with isolated(graph):
-            annotate(graph, args, kwargs, force=True)
+        if layout == "channels-last":
+            if not to_channels_last(graph):
+                continue
+            with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
+                annotate(graph, args, kwargs, force=True)
         total, choices = tune_kernels(graph, ctx, layout)
         candidates[layout] = (graph, total, choices)
     layout = min(candidates, key=lambda name: candidates[name][1])

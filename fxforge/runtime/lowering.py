@@ -36,6 +36,8 @@ FUSED_OPS = {
 def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``graph_module`` with every fused op replaced by a direct call of its chosen kernel.
 
+    A graph without fused ops is returned as it is.
+
     Fused ops whose weight is not a parameter or buffer of the graph (computed at run time) stay custom
     op calls. Parameters and buffers are shared with ``graph_module``; prepacked weights are new
     non-persistent buffers of the copy.
@@ -45,6 +47,8 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         >>> lower(gm)(-torch.ones(1)).tolist()
         [0.0]
     """
+    if not lowered_kernels(graph_module):
+        return graph_module
     new = copy_graph_module(graph_module)
     graph = new.graph
     packed = 0

@@ -1,0 +1,246 @@
+"""conv_activation: every call form fuses, outputs equal eager, training is untouched, refusals say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.rewrites import autotune
+from fxforge.rewrites.autotune import forced
+from fxforge.runtime.lowering import FUSED_OPS, lower, lowered_kernels
+
+F = nn.functional
+CONV = torch.ops.fxforge.conv_pointwise.default
+LINEAR = torch.ops.fxforge.linear_pointwise.default
+
+
+def fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
+
+
+def optimized(model: nn.Module, x: torch.Tensor, method: str = "auto", rewrites=None, **force):
+    force = {"keep": "fused", **force}
+    with forced(**force):
+        cap = fxforge.capture(model.eval(), (x,), method=method)
+        return fxforge.rewrite(cap, rewrites or ["cleanup", "conv_bn_fold", "conv_activation"])
+
+
+ACTIVATIONS = {
+    "relu": (nn.ReLU(), "relu"),
+    "relu_inplace": (nn.ReLU(inplace=True), "relu"),
+    "relu6": (nn.ReLU6(), "hardtanh"),
+    "hardtanh": (nn.Hardtanh(-0.5, 0.5), "hardtanh"),
+    "leaky_relu": (nn.LeakyReLU(0.2), "leaky_relu"),
+    "gelu": (nn.GELU(), "gelu"),
+    "gelu_tanh": (nn.GELU(approximate="tanh"), "gelu_tanh"),
+    "silu": (nn.SiLU(), "silu"),
+    "sigmoid": (nn.Sigmoid(), "sigmoid"),
+    "tanh": (nn.Tanh(), "tanh"),
+    "hardswish": (nn.Hardswish(), "hardswish"),
+}
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_conv_bn_activation_modules_become_one_op(name, method):
+    activation, fused_name = ACTIVATIONS[name]
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), activation).eval()
+    x = torch.randn(2, 3, 10, 10)
+    new = optimized(model, x, method, kernel="mkldnn")
+    nodes = fused_nodes(new.graph_module)
+    assert [n.args[8] for n in nodes] == [fused_name]
+    assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 1}
+    assert not any("batch_norm" in str(n.target) for n in new.graph_module.graph.nodes)
+    torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class CallForms(nn.Module):
+    """The same conv+activation reached five ways: module, functional, torch.*, method, in-place method."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.c4, self.c5 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1, stride=(2, 1))
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        x = self.act(self.c1(x))
+        x = F.relu6(F.conv2d(x, self.c2.weight, self.c2.bias))
+        x = torch.sigmoid(self.c3(x))
+        x = self.c4(x).tanh()
+        return self.c5(x).relu_()
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_every_call_form_fuses(method):
+    model, x = CallForms().eval(), torch.randn(1, 4, 8, 8)
+    new = optimized(model, x, method)
+    assert [n.args[8] for n in fused_nodes(new.graph_module)] == ["relu", "hardtanh", "sigmoid", "tanh", "relu"]
+    torch.testing.assert_close(new.graph_module(x), model(x))
+    assert fused_nodes(new.graph_module)[-1].args[3] == [2, 1]  # asymmetric stride kept
+
+
+class Residual(nn.Module):
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.conv, self.bn, self.inplace = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), inplace
+        self.down = nn.Conv2d(6, 6, 1)
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        if self.inplace:
+            out += x
+            return F.relu(out, inplace=True)
+        return torch.relu(x + out) + self.down(x)  # add in either order, then conv + add without activation
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_residual_add_relu_fuses(inplace, method):
+    model, x = Residual(inplace).eval(), torch.randn(2, 6, 7, 7)
+    new = optimized(model, x, method, kernel="mkldnn")
+    nodes = fused_nodes(new.graph_module)
+    expected = [("relu", True)] if inplace else [("relu", True), ("none", True)]
+    assert [(n.args[8], n.args[7] is not None) for n in nodes] == expected
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_conv1d_and_conv3d_fuse():
+    x = torch.randn(2, 3, 9)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.SiLU()).eval()
+    new = optimized(model, x)
+    assert [n.args[8] for n in fused_nodes(new.graph_module)] == ["silu"]
+    torch.testing.assert_close(new.graph_module(x), model(x))
+    model3, x3 = nn.Sequential(nn.Conv3d(2, 3, 3), nn.Hardswish()).eval(), torch.randn(1, 2, 5, 5, 5)
+    new3 = optimized(model3, x3, kernel="mkldnn")
+    assert len(fused_nodes(new3.graph_module)) == 1
+    torch.testing.assert_close(lower(new3.graph_module)(x3), model3(x3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_linear_activation_fuses(method):
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act = nn.Linear(8, 16), nn.Linear(16, 4), nn.GELU()
+
+        def forward(self, x):
+            return F.silu(F.linear(self.act(self.a(x)), self.b.weight, self.b.bias))
+
+    model, x = MLP().eval(), torch.randn(3, 5, 8)
+    new = optimized(model, x, method, kernel="mkldnn")
+    nodes = fused_nodes(new.graph_module)
+    assert [(n.target, n.args[3]) for n in nodes] == [(LINEAR, "gelu"), (LINEAR, "silu")]
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_training_mode_is_untouched_and_says_why():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 2), nn.Tanh())
+    model.train()
+    x = torch.randn(4, 3, 8, 8)
+    cap = fxforge.capture(model, (x,))
+    new = fxforge.rewrite(cap, ["conv_activation"])
+    assert not fused_nodes(new.graph_module) and new.report.counts == {}
+    reasons = {m.reason for m in new.report.near_misses if m.rule == "conv_activation"}
+    assert reasons == {"fused ops are for inference; in training mode eager's ops are kept"}
+    assert len([m for m in new.report.near_misses if m.rule == "conv_activation"]) == 1  # linear+tanh; BN blocks conv
+
+
+def test_refusals_name_the_reason():
+    class Broadcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.shared = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
+
+        def forward(self, x, bias):
+            y = self.shared(x)
+            return torch.relu(self.conv(x) + bias), torch.sigmoid(y), y
+
+    model, x, bias = Broadcast().eval(), torch.randn(1, 3, 4, 4), torch.randn(3, 1, 1)
+    with forced(keep="fused"):
+        new = fxforge.rewrite(fxforge.capture(model, (x, bias)), ["conv_activation"])
+    reasons = [m.reason for m in new.report.near_misses]
+    assert any("the added tensor has shape (3, 1, 1), the convolution's output (1, 3, 4, 4)" in r for r in reasons)
+    assert any("is also used outside the match" in r for r in reasons)
+    torch.testing.assert_close(new.graph_module(x, bias), model(x, bias))
+
+
+def test_autotune_reverts_when_fused_is_slower(monkeypatch):
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
+    cap = fxforge.capture(model, (x,))
+
+    def slow_fused(calls, budget):
+        return {name: (2.0 if name in ("fused", "mkldnn") else 1.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", slow_fused)
+    with forced(layout="channels-last"):  # else "all composite, as captured" reverts without timing the graph
+        new = fxforge.rewrite(cap, ["conv_activation"])
+    assert new.report.counts == {} and not fused_nodes(new.graph_module)
+    graph = next(t for t in new.report.tuning if t.subject == "graph")
+    assert graph.choice == "before" and "not faster, undone" in graph.note
+    assert graph.timings == {"fused": 2.0, "before": 1.0}
+
+
+def test_autotune_keeps_the_faster_kernel_and_reports_timings(monkeypatch):
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
+
+    def mkldnn_faster(calls, budget):
+        return {name: (1.0 if name in ("fused", "mkldnn") else 3.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", mkldnn_faster)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert lowered_kernels(new.graph_module) == {"mkldnn": 1}
+    subjects = {t.subject: t for t in new.report.tuning}
+    assert subjects["graph"].choice == "fused" and subjects["graph"].note.startswith("3.00x")
+    node = fused_nodes(new.graph_module)[0].name
+    assert subjects[node].timings == {"composite": 3.0, "mkldnn": 1.0}
+    assert "conv_activation autotune" in str(new.report) and "Autotune" in new.report._repr_html_()
+
+
+def test_channels_last_layout_converts_once_at_entry_and_exit():
+    model = nn.Sequential(*(m for _ in range(3) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))).eval()
+    x = torch.randn(1, 4, 8, 8)
+    new = optimized(model, x, layout="channels-last", kernel="mkldnn")
+    gm = new.graph_module
+    converts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.contiguous.default]
+    assert len(converts) == 2 and converts[0].kwargs == {"memory_format": torch.channels_last}
+    out = lower(gm)(x)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_lowered_graph_computes_exactly_what_was_verified():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1), nn.Sigmoid()).eval()
+    x = torch.randn(2, 3, 12, 12)
+    new = optimized(model, x, kernel="mkldnn")
+    lowered = lower(new.graph_module)
+    assert not fused_nodes(lowered)
+    assert any(n.target is torch.ops.mkldnn._convolution_pointwise.default for n in lowered.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(lowered(x), new.graph_module(x))
+
+
+def test_optimized_module_backpropagates_through_fused_ops():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3), nn.Tanh()).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with forced(keep="fused", kernel="mkldnn"):
+        opt = fxforge.optimize(model, (x,), rewrites=["conv_activation"])
+    assert opt.report.counts == {"conv_activation": 2}
+    opt(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, expected in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_graph_exports_with_its_custom_op():
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 8, 8)
+    new = optimized(model, x)
+    program = torch.export.export(new.graph_module, (x,))
+    assert any(n.target is CONV for n in program.graph.nodes)

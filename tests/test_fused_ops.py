@@ -1,0 +1,79 @@
+"""The fused ops: every kernel equals the composite, gradients equal the composite's, fake shapes are right."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxforge import fused_ops
+from fxforge.fused_ops import ACTIVATIONS, conv_pointwise, linear_pointwise, mkldnn_available
+
+SCALARS = {"hardtanh": [-0.5, 0.5], "leaky_relu": [0.2]}
+needs_mkldnn = pytest.mark.skipif(not mkldnn_available(), reason="this torch build has no oneDNN")
+
+
+def conv_args(dims: int, residual: bool):
+    torch.manual_seed(dims)
+    x = torch.randn(2, 6, *([7] * dims))
+    w, b = torch.randn(4, 6, *([3] * dims)), torch.randn(4)
+    out = torch.randn(2, 4, *([5] * dims)) if residual else None
+    return x, w, b, [1] * dims, [0] * dims, [1] * dims, 1, out
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_mkldnn_conv_equals_composite(activation, dims):
+    for residual in (False, True):
+        args = conv_args(dims, residual)
+        scalars = SCALARS.get(activation, [])
+        expected = conv_pointwise(*args, activation, scalars, "composite")
+        got = conv_pointwise(*args, activation, scalars, "mkldnn")  # falls back where oneDNN cannot
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mkldnn_refuses_what_it_cannot_run():
+    x, w, _, *_ = conv_args(2, False)
+    other = torch.randn(2, 4, 5, 5)
+    assert fused_ops.mkldnn_conv_supported(x, w, other, "silu") == (
+        "oneDNN's fused convolution + add takes relu or no activation, not silu")
+    assert "float32 or bfloat16" in fused_ops.mkldnn_conv_supported(x.double(), w.double(), None, "relu")
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "tanh", "hardtanh"])
+def test_mkldnn_linear_equals_composite(activation):
+    x, w, b = torch.randn(3, 5, 8), torch.randn(16, 8), torch.randn(16)
+    scalars = SCALARS.get(activation, [])
+    torch.testing.assert_close(linear_pointwise(x, w, b, activation, scalars, "mkldnn"),
+                               linear_pointwise(x, w, b, activation, scalars, "composite"), rtol=1e-4, atol=1e-5)
+
+
+def test_prepacked_weights_follow_in_place_updates():
+    x, w, b, *conf = conv_args(2, False)
+    before = conv_pointwise(x, w, b, *conf, "relu", [], "mkldnn")
+    with torch.no_grad():
+        w.mul_(2)
+    after = conv_pointwise(x, w, b, *conf, "relu", [], "mkldnn")
+    torch.testing.assert_close(after, conv_pointwise(x, w, b, *conf, "relu", [], "composite"), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("kernel", ["composite", "mkldnn"])
+def test_gradients_are_the_composites(kernel):
+    x, w, b, *conf, other = conv_args(2, True)
+    leaves = [t.double().requires_grad_() for t in (x, w, b, other)]
+    assert torch.autograd.gradcheck(
+        lambda x, w, b, o: conv_pointwise(x, w, b, *conf, o, "silu", [], kernel), leaves)
+    xl, wl = torch.randn(2, 3, dtype=torch.double, requires_grad=True), torch.randn(4, 3, dtype=torch.double,
+                                                                                   requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: linear_pointwise(x, w, None, "gelu", [], kernel), [xl, wl])
+
+
+def test_fake_implementation_gives_shapes():
+    with FakeTensorMode():
+        x, w = torch.empty(2, 6, 9, 9), torch.empty(4, 6, 3, 3)
+        y = conv_pointwise(x, w, None, [2, 2], [1, 1], [1, 1], 1, None, "relu", [], "mkldnn")
+        z = linear_pointwise(torch.empty(5, 8), torch.empty(3, 8), None, "tanh", [], "mkldnn")
+    assert y.shape == (2, 4, 5, 5) and z.shape == (5, 3)
