@@ -122,12 +122,9 @@ def mkldnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, a
         >>> mkldnn_conv_supported(x64, torch.ones(1, 1, 1, 1), None, "relu")
         'oneDNN fused convolution needs float32 or bfloat16 (got torch.float64)'
     """
-    if not mkldnn_available():
-        return "this torch build has no oneDNN fused convolution"
-    if input.device.type != "cpu":
-        return f"oneDNN fused convolution runs on CPU (input on {input.device.type})"
-    if input.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != input.dtype:
-        return f"oneDNN fused convolution needs float32 or bfloat16 (got {input.dtype})"
+    reason = _mkldnn_refusal("convolution", input, weight)
+    if reason:
+        return reason
     if other is not None and (other.dtype != input.dtype or other.dim() != input.dim()):
         return "the added tensor's dtype or rank differs from the convolution's"
     if other is not None and weight.dim() == 3:
@@ -240,12 +237,17 @@ def mkldnn_linear_supported(input: Tensor, weight: Tensor) -> str | None:
         >>> mkldnn_linear_supported(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3))
         'oneDNN fused linear needs float32 or bfloat16 (got torch.float64)'
     """
+    return _mkldnn_refusal("linear", input, weight)
+
+
+def _mkldnn_refusal(what: str, input: Tensor, weight: Tensor) -> str | None:
+    """What keeps any oneDNN fused ``what`` from running: the build, the device, the dtype."""
     if not mkldnn_available():
-        return "this torch build has no oneDNN fused linear"
+        return f"this torch build has no oneDNN fused {what}"
     if input.device.type != "cpu":
-        return f"oneDNN fused linear runs on CPU (input on {input.device.type})"
+        return f"oneDNN fused {what} runs on CPU (input on {input.device.type})"
     if input.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != input.dtype:
-        return f"oneDNN fused linear needs float32 or bfloat16 (got {input.dtype})"
+        return f"oneDNN fused {what} needs float32 or bfloat16 (got {input.dtype})"
     return None
 
 
