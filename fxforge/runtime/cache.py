@@ -54,7 +54,10 @@ class GraphCache:
         self.method = method
         self.graphs: dict[Hashable, Captured | None] = {}
         self.executables: dict[Hashable, torch.fx.GraphModule] = {}  # the graphs lowered to their kernels
-        self._parameters: list[nn.Parameter] | None = None
+        self._state: list[torch.Tensor] | None = None  # parameters and buffers, to watch for changes
+        self._versions: tuple[int, ...] = ()
+        self._eval_keys: set[Hashable] = set()
+        self._trained = False
         self.last: Captured | None = None
         self.capturing = False
         self._warned: set[str] = set()
@@ -75,7 +78,12 @@ class GraphCache:
         return self._entry(args, kwargs)[0]
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[Captured | None, torch.fx.GraphModule | None]:
-        key = input_signature(args, kwargs, self.module.training)
+        training = self.module.training
+        key = input_signature(args, kwargs, training)
+        if training:
+            self._trained = True
+        else:
+            self._drop_stale_eval_graphs()
         if key in self.graphs:
             return self.graphs[key], self.executables.get(key)
         try:
@@ -97,8 +105,25 @@ class GraphCache:
             return None, None
         self.graphs[key] = captured
         self.executables[key] = executable
+        if not training:
+            self._eval_keys.add(key)
+            self._versions = tuple(t._version for t in self._state or ())
         self.last = captured
         return captured, executable
+
+    def _drop_stale_eval_graphs(self) -> None:
+        """Eval graphs hold values computed from the weights (folded BatchNorm, prepacked convolutions):
+        drop them when a parameter or buffer changed in place, or after a training-mode call (BatchNorm
+        updates its statistics without marking the tensors changed)."""
+        if self._state is None:
+            self._state = [*self.module.parameters(), *self.module.buffers()]
+        versions = tuple(t._version for t in self._state)
+        if (self._trained or versions != self._versions) and self._eval_keys:
+            for key in self._eval_keys:
+                self.graphs.pop(key, None)
+                self.executables.pop(key, None)
+            self._eval_keys.clear()
+        self._versions, self._trained = versions, False
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         captured, executable = self._entry(args, kwargs)
@@ -112,9 +137,9 @@ class GraphCache:
         """Whether this call records gradients (the lowered graph's fused kernels have no autograd)."""
         if not torch.is_grad_enabled():
             return False
-        if self._parameters is None:
-            self._parameters = list(self.module.parameters())
-        if any(p.requires_grad for p in self._parameters):
+        if self._state is None:
+            self._state = [*self.module.parameters(), *self.module.buffers()]
+        if any(t.requires_grad for t in self._state):
             return True
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
@@ -123,6 +148,7 @@ class GraphCache:
         """Forget every graph (after new weights are loaded, or the module changed)."""
         self.graphs.clear()
         self.executables.clear()
-        self._parameters = None
+        self._eval_keys.clear()
+        self._state = None
         self.last = None
 

@@ -115,3 +115,19 @@ def test_dtype_change_and_attribute_passthrough():
     opt.double()
     x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
     assert opt(x).dtype == torch.float64 and model.conv.weight.dtype == torch.float64
+
+
+def test_eval_graphs_follow_weights_changed_in_place_and_training_steps():
+    """Folded and prepacked weights are snapshots: an in-place change or a training step re-optimizes."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    opt = fxforge.optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+        model[0].weight.mul_(2)
+        torch.testing.assert_close(opt(x), model(x))
+    opt.train()
+    opt(x * 3 + 1).sum().backward()  # BatchNorm's running statistics move
+    opt.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
