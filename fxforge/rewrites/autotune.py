@@ -133,7 +133,7 @@ def _constant(gm: torch.fx.GraphModule, value: Any) -> torch.Tensor | None:
     return attribute_tensor(gm, value.target)
 
 
-def tune_kernels(gm: torch.fx.GraphModule, ctx: PassContext, layout: str) -> tuple[float, list[tuple]]:
+def tune_kernels(gm: torch.fx.GraphModule) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
     Identical calls (same op, shapes, strides and settings) are timed once.
@@ -245,7 +245,7 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
                 continue
             with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
                 annotate(graph, args, kwargs, force=True)
-        total, choices = tune_kernels(graph, ctx, layout)
+        total, choices = tune_kernels(graph)
         candidates[layout] = (graph, total, choices)
     layout = min(candidates, key=lambda name: candidates[name][1])
     if FORCED.layout in candidates:
