@@ -137,8 +137,11 @@ def mkldnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, a
 def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars):
     _, attr, algorithm = ACTIVATIONS[activation]
     ops = torch.ops.mkldnn
-    if weight.dim() == 4:
-        shape = list(_value(input).shape)
+    value = _value(input)
+    # Prepacked weights make oneDNN write channels-last output; the op's output must keep the input's
+    # layout (as the composite does), so they are used for channels-last inputs only.
+    if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
+        shape = list(value.shape)
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
         weight = PACKED.get(weight, key, lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))

@@ -77,3 +77,14 @@ def test_fake_implementation_gives_shapes():
         y = conv_pointwise(x, w, None, [2, 2], [1, 1], [1, 1], 1, None, "relu", [], "mkldnn")
         z = linear_pointwise(torch.empty(5, 8), torch.empty(3, 8), None, "tanh", [], "mkldnn")
     assert y.shape == (2, 4, 5, 5) and z.shape == (5, 3)
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mkldnn_output_keeps_the_layout_the_composite_has(channels_last):
+    x, w, b, *conf, _ = conv_args(2, False)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    expected = conv_pointwise(x, w, b, *conf, None, "relu", [], "composite")
+    got = conv_pointwise(x, w, b, *conf, None, "relu", [], "mkldnn")
+    assert got.stride() == expected.stride()

@@ -243,8 +243,13 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         if layout == "channels-last":
             if not to_channels_last(graph):
                 continue
-            with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
-                annotate(graph, args, kwargs, force=True)
+            try:
+                with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
+                    annotate(graph, args, kwargs, force=True)
+                    _graph_timer(graph, args, kwargs)()  # fake tensors can miss a .view() that real strides refuse
+            except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
+                ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
+                continue
         total, choices = tune_kernels(graph)
         candidates[layout] = (graph, total, choices)
     layout = min(candidates, key=lambda name: candidates[name][1])

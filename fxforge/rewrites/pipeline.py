@@ -94,7 +94,12 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
         if not ctx.matches:
             continue
         if verify:
-            result = check_same(current, candidate, inputs, [captured.module, candidate], reference_outputs=reference)
+            try:
+                result = check_same(current, candidate, inputs, [captured.module, candidate], reference_outputs=reference)
+            except Exception as error:  # noqa: BLE001 - a rewritten graph that cannot run is rolled back
+                report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches),
+                                                     f"the rewritten graph raised {first_line(error)}"))
+                continue
             if not result.ok:
                 report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), result.reason))
                 continue

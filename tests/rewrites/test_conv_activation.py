@@ -244,3 +244,21 @@ def test_fused_graph_exports_with_its_custom_op():
     new = optimized(model, x)
     program = torch.export.export(new.graph_module, (x,))
     assert any(n.target is CONV for n in program.graph.nodes)
+
+
+def test_channels_last_that_cannot_run_is_skipped_with_the_reason():
+    class Viewing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 2)
+
+        def forward(self, x):
+            y = torch.relu(self.conv(x))
+            return self.fc(y.view(y.shape[0], -1))  # .view needs contiguous memory
+
+    model, x = Viewing().eval(), torch.randn(2, 3, 8, 8)
+    new = optimized(model, x, layout="channels-last")
+    layout = [t for t in new.report.tuning if t.subject == "layout"]
+    assert layout[0].note.startswith("channels-last cannot run this graph")
+    assert len(fused_nodes(new.graph_module)) == 1
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x))

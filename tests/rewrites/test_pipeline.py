@@ -132,3 +132,24 @@ def test_a_subtly_wrong_rewrite_is_still_caught():
     cap = fxforge.capture(model, (torch.randn(8, 64),))
     new = fxforge.rewrite(cap, [fxforge.Pass("off_by_a_tenth_percent", scale_first_weight)])
     assert [r.rule for r in new.report.rolled_back] == ["off_by_a_tenth_percent"]
+
+
+def explode_on_real_tensors(x):
+    """Runs under fake tensors (so shape propagation passes) and raises on real ones."""
+    if not torch._subclasses.fake_tensor.is_fake(x):
+        raise RuntimeError("boom on real data")
+    return x
+
+
+def test_a_rewritten_graph_that_raises_when_run_is_rolled_back():
+    def insert_explosion(gm, ctx):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        value = output.args[0]
+        with gm.graph.inserting_before(output):
+            output.args = (gm.graph.call_function(explode_on_real_tensors, (value,)),)
+        ctx.matched("explosion", [value])
+
+    _, cap = _captured()
+    new = fxforge.rewrite(cap, ["cleanup", fxforge.Pass("broken", insert_explosion)])
+    assert new.report.counts == {"cleanup": 1}
+    assert new.report.rolled_back[0].error == "the rewritten graph raised RuntimeError: boom on real data"
