@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +30,8 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 from torch.nn import functional as F
+
+from fxforge.tensor_cache import TensorCache
 
 KERNELS = ("composite", "mkldnn", "cudnn")
 
@@ -80,28 +81,8 @@ def linear_pointwise_composite(input: Tensor, weight: Tensor, bias: Tensor | Non
 
 # ---------------------------------------------------------------------------------------------- kernels
 
-class _PackedWeights:
-    """oneDNN-prepacked copies of weights, one per (weight, its version, the call's configuration).
-
-    Packing is done on the first call with a new input shape and kept while the weight tensor lives and
-    is not modified in place (its ``_version`` is part of the key).
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, tuple, Tensor]] = {}
-
-    def get(self, weight: Tensor, key: tuple, pack: Callable[[], Tensor]) -> Tensor:
-        key = (weight._version, *key)
-        entry = self._by_id.get(id(weight))
-        if entry is None or entry[0]() is not weight or entry[1] != key:
-            ident = id(weight)
-            ref = weakref.ref(weight, lambda _: self._by_id.pop(ident, None))
-            entry = (ref, key, pack())
-            self._by_id[ident] = entry
-        return entry[2]
-
-
-PACKED = _PackedWeights()
+# oneDNN-prepacked copies of weights, per weight, its version and the call's configuration.
+PACKED = TensorCache()
 
 
 def mkldnn_available() -> bool:
@@ -143,7 +124,7 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
     if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
         shape = list(value.shape)
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
-        weight = PACKED.get(weight, key, lambda: ops._reorder_convolution_weight(
+        weight = PACKED.get(weight, (weight._version, *key), lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))
     conv = (list(padding), list(stride), list(dilation), groups)
     if other is None:
@@ -226,11 +207,28 @@ def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activ
         _, attr, algorithm = ACTIVATIONS[activation]
         ops = torch.ops.mkldnn
         rows = _value(input).numel() // _value(input).shape[-1]
-        packed = PACKED.get(weight, ("linear", rows), lambda: ops._reorder_linear_weight(weight.detach(), rows))
+        packed = PACKED.get(weight, (weight._version, "linear", rows),
+                            lambda: ops._reorder_linear_weight(weight.detach(), rows))
         return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)
     if kernel != "composite":
         return f"no {kernel} kernel for linear"
     return linear_pointwise_composite, (input, weight, bias, activation, scalars)
+
+
+def kernel_or_composite(kernel_call: Callable, kernel: str, *args: Any) -> tuple[Callable, tuple]:
+    """``kernel_call(kernel, *args)``, or the composite where that kernel cannot run these arguments.
+
+    The composite defines the op, so falling back never changes what it computes.
+
+    Example:
+        >>> x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 1, 1)
+        >>> fn, _ = kernel_or_composite(conv_kernel_call, "cudnn", x, w, None, [1, 1], [0, 0], [1, 1], 1, None,
+        ...                             "relu", [])
+        >>> fn is conv_pointwise_composite
+        True
+    """
+    call = kernel_call(kernel, *args)
+    return kernel_call("composite", *args) if isinstance(call, str) else call
 
 
 def mkldnn_linear_supported(input: Tensor, weight: Tensor) -> str | None:
@@ -268,11 +266,8 @@ def conv_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, stride: S
         >>> torch.equal(y, torch.relu(torch.nn.functional.conv2d(x, w) + x))
         True
     """
-    call = conv_kernel_call(kernel, input, weight, bias, stride, padding, dilation, groups, other, activation, scalars)
-    if isinstance(call, str):  # the kernel cannot run these inputs: the composite defines the op
-        call = conv_kernel_call("composite", input, weight, bias, stride, padding, dilation, groups, other,
-                                activation, scalars)
-    fn, args = call
+    fn, args = kernel_or_composite(conv_kernel_call, kernel, input, weight, bias, stride, padding, dilation, groups,
+                                   other, activation, scalars)
     return fn(*args)
 
 
@@ -293,10 +288,7 @@ def linear_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, activat
         >>> torch.equal(linear_pointwise(x, w, None, "tanh", [], "composite"), torch.tanh(x @ w.T))
         True
     """
-    call = linear_kernel_call(kernel, input, weight, bias, activation, scalars)
-    if isinstance(call, str):
-        call = linear_kernel_call("composite", input, weight, bias, activation, scalars)
-    fn, args = call
+    fn, args = kernel_or_composite(linear_kernel_call, kernel, input, weight, bias, activation, scalars)
     return fn(*args)
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from fxforge.tensor_cache import TensorCache
 
 # (rtol, atol) per dtype; atol is scaled by the magnitude of the reference output.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -123,7 +124,7 @@ class _Snapshots:
     """
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._copies = TensorCache()
 
     def take(self, modules: Sequence[torch.nn.Module]) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
         """``(buffer, its version or None to always restore, a copy)`` for each buffer of ``modules``."""
@@ -133,13 +134,9 @@ class _Snapshots:
                 if buf is None or id(buf) in seen:
                     continue
                 seen.add(id(buf))
-                entry = self._by_id.get(id(buf))
-                if entry is None or entry[0]() is not buf or entry[1] != buf._version:
-                    ident = id(buf)
-                    ref = weakref.ref(buf, lambda _, ident=ident: self._by_id.pop(ident, None))
-                    entry = (ref, buf._version, buf.detach().clone())
-                    self._by_id[ident] = entry
-                saved.append((buf, None if owner.training else entry[1], entry[2]))
+                version = buf._version
+                copy = self._copies.get(buf, version, lambda buf=buf: buf.detach().clone())
+                saved.append((buf, None if owner.training else version, copy))
         return saved
 
 

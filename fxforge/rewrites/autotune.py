@@ -34,7 +34,7 @@ import torch
 from torch.fx import Node
 
 from fxforge.capture.meta import annotate
-from fxforge.rewrites.graph_utils import attribute_tensor, copy_graph_module
+from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
 from fxforge.rewrites.passes import PassContext
 from fxforge.verify import isolated
 
@@ -126,26 +126,15 @@ def _random_like_meta(value: Any) -> Any:
     return out.normal_() if out.is_floating_point() else out.zero_()
 
 
-def _constant(gm: torch.fx.GraphModule, value: Any) -> torch.Tensor | None:
-    """The real tensor behind a ``get_attr`` node (a weight, a bias), else None."""
-    if not isinstance(value, Node) or value.op != "get_attr":
-        return None
-    return attribute_tensor(gm, value.target)
-
-
 def tune_kernels(gm: torch.fx.GraphModule) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
     Identical calls (same op, shapes, strides and settings) are timed once.
     """
-    from fxforge.runtime.lowering import FUSED_OPS
+    from fxforge.runtime.lowering import fused_calls
 
     total, choices, seen = 0.0, [], {}
-    for node in gm.graph.nodes:
-        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
-        weight = _constant(gm, node.args[1]) if kernel_call else None
-        if weight is None or node.kwargs:
-            continue
+    for node, kernel_call, weight in fused_calls(gm):
         *op_args, _ = node.args
         values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
         key = (node.target, *(tuple(v.shape) + tuple(v.stride()) if isinstance(v, torch.Tensor) else str(v)
@@ -153,7 +142,7 @@ def tune_kernels(gm: torch.fx.GraphModule) -> tuple[float, list[tuple]]:
         if key not in seen:
             real = [_random_like_meta(v) for v in values]
             real[1] = weight
-            bias = _constant(gm, op_args[2])
+            bias = constant_tensor(gm, op_args[2])
             real[2] = bias if bias is not None else real[2]
             calls, reasons = {}, {}
             for kernel in kernels_for(real[0].device):
@@ -237,25 +226,28 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         ctx.tuned("graph", "composite", {}, "no example inputs to time on; kernels left as the composite")
         return
     args, kwargs = ctx.example_args, ctx.example_kwargs or {}
-    candidates: dict[str, tuple[torch.fx.GraphModule, float, list]] = {}
+    candidates: dict[str, tuple[torch.fx.GraphModule, float, list, Callable[[], Any] | None]] = {}
     for layout in ("as captured", "channels-last"):
-        graph = copy_graph_module(gm)
+        graph, runner = copy_graph_module(gm), None
         if layout == "channels-last":
             if not to_channels_last(graph):
                 continue
             try:
                 with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
                     annotate(graph, args, kwargs, force=True)
-                    _graph_timer(graph, args, kwargs)()  # fake tensors can miss a .view() that real strides refuse
+                    total, choices = tune_kernels(graph)
+                    runner = _graph_timer(graph, args, kwargs)
+                    runner()  # fake tensors can miss a .view() that real strides refuse
             except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
                 ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
                 continue
-        total, choices = tune_kernels(graph)
-        candidates[layout] = (graph, total, choices)
+        else:
+            total, choices = tune_kernels(graph)
+        candidates[layout] = (graph, total, choices, runner)
     layout = min(candidates, key=lambda name: candidates[name][1])
     if FORCED.layout in candidates:
         layout = FORCED.layout
-    chosen, _, choices = candidates[layout]
+    chosen, _, choices, runner = candidates[layout]
     for name, best, timings, reasons in choices:
         ctx.tuned(name, best, timings, "; ".join(f"{k}: {v}" for k, v in reasons.items()))
     sums = {name: round(c[1], 3) for name, c in candidates.items()}
@@ -266,7 +258,7 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
     else:
         with isolated(before, chosen):
-            timings = time_interleaved({"fused": _graph_timer(chosen, args, kwargs),
+            timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
                                         "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S)
         keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
         ratio = timings["before"] / timings["fused"]

@@ -166,6 +166,19 @@ def attribute_tensor(gm: torch.nn.Module, target: str) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
+def constant_tensor(gm: torch.nn.Module, value: Any) -> torch.Tensor | None:
+    """The real tensor a ``get_attr`` node reads (a weight, a bias), else None.
+
+    Example:
+        >>> g = torch.fx.Graph(); w = g.get_attr("weight")
+        >>> constant_tensor(torch.nn.Linear(2, 3), w).shape
+        torch.Size([3, 2])
+    """
+    if not isinstance(value, torch.fx.Node) or value.op != "get_attr":
+        return None
+    return attribute_tensor(gm, value.target)
+
+
 def fake_value(node: Any) -> torch.Tensor | None:
     """The FakeTensor recorded on a node (``meta['val']``), or None when it has none or is no tensor.
 

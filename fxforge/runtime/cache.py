@@ -107,17 +107,21 @@ class GraphCache:
         self.executables[key] = executable
         if not training:
             self._eval_keys.add(key)
-            self._versions = tuple(t._version for t in self._state or ())
+            self._versions = tuple(t._version for t in self._watched())
         self.last = captured
         return captured, executable
+
+    def _watched(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers (listed once; ``clear()`` lists them again)."""
+        if self._state is None:
+            self._state = [*self.module.parameters(), *self.module.buffers()]
+        return self._state
 
     def _drop_stale_eval_graphs(self) -> None:
         """Eval graphs hold values computed from the weights (folded BatchNorm, prepacked convolutions):
         drop them when a parameter or buffer changed in place, or after a training-mode call (BatchNorm
         updates its statistics without marking the tensors changed)."""
-        if self._state is None:
-            self._state = [*self.module.parameters(), *self.module.buffers()]
-        versions = tuple(t._version for t in self._state)
+        versions = tuple(t._version for t in self._watched())
         if (self._trained or versions != self._versions) and self._eval_keys:
             for key in self._eval_keys:
                 self.graphs.pop(key, None)
@@ -137,9 +141,7 @@ class GraphCache:
         """Whether this call records gradients (the lowered graph's fused kernels have no autograd)."""
         if not torch.is_grad_enabled():
             return False
-        if self._state is None:
-            self._state = [*self.module.parameters(), *self.module.buffers()]
-        if any(t.requires_grad for t in self._state):
+        if any(t.requires_grad for t in self._watched()):
             return True
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)

@@ -21,16 +21,34 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 from torch.fx import Node
 
 from fxforge import fused_ops
-from fxforge.rewrites.graph_utils import attribute_tensor, copy_graph_module
+from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
 
 FUSED_OPS = {
     torch.ops.fxforge.conv_pointwise.default: fused_ops.conv_kernel_call,
     torch.ops.fxforge.linear_pointwise.default: fused_ops.linear_kernel_call,
 }
+
+
+def fused_calls(graph_module: torch.fx.GraphModule) -> Iterator[tuple[Node, Callable, torch.Tensor]]:
+    """``(node, its kernel_call, its real weight)`` for each fused op whose weight is a parameter or buffer.
+
+    Only these can be lowered or timed: oneDNN packs the weight ahead of the call.
+
+    Example:
+        >>> list(fused_calls(torch.fx.symbolic_trace(torch.nn.ReLU())))
+        []
+    """
+    for node in graph_module.graph.nodes:
+        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
+        weight = constant_tensor(graph_module, node.args[1]) if kernel_call and not node.kwargs else None
+        if weight is not None:
+            yield node, kernel_call, weight
 
 
 def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -52,18 +70,9 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new = copy_graph_module(graph_module)
     graph = new.graph
     packed = 0
-    for node in list(graph.nodes):
-        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
-        if kernel_call is None or node.kwargs or not isinstance(node.args[1], Node) or node.args[1].op != "get_attr":
-            continue
+    for node, kernel_call, weight in list(fused_calls(new)):
         *op_args, kernel = node.args
-        weight = attribute_tensor(new, node.args[1].target)
-        if weight is None:
-            continue
-        call = kernel_call(kernel, op_args[0], weight, *op_args[2:])
-        if isinstance(call, str):
-            call = kernel_call("composite", op_args[0], weight, *op_args[2:])
-        fn, args = call
+        fn, args = fused_ops.kernel_or_composite(kernel_call, kernel, op_args[0], weight, *op_args[2:])
         with graph.inserting_before(node):
             if fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite):
                 tracer = torch.fx.proxy.GraphAppendingTracer(graph)
