@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fxforge.capture.export import export_graph_module
-from fxforge.capture.fx_trace import OpaqueModule, TraceFailure, trace_with_leaves
+from fxforge.capture.fx_trace import OpaqueModule, TraceFailure, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
 from fxforge.capture.meta import annotate
 from fxforge.capture.source import first_line, user_frame_of
@@ -126,6 +126,9 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
     if method in ("auto", "fx"):
         try:
             traced = trace_with_leaves(module, args, kwargs)
+            if isinstance(reference, dict) and type(reference) is not dict:
+                # Tracing records a returned ModelOutput as a plain dict; give the graph the model's type.
+                restore_output_type(traced.graph_module, type(reference))
             if check:
                 _check(module, traced.graph_module, args, kwargs, reference)
         except Exception as error:  # noqa: BLE001

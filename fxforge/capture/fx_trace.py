@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -77,13 +78,94 @@ class TraceResult:
     opaque: list[OpaqueModule]
 
 
-class _LeafTracer(torch.fx.Tracer):
-    """A tracer that records stack traces, keeps given submodules opaque, and notes where it broke."""
+# What a branch on a traced value may depend on to be decided from the example inputs' shapes alone.
+SHAPE_METHODS = {"size", "dim", "ndimension", "numel"}
+SHAPE_ATTRIBUTES = {"shape", "ndim", "dtype", "device", "is_cuda", "is_floating_point"}
+SHAPE_FUNCTIONS = {getattr, operator.getitem, len, operator.not_, operator.truth, operator.neg,
+                   *(getattr(operator, n) for n in ("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul",
+                                                    "floordiv", "truediv", "mod", "and_", "or_"))}
 
-    def __init__(self, leaves: set[str]):
+
+def shape_value(node: torch.fx.Node, inputs: dict[str, Any]) -> tuple[bool, Any]:
+    """``(True, value)`` when ``node`` computes a Python value from input shapes, dtypes and devices only
+    (``x.shape[1] != 3``), evaluated on ``inputs`` (placeholder name -> example value); ``(False, None)``
+    when it depends on tensor data or on anything else.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> n = g.call_function(operator.getitem, (g.call_method("size", (x,)), 1))
+        >>> shape_value(g.call_function(operator.ne, (n, 3)), {"x": torch.ones(2, 3)})
+        (True, False)
+    """
+    values: dict[torch.fx.Node, Any] = {}
+
+    def evaluate(n: torch.fx.Node) -> Any:
+        if n in values:
+            return values[n]
+        if n.op == "placeholder":
+            if n.target not in inputs:
+                raise LookupError(n.target)
+            result = inputs[n.target]
+        elif (n.op == "call_method" and n.target in SHAPE_METHODS) or (
+            n.op == "call_function" and n.target in SHAPE_FUNCTIONS
+            and (n.target is not getattr or n.args[1] in SHAPE_ATTRIBUTES)
+        ):
+            args = torch.fx.node.map_arg(n.args, evaluate)
+            kwargs = torch.fx.node.map_arg(n.kwargs, evaluate)
+            if n.op == "call_method":
+                result = getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                result = n.target(*args, **kwargs)
+            if isinstance(result, torch.Tensor):
+                raise LookupError("a tensor value")
+        else:
+            raise LookupError(n.format_node())
+        values[n] = result
+        return result
+
+    try:
+        return True, evaluate(node)
+    except (LookupError, TypeError, ValueError, AttributeError):
+        return False, None
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """A tracer that records stack traces, keeps given submodules opaque, and notes where it broke.
+
+    A branch on a value computed from input shapes only (``if x.shape[1] != self.channels: raise``) is
+    decided from the example inputs, and a ``torch._assert`` guard in the graph makes a call whose shapes
+    would take the other branch fail loudly (graphs are specialised to their input shapes anyway).
+    """
+
+    def __init__(self, leaves: set[str], inputs: dict[str, Any] | None = None):
         super().__init__()
         self.record_stack_traces = True
         self.leaves = leaves
+        self.inputs = inputs or {}
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        known, value = shape_value(obj.node, self.inputs)
+        if not known:
+            return super().to_bool(obj)
+        taken = bool(value)
+        condition = obj if taken else self.create_proxy("call_function", operator.not_, (obj,), {})
+        self.guard(condition, f"`{obj.node.name}` is {taken}")
+        return taken
+
+    def to_number(self, obj: torch.fx.Proxy, kind: type) -> Any:
+        """``int(x.shape[-1])``: the example's value, guarded like a branch."""
+        known, value = shape_value(obj.node, self.inputs)
+        if not known or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{kind.__name__}() of a traced value that does not come from input shapes alone")
+        self.guard(self.create_proxy("call_function", operator.eq, (obj, value), {}), f"`{obj.node.name}` == {value}")
+        return kind(value)
+
+    def guard(self, condition: torch.fx.Proxy, what: str) -> None:
+        message = f"fxforge: the graph was traced for inputs where {what}; these inputs differ"
+        self.create_proxy("call_function", torch._assert, (condition, message), {})
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
@@ -100,6 +182,16 @@ class _LeafTracer(torch.fx.Tracer):
             if qualname is not None and not hasattr(error, "_fxforge_module"):
                 error._fxforge_module = qualname  # type: ignore[attr-defined]
             raise
+
+
+class _ShapeProxy(torch.fx.Proxy):
+    """A proxy that can become a Python number when it is computed from input shapes (``int(x.shape[2])``)."""
+
+    def __int__(self) -> int:
+        return self.tracer.to_number(self, int)
+
+    def __float__(self) -> float:
+        return self.tracer.to_number(self, float)
 
 
 # Python values symbolic tracing can specialise on (torch.fx asserts them at run time, so a call with another
@@ -155,6 +247,59 @@ def _restore_placeholder_names(graph: torch.fx.Graph, concrete: dict[str, Any]) 
             taken.add(base)
 
 
+class OutputTypeCodeGen(torch.fx.graph.CodeGen):
+    """Code generation that returns the graph's output dict as an instance of the module's own dict type.
+
+    Symbolic tracing records a returned ``dict`` subclass (a transformers ``ModelOutput``) as a plain dict,
+    so the graph would return ``{"logits": ...}`` where the model returns ``ModelOutput(logits=...)``.
+    This codegen rebuilds the type with keyword arguments, in the generated code and in
+    ``torch.fx.Interpreter`` runs alike.
+
+    Example:
+        >>> import collections
+        >>> gm = torch.fx.symbolic_trace(lambda x: {"y": x})
+        >>> restore_output_type(gm, collections.OrderedDict)
+        True
+        >>> type(gm(torch.ones(1))).__name__
+        'OrderedDict'
+    """
+
+    def __init__(self, output_type: type):
+        super().__init__()
+        self.output_type = output_type
+        self.global_name = f"_fxforge_output_type_{output_type.__name__}"
+
+    def additional_globals(self) -> list[tuple[str, Any]]:
+        return [(self.global_name, self.output_type)]
+
+    def generate_output(self, output_args: Any, *, descs: Any = None, repr_fn: Any = None) -> str:
+        repr_fn = repr_fn or repr
+        fields = ", ".join(f"{key}={repr_fn(value)}" for key, value in output_args.items())
+        return f"return {self.global_name}({fields})"
+
+    def process_outputs(self, outputs: Any) -> Any:
+        return self.output_type(**outputs)
+
+
+def restore_output_type(graph_module: torch.fx.GraphModule, output_type: type) -> bool:
+    """Make ``graph_module`` return its output dict as ``output_type`` (a ``dict`` subclass taking its
+    keys as keyword arguments, such as a transformers ``ModelOutput``); see :class:`OutputTypeCodeGen`.
+
+    Returns False, changing nothing, when the graph does not return a plain dict with identifier keys
+    or already has its own code generation (a flattened container input).
+    """
+    graph = graph_module.graph
+    output = graph.output_node()
+    value = output.args[0] if output.args else None
+    if type(graph._codegen) is not torch.fx.graph.CodeGen or not isinstance(value, dict):
+        return False
+    if not all(isinstance(key, str) and key.isidentifier() for key in value):
+        return False
+    graph._codegen = OutputTypeCodeGen(output_type)
+    graph_module.recompile()
+    return True
+
+
 def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: int = 64) -> TraceResult:
     """Symbolically trace ``module``, keeping opaque each submodule in which tracing breaks.
 
@@ -174,11 +319,12 @@ def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: 
         if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values() if p.name in bound.arguments):
             raise TraceFailure("**kwargs inputs cannot be traced symbolically", None)
     concrete = concrete_args_for(module, args, kwargs)
+    example_inputs = dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
     leaves: set[str] = set()
     opaque: list[OpaqueModule] = []
     modules = dict(module.named_modules())
     while True:
-        tracer = _LeafTracer(leaves)
+        tracer = _LeafTracer(leaves, example_inputs)
         try:
             graph = tracer.trace(module, concrete_args=concrete or None)
         except Exception as error:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import fxforge
 from fxforge.capture import CaptureError, OpaqueModule
@@ -223,6 +224,84 @@ def test_export_keeps_the_output_structure():
         out = fxforge.capture(model, (x,), method=method).graph_module(x)
         assert isinstance(out, dict) and isinstance(out["pair"], tuple), method
         assert compare_outputs(model(x), out).ok, method
+
+
+# --- symbolic tracing through shape checks and returned dict types -------------------------------------------
+
+
+class ChecksChannels(nn.Module):
+    """Input validation on shapes (as transformers' embeddings do) and a number taken from a shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[-1] != self.lin.in_features:
+            raise ValueError("wrong number of features")
+        rows = int(x.shape[0])
+        return self.lin(x).view(rows, -1)
+
+
+def test_fx_decides_shape_only_branches_from_the_example_and_guards_them():
+    model = ChecksChannels()
+    cap = fxforge.capture(model, (torch.randn(3, 4),), method="auto")
+    assert (cap.method, cap.opaque) == ("fx", [])
+    reproduces(model, cap, (torch.randn(3, 4),))
+    asserts = [n for n in cap.graph_module.graph.nodes if n.target is torch._assert]
+    assert len(asserts) == 2  # the branch and int(x.shape[0])
+    # Inputs whose shapes would take another branch (or give another number) fail loudly.
+    with pytest.raises(AssertionError, match="fxforge: the graph was traced for inputs where"):
+        cap.graph_module(torch.randn(2, 4))
+
+
+def test_fx_still_refuses_a_branch_on_tensor_data():
+    model = Net(DataDependentGate())
+    cap = fxforge.capture(model, (torch.randn(3, 4),), method="fx")
+    assert [o.name for o in cap.opaque] == ["inner"]
+
+
+class NamedOutput(dict):
+    """A dict subclass taking its keys as keyword arguments, registered as a pytree, like transformers'
+    ``ModelOutput``."""
+
+
+pytree.register_pytree_node(
+    NamedOutput,
+    lambda d: (list(d.values()), list(d)),
+    lambda values, keys: NamedOutput(zip(keys, values)),
+    flatten_with_keys_fn=lambda d: ([(pytree.MappingKey(k), v) for k, v in d.items()], list(d)),
+)
+
+
+class ReturnsNamedOutput(nn.Module):
+    def forward(self, x):
+        return NamedOutput(double=x * 2, half=x / 2)
+
+
+def test_fx_graph_returns_the_models_own_dict_type():
+    model = ReturnsNamedOutput()
+    cap = fxforge.capture(model, (torch.randn(2),), method="fx")
+    out = cap.graph_module(torch.ones(2))
+    assert type(out) is NamedOutput and list(out) == ["double", "half"]
+    # Interpreter runs (shape propagation, profiling) see the same type.
+    assert type(torch.fx.Interpreter(cap.graph_module).run(torch.ones(2))) is NamedOutput
+    rewritten = fxforge.rewrite(cap)
+    assert type(rewritten.graph_module(torch.ones(2))) is NamedOutput
+
+
+@pytest.mark.slow
+def test_transformers_resnet_is_symbolically_traced():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], num_labels=3)
+    model = ResNetForImageClassification(config).eval()
+    x = torch.randn(1, 3, 32, 32)
+    cap = fxforge.capture(model, (x,))
+    assert (cap.method, cap.opaque, cap.report.notes) == ("fx", [], [])
+    assert type(cap.graph_module(x)) is type(model(x))
+    reproduces(model, cap, (x,))
 
 
 # --- auto ----------------------------------------------------------------------------------------------------
