@@ -45,6 +45,8 @@ GRAPH_BUDGET_S = 0.25
 MIN_REPS, MAX_REPS = 3, 25
 # The fused graph must beat the graph before it by this fraction to be kept (timing noise).
 MARGIN = 0.02
+# Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
+DECISIVE = 0.05
 
 
 @dataclasses.dataclass
@@ -95,42 +97,63 @@ def kernels_for(device: torch.device) -> tuple[str, ...]:
     return ("composite", *extra)
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float) -> dict[str, float]:
+def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
+                     decisive: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
+
+    Args:
+        calls: name -> callable to time.
+        budget_s: seconds to spend in total, roughly (at least ``MIN_REPS`` rounds, at most ``MAX_REPS``).
+        warmed: names already run once (their warm-up is skipped).
+        decisive: with two calls, stop after two rounds when every sample of one is below every sample of
+            the other by this fraction (more rounds would not change the choice).
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
-    first = {}
+    samples: dict[str, list[float]] = {}
     for name, call in calls.items():
-        call()  # warm-up: packing, allocator, caches
+        if name not in warmed:
+            call()  # warm-up: packing, allocator, caches
         start = time.perf_counter()
         call()
-        first[name] = time.perf_counter() - start
-    total = sum(first.values()) or 1e-6
+        samples[name] = [time.perf_counter() - start]
+    total = sum(s[0] for s in samples.values()) or 1e-6
     reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
-    samples: dict[str, list[float]] = {name: [first[name]] for name in calls}
-    for _ in range(reps - 1):
+    for rep in range(1, reps):
         for name, call in calls.items():
             start = time.perf_counter()
             call()
             samples[name].append(time.perf_counter() - start)
+        if decisive is not None and rep >= 1 and len(samples) == 2 and _separated(*samples.values(), decisive):
+            break
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 
-def _random_like_meta(value: Any) -> Any:
+def _separated(a: list[float], b: list[float], fraction: float) -> bool:
+    return max(a) < min(b) * (1 - fraction) or max(b) < min(a) * (1 - fraction)
+
+
+def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
+    """A real tensor like the fake ``value`` (same shape, strides, dtype, device), drawn once per pool and
+    argument position (two arguments of one call never share memory: a kernel may write into one)."""
     if not isinstance(value, torch.Tensor):
         return value
-    out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-    return out.normal_() if out.is_floating_point() else out.zero_()
+    key = (position, tuple(value.shape), value.stride(), value.dtype, value.device)
+    if key not in pool:
+        out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        pool[key] = out.uniform_(-1, 1) if out.is_floating_point() else out.zero_()
+    return pool[key]
 
 
-def tune_kernels(gm: torch.fx.GraphModule) -> tuple[float, list[tuple]]:
+def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
-    Identical calls (same op, shapes, strides and settings) are timed once.
+    Identical calls (same op, shapes, strides and settings) are timed once; random inputs of the same
+    shape and strides are drawn once (``pool``, shared between calls when given).
     """
+    pool = {} if pool is None else pool
     from fxforge.runtime.lowering import fused_calls
 
     total, choices, seen = 0.0, [], {}
@@ -140,7 +163,7 @@ def tune_kernels(gm: torch.fx.GraphModule) -> tuple[float, list[tuple]]:
         key = (node.target, *(tuple(v.shape) + tuple(v.stride()) if isinstance(v, torch.Tensor) else str(v)
                               for v in values))
         if key not in seen:
-            real = [_random_like_meta(v) for v in values]
+            real = [_random_like_meta(v, pool, i) for i, v in enumerate(values)]
             real[1] = weight
             bias = constant_tensor(gm, op_args[2])
             real[2] = bias if bias is not None else real[2]
@@ -227,6 +250,7 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         return
     args, kwargs = ctx.example_args, ctx.example_kwargs or {}
     candidates: dict[str, tuple[torch.fx.GraphModule, float, list, Callable[[], Any] | None]] = {}
+    pool: dict = {}
     for layout in ("as captured", "channels-last"):
         graph, runner = copy_graph_module(gm), None
         if layout == "channels-last":
@@ -235,14 +259,14 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
             try:
                 with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
                     annotate(graph, args, kwargs, force=True)
-                    total, choices = tune_kernels(graph)
+                    total, choices = tune_kernels(graph, pool)
                     runner = _graph_timer(graph, args, kwargs)
                     runner()  # fake tensors can miss a .view() that real strides refuse
             except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
                 ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
                 continue
         else:
-            total, choices = tune_kernels(graph)
+            total, choices = tune_kernels(graph, pool)
         candidates[layout] = (graph, total, choices, runner)
     layout = min(candidates, key=lambda name: candidates[name][1])
     if FORCED.layout in candidates:
@@ -258,8 +282,10 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
     else:
         with isolated(before, chosen):
+            # A channels-last candidate already ran once (its check); its warm-up is done.
             timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
-                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S)
+                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
+                                       warmed=("fused",) if runner else (), decisive=DECISIVE)
         keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
         ratio = timings["before"] / timings["fused"]
         note = f"{ratio:.2f}x the speed of the graph before" + ("" if keep == "fused" else "; not faster, undone")

@@ -245,4 +245,5 @@ def run_cleanup(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     remove_dead_code(gm, ctx)
 
 
-CLEANUP = Pass("cleanup", run_cleanup, "remove dead code, eval-mode dropout, identities, same-dtype/shape/layout no-ops")
+CLEANUP = Pass("cleanup", run_cleanup, "remove dead code, eval-mode dropout, identities, same-dtype/shape/layout no-ops",
+               keeps_meta=True)

@@ -188,4 +188,4 @@ def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
 
 CONV_ACTIVATION = Pass("conv_activation", fuse_and_tune,
                        "conv (+ residual add) + activation and linear + activation -> one fused op, kept where "
-                       "autotune measured it faster")
+                       "autotune measured it faster", keeps_meta=True)

@@ -73,6 +73,9 @@ class Pass:
         name: how users select it (``rewrites=["cleanup"]``) and how the report counts it.
         run: ``(graph_module, ctx) -> None``; edits the graph in place.
         description: one line for ``fxforge rewrites``.
+        keeps_meta: the pass gives every node it creates shape metadata (``meta['val']``; the pattern
+            engine does), so after it the pipeline only fills nodes that lack it instead of propagating
+            shapes through the whole graph again.
 
     Example:
         >>> Pass("x", lambda gm, ctx: None, "one line").description
@@ -82,6 +85,7 @@ class Pass:
     name: str
     run: Callable[[torch.fx.GraphModule, PassContext], None]
     description: str = ""
+    keeps_meta: bool = False
 
     def apply(self, graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
         """Run the pass on ``graph_module`` (the pipeline calls this)."""

@@ -457,6 +457,7 @@ class Rule:
     check: Callable[[Match], str | None] | None = None
     fold: bool = False
     description: str = ""
+    keeps_meta = True  # the engine gives each node it creates shape metadata (see Pass.keeps_meta)
 
     def __post_init__(self) -> None:
         self.pattern_graph = Pattern(self.pattern)
@@ -473,7 +474,7 @@ def rules_pass(name: str, rules: list[Rule], description: str = "") -> Pass:
         >>> rules_pass("double", [Rule("x+x", lambda x: x + x, lambda x: x * 2)]).name
         'double'
     """
-    return Pass(name, lambda gm, ctx: apply_rules(gm, ctx, rules), description)
+    return Pass(name, lambda gm, ctx: apply_rules(gm, ctx, rules), description, keeps_meta=True)
 
 
 def register(rule: Rule | Pass) -> Rule | Pass:

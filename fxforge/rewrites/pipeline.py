@@ -52,16 +52,18 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) -> Captured:
     """Apply rewrites to a captured graph and return a new ``Captured`` with a report.
 
-    Passes run in order. Each works on a copy of the graph (parameters shared, never modified), the
-    graph is linted after it, and with ``verify=True`` its output is compared with the graph before it on
-    the example inputs and on random inputs of the same shapes and dtypes (same RNG seed, buffers
-    restored). A pass that raises or changes results beyond tolerance is rolled back and reported with
-    the error it caused.
+    Passes run in order. Each works on a copy of the graph (parameters shared, never modified) and the
+    graph is linted after it. With ``verify=True`` the rewritten graph is compared with the captured one
+    on the example inputs and on random inputs of the same shapes and dtypes (same RNG seed, buffers
+    restored). When they agree, every pass is verified at once; when they do not (or the rewritten graph
+    raises), the passes run again one at a time, each checked against the graph before it, and a pass
+    that raises or changes results beyond tolerance is rolled back and reported with the error it caused.
 
     Args:
         captured: from :func:`fxforge.capture`; left unchanged.
         rewrites: ``"default"``, a list of built-in names, or pass objects.
-        verify: check each pass numerically (recommended; costs one run of the graph per input per pass).
+        verify: check the rewrites numerically (recommended; costs one run of the graph per input, more
+            only when a pass has to be found and rolled back).
 
     Example:
         >>> import fxforge
@@ -71,11 +73,40 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
         ({'cleanup': 1}, True)
     """
     passes = resolve(rewrites)
+    if not verify:
+        report = captured.report.copy()
+        current = _apply(passes, captured, report, check=None)
+        return _finish(captured, current, report)
+    inputs = verification_inputs(captured)
+    reference = _outputs(captured.graph_module, inputs, [captured.module, captured.graph_module])
     report = captured.report.copy()
+    current = _apply(passes, captured, report, check=None)
+    if report.matches:
+        try:
+            result = check_same(captured.graph_module, current, inputs, [captured.module, current],
+                                reference_outputs=reference)
+        except Exception:  # noqa: BLE001 - found and reported below, pass by pass
+            result = None
+        if result is not None and result.ok:
+            applied = ", ".join(dict.fromkeys(m.rule for m in report.matches))
+            report.verified.append(f"{applied}: verified together, max abs error {result.max_abs_err:.3g}")
+        else:
+            report = captured.report.copy()
+            current = _apply(passes, captured, report, check=(inputs, reference))
+    return _finish(captured, current, report)
+
+
+def _finish(captured: Captured, current: torch.fx.GraphModule, report: Any) -> Captured:
+    report.nodes_after = len(current.graph.nodes)
+    return captured.replace(graph_module=current, report=report)
+
+
+def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, list] | None) -> torch.fx.GraphModule:
+    """Run ``passes`` from the captured graph, recording into ``report``; with ``check=(inputs,
+    reference outputs)`` verify each pass (its graph against the captured one's outputs, so errors
+    cannot drift from pass to pass) and roll back those that differ."""
     current = captured.graph_module
-    modules = [captured.module, current]
-    inputs = verification_inputs(captured) if verify else []
-    reference = _outputs(current, inputs, modules) if verify else None
+    reference = check[1] if check else None
     for rewrite_pass in passes:
         ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method,
                           example_args=captured.example_args, example_kwargs=captured.example_kwargs)
@@ -85,7 +116,9 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
             candidate.graph.lint()
             candidate.recompile()
             if ctx.matches:
-                annotate(candidate, captured.example_args, captured.example_kwargs, force=True)
+                # Passes that keep shape metadata up to date only need the nodes that lack it filled.
+                force = not getattr(rewrite_pass, "keeps_meta", False)
+                annotate(candidate, captured.example_args, captured.example_kwargs, force=force)
         except Exception as error:  # noqa: BLE001 - a broken pass is rolled back, never fatal
             report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), f"raised {first_line(error)}"))
             continue
@@ -93,9 +126,11 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
         report.tuning.extend(ctx.tuning)
         if not ctx.matches:
             continue
-        if verify:
+        if check is not None:
+            inputs = check[0]
+            modules = [captured.module, candidate]
             try:
-                result = check_same(current, candidate, inputs, [captured.module, candidate], reference_outputs=reference)
+                result = check_same(current, candidate, inputs, modules, reference_outputs=reference)
             except Exception as error:  # noqa: BLE001 - a rewritten graph that cannot run is rolled back
                 report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches),
                                                      f"the rewritten graph raised {first_line(error)}"))
@@ -106,5 +141,4 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
             report.verified.append(f"{rewrite_pass.name}: max abs error {result.max_abs_err:.3g}")
         report.matches.extend(ctx.matches)
         current = candidate
-    report.nodes_after = len(current.graph.nodes)
-    return captured.replace(graph_module=current, report=report)
+    return current

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -172,7 +174,7 @@ def test_autotune_reverts_when_fused_is_slower(monkeypatch):
     model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
     cap = fxforge.capture(model, (x,))
 
-    def slow_fused(calls, budget):
+    def slow_fused(calls, budget, **_):
         return {name: (2.0 if name in ("fused", "mkldnn") else 1.0) for name in calls}
 
     monkeypatch.setattr(autotune, "time_interleaved", slow_fused)
@@ -187,7 +189,7 @@ def test_autotune_reverts_when_fused_is_slower(monkeypatch):
 def test_autotune_keeps_the_faster_kernel_and_reports_timings(monkeypatch):
     model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
 
-    def mkldnn_faster(calls, budget):
+    def mkldnn_faster(calls, budget, **_):
         return {name: (1.0 if name in ("fused", "mkldnn") else 3.0) for name in calls}
 
     monkeypatch.setattr(autotune, "time_interleaved", mkldnn_faster)
@@ -262,3 +264,19 @@ def test_channels_last_that_cannot_run_is_skipped_with_the_reason():
     assert layout[0].note.startswith("channels-last cannot run this graph")
     assert len(fused_nodes(new.graph_module)) == 1
     torch.testing.assert_close(lower(new.graph_module)(x), model(x))
+
+
+def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
+    counts = {"quick": 0, "slow": 0}
+
+    def quick():
+        counts["quick"] += 1
+
+    def slow():
+        counts["slow"] += 1
+        time.sleep(0.003)
+
+    timings = autotune.time_interleaved({"quick": quick, "slow": slow}, 1.0, warmed=("quick",), decisive=0.05)
+    assert timings["quick"] < timings["slow"]
+    # quick: no warm-up, then two rounds; slow: a warm-up, then two rounds. Without `decisive`, 1 s buys 25.
+    assert counts == {"quick": 2, "slow": 3}

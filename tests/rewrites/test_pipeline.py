@@ -55,6 +55,25 @@ def test_wrong_pass_is_rolled_back_and_reported():
     torch.testing.assert_close(new.graph_module(x), model(x))
 
 
+def test_good_passes_are_verified_together():
+    _, cap = _captured()
+    harmless = fxforge.Pass("harmless", lambda gm, ctx: ctx.matched("looked", []), "matches, changes nothing")
+    new = fxforge.rewrite(cap, ["cleanup", harmless])
+    assert new.report.counts == {"cleanup": 1, "harmless": 1} and not new.report.rolled_back
+    assert len(new.report.verified) == 1 and new.report.verified[0].startswith("cleanup, harmless: verified together")
+
+
+def test_a_wrong_pass_after_good_ones_is_found_and_only_it_rolled_back():
+    model, cap = _captured()
+    new = fxforge.rewrite(cap, [WRONG, "cleanup"])
+    assert new.report.counts == {"cleanup": 1}
+    assert [r.rule for r in new.report.rolled_back] == ["wrong"]
+    # Found pass by pass: the good one is verified on its own, after the wrong one was dropped.
+    assert [v.split(":")[0] for v in new.report.verified] == ["cleanup"]
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(new.graph_module(x), model(x))
+
+
 def test_without_verification_the_wrong_pass_lands():
     model, cap = _captured()
     new = fxforge.rewrite(cap, [WRONG], verify=False)
