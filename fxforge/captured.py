@@ -31,6 +31,9 @@ class Captured:
         module: the captured ``nn.Module``.
         training: whether the module was in training mode when captured.
         report: what capture and the rewrites did (see :class:`~fxforge.rewrites.report.Report`).
+        example_outputs: the model's outputs on the example inputs, as capture's check computed them
+            (RNG seed 0, buffers restored), or None; verification compares against them instead of
+            running the captured graph once more.
 
     Example:
         >>> cap = Captured(torch.fx.symbolic_trace(torch.nn.ReLU()), "fx", [], (torch.ones(1),), {},
@@ -47,6 +50,7 @@ class Captured:
     module: torch.nn.Module
     training: bool
     report: Report
+    example_outputs: Any = None
 
     @property
     def example_inputs(self) -> tuple:

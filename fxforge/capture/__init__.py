@@ -20,7 +20,7 @@ from torch import nn
 from fxforge.capture.export import export_graph_module
 from fxforge.capture.fx_trace import OpaqueModule, TraceFailure, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
-from fxforge.capture.meta import annotate
+from fxforge.capture.meta import MetaInfo, annotate, run_and_annotate
 from fxforge.capture.source import first_line, user_frame_of
 from fxforge.captured import Captured
 from fxforge.rewrites.report import Report
@@ -72,13 +72,21 @@ def _describe(error: BaseException) -> str:
     return f"{reason} at {where}" if where else reason
 
 
-def _check(module: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, reference: Any) -> None:
+def _check(module: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, reference: Any,
+           *, record: bool = False) -> MetaInfo | None:
+    """Refuse a graph whose outputs differ from the module's; with ``record``, the run also records
+    every node's shape metadata (and the :class:`MetaInfo` saying so is returned)."""
     # A GraphModule that raises prints its generated code to stderr; the error itself becomes the reason.
+    info = None
     with isolated(module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-        actual = graph_module(*args, **kwargs)
+        if record:
+            actual, info = run_and_annotate(graph_module, args, kwargs)
+        else:
+            actual = graph_module(*args, **kwargs)
     result = compare_outputs(reference, actual)
     if not result.ok:
         raise RuntimeError(f"captured graph differs from the module: {result.reason}")
+    return info
 
 
 def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto", *,
@@ -122,7 +130,7 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
             raise CaptureError(name, {"eager": f"the module raised on the example inputs: {_describe(error)}"}) from error
 
     reasons: dict[str, str] = {}
-    traced = None
+    traced, traced_meta = None, None
     if method in ("auto", "fx"):
         try:
             traced = trace_with_leaves(module, args, kwargs)
@@ -130,12 +138,13 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
                 # Tracing records a returned ModelOutput as a plain dict; give the graph the model's type.
                 restore_output_type(traced.graph_module, type(reference))
             if check:
-                _check(module, traced.graph_module, args, kwargs, reference)
+                traced_meta = _check(module, traced.graph_module, args, kwargs, reference, record=True)
         except Exception as error:  # noqa: BLE001
             reasons["fx"] = _describe(error)
             traced = None
         if traced is not None and (method == "fx" or not traced.opaque):
-            return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs)
+            return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, info=traced_meta,
+                           reference=reference)
         if traced is not None:
             reasons["fx"] = "needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque)
     if method in ("auto", "export"):
@@ -147,19 +156,22 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
             reasons["export"] = _describe(error)
         else:
             notes = [f"symbolic trace not used: {reasons['fx']}"] if "fx" in reasons else []
-            return _finish(module, exported, "export", [], args, kwargs, notes)
+            return _finish(module, exported, "export", [], args, kwargs, notes, reference=reference)
     if traced is not None:
         notes = [f"torch.export failed ({reasons['export']}); kept the trace with opaque leaves"]
-        return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes)
+        return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes, info=traced_meta,
+                       reference=reference)
     raise CaptureError(name, reasons)
 
 
 def _finish(module: nn.Module, graph_module: torch.fx.GraphModule, method: str, opaque: list,
-            args: tuple, kwargs: dict, notes: list[str] | None = None) -> Captured:
-    info = annotate(graph_module, args, kwargs)
+            args: tuple, kwargs: dict, notes: list[str] | None = None, info: MetaInfo | None = None,
+            reference: Any = None) -> Captured:
+    info = info or annotate(graph_module, args, kwargs)
     nodes = len(graph_module.graph.nodes)
     report = Report(method=method, opaque=list(opaque), meta_source=info.source, nodes_before=nodes, nodes_after=nodes)
     report.notes.extend(notes or [])
     if info.reason:
         report.notes.append(f"shape metadata from a real run: fake propagation failed ({info.reason})")
-    return Captured(graph_module, method, list(opaque), args, kwargs, module, module.training, report)
+    return Captured(graph_module, method, list(opaque), args, kwargs, module, module.training, report,
+                    example_outputs=reference)

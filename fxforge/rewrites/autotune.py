@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -32,10 +33,13 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.utils import _pytree as pytree
 
 from fxforge.capture.meta import annotate
 from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
 from fxforge.rewrites.passes import PassContext
+from fxforge.rewrites.tuning_cache import NOTE as CACHED
+from fxforge.rewrites.tuning_cache import default_cache, machine_key
 from fxforge.verify import isolated
 
 aten = torch.ops.aten
@@ -153,39 +157,55 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None) -> tuple[fl
     Identical calls (same op, shapes, strides and settings) are timed once; random inputs of the same
     shape and strides are drawn once (``pool``, shared between calls when given).
     """
-    pool = {} if pool is None else pool
     from fxforge.runtime.lowering import fused_calls
 
+    pool = {} if pool is None else pool
+    cache = default_cache()
     total, choices, seen = 0.0, [], {}
     for node, kernel_call, weight in fused_calls(gm):
         *op_args, _ = node.args
         values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
-        key = (node.target, *(tuple(v.shape) + tuple(v.stride()) if isinstance(v, torch.Tensor) else str(v)
-                              for v in values))
+        key = repr((str(node.target), *((tuple(v.shape), v.stride(), str(v.dtype)) if isinstance(v, torch.Tensor)
+                                        else str(v) for v in values)))
         if key not in seen:
-            real = [_random_like_meta(v, pool, i) for i, v in enumerate(values)]
-            real[1] = weight
-            bias = constant_tensor(gm, op_args[2])
-            real[2] = bias if bias is not None else real[2]
-            calls, reasons = {}, {}
-            for kernel in kernels_for(real[0].device):
-                call = kernel_call(kernel, *real)
-                if isinstance(call, str):
-                    reasons[kernel] = call
-                else:
-                    fn, args = call
-                    calls[kernel] = (lambda fn=fn, args=args: fn(*args))
-            with torch.no_grad():
-                timings = time_interleaved(calls, NODE_BUDGET_S)
+            device = values[0].device
+            cache_key = f"{machine_key(device)} | {key}"
+            stored = cache.get(cache_key) if cache is not None else None
+            if stored is not None:
+                timings, note = stored["timings"], "; ".join(filter(None, [stored["note"], CACHED]))
+            else:
+                timings, note = _time_kernels(gm, op_args, values, kernel_call, weight, pool)
+                if cache is not None:
+                    cache.put(cache_key, {"timings": timings, "note": note})
             best = min(timings, key=timings.__getitem__)
             if FORCED.kernel is not None:
                 best = FORCED.kernel if FORCED.kernel in timings else "composite"
-            seen[key] = (best, timings, reasons)
-        best, timings, reasons = seen[key]
+            seen[key] = (best, timings, note)
+        best, timings, note = seen[key]
         node.args = (*op_args, best)
         total += timings[best]
-        choices.append((node.name, best, timings, reasons))
+        choices.append((node.name, best, timings, note))
     return total, choices
+
+
+def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_call: Callable, weight: Any,
+                  pool: dict) -> tuple[dict[str, float], str]:
+    """Milliseconds of each kernel that can run this call, and why the others cannot."""
+    real = [_random_like_meta(v, pool, i) for i, v in enumerate(values)]
+    real[1] = weight
+    bias = constant_tensor(gm, op_args[2])
+    real[2] = bias if bias is not None else real[2]
+    calls, reasons = {}, {}
+    for kernel in kernels_for(real[0].device):
+        call = kernel_call(kernel, *real)
+        if isinstance(call, str):
+            reasons[kernel] = call
+        else:
+            fn, args = call
+            calls[kernel] = (lambda fn=fn, args=args: fn(*args))
+    with torch.no_grad():
+        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE)
+    return timings, "; ".join(f"{k}: {v}" for k, v in reasons.items())
 
 
 def to_channels_last(gm: torch.fx.GraphModule) -> int:
@@ -272,8 +292,8 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     if FORCED.layout in candidates:
         layout = FORCED.layout
     chosen, _, choices, runner = candidates[layout]
-    for name, best, timings, reasons in choices:
-        ctx.tuned(name, best, timings, "; ".join(f"{k}: {v}" for k, v in reasons.items()))
+    for name, best, timings, note in choices:
+        ctx.tuned(name, best, timings, note)
     sums = {name: round(c[1], 3) for name, c in candidates.items()}
     ctx.tuned("layout", layout, sums, "sum of the fused ops' best kernel times per layout" + _forced("layout"))
     if FORCED.keep is not None:
@@ -281,20 +301,41 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     elif layout == "as captured" and all(best == "composite" for _, best, _, _ in choices):
         keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
     else:
-        with isolated(before, chosen):
-            # A channels-last candidate already ran once (its check); its warm-up is done.
-            timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
-                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
-                                       warmed=("fused",) if runner else (), decisive=DECISIVE)
+        cache = default_cache()
+        cache_key = _graph_key(chosen, before, args, kwargs)
+        timings = cache.get(cache_key) if cache is not None else None
+        from_cache = timings is not None
+        if not from_cache:
+            with isolated(before, chosen):
+                # A channels-last candidate already ran once (its check); its warm-up is done.
+                timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
+                                            "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
+                                           warmed=("fused",) if runner else (), decisive=DECISIVE)
+            if cache is not None:
+                cache.put(cache_key, timings)
         keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
         ratio = timings["before"] / timings["fused"]
         note = f"{ratio:.2f}x the speed of the graph before" + ("" if keep == "fused" else "; not faster, undone")
+        if from_cache:
+            note += f"; {CACHED}"
     ctx.tuned("graph", keep, timings, note)
+    if default_cache() is not None:
+        default_cache().save()
     if keep == "fused":
         gm.graph = chosen.graph
     else:
         gm.graph = before.graph
         ctx.matches.clear()
+
+
+def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str:
+    """The cache key of a whole-graph timing: both graphs' code and the inputs' shapes, on this machine."""
+    inputs = [(tuple(t.shape), t.stride(), str(t.dtype)) for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor)]
+    device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                  torch.device("cpu"))
+    digest = hashlib.sha256(f"{chosen.code}\n{before.code}\n{inputs}".encode()).hexdigest()
+    return f"{machine_key(device)} | graph {digest}"
 
 
 def _forced(what: str) -> str:

@@ -41,9 +41,10 @@ def verification_inputs(captured: Captured, count: int = RANDOM_CHECKS) -> list[
     return inputs
 
 
-def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules: list) -> list[Any]:
+def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules: list,
+             first_seed: int = 0) -> list[Any]:
     outputs = []
-    for i, (args, kwargs) in enumerate(inputs):
+    for i, (args, kwargs) in enumerate(inputs, start=first_seed):
         with isolated(*modules, seed=i), torch.no_grad():
             outputs.append(gm(*args, **kwargs))
     return outputs
@@ -78,7 +79,11 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
         current = _apply(passes, captured, report, check=None)
         return _finish(captured, current, report)
     inputs = verification_inputs(captured)
-    reference = _outputs(captured.graph_module, inputs, [captured.module, captured.graph_module])
+    modules = [captured.module, captured.graph_module]
+    if captured.example_outputs is not None:  # capture ran the model on the example inputs already
+        reference = [captured.example_outputs, *_outputs(captured.graph_module, inputs[1:], modules, first_seed=1)]
+    else:
+        reference = _outputs(captured.graph_module, inputs, modules)
     report = captured.report.copy()
     current = _apply(passes, captured, report, check=None)
     if report.matches:

@@ -184,7 +184,8 @@ def test_fx_without_a_break_has_no_leaves():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
     cap = fxforge.capture(model, (torch.randn(2, 4),), method="fx")
     assert (cap.method, cap.opaque) == ("fx", [])
-    assert cap.report.meta_source == "fake"
+    # Shapes were recorded during the run that checked the capture: no second pass over the graph.
+    assert cap.report.meta_source == "check"
 
 
 # --- the export method -------------------------------------------------------------------------------------
@@ -330,9 +331,12 @@ def test_auto_falls_back_to_fx_with_leaves_when_export_fails():
     assert cap.method == "fx" and [o.name for o in cap.opaque] == ["inner"]
     note = next(n for n in cap.report.notes if "torch.export failed" in n)
     assert "if x.sum() > 0:" in note
-    # Fake tensors cannot run data-dependent Python: metadata comes from one real run, and says so.
-    assert cap.report.meta_source == "real"
-    assert any("real run" in n for n in cap.report.notes)
+    assert cap.report.meta_source == "check"  # shapes recorded during the checking run
+    # Without that run, fake tensors cannot run data-dependent Python: metadata comes from a real run, and
+    # the report says so.
+    unchecked = fxforge.capture(model, inputs, method="fx", check=False)
+    assert unchecked.report.meta_source == "real"
+    assert any("real run" in n for n in unchecked.report.notes)
     reproduces(model, cap, inputs)
     # Both branches of the opaque gate still work: it runs eagerly inside the graph.
     flipped = (-100 * torch.ones(3, 4),)

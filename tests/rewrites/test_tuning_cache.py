@@ -1,0 +1,65 @@
+"""Autotune's on-disk cache: measurements are reused on the same machine, reported as such, and the file is
+written atomically and merged with what other processes wrote."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.rewrites import autotune
+from fxforge.rewrites.tuning_cache import NOTE, TuningCache
+
+
+def test_round_trip_merges_other_writers_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "autotune.json"
+    mine, theirs = TuningCache(path), TuningCache(path)
+    mine.put("a", {"composite": 1.0})
+    theirs.put("b", {"mkldnn": 2.0})
+    theirs.save()
+    mine.save()
+    assert json.loads(path.read_text()) == {"a": {"composite": 1.0}, "b": {"mkldnn": 2.0}}
+    assert [p.name for p in tmp_path.iterdir()] == ["autotune.json"]
+
+
+def test_an_unreadable_file_is_started_afresh(tmp_path):
+    path = tmp_path / "autotune.json"
+    path.write_text("{not json")
+    cache = TuningCache(path)
+    assert cache.get("a") is None
+    cache.put("a", 1)
+    cache.save()
+    assert json.loads(path.read_text()) == {"a": 1}
+
+
+@pytest.fixture
+def cache_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXFORGE_AUTOTUNE_CACHE", "1")
+    monkeypatch.setenv("FXFORGE_CACHE_DIR", str(tmp_path))
+    return tmp_path / "autotune.json"
+
+
+def test_a_second_optimize_reuses_the_measurements_and_says_so(cache_on, monkeypatch):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    timed = []
+
+    def fake_timing(calls, budget, **_):
+        timed.append(sorted(calls))
+        return {name: (1.0 if name in ("fused", "mkldnn") else 2.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", fake_timing)
+    first = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert timed and cache_on.exists()
+    assert not any(NOTE in t.note for t in first.report.tuning)
+    count = len(timed)
+    second = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert len(timed) == count, "nothing timed again"
+    assert second.report.counts == first.report.counts
+    choices = [(t.subject, t.choice, t.timings) for t in second.report.tuning if t.subject != "layout"]
+    assert choices == [(t.subject, t.choice, t.timings) for t in first.report.tuning if t.subject != "layout"]
+    assert all(NOTE in t.note for t in second.report.tuning if t.subject != "layout")
+    # Other shapes are other measurements.
+    fxforge.rewrite(fxforge.capture(model, (torch.randn(2, 3, 16, 16),)), ["conv_activation"])
+    assert len(timed) > count
