@@ -4,7 +4,8 @@ A :class:`Rule` is a pattern function, a replacement function and an optional ``
 traced with ``torch.fx`` and each of its nodes, like each node of the graph being rewritten, is seen as a
 *canonical op* (:func:`canonicalize`): ``nn.ReLU()``, ``F.relu``, ``torch.relu``, ``x.relu()``, ``relu_``,
 ``inplace=True`` and ``aten.relu_`` are all ``relu``; ``+``, ``torch.add``, ``x.add_`` and ``aten.add.Tensor``
-are all ``add`` (operands in either order); ``nn.Conv2d``, ``F.conv2d``, ``aten.conv2d`` and
+are all ``add`` (operands in either order); ``/``, ``torch.div`` and ``aten.div.Tensor`` are all ``div``;
+``@``, ``mm`` and ``bmm`` are all ``matmul``; ``nn.Conv2d``, ``F.conv2d``, ``aten.conv2d`` and
 ``aten.convolution`` are all ``conv2d``. Matching then compares canonical ops and their arguments:
 
 - a pattern *argument* (a parameter of the pattern function) matches anything and binds it; used twice,
@@ -63,6 +64,7 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "add": (("input", _REQUIRED), ("other", _REQUIRED), ("alpha", 1)),
     "sub": (("input", _REQUIRED), ("other", _REQUIRED), ("alpha", 1)),
     "mul": (("input", _REQUIRED), ("other", _REQUIRED)),
+    "div": (("input", _REQUIRED), ("other", _REQUIRED), ("rounding_mode", None)),
     "matmul": (("input", _REQUIRED), ("other", _REQUIRED)),
     "linear": (("input", _REQUIRED), ("weight", _REQUIRED), ("bias", None)),
     "batch_norm": (("input", _REQUIRED), ("running_mean", _REQUIRED), ("running_var", _REQUIRED), ("weight", None),
@@ -93,7 +95,10 @@ FORMS: list[tuple[str, tuple, tuple[str, ...], tuple[type, ...]]] = [
     ("add", (operator.add, operator.iadd, torch.add, aten.add, aten.add_), ("add", "add_", "__add__", "__iadd__"), ()),
     ("sub", (operator.sub, operator.isub, torch.sub, aten.sub, aten.sub_), ("sub", "sub_", "__sub__", "__isub__"), ()),
     ("mul", (operator.mul, operator.imul, torch.mul, aten.mul, aten.mul_), ("mul", "mul_", "__mul__", "__imul__"), ()),
-    ("matmul", (operator.matmul, torch.matmul, aten.matmul, aten.mm), ("matmul", "mm", "__matmul__"), ()),
+    ("div", (operator.truediv, operator.itruediv, torch.div, torch.true_divide, aten.div, aten.div_, aten.true_divide),
+     ("div", "div_", "true_divide", "__truediv__", "__itruediv__"), ()),
+    ("matmul", (operator.matmul, torch.matmul, torch.bmm, aten.matmul, aten.mm, aten.bmm),
+     ("matmul", "mm", "bmm", "__matmul__"), ()),  # mm and bmm are matmul on the inputs they accept
     ("linear", (F.linear, aten.linear), (), (nn.Linear,)),
     ("conv1d", (F.conv1d, aten.conv1d), (), (nn.Conv1d,)),
     ("conv2d", (F.conv2d, aten.conv2d), (), (nn.Conv2d,)),
@@ -108,7 +113,7 @@ _FIXED = {F.relu6: {"min_val": 0.0, "max_val": 6.0}, aten.relu6: {"min_val": 0.0
 # Multi-output batch norms of decomposed export graphs, seen through ``getitem(node, 0)``.
 _BN_TUPLES = set(_some(aten, "_native_batch_norm_legit_no_training", "_native_batch_norm_legit", "native_batch_norm"))
 _DUNDER = {"__add__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_", "__mul__": "mul",
-           "__imul__": "mul_", "__matmul__": "matmul"}
+           "__imul__": "mul_", "__truediv__": "div", "__itruediv__": "div_", "__matmul__": "matmul"}
 _IGNORED_ARGS = {"inplace", "cudnn_enabled", "output_padding"}
 _PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 
@@ -178,7 +183,7 @@ def _bind_call(node: Node) -> dict | None:
     if isinstance(target, torch._ops.OpOverload):
         return _bind_schema(target._schema, args, kwargs)
     if target in (operator.add, operator.iadd, operator.sub, operator.isub, operator.mul, operator.imul,
-                  operator.matmul):
+                  operator.truediv, operator.itruediv, operator.matmul):
         return {"input": args[0], "other": args[1]} if len(args) == 2 and not kwargs else None
     signature = _python_signature(target)
     if signature is not None:

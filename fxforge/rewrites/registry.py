@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup', 'conv_bn_fold', 'conv_activation']
+    ['cleanup', 'conv_bn_fold', 'conv_activation', 'attention']
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from fxforge.rewrites.attention import ATTENTION
 from fxforge.rewrites.cleanup import CLEANUP
 from fxforge.rewrites.conv_activation import CONV_ACTIVATION
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
@@ -23,8 +24,9 @@ BUILTIN: dict[str, Pass] = {
     CLEANUP.name: CLEANUP,
     CONV_BN_FOLD.name: CONV_BN_FOLD,
     CONV_ACTIVATION.name: CONV_ACTIVATION,
+    ATTENTION.name: ATTENTION,
 }
-DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation"]
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation", "attention"]
 
 
 class UnknownRewriteError(ValueError):
@@ -32,7 +34,7 @@ class UnknownRewriteError(ValueError):
 
     Example:
         >>> str(UnknownRewriteError("nope"))
-        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation"
+        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation, attention"
     """
 
     def __init__(self, name: str):

@@ -1,0 +1,611 @@
+"""attention: every form of hand-written attention becomes one SDPA call with outputs (and gradients) equal
+to eager's, on traced and exported graphs; every near miss is refused with its reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.rewrites.attention import LARGE_NEGATIVE, SDPA_HAS_GQA
+from fxforge.rewrites.registry import DEFAULT, UnknownRewriteError, resolve
+
+F = nn.functional
+B, H, L, D = 2, 4, 6, 8
+MIN = torch.finfo(torch.float32).min
+METHODS = ["fx", "export"]
+
+
+def _inputs(seed: int = 0, kv_heads: int = H, dead_row: bool = False) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, H, L, D] and a padding mask ``keep`` [B, L] (True: attend); the second sequence is padded,
+    or entirely padding with ``dead_row`` (every key masked)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=gen)
+    k, v = (torch.randn(B, kv_heads, L, D, generator=gen) for _ in range(2))
+    keep = torch.ones(B, L, dtype=torch.bool)
+    keep[1, 2 if not dead_row else 0:] = False
+    return q, k, v, keep
+
+
+class Form(nn.Module):
+    """One way to write attention: ``fn(self, q, k, v, keep)``, with a causal buffer and constants to use."""
+
+    def __init__(self, fn, dropout: float = 0.0):
+        super().__init__()
+        self.fn = fn
+        self.drop = nn.Dropout(dropout)
+        self.softmax = nn.Softmax(dim=-1)
+        self.register_buffer("causal", torch.tril(torch.ones(16, 16, dtype=torch.bool)).view(1, 1, 16, 16))
+        self.register_buffer("inv_temperature", torch.tensor(0.3))
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, q, k, v, keep):
+        return self.fn(self, q, k, v, keep)
+
+
+def rewritten(fn, inputs, method: str, training: bool = False, dropout: float = 0.0):
+    model = Form(fn, dropout).train(training)
+    cap = fxforge.capture(model, inputs, method=method)
+    return model, fxforge.rewrite(cap, ["attention"])
+
+
+def sdpa_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    targets = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+    return [n for n in gm.graph.nodes if n.target in targets]
+
+
+def softmaxes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if "softmax" in str(n.target)]
+
+
+def assert_replaced(model, new, inputs, count: int = 1) -> list[torch.fx.Node]:
+    """``count`` SDPA calls, no softmax left, outputs equal eager's (NaN where eager has NaN)."""
+    assert not new.report.rolled_back, new.report.rolled_back
+    assert new.report.counts.get("attention", 0) == count, [n.reason for n in new.report.near_misses]
+    nodes = sdpa_nodes(new.graph_module)
+    assert len(nodes) == count and not softmaxes(new.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(*inputs), model(*inputs), rtol=1e-5, atol=1e-5, equal_nan=True)
+    return nodes
+
+
+def reasons(new) -> list[str]:
+    return [n.reason for n in new.report.near_misses if n.rule == "attention"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Accepted forms: name -> (attention, what SDPA is called with)
+
+
+def basic(self, q, k, v, keep):
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+def torch_calls_and_power_scale(self, q, k, v, keep):
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    return torch.softmax(scores, -1).matmul(v)
+
+
+def method_softmax_mt_no_scale(self, q, k, v, keep):
+    return (q @ k.mT).softmax(-1) @ v
+
+
+def permute_and_softmax_module(self, q, k, v, keep):
+    return torch.matmul(self.softmax(q @ k.permute(0, 1, 3, 2) * 0.3), v)
+
+
+def k_not_transposed(self, q, k, v, keep):  # K already laid out [.., D, S]
+    kt = k.transpose(-1, -2).contiguous()
+    return (q @ kt / 2).softmax(dim=3) @ v
+
+
+def einsum_any_layout(self, q, k, v, keep):  # q, k, v as [B, L, H, D]; output [B, L, H, D]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    probs = torch.einsum("bqhd,bkhd->bhqk", q, k).mul(0.2).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def einsum_ellipsis(self, q, k, v, keep):
+    return torch.einsum("...qk,...kd->...qd", torch.einsum("...qd,...kd->...qk", q, k).softmax(-1), v)
+
+
+def bmm_heads_in_batch(self, q, k, v, keep):
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    return torch.bmm(F.softmax(torch.bmm(q, k.transpose(1, 2)) / 3.0, dim=-1), v)
+
+
+def additive_after_scale(self, q, k, v, keep):
+    mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, MIN)[:, None, None, :]
+    return F.softmax(q @ k.transpose(-1, -2) * 0.25 + mask, dim=-1) @ v
+
+
+def additive_before_scale(self, q, k, v, keep):
+    bias = torch.arange(L, dtype=q.dtype).view(1, 1, 1, L) * 0.1  # an ALiBi-like bias, then padding
+    return F.softmax((q @ k.transpose(-1, -2) + bias - 1e4 * (~keep[:, None, None, :]).to(q.dtype)) / 4, -1) @ v
+
+
+def fill_minus_inf(self, q, k, v, keep):
+    scores = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~keep[:, None, None, :], float("-inf"))
+    return F.softmax(scores, dim=-1) @ v
+
+
+def where_finfo_min(self, q, k, v, keep):
+    return F.softmax(torch.where(keep[:, None, None, :], q @ k.transpose(-1, -2), MIN), dim=-1) @ v
+
+
+def fill_in_place_large_negative(self, q, k, v, keep):
+    scores = q @ k.transpose(-1, -2)
+    scores.masked_fill_(~keep[:, None, None, :], -1e9)
+    return F.softmax(scores, -1) @ v
+
+
+def causal_buffer(self, q, k, v, keep):  # (symbolic tracing cannot slice a buffer by a traced size)
+    scores = (q @ k.transpose(-1, -2)).masked_fill(self.causal[:, :, :L, :L] == 0, float("-inf"))
+    return F.softmax(scores, dim=-1) @ v
+
+
+def causal_from_shapes(self, q, k, v, keep):
+    length = q.size(-2)
+    mask = torch.triu(torch.full((length, length), float("-inf")), diagonal=1)
+    return F.softmax(q @ k.transpose(-1, -2) * 0.5 + mask, dim=-1) @ v
+
+
+def sliding_window(self, q, k, v, keep):  # constant, not causal: passed as a mask, no row fix needed
+    i = torch.arange(q.size(-2))
+    window = (i[:, None] - i[None, :]).abs() <= 1
+    return F.softmax(torch.where(window, q @ k.transpose(-1, -2), float("-inf")), dim=-1) @ v
+
+
+def constant_keep_all(self, q, k, v, keep):
+    everything = q.new_ones(q.size(-2), q.size(-2), dtype=torch.bool)
+    return F.softmax((q @ k.transpose(-1, -2)).masked_fill(~everything, MIN), dim=-1) @ v
+
+
+def fill_then_additive(self, q, k, v, keep):  # GPT-Neo: causal where(...), then the padding mask added
+    scores = torch.where(self.causal[:, :, :L, :L], q @ k.transpose(-1, -2), torch.tensor(MIN))
+    padding = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, MIN)[:, None, None, :]
+    return F.softmax(scores + padding, dim=-1) @ v
+
+
+def casts_around_softmax(self, q, k, v, keep):
+    probs = F.softmax((q @ k.transpose(-1, -2)).float(), dim=-1, dtype=torch.float32).type_as(q)
+    return probs.to(v.dtype) @ v
+
+
+def scale_on_q_and_k(self, q, k, v, keep):
+    return F.softmax((q * 0.5) @ (k / 3).transpose(-1, -2), dim=-1) @ v
+
+
+def tensor_scales(self, q, k, v, keep):
+    return F.softmax(q @ k.transpose(-1, -2) * self.inv_temperature / self.temperature, dim=-1) @ v
+
+
+def gqa_repeat_interleave(self, q, k, v, keep):
+    k, v = k.repeat_interleave(2, dim=1), torch.repeat_interleave(v, 2, dim=1)
+    return F.softmax(q @ k.transpose(-1, -2) * 0.1, -1) @ v
+
+
+def gqa_repeat_kv(self, q, k, v, keep):  # transformers' repeat_kv
+    def repeat(x):
+        b, heads, length, dim = x.shape
+        return x[:, :, None, :, :].expand(b, heads, 2, length, dim).reshape(b, heads * 2, length, dim)
+
+    return F.softmax(q @ repeat(k).transpose(2, 3) * 0.1, -1) @ repeat(v)
+
+
+def dropout_forms(self, q, k, v, keep):
+    probs = self.drop(F.softmax(q @ k.transpose(-1, -2), -1))
+    return F.dropout(probs, p=0.1, training=False) @ v
+
+
+def two_attentions(self, q, k, v, keep):
+    first = F.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+    return torch.softmax(first @ k.transpose(-1, -2) * 0.3, -1) @ v
+
+
+ACCEPTED = {
+    "basic": (basic, {"scale": 1 / math.sqrt(D)}),
+    "torch_calls_and_power_scale": (torch_calls_and_power_scale, {"scale": D ** -0.5}),
+    "method_softmax_mt_no_scale": (method_softmax_mt_no_scale, {"scale": 1.0}),
+    "permute_and_softmax_module": (permute_and_softmax_module, {"scale": 0.3}),
+    "k_not_transposed": (k_not_transposed, {"scale": 0.5}),
+    "einsum_any_layout": (einsum_any_layout, {"scale": 0.2}),
+    "einsum_ellipsis": (einsum_ellipsis, {"scale": 1.0}),
+    "bmm_heads_in_batch": (bmm_heads_in_batch, {"scale": 1 / 3.0}),
+    "additive_after_scale": (additive_after_scale, {"scale": 0.25, "mask": torch.float32}),
+    "additive_before_scale": (additive_before_scale, {"scale": 0.25, "mask": torch.float32}),
+    "fill_minus_inf": (fill_minus_inf, {"scale": 0.25, "mask": torch.bool, "row_fix": True}),
+    "where_finfo_min": (where_finfo_min, {"scale": 1.0, "mask": torch.bool, "row_fix": True}),
+    "fill_in_place_large_negative": (fill_in_place_large_negative, {"mask": torch.bool, "row_fix": True}),
+    "causal_buffer": (causal_buffer, {"is_causal": True}),
+    "causal_from_shapes": (causal_from_shapes, {"scale": 0.5, "is_causal": True}),
+    "sliding_window": (sliding_window, {"mask": torch.bool}),
+    "constant_keep_all": (constant_keep_all, {}),
+    "fill_then_additive": (fill_then_additive, {"mask": torch.float32}),
+    "casts_around_softmax": (casts_around_softmax, {"scale": 1.0}),
+    "scale_on_q_and_k": (scale_on_q_and_k, {"scale": 1.0}),
+    "tensor_scales": (tensor_scales, {"scale": 1.0}),
+    "gqa_repeat_interleave": (gqa_repeat_interleave, {"scale": 0.1, "gqa": True}),
+    "gqa_repeat_kv": (gqa_repeat_kv, {"scale": 0.1, "gqa": True}),
+    "dropout_forms": (dropout_forms, {}),
+}
+
+
+def _kwarg(node: torch.fx.Node, name: str, index: int):
+    return node.kwargs.get(name, node.args[index] if len(node.args) > index else None)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_every_form_becomes_one_sdpa_with_eager_outputs(name, method):
+    fn, expected = ACCEPTED[name]
+    inputs = _inputs(kv_heads=H // 2 if expected.get("gqa") else H)
+    model, new = rewritten(fn, inputs, method)
+    (node,) = assert_replaced(model, new, inputs)
+    mask = _kwarg(node, "attn_mask", 3)
+    if "scale" in expected:
+        scale = node.kwargs["scale"]
+        scale = scale.meta["val"] if isinstance(scale, torch.fx.Node) else scale  # traced: computed from sizes
+        assert scale == pytest.approx(expected["scale"], rel=1e-6)
+    assert bool(node.kwargs["is_causal"]) == expected.get("is_causal", False)
+    assert (mask.meta["val"].dtype if mask is not None else None) == expected.get("mask")
+    assert ("rows with every key masked" in new.report.matches[0].what) == expected.get("row_fix", False)
+    if expected.get("gqa"):
+        assert node.kwargs["enable_gqa"] is SDPA_HAS_GQA
+        assert node.args[1].meta["val"].shape[1] == (H // 2 if SDPA_HAS_GQA else H)
+    gm = new.graph_module
+    if method == "export":  # the graph stays ATen
+        assert all(isinstance(n.target, torch._ops.OpOverload) or n.target.__module__ == "_operator"
+                   for n in gm.graph.nodes if n.op == "call_function"), gm.graph
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_attentions_in_one_graph(method):
+    inputs = _inputs()
+    model, new = rewritten(two_attentions, inputs, method)
+    assert_replaced(model, new, inputs, count=2)
+
+
+class Inline(nn.Module):
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        return F.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_report_names_the_users_line(method):
+    q, k, v, _ = _inputs()
+    new = fxforge.rewrite(fxforge.capture(Inline(), (q, k, v), method=method), ["attention"])
+    (match,) = new.report.matches
+    assert match.what == f"attention -> scaled_dot_product_attention(scale={1 / math.sqrt(D):.4g})"
+    assert "test_attention.py" in match.source and "scores = q @ k.transpose(-2, -1)" in match.source
+    assert "attention -> scaled_dot_product_attention" in str(new.report)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_causal_masks_are_not_materialised(method):
+    inputs = _inputs()
+    for fn in (causal_buffer, causal_from_shapes):
+        _model, new = rewritten(fn, inputs, method)
+        calls = [n for n in new.graph_module.graph.nodes if n.op in ("call_function", "call_method")]
+        assert calls == sdpa_nodes(new.graph_module), new.graph_module.graph  # nothing left of the mask
+        assert "is_causal=True" in new.report.matches[0].what
+
+
+def padding_spread_over_queries(self, q, k, v, keep):
+    """transformers' mask builders: a [B, 1, 1, S] padding mask AND-ed with an always-true query condition
+    (``q_idx >= 0``) into a [B, 1, L, S] mask."""
+    rows = torch.arange(q.shape[-2]).view(1, 1, -1, 1) >= 0
+    mask = torch.where(rows & keep[:, None, None, :], 0.0, -1e9)
+    return torch.softmax(q @ k.transpose(-2, -1) / 8 + mask, dim=-1) @ v
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_padding_mask_reaches_sdpa_without_the_query_dim(method):
+    inputs = _inputs()
+    model, new = rewritten(padding_spread_over_queries, inputs, method)
+    [sdpa] = assert_replaced(model, new, inputs)
+    # The always-true condition is dropped: SDPA broadcasts a [B, 1, 1, S] mask, no L x S tensor is built.
+    assert tuple(sdpa.kwargs["attn_mask"].meta["val"].shape) == (B, 1, 1, L)
+
+
+def test_a_mask_from_tensor_data_is_never_taken_for_a_constant():
+    def data_dependent(self, q, k, v, keep):
+        limit = q.abs().sum().item()  # huge for these inputs: every key is kept, but only for them
+        return F.softmax((q @ k.transpose(-1, -2)).masked_fill(torch.arange(L) >= limit, float("-inf")), -1) @ v
+
+    inputs = _inputs()
+    model, new = rewritten(data_dependent, inputs, "fx")
+    assert_replaced(model, new, inputs)
+    assert "attn_mask=<bool>" in new.report.matches[0].what  # computed at run time, not dropped
+    small = (inputs[0] * 1e-3, *inputs[1:])
+    torch.testing.assert_close(new.graph_module(*small), model(*small), equal_nan=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_fill_and_additive_mask(dtype, method):
+    def neo_style(self, q, k, v, keep):  # finfo(bfloat16).min becomes -inf in float16 scores
+        scores = torch.where(keep[:, None, None, :], q @ k.transpose(-1, -2) * 0.3, torch.finfo(torch.bfloat16).min)
+        return F.softmax(scores + torch.zeros(1, 1, 1, L, dtype=q.dtype), -1) @ v
+
+    q, k, v, keep = _inputs()
+    inputs = (q.to(dtype), k.to(dtype), v.to(dtype), keep)
+    model, new = rewritten(neo_style, inputs, method)
+    assert new.report.counts == {"attention": 1}
+    torch.testing.assert_close(new.graph_module(*inputs), model(*inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_three_dimensional_inputs_run_as_four_dimensional():
+    inputs = _inputs()
+    _model, new = rewritten(bmm_heads_in_batch, inputs, "fx")
+    (node,) = sdpa_nodes(new.graph_module)
+    assert node.args[0].meta["val"].ndim == 4  # SDPA's fast kernels take [B, H, L, D]
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows in which every key is masked, and training
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("fn", [fill_minus_inf, where_finfo_min, fill_in_place_large_negative, fill_then_additive,
+                                additive_after_scale])
+def test_rows_with_every_key_masked_equal_eager(fn, method):
+    inputs = _inputs(dead_row=True)  # eager: NaN rows with -inf, uniform rows with finite fills
+    model, new = rewritten(fn, inputs, method)
+    assert_replaced(model, new, inputs)
+    with torch.no_grad():
+        eager = model(*inputs)
+    assert eager[1].isnan().all() if fn is fill_minus_inf else eager.isfinite().all()
+
+
+def _gradients(fn, inputs, graph, model):
+    q, k, v, keep = (t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    model.zero_grad()
+    out = graph(q, k, v, keep)
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return [out, q.grad, k.grad, v.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", ["basic", "where_finfo_min", "additive_before_scale", "causal_buffer", "tensor_scales",
+                                  "gqa_repeat_kv", "einsum_any_layout", "fill_then_additive"])
+def test_gradients_in_training_equal_eager(name, method):
+    fn, expected = ACCEPTED[name]
+    inputs = _inputs(kv_heads=H // 2 if expected.get("gqa") else H, dead_row=name == "where_finfo_min")
+    model, new = rewritten(fn, inputs, method, training=True)
+    assert new.report.counts == {"attention": 1}
+    for got, want in zip(_gradients(fn, inputs, new.graph_module, model), _gradients(fn, inputs, model, model)):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_with_p_zero_is_replaced_in_training():
+    inputs = _inputs()
+    model, new = rewritten(dropout_forms, inputs, "fx", training=True, dropout=0.0)
+    assert_replaced(model, new, inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusals, each pinned by its reason
+
+
+def over_other_dim(self, q, k, v, keep):
+    return F.softmax(q @ k.transpose(-1, -2), dim=-2) @ v
+
+
+def soft_capped(self, q, k, v, keep):
+    return F.softmax(torch.tanh(q @ k.transpose(-1, -2) / 5) * 5, dim=-1) @ v
+
+
+def gated_scores(self, q, k, v, keep):
+    gate = torch.sigmoid(q.sum(-1, keepdim=True) + k.sum(-1).unsqueeze(-2))
+    return F.softmax((q @ k.transpose(-1, -2)) * gate, dim=-1) @ v
+
+
+def gated_probabilities(self, q, k, v, keep):
+    return (F.softmax(q @ k.transpose(-1, -2), dim=-1) * 0.5) @ v
+
+
+def masked_after_softmax(self, q, k, v, keep):
+    return F.softmax(q @ k.transpose(-1, -2), dim=-1).masked_fill(~keep[:, None, None, :], 0.0) @ v
+
+
+def probabilities_returned(self, q, k, v, keep):
+    probs = F.softmax(q @ k.transpose(-1, -2), dim=-1)
+    return probs @ v, probs
+
+
+def scores_reused(self, q, k, v, keep):
+    scores = q @ k.transpose(-1, -2)
+    return F.softmax(scores, dim=-1) @ v + scores.mean()
+
+
+def two_contracted_dims(self, q, k, v, keep):  # contracts heads and head dim: not per-head attention
+    return torch.einsum("bqk,bkd->bqd", torch.einsum("bhqd,bhkd->bqk", q, k).softmax(-1), v[:, 0])
+
+
+def values_over_queries(self, q, k, v, keep):  # the value product sums over the queries, not the keys
+    return torch.einsum("bhqk,bhqd->bhkd", torch.einsum("bhqd,bhkd->bhqk", q, k).softmax(-1), v)
+
+
+def probabilities_second(self, q, k, v, keep):
+    return v.transpose(-1, -2) @ F.softmax(q @ k.transpose(-1, -2), dim=-1)
+
+
+def small_fill(self, q, k, v, keep):
+    return F.softmax((q @ k.transpose(-1, -2)).masked_fill(~keep[:, None, None, :], -5.0), dim=-1) @ v
+
+
+def large_fill_with_additive(self, q, k, v, keep):
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~keep[:, None, None, :], -1e9)
+    return F.softmax(scores + torch.arange(L, dtype=q.dtype) * 0.1, dim=-1) @ v
+
+
+def lower_precision(self, q, k, v, keep):
+    return F.softmax((q @ k.transpose(-1, -2)).half(), dim=-1).float() @ v
+
+
+def broadcast_key(self, q, k, v, keep):
+    return F.softmax(q @ k[:, :1].transpose(-1, -2), dim=-1) @ v
+
+
+def scores_as_their_own_mask(self, q, k, v, keep):
+    scores = q @ k.transpose(-1, -2)
+    return F.softmax(scores + scores, dim=-1) @ v
+
+
+def dropout_in_training(self, q, k, v, keep):
+    return self.drop(F.softmax(q @ k.transpose(-1, -2), dim=-1)) @ v
+
+
+REFUSED = {
+    "over_other_dim": (over_other_dim, "softmax over dim 2 of 4, not the last (key) dim"),
+    "soft_capped": (soft_capped, "a non-linear function (tanh) is applied to the scores before softmax"),
+    "gated_scores": (gated_scores, ("an element-wise tensor gate (mul by sigmoid of shape (2, 4, 6, 6)) is applied to "
+                                   "the scores before softmax")),
+    "gated_probabilities": (gated_probabilities,
+                            "mul between softmax and the value product (only casts and dropout may be there)"),
+    "masked_after_softmax": (masked_after_softmax,
+                             "masked_fill between softmax and the value product (only casts and dropout may be there)"),
+    "probabilities_returned": (probabilities_returned,
+                               "the attention probabilities (softmax) are also used by output (returned or reused)"),
+    "scores_reused": (scores_reused, "the attention scores (matmul) are also used by mean"),
+    "two_contracted_dims": (two_contracted_dims,
+                            "the scores einsum 'bhqd,bhkd->bqk' contracts over 2 dims, not one head dim"),
+    "values_over_queries": (values_over_queries, ("the value einsum 'bhqk,bhqd->bhkd' does not contract the values "
+                                                 "over the softmax (key) dim")),
+    "probabilities_second": (probabilities_second,
+                             "the attention probabilities are the second operand of matmul_1, not the first"),
+    "small_fill": (small_fill, "the fill value -5.0 does not mask: only -inf and values <= -10000 hide a key"),
+    "large_fill_with_additive": (large_fill_with_additive, ("a fill with -1000000000.0 combined with an additive mask "
+                                 "has no exact SDPA mask (only -inf or finfo(torch.float32).min combine in "
+                                 "torch.float32)")),
+    "lower_precision": (lower_precision, "half casts the attention to torch.float16, below the query's torch.float32"),
+    "scores_as_their_own_mask": (scores_as_their_own_mask, "matmul is both an input of the attention and part of it"),
+    "broadcast_key": (broadcast_key, ("query (2, 4, 6, 8), key (2, 1, 6, 8) and value (2, 4, 6, 8) do not line up "
+                                     "without broadcasting")),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_near_misses_are_refused_with_their_reason(name, method):
+    fn, reason = REFUSED[name]
+    inputs = _inputs()
+    _model, new = rewritten(fn, inputs, method)
+    assert new.report.counts.get("attention", 0) == 0
+    if method == "export":  # exported graphs name nodes after the ATen op
+        reason = reason.replace("half casts", "to casts")
+    assert reasons(new) == [reason]
+    assert "test_attention.py" in new.report.near_misses[0].source
+    assert softmaxes(new.graph_module)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_active_dropout_in_training_is_refused(method):
+    inputs = _inputs()
+    _model, new = rewritten(dropout_in_training, inputs, method, training=True, dropout=0.1)
+    assert new.report.counts.get("attention", 0) == 0
+    assert reasons(new) == [("dropout (p=0.1) on the attention probabilities is active in training mode: SDPA's "
+                            "dropout draws different random numbers, so the result could not be verified")]
+
+
+def test_an_input_changed_in_place_meanwhile_is_refused():
+    def mutated(self, q, k, v, keep):
+        q = q * 1.0
+        probs = F.softmax(q @ k.transpose(-1, -2), dim=-1)
+        q.mul_(2.0)  # after the scores read q, before the value product
+        return probs @ v + q
+
+    inputs = _inputs()
+    model, new = rewritten(mutated, inputs, "fx")
+    assert reasons(new) == ["mul (or a view of it) is changed in place"]
+    torch.testing.assert_close(new.graph_module(*inputs), model(*inputs))
+
+
+def test_a_softmax_that_is_not_attention_is_no_near_miss():
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(D, 3)
+
+        def forward(self, x):
+            return F.softmax(self.head(x), dim=1)
+
+    new = fxforge.rewrite(fxforge.capture(Classifier().eval(), (torch.randn(2, D),)), ["attention"])
+    assert new.report.counts == {} and reasons(new) == []
+
+
+def test_fill_values_at_the_threshold():
+    assert LARGE_NEGATIVE == -1e4
+
+    def at_threshold(self, q, k, v, keep):
+        return F.softmax((q @ k.transpose(-1, -2)).masked_fill(~keep[:, None, None, :], -1e4), dim=-1) @ v
+
+    inputs = _inputs()
+    model, new = rewritten(at_threshold, inputs, "fx")
+    assert_replaced(model, new, inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry, the default pipeline, real models
+
+
+def test_attention_is_built_in_and_runs_last_by_default():
+    assert DEFAULT[-1] == "attention" and DEFAULT.index("attention") > DEFAULT.index("conv_activation")
+    assert [p.name for p in resolve(["attention"])] == ["attention"]
+    with pytest.raises(UnknownRewriteError, match="conv_activation, attention"):
+        resolve(["nope"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_default_rewrites_replace_the_example_encoder(method):
+    """Separate q/k/v projections with a masked_fill padding mask, and a fused qkv (chunk) with an additive one."""
+    from examples.models import EXAMPLES
+
+    model, inputs = EXAMPLES["transformer_encoder"]()
+    new = fxforge.rewrite(fxforge.capture(model, inputs, method=method))
+    assert new.report.counts["attention"] == 2 and not new.report.rolled_back
+    torch.testing.assert_close(new.graph_module(*inputs), model(*inputs))
+
+
+def _tiny_llama(dropout: float = 0.0):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      attention_dropout=dropout, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaModel(config)
+
+
+def test_transformers_llama_one_causal_gqa_sdpa_per_layer():
+    model = _tiny_llama().eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
+    new = fxforge.rewrite(fxforge.capture(model, inputs), ["attention"])
+    assert new.report.counts == {"attention": 2} and not new.report.rolled_back
+    assert all("is_causal=True" in m.what and "enable_gqa" in m.what for m in new.report.matches)
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+
+
+def test_transformers_llama_padding_mask_in_training():
+    model = _tiny_llama().train()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, -3:] = 0
+    inputs = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)),
+              "attention_mask": mask}
+    new = fxforge.rewrite(fxforge.capture(model, inputs), ["attention"])
+    assert new.report.counts == {"attention": 2} and "attn_mask=<float>" in new.report.matches[0].what
+    grads = []
+    for graph in (model, new.graph_module):
+        model.zero_grad()
+        graph(**inputs).last_hidden_state.pow(2).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for got, want in zip(*grads):  # float32 noise: both are ~1e-4 of the largest gradient from float64's
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4 * float(want.abs().max()))
