@@ -15,6 +15,7 @@ its own block.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -116,6 +117,24 @@ COLUMNS: list[Column] = [
     Column("max abs err", lambda r: fmt_err(r.get("max_abs_err")), "right"),
     Column("note", note_of),
 ]
+
+
+def fmt_mib(nbytes: float | None, digits: int = 1) -> str:
+    return "—" if nbytes is None else f"{nbytes / 2**20:.{digits}f}"
+
+
+MEMORY_COLUMN = Column("peak MiB", lambda r: fmt_mib(r.get("peak_bytes")), "right")
+"""Added before "note" in runs that measured memory (see :func:`table_columns`)."""
+
+
+def table_columns(rows: list[dict[str, Any]], memory: bool | None = None) -> list[Column]:
+    """:data:`COLUMNS`, with :data:`MEMORY_COLUMN` before the last one when the run measured memory.
+
+    ``memory=None``: when any row has a ``peak_bytes`` figure.
+    """
+    if memory is None:
+        memory = any("peak_bytes" in r for r in rows)
+    return [*COLUMNS[:-1], MEMORY_COLUMN, COLUMNS[-1]] if memory else list(COLUMNS)
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[Column] | None = None) -> str:
@@ -229,6 +248,167 @@ def _prepare_line(contender: str, rows: list[dict[str, Any]], model: str, target
     return f"{head} {seconds:.2f} s (target < {target:g} s: {verdict(seconds < target)})"
 
 
+def seq_models(rows: list[dict[str, Any]], prefix: str) -> dict[int, str]:
+    """Sequence length -> model name, for the models of ``rows`` named ``<prefix>_s<S>``, by S."""
+    found = {}
+    for model in row_models(rows):
+        head, _, seq = model.rpartition("_s")
+        if head == prefix and seq.isdigit():
+            found[int(seq)] = model
+    return dict(sorted(found.items()))
+
+
+def growth_exponent(seq_a: int, peak_a: float | None, seq_b: int, peak_b: float | None) -> float | None:
+    """``k`` such that peak ∝ S^k between two sequence lengths (1: linear, 2: quadratic); None if unknown.
+
+    Example:
+        >>> growth_exponent(1024, 10.0, 2048, 40.0)
+        2.0
+    """
+    if not peak_a or not peak_b or seq_a == seq_b:
+        return None
+    return math.log(peak_b / peak_a) / math.log(seq_b / seq_a)
+
+
+def quadratic_term(points: list[tuple[int, float]]) -> float | None:
+    """The S² coefficient of ``peak = a + b·S + c·S²`` through the three longest ``(S, peak)`` points.
+
+    Divided by 4 bytes it counts the float32 S x S matrices the peak holds (eager attention holds a few per
+    head; a fused attention none). None with fewer than three points.
+
+    Example:
+        >>> quadratic_term([(1, 6.0), (2, 17.0), (4, 57.0)])  # 1 + 2 S + 3 S^2
+        3.0
+    """
+    if len(points) < 3:
+        return None
+    (x1, y1), (x2, y2), (x3, y3) = sorted(points)[-3:]
+    return ((y3 - y2) / (x3 - x2) - (y2 - y1) / (x2 - x1)) / (x3 - x1)
+
+
+def _peak(rows_by_model: dict[str, dict[str, Any]], model: str) -> float | None:
+    row = rows_by_model.get(model)
+    return None if row is None else row.get("peak_bytes")
+
+
+def attention_summary(
+    rows: list[dict[str, Any]],
+    *,
+    contender: str = "fxforge",
+    encoder: str = "bert",
+    decoder: str = "llama",
+    min_speedup: float = 2.0,
+    max_matrices: float = 0.5,
+    max_exponent: float = 1.5,
+) -> list[str]:
+    """The attention section's summary (issue 4's targets), one markdown bullet per line.
+
+    Models are named ``<encoder>_s<S>`` and ``<decoder>_s<S>``; figures come from rows that ran and matched
+    eager's outputs (status ok).
+
+    1. ``contender``'s × vs eager on the encoder at its longest S (target ``>= min_speedup``), and its
+       speed against torch.compile there;
+    2. one line per contender: the encoder's peak memory at every S, and its growth from one S to the next;
+    3. whether ``contender``'s memory is still O(S²): with three or more S, the S² term of its peak
+       (:func:`quadratic_term`) counted in float32 S x S matrices (target ``< max_matrices``: no S x S
+       matrix is held at the peak; kernels' block-sized buffers move the fit by ~0.1); with two, the
+       exponent ``k`` of peak ∝ S^k between them (target ``k < max_exponent``). Also its growth between the
+       two longest S against eager's, and its peak against eager's at the longest S;
+    4. the decoder at each S: × vs eager and peak memory of every contender (the issue sets no target).
+    """
+    enc = seq_models(rows, encoder)
+    if not enc:
+        return [f"- no {encoder}_s<S> model in this run"]
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    ok = {c: timed_rows(rows, c) for c in contenders}
+    lines = [_speedup_line(rows, ok, contender, enc[max(enc)], min_speedup)]
+    lines += _peak_lines(ok, contenders, encoder, enc)
+    lines.append(_growth_line(ok, contender, enc, max_matrices, max_exponent))
+    lines += [_decoder_line(ok, contenders, model) for model in seq_models(rows, decoder).values()]
+    return lines
+
+
+def _speedup_line(rows: list[dict[str, Any]], ok: dict[str, dict[str, dict[str, Any]]], contender: str,
+                  model: str, target: float) -> str:
+    head = f"- {contender} × vs eager on {model}:"
+    row = ok.get(contender, {}).get(model)
+    if row is None or not row.get("ratio_vs_eager"):
+        failed = next((r for r in rows if r["model"] == model and r["contender"] == contender), None)
+        why = f"{contender} {failed.get('status')} ({failed.get('stage') or '?'})" if failed else "not in this run"
+        return f"{head} — {why} (target ≥ {target:.2f}×: {verdict(False)})"
+    ratio = row["ratio_vs_eager"]
+    line = f"{head} {fmt_ratio(ratio)} (target ≥ {target:.2f}×: {verdict(ratio >= target)})"
+    compiled = ok.get("torch.compile", {}).get(model)
+    if compiled and contender != "torch.compile":
+        line += f"; torch.compile ms / {contender} ms = {fmt_ratio(compiled['median_ms'] / row['median_ms'])}"
+    return line
+
+
+def _peak_lines(ok: dict[str, dict[str, dict[str, Any]]], contenders: list[str], encoder: str,
+                enc: dict[int, str]) -> list[str]:
+    lines = []
+    for c in contenders:
+        peaks = [_peak(ok[c], model) for model in enc.values()]
+        if all(p is None for p in peaks):
+            continue
+        steps = [f"×{b / a:.2f}" if a and b else "—" for a, b in itertools.pairwise(peaks)]
+        line = (f"- {c} peak memory on {encoder}, S = {' / '.join(map(str, enc))}: "
+                f"{' / '.join(fmt_mib(p) for p in peaks)} MiB")
+        lines.append(line + (f" (growth from one S to the next: {', '.join(steps)})" if steps else ""))
+    return lines
+
+
+def _growth_line(ok: dict[str, dict[str, dict[str, Any]]], contender: str, enc: dict[int, str],
+                 max_matrices: float, max_exponent: float) -> str:
+    head = f"- {contender} attention memory no longer O(S²):"
+    if len(enc) < 2:
+        return f"{head} one sequence length only, no growth to measure"
+    ours, eager = ok.get(contender, {}), ok.get("eager", {})
+    s_a, s_b = list(enc)[-2:]
+    peak_a, peak_b = _peak(ours, enc[s_a]), _peak(ours, enc[s_b])
+    k = growth_exponent(s_a, peak_a, s_b, peak_b)
+    if k is None:
+        return f"{head} — no peak memory at S = {s_a} and {s_b} ({verdict(False)})"
+
+    def matrices(rows: dict[str, dict[str, Any]]) -> float | None:
+        points = [(seq, _peak(rows, model)) for seq, model in enc.items()]
+        points = [(seq, peak) for seq, peak in points if peak is not None]
+        c = quadratic_term(points)
+        return None if c is None else c / 4  # float32 S x S matrices
+
+    ours_m, eager_m = matrices(ours), matrices(eager)
+    growth = f"peak ×{peak_b / peak_a:.2f} from S = {s_a} to {s_b} (S^{k:.2f}"
+    k_eager = growth_exponent(s_a, _peak(eager, enc[s_a]), s_b, _peak(eager, enc[s_b]))
+    if k_eager is not None:
+        growth += f"; eager ×{_peak(eager, enc[s_b]) / _peak(eager, enc[s_a]):.2f}, S^{k_eager:.2f}"
+    growth += ")"
+    if ours_m is None:
+        line = f"{head} {growth[:-1]}; target k < {max_exponent:g}: {verdict(k < max_exponent)})"
+    else:
+        eager_part = f"eager {round(eager_m, 2) + 0.0:.2f}; " if eager_m is not None else ""
+        line = (f"{head} quadratic term of the peak, fitted over S = {' / '.join(map(str, enc))}: "
+                f"{round(ours_m, 2) + 0.0:.2f} float32 S×S matrices ({eager_part}"
+                f"target < {max_matrices:g}: {verdict(ours_m < max_matrices)}); {growth}")
+    eager_b = _peak(eager, enc[s_b])
+    if eager_b:
+        line += f"; {contender} peak / eager peak at S = {s_b}: {peak_b / eager_b:.2f}×"
+    return line
+
+
+def _decoder_line(ok: dict[str, dict[str, dict[str, Any]]], contenders: list[str], model: str) -> str:
+    parts = []
+    for c in contenders:
+        row = ok[c].get(model)
+        if row is None:
+            parts.append(f"{c} not timed")
+            continue
+        text = f"{c} {fmt_ratio(row.get('ratio_vs_eager'))}"
+        if row.get("peak_bytes") is not None:
+            text += f", {fmt_mib(row['peak_bytes'])} MiB"
+        parts.append(text)
+    return f"- {model} (× vs eager, peak memory; no target): {'; '.join(parts)}"
+
+
 # --------------------------------------------------------------------------------------------------
 # machine
 
@@ -302,6 +482,13 @@ def threads_line(machine: dict[str, Any], meta: dict[str, Any]) -> str:
     return line
 
 
+MEMORY_LINE = (
+    "- Peak memory: one more call per contender after the timed rounds, with every allocation and free of "
+    "PyTorch's {allocator} recorded (`benchmarks/memory.py`); peak MiB = the most bytes held at once during "
+    "the call above the level at its start (weights and inputs excluded, outputs included)."
+)
+
+
 def markdown_block(result: dict[str, Any]) -> str:
     """The text between the harness markers for one run (without the markers).
 
@@ -333,10 +520,12 @@ def markdown_block(result: dict[str, Any]) -> str:
             "× vs eager = eager ms / contender ms (> 1 is faster). prepare s = prepare + first call "
             "(export / compile / optimize). max abs err = against eager's outputs."
         ),
-        "",
-        markdown_table(result["rows"]),
-        "",
     ]
+    if meta.get("memory"):
+        allocator = "CUDA caching allocator" if str(meta.get("device", "")).startswith("cuda") else (
+            "CPU allocator (torch.profiler, profile_memory=True)")
+        lines.append(MEMORY_LINE.format(allocator=allocator))
+    lines += ["", markdown_table(result["rows"], table_columns(result["rows"], meta.get("memory"))), ""]
     if result.get("summary"):
         lines += [*result["summary"], ""]
     return "\n".join(lines)

@@ -7,7 +7,9 @@ Per model, in one process and one run:
    of both is "prepare s"; the first call's outputs give "max abs err" against the reference;
 3. warm every contender up, then ``rounds`` rounds; in round ``r`` the contenders run in a rotated order
    (starting with the ``r``-th), each ``reps`` calls back to back, each call timed on its own;
-4. median over all timed calls of a contender, and ``eager ms / contender ms`` (> 1 is faster).
+4. median over all timed calls of a contender, and ``eager ms / contender ms`` (> 1 is faster);
+5. with ``--memory`` (on by default for sections that ask for it, such as ``attention``): one more call
+   per contender, apart from the timed ones, under :func:`benchmarks.memory.peak_memory`: its peak memory.
 
 A contender that raises (while preparing, on its first call, or while being timed) becomes a failed row
 with the error text; the run goes on. All calls run under ``torch.no_grad()``.
@@ -19,20 +21,24 @@ contenders, writes ``results-NAME.json`` and its own block of ``RESULTS.md``
 Example:
     python -m benchmarks --models hf_bert,resnet_cnn --contenders eager,ort,fxforge --rounds 5 --reps 10
     python -m benchmarks --suite conv
+    python -m benchmarks --suite attention
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import gc
 import importlib
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -44,6 +50,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from benchmarks import contenders as contenders_mod
+from benchmarks import memory as memory_mod
 from benchmarks import report
 from benchmarks import suite as suite_mod
 
@@ -66,12 +73,15 @@ class Section:
         title: the heading of its block.
         contenders: its default contenders, in run order.
         summary: ``summary(rows) -> markdown lines`` written under its table (and into the JSON).
+        memory: also measure each contender's peak memory (:mod:`benchmarks.memory`), in one call of its
+            own after the timed rounds; the table gets a "peak MiB" column.
     """
 
     name: str
     title: str
     contenders: tuple[str, ...]
     summary: Callable[[list[dict[str, Any]]], list[str]] | None = None
+    memory: bool = False
 
 
 SECTIONS: dict[str, Section] = {
@@ -80,6 +90,13 @@ SECTIONS: dict[str, Section] = {
         "Convolutional models, batch 1 and 8 (issue 3)",
         ("eager", "optimize_for_inference", "torch.compile", "fxforge"),
         report.conv_summary,
+    ),
+    "attention": Section(
+        "attention",
+        "Attention: BERT encoder at S = 512 / 1024 / 2048, LLaMA decoder at S = 2048 (issue 4)",
+        ("eager", "torch.compile", "fxforge"),
+        report.attention_summary,
+        memory=True,
     ),
 }
 
@@ -219,6 +236,25 @@ def time_interleaved(
     return times, failures
 
 
+def measure_memory(
+    fns: dict[str, Callable[..., Any]], args: tuple, device: torch.device
+) -> tuple[dict[str, memory_mod.PeakMemory], dict[str, BaseException]]:
+    """One call per contender, apart from the timed ones, with every allocation recorded: its peak memory.
+
+    Returns ``(peaks, failures)`` by contender name; a contender that raises here only loses its memory
+    figure.
+    """
+    peaks: dict[str, memory_mod.PeakMemory] = {}
+    failures: dict[str, BaseException] = {}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            try:
+                peaks[name] = memory_mod.peak_memory(fn, *args, device=device)
+            except Exception as exc:  # noqa: BLE001 - a failed measurement loses one figure, not the row
+                failures[name] = exc
+    return peaks, failures
+
+
 # --------------------------------------------------------------------------------------------------
 # one model
 
@@ -251,8 +287,14 @@ def run_model(
     rounds: int,
     reps: int,
     device: torch.device,
+    memory: bool = False,
 ) -> list[dict[str, Any]]:
-    """All rows of one model (one per contender, in ``selected`` order)."""
+    """All rows of one model (one per contender, in ``selected`` order).
+
+    With ``memory``, each contender that was timed without failing is then called once more under
+    :func:`benchmarks.memory.peak_memory`: ``peak_bytes`` in its row (``info["memory_error"]`` if that
+    call failed).
+    """
     rows = {c.name: new_row(entry.name, c.name) for c in selected}
     sync = make_sync(device)
 
@@ -322,6 +364,18 @@ def run_model(
             round_medians_ms=[statistics.median(rnd) for rnd in per_round],
             times_ms=[round(t, 4) for t in flat],
         )
+    if memory:
+        alive = {n: fn for n, fn in fns.items() if n not in failures and times.get(n)}
+        peaks, memory_failures = measure_memory(alive, args, device)
+        for name, peak in peaks.items():
+            rows[name].update(peak_bytes=peak.peak_bytes, allocated_bytes=peak.allocated_bytes,
+                              allocations=peak.allocations)
+        for name, exc in memory_failures.items():
+            rows[name]["info"]["memory_error"] = error_text(exc)
+            log(f"[{entry.name}] {name}: memory measurement failed: {error_text(exc, 300)}")
+        if peaks:
+            log(f"[{entry.name}] peak memory: " + ", ".join(
+                f"{n} {p.peak_mib:.1f} MiB" for n, p in peaks.items()))
     eager_ms = rows["eager"]["median_ms"] if "eager" in rows else None
     for row in rows.values():
         if eager_ms and row["median_ms"]:
@@ -374,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="markdown file whose harness block (or the section's) is replaced (default "
                    "benchmarks/RESULTS.md)")
     p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each contender's peak memory in one extra call after the timed ones "
+                   "(default: on for sections that ask for it, such as attention; off otherwise)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['rounds']} round, {QUICK['reps']} reps, {QUICK['warmup']} warm-up (smoke runs)")
     p.add_argument("--list", action="store_true", help="list the suite and the contenders, then exit")
@@ -413,6 +470,10 @@ def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | N
         parser.error("--rounds and --reps must be >= 1, --warmup >= 0")
     if opts.threads < 1:
         parser.error("--threads must be >= 1")
+    # fxforge's "prepare s" is a cold optimize: autotune times everything afresh, as on a first use
+    # (its on-disk cache would otherwise replay an earlier run's measurements).
+    os.environ["FXFORGE_CACHE_DIR"] = cache_dir = tempfile.mkdtemp(prefix="fxforge-bench-autotune-")
+    atexit.register(shutil.rmtree, cache_dir, True)
 
     section = SECTIONS[opts.suite] if opts.suite else None
     try:
@@ -476,8 +537,10 @@ def _run(
             "timings will be noisy")
     log(f"benchmarks: {len(entries)} model(s) × {len(selected)} contender(s), "
         f"{timing['rounds']} round(s) × {timing['reps']} rep(s), {torch.get_num_threads()} thread(s)")
+    memory = opts.memory if opts.memory is not None else bool(section and section.memory)
+    result["meta"]["memory"] = memory
     for entry in entries:
-        result["rows"].extend(run_model(entry, selected, device=device, **timing))
+        result["rows"].extend(run_model(entry, selected, device=device, memory=memory, **timing))
         report.write_json(json_path, result)  # partial results survive a crash or ^C
     result["meta"]["complete"] = True
     result["meta"]["loadavg_end"] = report.load_average()
@@ -488,7 +551,7 @@ def _run(
     if not opts.no_markdown:
         report.write_markdown(opts.markdown, result, section.name if section else None)
         log(f"wrote {opts.markdown}")
-    print(report.markdown_table(result["rows"]))
+    print(report.markdown_table(result["rows"], report.table_columns(result["rows"], memory)))
     for line in result.get("summary", []):
         print(line)
     return 0

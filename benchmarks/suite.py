@@ -10,7 +10,8 @@ Entries come from three places:
 
 Entries tagged with a section's name (``tags=("conv",)``) form that section: ``python -m benchmarks
 --suite conv`` runs them (see :data:`benchmarks.run.SECTIONS`). The section entries are ``default=False``,
-so the plain ``python -m benchmarks`` run stays as it was.
+so the plain ``python -m benchmarks`` run stays as it was. ``--suite attention`` runs the BERT encoder at
+S = 512 / 1024 / 2048 and the LLaMA decoder at S = 2048.
 
 Nothing is downloaded: every model is built from a config with random (seeded) weights.
 
@@ -318,6 +319,96 @@ def conv_entries() -> list[SuiteEntry]:
 
 
 # --------------------------------------------------------------------------------------------------
+# the attention section (issue 4): ``python -m benchmarks --suite attention``
+
+ATTENTION_ENCODER_SEQS = (512, 1024, 2048)
+ATTENTION_DECODER_SEQS = (2048,)
+
+
+def bert_encoder(seq: int, *, hidden: int = 256, layers: int = 4, heads: int = 4,
+                 vocab: int = 30522) -> Factory:
+    """A BERT encoder (transformers BertModel, eager attention), batch 1, sequence ``seq``, no padding.
+
+    The default size is the suite's ``hf_bert`` (hidden 256, 4 layers, 4 heads of 64, FFN 1024) without
+    its pooler; the position table holds at least ``seq`` positions. The all-ones ``attention_mask`` is
+    passed as real callers pass it: transformers turns it into a [1, 1, S, S] float mask. Smoke tests pass
+    a smaller size.
+    """
+
+    def factory() -> tuple[nn.Module, tuple]:
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=max(seq, 512),
+            attn_implementation="eager",
+            return_dict=False,
+        )
+        model = BertModel(config, add_pooling_layer=False).eval()
+        input_ids = torch.randint(0, vocab, (1, seq))
+        attention_mask = torch.ones(1, seq, dtype=torch.long)
+        return model, (input_ids, attention_mask)
+
+    factory.__name__ = f"bert_encoder_s{seq}"
+    return factory
+
+
+def llama_decoder(seq: int, *, hidden: int = 256, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+                  vocab: int = 32000) -> Factory:
+    """A LLaMA decoder (transformers LlamaModel, eager attention), batch 1, sequence ``seq``, causal, no cache.
+
+    Default: hidden 256, 4 layers, 4 query heads of 64 sharing 2 key/value heads (grouped-query attention),
+    SwiGLU MLP of 688 (8/3 of hidden, rounded up to a multiple of 16).
+    """
+
+    def factory() -> tuple[nn.Module, tuple]:
+        from transformers import LlamaConfig, LlamaModel
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=-(-8 * hidden // 3 // 16) * 16,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max(seq, 512),
+            attn_implementation="eager",
+            use_cache=False,
+            return_dict=False,
+        )
+        model = LlamaModel(config).eval()
+        return model, (torch.randint(0, vocab, (1, seq)),)
+
+    factory.__name__ = f"llama_decoder_s{seq}"
+    return factory
+
+
+def _attention_entry(name: str, factory: Factory, description: str) -> SuiteEntry:
+    return SuiteEntry(name, factory, "transformers", description, default=False, tags=("attention",))
+
+
+def attention_entries() -> list[SuiteEntry]:
+    """The attention section's entries (tag ``attention``, not default), in run order.
+
+    ``bert_s512``, ``bert_s1024``, ``bert_s2048`` (the encoder at three lengths: how latency and peak memory
+    grow with S) and ``llama_s2048`` (the causal decoder).
+    """
+    return [
+        *(_attention_entry(f"bert_s{seq}", bert_encoder(seq),
+                           f"BertModel, hidden 256, 4 layers, 4 heads, eager attention, batch 1, sequence {seq}")
+          for seq in ATTENTION_ENCODER_SEQS),
+        *(_attention_entry(f"llama_s{seq}", llama_decoder(seq),
+                           f"LlamaModel, hidden 256, 4 layers, 4 heads / 2 KV heads, eager attention, batch 1, "
+                           f"sequence {seq}, causal")
+          for seq in ATTENTION_DECODER_SEQS),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
 # the suite, in run order
 
 SUITE: list[SuiteEntry] = [
@@ -330,6 +421,7 @@ SUITE: list[SuiteEntry] = [
     SuiteEntry("tiny_mlp", tiny_mlp, "builtin", TinyMLP.__doc__.strip(), default=False),
     SuiteEntry("tiny_conv_bn", tiny_conv_bn, "builtin", TinyConvBN.__doc__.strip(), default=False),
     *conv_entries(),
+    *attention_entries(),
 ]
 
 

@@ -2,7 +2,7 @@
 training mode (outputs under the same dropout draws, gradients of every parameter, BatchNorm running
 statistics after a step), the method chosen is recorded, and every node carries shape metadata.
 
-The corpus is 13 transformers architectures (tiny configs, random weights, eager attention; see
+The corpus is 19 transformers architectures (tiny configs, random weights, eager attention; see
 ``models.py``) and the project's example models (``examples/models``).
 """
 
