@@ -60,9 +60,11 @@ class PassContext:
         """Record that the pass looked at ``node`` and refused, with the reason."""
         self.near_misses.append(NearMiss(self.rule, node.name, reason, node_source(node)))
 
-    def tuned(self, subject: str, choice: str, timings: dict[str, float], note: str = "") -> None:
-        """Record a choice made by measurement, with the timings (milliseconds) behind it."""
-        self.tuning.append(Tuning(self.rule, subject, choice, dict(timings), note))
+    def tuned(self, subject: str, choice: str, timings: dict[str, float], note: str = "", *,
+              unit: str = "ms", kind: str = "autotune") -> None:
+        """Record a choice made by measurement, with the timings (milliseconds) behind it; ``unit`` and
+        ``kind`` label other figures (``memory_reorder``: simulated peaks in MiB, ``kind="schedule"``)."""
+        self.tuning.append(Tuning(self.rule, subject, choice, dict(timings), note, unit, kind))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup', 'conv_bn_fold', 'conv_activation', 'attention']
+    ['cleanup', 'conv_bn_fold', 'conv_activation', 'attention', 'memory_reorder']
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fxforge.rewrites.attention import ATTENTION
 from fxforge.rewrites.cleanup import CLEANUP
 from fxforge.rewrites.conv_activation import CONV_ACTIVATION
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
+from fxforge.rewrites.memory_reorder import MEMORY_REORDER
 from fxforge.rewrites.passes import Pass
 
 # Read top to bottom: the order in which "default" runs them.
@@ -25,8 +26,9 @@ BUILTIN: dict[str, Pass] = {
     CONV_BN_FOLD.name: CONV_BN_FOLD,
     CONV_ACTIVATION.name: CONV_ACTIVATION,
     ATTENTION.name: ATTENTION,
+    MEMORY_REORDER.name: MEMORY_REORDER,
 }
-DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation", "attention"]
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation", "attention", "memory_reorder"]
 
 
 class UnknownRewriteError(ValueError):
@@ -34,7 +36,7 @@ class UnknownRewriteError(ValueError):
 
     Example:
         >>> str(UnknownRewriteError("nope"))
-        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation, attention"
+        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation, attention, memory_reorder"
     """
 
     def __init__(self, name: str):

@@ -83,12 +83,16 @@ class Tuning:
         rule: the pass that asked (``"conv_activation"``).
         subject: a node name, ``"layout"`` or ``"graph"``.
         choice: what was kept (``"mkldnn"``, ``"channels-last"``, ``"fused"``, ``"before"``...).
-        timings: candidate -> median milliseconds, measured in the same run.
+        timings: candidate -> median milliseconds, measured in the same run (or another figure, in ``unit``).
         note: why, or why some candidates could not run.
+        unit: the unit of ``timings`` (``"ms"``; ``memory_reorder`` records simulated peaks in ``"MiB"``).
+        kind: what made the choice (``"autotune"``; ``"schedule"`` for ``memory_reorder``).
 
     Example:
         >>> str(Tuning("conv_activation", "conv_1", "mkldnn", {"mkldnn": 0.5, "composite": 0.75}))
         'conv_activation autotune conv_1: mkldnn (mkldnn 0.5 ms, composite 0.75 ms)'
+        >>> str(Tuning("memory_reorder", "graph", "exact search", {"before": 2.0}, unit="MiB", kind="schedule"))
+        'memory_reorder schedule graph: exact search (before 2 MiB)'
     """
 
     rule: str
@@ -96,11 +100,13 @@ class Tuning:
     choice: str
     timings: dict = dataclasses.field(default_factory=dict)
     note: str = ""
+    unit: str = "ms"
+    kind: str = "autotune"
 
     def __str__(self) -> str:
-        times = ", ".join(f"{k} {v:.3g} ms" for k, v in self.timings.items())
+        times = ", ".join(f"{k} {v:.3g} {self.unit}" for k, v in self.timings.items())
         note = f"; {self.note}" if self.note else ""
-        return f"{self.rule} autotune {self.subject}: {self.choice} ({times}){note}"
+        return f"{self.rule} {self.kind} {self.subject}: {self.choice} ({times}){note}"
 
 
 @dataclasses.dataclass
@@ -180,7 +186,9 @@ class Report:
             table("Applied", ["rule", "change", "nodes", "source"],
                   [[m.rule, m.what, ", ".join(m.nodes), m.source or ""] for m in self.matches]),
             table("Autotune", ["rule", "subject", "choice", "timings (ms)", "note"],
-                  [[t.rule, t.subject, t.choice, ", ".join(f"{k} {v:.3g}" for k, v in t.timings.items()), t.note]
+                  [[t.rule, t.subject, t.choice,
+                    ", ".join(f"{k} {v:.3g}" + ("" if t.unit == "ms" else f" {t.unit}") for k, v in t.timings.items()),
+                    t.note]
                    for t in self.tuning]),
             table("Rolled back", ["rule", "matches", "error"],
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),

@@ -172,9 +172,9 @@ def test_readme_user_rule():
 
     silu = Rule("silu", pattern, replacement)
     new = fxforge.rewrite(fxforge.capture(model, (x,)), ["default", silu])
-    print(new.report.counts)  # {'silu': 2}
+    print(new.report.counts["silu"])  # 2
     # --- README snippet ends ---
-    assert new.report.counts == {"silu": 2}
+    assert new.report.counts["silu"] == 2 and set(new.report.counts) <= {"silu", "memory_reorder"}
     torch.testing.assert_close(new.graph_module(x), model(x))
     assert [n.target for n in _calls(new.graph_module)].count(F.silu) == 2
     assert all("test_pattern.py" in m.source for m in new.report.matches)
