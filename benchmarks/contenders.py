@@ -278,3 +278,14 @@ def _fxforge(model: nn.Module, args: tuple) -> Prepared:
     opt = fxforge.optimize(model, example_inputs=args, target="native")
     report = getattr(opt, "report", None)
     return Prepared(opt, note=report_note(report), info=report_info(report))
+
+
+@register("fxforge-attention", "fxforge.optimize(model, example_inputs=args, rewrites=['cleanup', 'attention'])")
+def _fxforge_attention(model: nn.Module, args: tuple) -> Prepared:
+    """fxforge with the attention rewrite alone: what the attention section's memory criterion reads, so
+    the fit over S is not moved by autotune's other choices (e.g. linear+GELU fused at one S, not another)."""
+    import fxforge
+
+    opt = fxforge.optimize(model, example_inputs=args, target="native", rewrites=["cleanup", "attention"])
+    report = getattr(opt, "report", None)
+    return Prepared(opt, note=report_note(report), info=report_info(report))

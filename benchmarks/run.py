@@ -94,7 +94,7 @@ SECTIONS: dict[str, Section] = {
     "attention": Section(
         "attention",
         "Attention: BERT encoder at S = 512 / 1024 / 2048, LLaMA decoder at S = 2048 (issue 4)",
-        ("eager", "torch.compile", "fxforge"),
+        ("eager", "torch.compile", "fxforge", "fxforge-attention"),
         report.attention_summary,
         memory=True,
     ),

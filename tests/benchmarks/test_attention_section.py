@@ -62,7 +62,7 @@ def test_section_runs_tagged_models_with_memory(section_run):
     assert rc == 0 and data["meta"]["complete"] is True
     assert data["meta"]["suite"] == "attention" and data["meta"]["memory"] is True
     assert data["meta"]["models"] == ["bert_s64", "bert_s128", "bert_s256", "llama_s128"]
-    assert list(data["meta"]["contenders"]) == ["eager", "fxforge"]
+    assert list(data["meta"]["contenders"]) == ["eager", "fxforge", "fxforge-attention"]
     assert data["summary"] == report.attention_summary(data["rows"])
 
 
@@ -245,7 +245,7 @@ def test_attention_entries_selected_together_and_not_by_default():
     names = ["bert_s512", "bert_s1024", "bert_s2048", "llama_s2048"]
     assert [e.name for e in suite.select(None, tag="attention")] == names
     assert not set(names) & {e.name for e in suite.select(None)}
-    assert SECTIONS["attention"].contenders == ("eager", "torch.compile", "fxforge")
+    assert SECTIONS["attention"].contenders == ("eager", "torch.compile", "fxforge", "fxforge-attention")
     assert SECTIONS["attention"].memory and not SECTIONS["conv"].memory
 
 
