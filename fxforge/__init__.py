@@ -11,9 +11,11 @@ Example:
 from fxforge.api import optimize
 from fxforge.capture import CaptureError, capture
 from fxforge.captured import Captured
+from fxforge.exporters import ExportError, OnnxRuntimeModule, export_onnx
 from fxforge.rewrites.passes import Pass
 from fxforge.rewrites.pipeline import rewrite
 from fxforge.rewrites.report import Report
 from fxforge.runtime.native import OptimizedModule
 
-__all__ = ["CaptureError", "Captured", "OptimizedModule", "Pass", "Report", "capture", "optimize", "rewrite"]
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Report", "capture",
+           "export_onnx", "optimize", "rewrite"]

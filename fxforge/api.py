@@ -18,11 +18,14 @@ from fxforge.capture import normalize_inputs
 from fxforge.rewrites.registry import resolve
 from fxforge.runtime.native import OptimizedModule, optimize_class
 
-TARGETS = ("native",)
+TARGETS = ("native", "onnxruntime")
+# Options that only the onnxruntime target takes (see OnnxRuntimeModule.from_model).
+ONNXRUNTIME_OPTIONS = ("dynamic_batch", "dynamic_shapes", "opset", "attention", "external_data", "path", "providers",
+                       "session_options", "intra_op_num_threads")
 
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
-             verify: bool = True, method: str = "auto") -> Any:
+             verify: bool = True, method: str = "auto", **target_options: Any) -> Any:
     """Capture, rewrite and run a model through fxforge.
 
     Three forms:
@@ -32,16 +35,27 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     - ``@fxforge.optimize`` on an ``nn.Module`` class: instances capture themselves on their first call.
     - ``@fxforge.optimize(target=..., rewrites=...)``: the same, with options.
 
+    With ``target="onnxruntime"`` the model is exported with :func:`fxforge.export_onnx` (once, for the
+    example inputs or the first call's) and runs in an ONNX Runtime session: an
+    :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule` (CUDA provider when torch sees a GPU, CPU
+    otherwise; outputs in the model's own structure; inputs of shapes the file does not take raise
+    :class:`~fxforge.exporters.ort_module.InputShapeError`). Decorated classes run eagerly in training
+    mode and export on their first call in eval mode.
+
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
         example_inputs: a tuple of inputs, one tensor, or a dict of keyword inputs.
-        target: ``"native"`` (run the rewritten graph with PyTorch).
+        target: ``"native"`` (run the rewritten graph with PyTorch) or ``"onnxruntime"``.
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
+        target_options: for ``"onnxruntime"`` only: ``dynamic_batch``, ``dynamic_shapes``, ``opset``,
+            ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`), ``path`` (keep the ONNX file there),
+            ``providers``, ``session_options``, ``intra_op_num_threads`` (the session's).
 
     Raises:
         ValueError: an unknown target or rewrite name (checked before anything runs).
+        TypeError: an option the target does not take.
 
     Example:
         >>> @fxforge.optimize
@@ -50,13 +64,30 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         ...         return x.relu()
         >>> Net()(-torch.ones(1)).tolist()
         [0.0]
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()).eval()
+        >>> ort_net = fxforge.optimize(model, (torch.ones(2, 3),), target="onnxruntime", dynamic_batch=True)
+        >>> ort_net(-torch.ones(4, 3)).shape, ort_net.providers[-1]
+        (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")
+    allowed = ONNXRUNTIME_OPTIONS if target == "onnxruntime" else ()
+    unknown = sorted(set(target_options) - set(allowed))
+    if unknown:
+        raise TypeError(f"target {target!r} does not take {', '.join(unknown)}"
+                        + (f"; it takes {', '.join(allowed)}" if allowed else ""))
     resolve(rewrites)  # fail early on an unknown rewrite name
     options = {"rewrites": rewrites, "verify": verify, "method": method}
     if model is None:
-        return functools.partial(optimize, example_inputs=example_inputs, target=target, **options)
+        return functools.partial(optimize, example_inputs=example_inputs, target=target, **options, **target_options)
+    if target == "onnxruntime":
+        from fxforge.exporters.target import onnxruntime_class, optimize_onnxruntime
+
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            return onnxruntime_class(model, **options, **target_options)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxforge.optimize takes an nn.Module instance or class, got {type(model).__name__}")
+        return optimize_onnxruntime(model, example_inputs, **options, **target_options)
     if isinstance(model, type) and issubclass(model, nn.Module):
         return optimize_class(model, **options)
     if not isinstance(model, nn.Module):

@@ -1,0 +1,285 @@
+"""Measure which ONNX form ONNX Runtime runs fastest for each op fxforge translates.
+
+This is the measurement behind the choices in :mod:`fxforge.exporters.translations`; run it again on
+another machine or ONNX Runtime build with::
+
+    python -m fxforge.exporters.measure            # the shapes the choices were made on
+    python -m fxforge.exporters.measure --quick    # tiny shapes, one round (a smoke test)
+
+Each comparison builds both forms, checks they agree, and times them in interleaved rounds (the order
+rotates every round) with medians, in sessions with torch's thread count and
+``session.intra_op.allow_spinning = "0"``. Printed: one line per case with ``A/B``, the ratio of the
+first form's median time to the second's (> 1: the second is faster).
+
+- conv: ``Conv`` (+ ``Add``) + activation (what fxforge emits; ORT fuses it) vs ``com.microsoft.FusedConv``;
+- linear: ``Gemm``/``MatMul`` + activation vs ``com.microsoft.FusedGemm``;
+- attention (a BERT-base attention layer, batch 1): torch.onnx's MatMul/Softmax graph vs
+  ``com.microsoft.MultiHeadAttention`` vs ONNX ``Attention`` (opset 23).
+
+Example:
+    >>> rows = main(["--quick", "--only", "linear"], out=None)
+    >>> rows[0]["forms"]
+    ('standard', 'FusedGemm')
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+FUSED_CONV_ACTIVATIONS = {"relu": ("Relu", []), "sigmoid": ("Sigmoid", []), "tanh": ("Tanh", []),
+                          "leaky_relu": ("LeakyRelu", [0.1]), "hardtanh": ("Clip", [0.0, 6.0])}
+CONV_SHAPES = [((1, 64, 56, 56), 64, 3), ((4, 128, 28, 28), 128, 3), ((1, 256, 14, 14), 1024, 1)]
+LINEAR_SHAPES = [((64, 768), 3072), ((1, 256, 768), 3072), ((4, 128, 256), 1024)]
+ATTENTION_LENGTHS = [1024, 2048]
+
+
+def _session(model_bytes: bytes) -> Any:
+    import onnxruntime as ort
+
+    from fxforge.exporters.ort_module import session_options
+
+    return ort.InferenceSession(model_bytes, session_options(), providers=["CPUExecutionProvider"])
+
+
+def time_interleaved(runs: dict[str, Callable[[], Any]], rounds: int, reps: int) -> dict[str, float]:
+    """Median milliseconds per call of each run, over ``rounds`` rounds of ``reps`` calls, order rotated.
+
+    Example:
+        >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 2, 1))
+        ['a', 'b']
+    """
+    names = list(runs)
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(reps):
+                runs[name]()
+            times[name].append((time.perf_counter() - start) / reps * 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------- conv, linear
+
+def _conv_model(form: str, activation: str, x_shape, out_channels: int, kernel: int, residual: bool) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    n, c, h, w = x_shape
+    y_shape = [n, out_channels, h, w]
+    inits = [numpy_helper.from_array((rng.standard_normal((out_channels, c, kernel, kernel)) * 0.05).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(out_channels).astype(np.float32), "B")]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, list(x_shape))]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("Z", TensorProto.FLOAT, y_shape))
+    conv = {"pads": [kernel // 2] * 4, "strides": [1, 1], "dilations": [1, 1], "group": 1}
+    name, params = FUSED_CONV_ACTIVATIONS[activation]
+    if form == "FusedConv":
+        extra = {"activation_params": params} if params else {}
+        nodes = [helper.make_node("FusedConv", ["X", "W", "B"] + (["Z"] if residual else []), ["Y"],
+                                  domain="com.microsoft", activation=name, kernel_shape=[kernel, kernel], **conv, **extra)]
+    else:
+        nodes = [helper.make_node("Conv", ["X", "W", "B"], ["C"], **conv)]
+        current = "C"
+        if residual:
+            nodes.append(helper.make_node("Add", ["C", "Z"], ["S"]))
+            current = "S"
+        if name == "Clip":
+            inits += [numpy_helper.from_array(np.array(v, np.float32), n_) for v, n_ in zip(params, ("lo", "hi"))]
+            nodes.append(helper.make_node("Clip", [current, "lo", "hi"], ["Y"]))
+        else:
+            attrs = {"alpha": params[0]} if params else {}
+            nodes.append(helper.make_node(name, [current], ["Y"], **attrs))
+    graph = helper.make_graph(nodes, "conv", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, y_shape)],
+                              inits)
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def _linear_model(form: str, activation: str, x_shape, out_features: int) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    in_features = x_shape[-1]
+    y_shape = [*x_shape[:-1], out_features]
+    inits = [numpy_helper.from_array((rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(out_features).astype(np.float32), "B")]
+    name, params = FUSED_CONV_ACTIVATIONS[activation]
+    attrs = {"alpha": params[0]} if params else {}
+    if form == "FusedGemm":
+        inits += [numpy_helper.from_array(np.array([-1, in_features], np.int64), "flat"),
+                  numpy_helper.from_array(np.array(y_shape, np.int64), "shape")]
+        nodes = [helper.make_node("Reshape", ["X", "flat"], ["X2"]),
+                 helper.make_node("FusedGemm", ["X2", "W", "B"], ["Y2"], domain="com.microsoft", transB=1,
+                                  activation=name, **({"activation_alpha": params[0]} if params else {})),
+                 helper.make_node("Reshape", ["Y2", "shape"], ["Y"])]
+    elif len(x_shape) == 2:
+        nodes = [helper.make_node("Gemm", ["X", "W", "B"], ["L"], transB=1), helper.make_node(name, ["L"], ["Y"], **attrs)]
+    else:
+        nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["X", "Wt"], ["M"]),
+                 helper.make_node("Add", ["M", "B"], ["L"]), helper.make_node(name, ["L"], ["Y"], **attrs)]
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, y_shape)], inits)
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def _compare(case: str, forms: tuple[str, str], sessions: list, feeds: dict, rounds: int, reps: int) -> dict:
+    a, b = (s.run(None, feeds)[0] for s in sessions)
+    error = float(np.abs(a - b).max())
+    medians = time_interleaved({forms[0]: lambda: sessions[0].run(None, feeds),
+                                forms[1]: lambda: sessions[1].run(None, feeds)}, rounds, reps)
+    return {"case": case, "forms": forms, "ms": medians, "ratio": medians[forms[0]] / medians[forms[1]],
+            "max_abs_diff": error}
+
+
+def measure_conv(shapes=CONV_SHAPES, activations=tuple(FUSED_CONV_ACTIVATIONS), rounds: int = 15, reps: int = 5):
+    """Conv (+ Add) + activation vs FusedConv, per shape, residual or not, activation."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for x_shape, out_channels, kernel in shapes:
+        for residual in (False, True):
+            feeds = {"X": rng.standard_normal(x_shape).astype(np.float32)}
+            if residual:
+                feeds["Z"] = rng.standard_normal((x_shape[0], out_channels, *x_shape[2:])).astype(np.float32)
+            for activation in activations:
+                sessions = [_session(_conv_model(f, activation, x_shape, out_channels, kernel, residual))
+                            for f in ("standard", "FusedConv")]
+                case = f"conv {x_shape} k{kernel}->{out_channels}{' +residual' if residual else ''} {activation}"
+                rows.append(_compare(case, ("standard", "FusedConv"), sessions, feeds, rounds, reps))
+    return rows
+
+
+def measure_linear(shapes=LINEAR_SHAPES, activations=("relu", "tanh", "leaky_relu"), rounds: int = 15, reps: int = 5):
+    """Gemm/MatMul + activation vs FusedGemm, per shape and activation."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for x_shape, out_features in shapes:
+        feeds = {"X": rng.standard_normal(x_shape).astype(np.float32)}
+        for activation in activations:
+            sessions = [_session(_linear_model(f, activation, x_shape, out_features)) for f in ("standard", "FusedGemm")]
+            case = f"linear {x_shape}->{out_features} {activation}"
+            rows.append(_compare(case, ("standard", "FusedGemm"), sessions, feeds, rounds, reps))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+class AttentionLayer(nn.Module):
+    """A BERT attention layer: q, k, v and output projections around SDPA with a padding mask."""
+
+    def __init__(self, hidden: int = 768, heads: int = 12):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+
+        def split(t):
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        y = nn.functional.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
+                                                       attn_mask=mask)
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+def _attention23(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as ONNX Attention (opset 23), the mask spelled out to [.., S, L] (ORT 1.31's CPU kernel does not
+    broadcast the query dim)."""
+    from onnxscript import opset23 as op
+
+    if attn_mask is not None:
+        shape = op.Concat(op.Shape(attn_mask, start=0, end=-2), op.Shape(query, start=2, end=3),
+                          op.Shape(key, start=2, end=3), axis=0)
+        attn_mask = op.Expand(attn_mask, shape)
+    y, _, _, _ = op.Attention(query, key, value, attn_mask, scale=scale, is_causal=int(is_causal))
+    return y
+
+
+def _export_attention(model: nn.Module, inputs: tuple, form: str) -> bytes:
+    from fxforge.exporters.onnx import quiet
+    from fxforge.exporters.translations import SDPA, Translations
+
+    opset = 23 if form == "Attention-23" else 20
+    table = {SDPA: _attention23} if form == "Attention-23" else Translations(
+        opset, attention="plain" if form == "plain" else "MultiHeadAttention").table()
+    with tempfile.TemporaryDirectory() as folder, quiet(io.StringIO()):
+        path = os.path.join(folder, "attention.onnx")
+        torch.onnx.export(model, inputs, path, dynamo=True, opset_version=opset, custom_translation_table=table,
+                          external_data=False)
+        with open(path, "rb") as file:
+            return file.read()
+
+
+def measure_attention(lengths=ATTENTION_LENGTHS, hidden: int = 768, heads: int = 12, rounds: int = 10, reps: int = 1):
+    """The plain export vs MultiHeadAttention vs Attention-23 on a BERT attention layer, per sequence length."""
+    rows = []
+    torch.manual_seed(0)
+    model = AttentionLayer(hidden, heads).eval()
+    forms = ("plain", "MultiHeadAttention", "Attention-23")
+    for length in lengths:
+        x = torch.randn(1, length, hidden)
+        mask = torch.zeros(1, 1, 1, length)
+        mask[..., -length // 8:] = float("-inf")  # the last eighth is padding
+        sessions = {f: _session(_export_attention(model, (x, mask), f)) for f in forms}
+        feeds = {"x": x.numpy(), "mask": mask.numpy()}
+        reference = sessions["plain"].run(None, feeds)[0]
+        error = max(float(np.abs(s.run(None, feeds)[0] - reference).max()) for s in sessions.values())
+        medians = time_interleaved({f: (lambda s=s, feeds=feeds: s.run(None, feeds)) for f, s in sessions.items()},
+                                   rounds, reps)
+        for form in forms[1:]:
+            rows.append({"case": f"attention layer S={length} D={hidden} H={heads}", "forms": ("plain", form),
+                         "ms": {"plain": medians["plain"], form: medians[form]},
+                         "ratio": medians["plain"] / medians[form], "max_abs_diff": error})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None, out: Any = sys.stdout) -> list[dict]:
+    """Run the measurements, print one line per case (unless ``out`` is None), return the rows."""
+    parser = argparse.ArgumentParser(prog="python -m fxforge.exporters.measure", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and one round (a smoke test)")
+    parser.add_argument("--only", choices=["conv", "linear", "attention"], action="append",
+                        help="measure only these (repeatable)")
+    options = parser.parse_args(argv)
+    only = set(options.only or ["conv", "linear", "attention"])
+    rows: list[dict] = []
+    if options.quick:
+        if "conv" in only:
+            rows += measure_conv([((1, 4, 8, 8), 4, 3)], ("relu",), rounds=1, reps=1)
+        if "linear" in only:
+            rows += measure_linear([((2, 8), 4)], ("relu",), rounds=1, reps=1)
+        if "attention" in only:
+            rows += measure_attention([16], hidden=32, heads=2, rounds=1)
+    else:
+        rows += measure_conv() if "conv" in only else []
+        rows += measure_linear() if "linear" in only else []
+        rows += measure_attention() if "attention" in only else []
+    if out is not None:
+        print(f"onnxruntime, CPU, {torch.get_num_threads()} threads, allow_spinning=0; ratio = "
+              "first form's median / second's (> 1: the second is faster)", file=out)
+        for row in rows:
+            a, b = row["forms"]
+            print(f"{row['case']:55} {a} {row['ms'][a]:8.3f} ms  {b} {row['ms'][b]:8.3f} ms  "
+                  f"{a}/{b} {row['ratio']:.3f}  (max diff {row['max_abs_diff']:.2g})", file=out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

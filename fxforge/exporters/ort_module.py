@@ -1,0 +1,533 @@
+"""Run an exported ONNX model in ONNX Runtime as an ``nn.Module``, called like the original model.
+
+:class:`OnnxRuntimeModule` is what ``fxforge.optimize(model, inputs, target="onnxruntime")`` returns. It
+takes the model's own inputs (positional, keyword, nested), feeds their tensors to the ONNX session, and
+returns the model's own output structure (a tensor, a tuple, a dict, a transformers ``ModelOutput``) as
+torch tensors on the inputs' device. :class:`IOSpec` records that mapping at export time.
+
+Example:
+    >>> import torch, fxforge
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()).eval()
+    >>> ort_model = fxforge.optimize(model, (torch.ones(2, 4),), target="onnxruntime")
+    >>> torch.allclose(ort_model(torch.ones(2, 4)), model(torch.ones(2, 4)), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+# ONNX element type names (as ORT reports them) -> torch dtypes.
+_ORT_DTYPES = {
+    "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
+    "tensor(int16)": torch.int16, "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8,
+    "tensor(bool)": torch.bool,
+}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+                 torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+# What OnnxRuntimeModule.from_model passes on to the export (see fxforge.export_onnx).
+EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes", "opset", "attention",
+                  "external_data")
+
+
+class InputShapeError(ValueError):
+    """Inputs that the exported ONNX model does not accept (structure, count, shape or dtype).
+
+    Example:
+        >>> str(InputShapeError("input 'x' has shape (3, 4); the ONNX model takes (2, 4)"))
+        "input 'x' has shape (3, 4); the ONNX model takes (2, 4)"
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class IOSpec:
+    """How the model's inputs and outputs map to the ONNX graph's.
+
+    Attributes:
+        in_spec: the pytree structure of ``(args, kwargs)`` the model was exported with.
+        inputs: per input leaf, ``("tensor", onnx_input_name)``, or ``("constant", value)`` for a Python value
+            that export fixed (calls must pass the same value).
+        out_spec: the pytree structure of the model's outputs.
+        outputs: per output leaf, ``("tensor", index of the ONNX output)`` or ``("constant", value)``.
+
+    Example:
+        >>> spec = IOSpec.for_tensors(["x"], 1)
+        >>> spec.feeds((torch.ones(1),), {})[0][0]
+        'x'
+        >>> spec.outputs_from([torch.zeros(1)]).tolist()
+        [0.0]
+    """
+
+    in_spec: pytree.TreeSpec
+    inputs: tuple[tuple[str, Any], ...]
+    out_spec: pytree.TreeSpec
+    outputs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def for_tensors(cls, input_names: Sequence[str], num_outputs: int) -> IOSpec:
+        """The spec of a model called with positional tensors, returning one tensor (or a tuple of them)."""
+        _, in_spec = pytree.tree_flatten((tuple(torch.empty(0) for _ in input_names), {}))
+        out = torch.empty(0) if num_outputs == 1 else tuple(torch.empty(0) for _ in range(num_outputs))
+        _, out_spec = pytree.tree_flatten(out)
+        return cls(in_spec, tuple(("tensor", n) for n in input_names), out_spec,
+                   tuple(("tensor", i) for i in range(num_outputs)))
+
+    @classmethod
+    def from_exported_program(cls, program: torch.export.ExportedProgram, onnx_inputs: Sequence[str],
+                              num_onnx_outputs: int, out_structure: tuple | None = None) -> IOSpec:
+        """The mapping for an ONNX model that ``torch.onnx.export`` made from ``program``.
+
+        The exporter keeps the program's tensor user inputs as graph inputs and its tensor user outputs
+        as graph outputs, in order; Python values are baked into the graph. ``out_structure`` rebuilds the
+        outputs of a program that returns its tensors flat: ``(spec, per leaf ("tensor", index) or
+        ("constant", value))``.
+
+        Raises:
+            ValueError: the ONNX graph's inputs or outputs do not line up with the program's.
+        """
+        from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
+
+        inputs, tensor_inputs = [], 0
+        for spec in program.graph_signature.input_specs:
+            if spec.kind != InputKind.USER_INPUT:
+                continue
+            if isinstance(spec.arg, TensorArgument):
+                if tensor_inputs >= len(onnx_inputs):
+                    raise ValueError("the ONNX model has fewer inputs than the exported program")
+                inputs.append(("tensor", onnx_inputs[tensor_inputs]))
+                tensor_inputs += 1
+            elif isinstance(spec.arg, ConstantArgument):
+                inputs.append(("constant", spec.arg.value))
+            else:
+                raise ValueError(f"an input of kind {type(spec.arg).__name__} cannot be fed to ONNX Runtime")  # noqa: TRY004
+        if tensor_inputs != len(onnx_inputs):
+            raise ValueError(f"the ONNX model has {len(onnx_inputs)} inputs, the exported program {tensor_inputs}")
+        outputs, index = [], 0
+        for spec in program.graph_signature.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                continue
+            if isinstance(spec.arg, TensorArgument):
+                outputs.append(("tensor", index))
+                index += 1
+            else:
+                outputs.append(("constant", getattr(spec.arg, "value", None)))
+        if index != num_onnx_outputs:
+            raise ValueError(f"the ONNX model has {num_onnx_outputs} outputs, the exported program {index}")
+        if out_structure is not None:
+            out_spec, kinds = out_structure
+            if any(kind != "tensor" for kind, _ in outputs) or sum(k == "tensor" for k, _ in kinds) != index:
+                raise ValueError(f"the program returns {len(outputs)} values, the model's outputs have "
+                                 f"{sum(k == 'tensor' for k, _ in kinds)} tensors")
+            return cls(program.call_spec.in_spec, tuple(inputs), out_spec, tuple(kinds))
+        return cls(program.call_spec.in_spec, tuple(inputs), program.call_spec.out_spec, tuple(outputs))
+
+    def feeds(self, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+        """``(onnx input name, tensor)`` for a call, in the ONNX graph's input order.
+
+        Raises:
+            InputShapeError: the call's structure differs from the exported one, or a fixed value changed.
+        """
+        from torch.export._tree_utils import reorder_kwargs
+
+        try:
+            kwargs = reorder_kwargs(dict(kwargs), self.in_spec)
+        except Exception as error:  # noqa: BLE001 - a missing or extra keyword
+            raise InputShapeError(f"the keyword inputs {sorted(kwargs)} differ from the exported ones: {error}") from None
+        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self.in_spec:
+            raise InputShapeError(f"the inputs' structure {spec} differs from the one exported, {self.in_spec}: "
+                                  "call the module the way the example inputs were given")
+        feeds = []
+        for (kind, what), value in zip(self.inputs, leaves):
+            if kind == "tensor":
+                if not isinstance(value, torch.Tensor):
+                    raise InputShapeError(f"input {what!r} must be a tensor, got {type(value).__name__}")
+                feeds.append((what, value))
+            elif not _same_constant(value, what):
+                raise InputShapeError(f"an input was fixed to {what!r} at export; this call passes {value!r}")
+        return feeds
+
+    def outputs_from(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The model's output structure, from the ONNX outputs in order."""
+        leaves = [tensors[what] if kind == "tensor" else what for kind, what in self.outputs]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) or (a is None and b is None)
+    except Exception:  # noqa: BLE001 - values that do not compare
+        return a is b
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+def default_providers() -> list[str]:
+    """CUDA when torch sees a GPU and ONNX Runtime has the CUDA provider, else CPU (listed explicitly,
+    so a GPU build of ONNX Runtime on a CPU-only machine does not try, and complain about, CUDA).
+
+    Example:
+        >>> default_providers()[-1]
+        'CPUExecutionProvider'
+    """
+    import onnxruntime as ort
+
+    if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(intra_op_num_threads: int | None = None, *, spinning: bool = False) -> Any:
+    """ONNX Runtime ``SessionOptions`` as fxforge uses them.
+
+    ``intra_op_num_threads`` defaults to torch's thread count (so both use the same cores); one
+    inter-op thread; worker threads do not spin waiting for work (``session.intra_op.allow_spinning =
+    "0"``: a spinning pool competes with the rest of the process for the cores between runs); warnings
+    from ONNX Runtime's logger are off (errors still raise).
+
+    Example:
+        >>> session_options(3).intra_op_num_threads
+        3
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(intra_op_num_threads or torch.get_num_threads())
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    flag = "1" if spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", flag)
+    options.add_session_config_entry("session.inter_op.allow_spinning", flag)
+    return options
+
+
+def _provider_options(providers: Sequence[Any]) -> list[Any]:
+    """Put the current torch CUDA device on a bare ``"CUDAExecutionProvider"``."""
+    result = []
+    for provider in providers:
+        if provider == "CUDAExecutionProvider" and torch.cuda.is_available():
+            provider = ("CUDAExecutionProvider", {"device_id": torch.cuda.current_device()})
+        result.append(provider)
+    return result
+
+
+def _dims_text(shape: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(d) if d is not None else "?" for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+class OnnxRuntimeModule(nn.Module):
+    """An ``nn.Module`` running an ONNX model in an ONNX Runtime session, called like the original model.
+
+    The ONNX model holds the weights as they were at export; the module has no parameters of its own
+    (re-optimize after changing the model's weights). The session is created with
+    :func:`session_options` unless ``session_options`` is given; setting :attr:`intra_op_num_threads`,
+    :attr:`session_options` or :attr:`providers` creates a new session.
+
+    Inputs on the session's device are bound in place (IO binding); on CUDA, outputs are written
+    straight into torch tensors on the device when their shapes follow from the inputs'. Outputs come back
+    on the device of the inputs, in the model's own structure.
+
+    Args:
+        path: the ``.onnx`` file.
+        io: how the model's inputs and outputs map to the ONNX graph's (see :class:`IOSpec`); by default
+            the ONNX inputs in order, positionally, and one output or a tuple.
+        providers: ONNX Runtime execution providers (default :func:`default_providers`).
+        session_options: an ``onnxruntime.SessionOptions`` (default :func:`session_options`).
+        intra_op_num_threads: threads of the default session options (default torch's thread count).
+        report: what fxforge did to the model before export (``.report``).
+        owned_dir: a directory removed when this module is garbage collected (a temporary export).
+
+    Raises:
+        InputShapeError: (on call) inputs whose structure, shapes or dtypes the ONNX model does not take.
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "relu.onnx")
+        >>> _ = fxforge.export_onnx(torch.nn.ReLU(), path, (torch.ones(2, 3),))
+        >>> module = OnnxRuntimeModule(path)
+        >>> module(-torch.ones(2, 3)).sum().item(), module.intra_op_num_threads == torch.get_num_threads()
+        (0.0, True)
+        >>> module(torch.ones(4, 3))
+        Traceback (most recent call last):
+        ...
+        fxforge.exporters.ort_module.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic_batch=True or dynamic_shapes= for other sizes)
+    """
+
+    def __init__(self, path: str | os.PathLike | None, io: IOSpec | None = None, *,
+                 providers: Sequence[Any] | None = None, session_options: Any = None,
+                 intra_op_num_threads: int | None = None, report: Any = None, owned_dir: str | None = None):
+        super().__init__()
+        self.path = os.fspath(path) if path is not None else None
+        self.report = report
+        self.onnx_export = None  # the OnnxExport, when this module exported the model itself
+        self._providers = list(providers) if providers is not None else default_providers()
+        self._threads = intra_op_num_threads
+        self._options = session_options
+        self._session = None
+        self._export_options: dict | None = None
+        if owned_dir is not None:
+            self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
+        self.io = io
+        if self.path is not None:
+            self._create_session()
+            if io is None:
+                self.io = IOSpec.for_tensors([i.name for i in self._session.get_inputs()],
+                                             len(self._session.get_outputs()))
+
+    @classmethod
+    def from_model(cls, model: nn.Module, example_inputs: Any = None, *, path: str | os.PathLike | None = None,
+                   providers: Sequence[Any] | None = None, session_options: Any = None,
+                   intra_op_num_threads: int | None = None, **export_options: Any) -> OnnxRuntimeModule:
+        """Export ``model`` with :func:`fxforge.export_onnx` and run it here (what
+        ``fxforge.optimize(model, example_inputs, target="onnxruntime", ...)`` returns).
+
+        Without ``example_inputs`` the export happens on the first call, with that call's inputs. The
+        file goes to ``path`` if given, else to a temporary folder removed with the module.
+
+        Args:
+            model: the model (eval mode).
+            example_inputs: a tuple of positional inputs, one tensor, a dict of keyword inputs, or None.
+            path: where to keep the ONNX file.
+            providers, session_options, intra_op_num_threads: for the session (see the class).
+            export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
+                ``opset``, ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`).
+
+        Example:
+            >>> m = OnnxRuntimeModule.from_model(torch.nn.Tanh().eval(), intra_op_num_threads=1)
+            >>> m(torch.zeros(2)).tolist(), m.intra_op_num_threads
+            ([0.0, 0.0], 1)
+        """
+        unknown = sorted(set(export_options) - set(EXPORT_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown export options {', '.join(unknown)}; they are {', '.join(EXPORT_OPTIONS)}")
+        module = cls(None, providers=providers, session_options=session_options,
+                     intra_op_num_threads=intra_op_num_threads)
+        module.__dict__["original"] = model  # not a submodule: the ONNX file holds the weights
+        module._export_options = dict(export_options, path=os.fspath(path) if path is not None else None)
+        if example_inputs is not None:
+            from fxforge.capture import normalize_inputs
+
+            args, kwargs = normalize_inputs(example_inputs)
+            module.prepare(*args, **kwargs)
+        return module
+
+    def prepare(self, *args: Any, **kwargs: Any) -> OnnxRuntimeModule:
+        """Export the model for these inputs now, if it was not exported yet (see :meth:`from_model`)."""
+        if self._session is not None:
+            return self
+        if self._export_options is None:
+            raise RuntimeError("this OnnxRuntimeModule has no ONNX file and no model to export")
+        from fxforge.exporters.onnx import check_options, eval_mode, prepare, write_checked
+
+        options = dict(self._export_options)
+        target = options.pop("path")
+        owned = None
+        if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+            raise FileNotFoundError(f"cannot write {target!r}: no folder {os.path.dirname(os.path.abspath(target))!r}")
+        if target is None:
+            owned = tempfile.mkdtemp(prefix="fxforge-ort-")
+            target = os.path.join(owned, f"{type(self.original).__name__}.onnx")
+        try:
+            opset = check_options(options.get("opset"), options.get("dynamic_batch", False),
+                                  options.get("dynamic_shapes"), options.get("attention", "MultiHeadAttention"))
+            with eval_mode(self.original):
+                captured = prepare(self.original, tuple(args), example_kwargs=kwargs, **{
+                    k: options[k] for k in ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes")
+                    if k in options})
+                result, validated = write_checked(
+                    captured, target, opset=opset, dynamic_batch=options.get("dynamic_batch", False),
+                    dynamic_shapes=options.get("dynamic_shapes"),
+                    attention=options.get("attention", "MultiHeadAttention"),
+                    external_data=options.get("external_data"),
+                    module_options={"providers": self._providers, "session_options": self._options,
+                                    "intra_op_num_threads": self._threads})
+        except BaseException:
+            if owned is not None:
+                shutil.rmtree(owned, ignore_errors=True)
+            raise
+        if owned is not None:
+            self._cleanup = weakref.finalize(self, shutil.rmtree, owned, True)
+        for name in ("path", "io", "report", "_session", "_input_meta", "_output_meta", "_on_cuda"):
+            setattr(self, name, getattr(validated, name))
+        self.onnx_export = result
+        return self
+
+    # ------------------------------------------------------------------------------------------ session
+
+    def _create_session(self) -> None:
+        import onnxruntime as ort
+
+        options = self._options if self._options is not None else session_options(self._threads)
+        self._session = ort.InferenceSession(self.path, sess_options=options,
+                                             providers=_provider_options(self._providers))
+        self._input_meta = {i.name: i for i in self._session.get_inputs()}
+        self._output_meta = list(self._session.get_outputs())
+        self._on_cuda = self._session.get_providers()[0] == "CUDAExecutionProvider"
+
+    def _require_session(self) -> Any:
+        if self._session is None:
+            raise RuntimeError("the model is exported on the first call (or prepare()); no session yet")
+        return self._session
+
+    @property
+    def session(self) -> Any:
+        """The ``onnxruntime.InferenceSession``."""
+        return self._require_session()
+
+    @property
+    def providers(self) -> list[str]:
+        """The providers the session runs on, first choice first."""
+        return self._session.get_providers() if self._session is not None else list(self._providers)
+
+    @providers.setter
+    def providers(self, providers: Sequence[Any]) -> None:
+        self._providers = list(providers)
+        self._refresh()
+
+    @property
+    def session_options(self) -> Any:
+        """The session's ``onnxruntime.SessionOptions`` (assign new ones to recreate the session)."""
+        if self._session is None:
+            return self._options if self._options is not None else session_options(self._threads)
+        return self._session.get_session_options()
+
+    @session_options.setter
+    def session_options(self, options: Any) -> None:
+        self._options = options
+        self._refresh()
+
+    @property
+    def intra_op_num_threads(self) -> int:
+        """The session's intra-op thread count (assign to recreate the session with another)."""
+        return self.session_options.intra_op_num_threads
+
+    @intra_op_num_threads.setter
+    def intra_op_num_threads(self, threads: int) -> None:
+        self._threads = int(threads)
+        if self._options is not None:
+            self._options.intra_op_num_threads = int(threads)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if self.path is not None:
+            self._create_session()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the session computes: ``cuda:N`` with the CUDA provider, else ``cpu``."""
+        if self._session is None:
+            on_cuda = bool(self._providers) and self._providers[0] == "CUDAExecutionProvider"
+            return torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        if self._on_cuda:
+            options = self._session.get_provider_options().get("CUDAExecutionProvider", {})
+            return torch.device("cuda", int(options.get("device_id", 0)))
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------------ calls
+
+    def check_inputs(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> dict[str, int]:
+        """Check each tensor against the ONNX input's dtype and shape; returns the symbolic dims' values.
+
+        Raises:
+            InputShapeError: naming the input, what it got and what the model takes.
+        """
+        symbols: dict[str, int] = {}
+        for name, tensor in feeds:
+            meta = self._input_meta[name]
+            want = _ORT_DTYPES.get(meta.type)
+            if want is not None and tensor.dtype != want:
+                raise InputShapeError(f"input {name!r} has dtype {tensor.dtype}; the ONNX model takes {want}")
+            shape = list(meta.shape)
+            if len(shape) != tensor.dim():
+                raise InputShapeError(f"input {name!r} has {tensor.dim()} dims {_dims_text(tensor.shape)}; the ONNX "
+                                      f"model takes {len(shape)} {_dims_text(shape)}")
+            for axis, (dim, size) in enumerate(zip(shape, tensor.shape)):
+                if isinstance(dim, int) and dim != size:
+                    raise InputShapeError(
+                        f"input {name!r} has shape {_dims_text(tensor.shape)}; the ONNX model takes "
+                        f"{_dims_text(shape)} (export with dynamic_batch=True or dynamic_shapes= for other sizes)")
+                if isinstance(dim, str) and symbols.setdefault(dim, size) != size:
+                    raise InputShapeError(
+                        f"input {name!r} has size {size} in dim {axis} ({dim!r}); another input has "
+                        f"{symbols[dim]} there, and the ONNX model needs them equal")
+        return symbols
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._session is None:
+            self.prepare(*args, **kwargs)
+        feeds = self.io.feeds(args, kwargs)
+        symbols = self.check_inputs(feeds)
+        devices = [t.device for _, t in feeds]
+        out_device = devices[0] if devices else (self.device if self._on_cuda else torch.device("cpu"))
+        if self._on_cuda:
+            outputs = self._run_bound(feeds, symbols, out_device)
+        else:
+            numpy_feeds = {name: _as_numpy(t) for name, t in feeds}
+            outputs = [torch.from_numpy(np.asarray(o)).to(out_device) for o in self._session.run(None, numpy_feeds)]
+        return self.io.outputs_from(outputs)
+
+    def _run_bound(self, feeds: Sequence[tuple[str, torch.Tensor]], symbols: dict[str, int],
+                   out_device: torch.device) -> list[torch.Tensor]:
+        """Run with IO binding: inputs in place on the device, outputs into torch tensors where possible."""
+        device = self.device
+        binding = self._session.io_binding()
+        keep = []  # tensors bound by pointer must outlive the run
+        for name, tensor in feeds:
+            tensor = tensor.detach()
+            if tensor.device != device:
+                tensor = tensor.to(device)
+            tensor = tensor.contiguous()
+            keep.append(tensor)
+            if tensor.dtype not in _NUMPY_DTYPES:
+                raise InputShapeError(f"input {name!r}: {tensor.dtype} cannot be bound to ONNX Runtime from Python")
+            binding.bind_input(name, "cuda", device.index or 0, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape),
+                               tensor.data_ptr())
+        preallocated: list[torch.Tensor | None] = []
+        for meta in self._output_meta:
+            shape = [d if isinstance(d, int) else symbols.get(d) for d in meta.shape]
+            dtype = _ORT_DTYPES.get(meta.type)
+            if dtype in _NUMPY_DTYPES and all(isinstance(d, int) for d in shape):
+                out = torch.empty(shape, dtype=dtype, device=device)
+                binding.bind_output(meta.name, "cuda", device.index or 0, _NUMPY_DTYPES[dtype], shape, out.data_ptr())
+                preallocated.append(out)
+            else:
+                binding.bind_output(meta.name, "cuda", device.index or 0)
+                preallocated.append(None)
+        torch.cuda.current_stream(device).synchronize()  # inputs written by torch's stream are complete
+        self._session.run_with_iobinding(binding)
+        host = binding.copy_outputs_to_cpu() if any(out is None for out in preallocated) else None
+        outputs = []
+        for i, out in enumerate(preallocated):
+            if out is None:  # a shape that depends on values: ONNX Runtime allocated it; copy through the host
+                out = torch.from_numpy(np.asarray(host[i])).to(device)
+            outputs.append(out.to(out_device))
+        return outputs
+
+    def extra_repr(self) -> str:
+        if self._session is None:
+            return "not exported yet"
+        return f"path={self.path!r}, providers={self.providers}, intra_op_num_threads={self.intra_op_num_threads}"
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        raise InputShapeError("bfloat16 inputs need the CUDA provider (numpy has no bfloat16)")
+    return tensor.numpy()

@@ -1,0 +1,367 @@
+"""ONNX translations for the ops fxforge's rewrites put in graphs, in the form ONNX Runtime runs fastest.
+
+``torch.onnx.export(..., custom_translation_table=Translations(opset).table())`` uses them. Each choice
+was measured in ONNX Runtime 1.31 (CPU, 2 shared threads, ``session.intra_op.allow_spinning = "0"``,
+interleaved rounds, medians; two runs, ranges over shapes and activations below);
+``python -m fxforge.exporters.measure`` repeats the measurement on this machine. Figures are speeds
+relative to a baseline (baseline time / time): for conv and linear, the ``com.microsoft`` alternative's
+relative to the chosen standard ops (> 1: the alternative ran faster); for attention, each fused form's
+relative to the plain MatMul/Softmax export.
+
+=========================  ===========================================  ==========================================
+fxforge op                 translation                                  why (measured)
+=========================  ===========================================  ==========================================
+``conv_pointwise``         ``Conv`` (+ ``Add``) + the activation's      ORT fuses Conv + activation itself (its
+                           standard op                                  NCHWc Conv with the activation inside),
+                                                                        so ``com.microsoft.FusedConv`` alone is
+                                                                        the same kernel: 0.82-1.16x, noise. With
+                                                                        the residual input, FusedConv keeps ORT
+                                                                        from its blocked NCHWc layout: 0.67-1.14x,
+                                                                        median 0.88x, slower on 3x3 convs
+``linear_pointwise``       ``Gemm`` (2-d input) or ``MatMul`` + ``Add``,   ORT fuses Gemm + activation itself
+                           + the activation's standard op               (``FusedGemm``); emitting ``FusedGemm``:
+                                                                        0.74-1.09x
+``scaled_dot_product_      ``com.microsoft.MultiHeadAttention``          vs the decomposed MatMul/Softmax graph,
+attention``                (q, k, v as [B, S, N*H]; masks as            BERT-base attention layer, B=1: S=1024
+                           ``attention_bias``; causal as                1.05-1.08x, S=2048 1.02-1.12x. ONNX
+                           ``unidirectional``; GQA by repeating k, v)   ``Attention`` (opset 23): 0.98-1.07x and
+                                                                        1.03-1.05x, needs opset 23 for the whole
+                                                                        model, and ORT 1.31's CPU kernel rejects
+                                                                        masks that broadcast over the query dim
+=========================  ===========================================  ==========================================
+
+Activations (:data:`fxforge.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
+``leaky_relu`` -> ``LeakyRelu``; ``gelu``/``gelu_tanh`` -> ``Gelu`` (opset >= 20; below, its erf / tanh
+formula, which ORT fuses back into one Gelu); ``silu`` -> ``x * Sigmoid(x)`` (ORT fuses it); ``sigmoid``
+-> ``Sigmoid``; ``tanh`` -> ``Tanh``; ``hardswish`` -> ``HardSwish``.
+
+Attention that ``MultiHeadAttention`` cannot carry keeps torch.onnx's own translation, and the reason is
+recorded (see :class:`Translations`): dropout, inputs that are neither 4-d nor 3-d (3-d is one head), a
+causal mask on a non-square score matrix, head counts or sizes not known at export time, a scale
+computed at run time.
+
+Example:
+    >>> table = Translations(opset=20).table()
+    >>> torch.ops.fxforge.conv_pointwise.default in table
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from onnx.defs import OpSchema
+from onnxscript import ir, values
+
+from fxforge import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
+from fxforge.capture.source import node_source
+
+MIN_OPSET = 18
+DEFAULT_OPSET = 20  # torch.onnx's default, and the first with Gelu
+
+CONV_POINTWISE = torch.ops.fxforge.conv_pointwise.default
+LINEAR_POINTWISE = torch.ops.fxforge.linear_pointwise.default
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+_MSFT = values.Opset("com.microsoft", 1)
+
+
+def _multi_head_attention_op() -> values.Op:
+    """``com.microsoft.MultiHeadAttention`` as an onnxscript op (onnx itself has no schema for it)."""
+    param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    attr, kind = OpSchema.Attribute, OpSchema.AttrType
+    inputs = [param("query", "T")]
+    inputs += [param(name, "M" if name == "key_padding_mask" else "T", param_option=optional)
+               for name in ("key", "value", "bias", "key_padding_mask", "attention_bias")]
+    schema = OpSchema(
+        "MultiHeadAttention", "com.microsoft", 1, "ONNX Runtime's multi-head attention (contrib op)",
+        inputs=inputs, outputs=[param("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("M", ["tensor(int32)"], "")],
+        attributes=[attr("num_heads", kind.INT, "heads", required=True),
+                    attr("scale", kind.FLOAT, "scale of q @ k^T", required=False),
+                    attr("unidirectional", kind.INT, "causal", required=False),
+                    attr("mask_filter_value", kind.FLOAT, "fill of key_padding_mask", required=False)])
+    return values.Op(_MSFT, "MultiHeadAttention", schema)
+
+
+MULTI_HEAD_ATTENTION = _multi_head_attention_op()
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+def _constant(op: Any, value: float, like: Any) -> Any:
+    return op.CastLike(op.Constant(value_float=float(value)), like)
+
+
+def _gelu_formula(op: Any, y: Any, approximate: str) -> Any:
+    """Gelu as its formula, for opsets before Gelu existed (ORT's optimizer fuses it back)."""
+    half = op.Mul(y, _constant(op, 0.5, y))
+    if approximate == "tanh":
+        cube = op.Mul(op.Mul(y, y), y)
+        inner = op.Mul(op.Add(y, op.Mul(cube, _constant(op, 0.044715, y))), _constant(op, math.sqrt(2 / math.pi), y))
+        return op.Mul(half, op.Add(op.Tanh(inner), _constant(op, 1.0, y)))
+    return op.Mul(half, op.Add(op.Erf(op.Div(y, _constant(op, math.sqrt(2.0), y))), _constant(op, 1.0, y)))
+
+
+def activation(op: Any, opset: int, y: Any, name: str, scalars: Any) -> Any:
+    """``y`` through the activation ``name`` of :data:`fxforge.fused_ops.ACTIVATIONS`, in ONNX ops.
+
+    Raises:
+        ValueError: an activation without a translation here.
+    """
+    scalars = list(scalars or [])
+    simple = {"relu": op.Relu, "sigmoid": op.Sigmoid, "tanh": op.Tanh, "hardswish": op.HardSwish}
+    if name == "none":
+        return y
+    if name in simple:
+        return simple[name](y)
+    if name == "hardtanh":
+        return op.Clip(y, _constant(op, scalars[0], y), _constant(op, scalars[1], y))
+    if name == "leaky_relu":
+        return op.LeakyRelu(y, alpha=float(scalars[0]))
+    if name in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if name == "gelu_tanh" else "none"
+        return op.Gelu(y, approximate=approximate) if opset >= 20 else _gelu_formula(op, y, approximate)
+    if name == "silu":
+        return op.Mul(y, op.Sigmoid(y))
+    raise ValueError(f"no ONNX translation for the fused activation {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _rank(value: Any) -> int | None:
+    shape = getattr(value, "shape", None)
+    return None if shape is None else len(shape)
+
+
+def _dims(value: Any) -> list[Any]:
+    """The dims of a traced value: ints where static, ``ir.SymbolicDim`` otherwise."""
+    return list(value.shape) if getattr(value, "shape", None) is not None else []
+
+
+def _static(dim: Any) -> int | None:
+    return dim if isinstance(dim, int) else None
+
+
+def _same_dim(a: Any, b: Any) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and getattr(a, "value", None) is not None and a.value == b.value
+
+
+def _per_dim(values: Any, dims: int) -> list[int]:
+    values = [int(v) for v in (values if isinstance(values, (list, tuple)) else [values])]
+    return values * dims if len(values) == 1 else values
+
+
+def _translating_node() -> torch.fx.Node | None:
+    """The fx node torch.onnx is translating right now (read from its frame), for notes and errors."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        node = frame.f_locals.get("node")
+        if isinstance(node, torch.fx.Node) and frame.f_code.co_name.startswith("_handle_call_function"):
+            return node
+        frame = frame.f_back
+    return None
+
+
+@functools.cache
+def _torchlib_translation(target: Any, opset: int) -> Callable[..., Any]:
+    """torch.onnx's own translation of ``target`` at ``opset`` (what a plain export uses)."""
+    from torch.onnx._internal.exporter import _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    candidates = [meta for meta in registry.get_decomps(target)
+                  if not meta.is_complex and getattr(meta, "opset_introduced", 0) <= opset]
+    if not candidates:
+        raise RuntimeError(f"torch.onnx has no translation of {target} at opset {opset}")
+    return max(candidates, key=lambda meta: getattr(meta, "opset_introduced", 0)).onnx_function
+
+
+def _function(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function calling ``method`` with its signature (torch.onnx sets attributes on translations,
+    which bound methods cannot take)."""
+
+    @functools.wraps(method)
+    def translation(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return translation
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+@dataclasses.dataclass
+class Translations:
+    """The custom translation table for one export, and what it did.
+
+    Attributes:
+        opset: the ONNX opset of the export.
+        attention: ``"MultiHeadAttention"`` (translate SDPA to ORT's kernel, where it can carry the call)
+            or ``"plain"`` (torch.onnx's own translation).
+        used: how many nodes each translation produced (``{"fxforge::conv_pointwise -> Conv": 3}``).
+        kept_plain: for each attention left to torch.onnx's translation, why (with its source line).
+
+    Example:
+        >>> t = Translations(opset=20, attention="plain")
+        >>> SDPA in t.table()
+        False
+    """
+
+    opset: int = DEFAULT_OPSET
+    attention: str = "MultiHeadAttention"
+    used: dict[str, int] = dataclasses.field(default_factory=dict)
+    kept_plain: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def op(self) -> values.Opset:
+        """The default-domain opset the translations emit."""
+        return values.Opset("", self.opset)
+
+    def table(self) -> dict[Any, Callable[..., Any]]:
+        """``custom_translation_table`` for ``torch.onnx.export``."""
+        table: dict[Any, Callable[..., Any]] = {CONV_POINTWISE: _function(self.conv_pointwise),
+                                                LINEAR_POINTWISE: _function(self.linear_pointwise)}
+        if self.attention == "MultiHeadAttention":
+            table[SDPA] = _function(self.scaled_dot_product_attention)
+        return table
+
+    def _count(self, what: str) -> None:
+        self.used[what] = self.used.get(what, 0) + 1
+
+    def conv_pointwise(self, input, weight, bias, stride, padding, dilation, groups, other, activation_name,
+                       scalars, kernel):
+        """``fxforge::conv_pointwise`` -> ``Conv`` (+ ``Add``) + activation (``kernel`` is PyTorch's concern)."""
+        op = self.op
+        dims = (_rank(weight) or len(stride) + 2) - 2
+        conv_inputs = [input, weight] + ([bias] if bias is not None else [])
+        y = op.Conv(*conv_inputs, strides=_per_dim(stride, dims), pads=_per_dim(padding, dims) * 2,
+                    dilations=_per_dim(dilation, dims), group=int(groups))
+        if other is not None:
+            y = op.Add(y, other)
+        self._count(f"fxforge::conv_pointwise -> Conv{' + Add' if other is not None else ''}"
+                    f"{'' if activation_name == 'none' else ' + ' + activation_name}")
+        return activation(op, self.opset, y, activation_name, scalars)
+
+    def linear_pointwise(self, input, weight, bias, activation_name, scalars, kernel):
+        """``fxforge::linear_pointwise`` -> ``Gemm`` (2-d input) or ``MatMul`` + ``Add``, + activation."""
+        op = self.op
+        if _rank(input) == 2:
+            y = op.Gemm(*([input, weight] + ([bias] if bias is not None else [])), transB=1)
+            form = "Gemm"
+        else:
+            y = op.MatMul(input, op.Transpose(weight, perm=[1, 0]))
+            if bias is not None:
+                y = op.Add(y, bias)
+            form = "MatMul + Add" if bias is not None else "MatMul"
+        self._count(f"fxforge::linear_pointwise -> {form}{'' if activation_name == 'none' else ' + ' + activation_name}")
+        return activation(op, self.opset, y, activation_name, scalars)
+
+    # ------------------------------------------------------------------------------------------ attention
+
+    def attention_refusal(self, query, key, value, attn_mask, dropout_p, is_causal, scale=None) -> str | None:
+        """Why ``MultiHeadAttention`` cannot carry this SDPA call, or None."""
+        if scale is not None and not isinstance(scale, (int, float)):
+            return "a scale computed at run time"
+        if dropout_p:
+            return f"dropout_p={dropout_p} (MultiHeadAttention has no dropout)"
+        if not (_rank(query) == _rank(key) == _rank(value) and _rank(query) in (3, 4)):
+            return "query, key and value are not all 4-d [batch, heads, seq, head_size] or all 3-d"
+        q, k, v = (_dims(t) if _rank(t) == 4 else [_dims(t)[0], 1, *_dims(t)[1:]] for t in (query, key, value))
+        static = [_static(q[1]), _static(k[1]), _static(q[3]), _static(v[3])]
+        if any(d is None for d in static):
+            return "head counts or head sizes are not known at export time"
+        if _static(q[1]) % _static(k[1]):
+            return f"{q[1]} query heads are not a multiple of {k[1]} key/value heads"
+        if is_causal and not _same_dim(q[2], k[2]):
+            return "is_causal with query and key lengths that may differ (SDPA's causal mask is top-left aligned)"
+        if attn_mask is not None and (_rank(attn_mask) or 5) > 4:
+            return "a mask of more than 4 dims"
+        return None
+
+    def scaled_dot_product_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False):
+        """``aten.scaled_dot_product_attention`` -> ``com.microsoft.MultiHeadAttention``, or torch.onnx's
+        own translation (reason recorded) where that kernel cannot carry the call."""
+        reason = self.attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if reason is not None:
+            node = _translating_node()
+            where = node_source(node) if node is not None else None
+            self.kept_plain.append(f"{reason}{f'  ({where})' if where else ''}")
+            self._count("attention -> torch.onnx's translation (MatMul, Softmax, MatMul)")
+            plain = _torchlib_translation(SDPA, self.opset)
+            return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        op = self.op
+        one = op.Constant(value_ints=[1])
+        three_d = _rank(query) == 3
+        if three_d:  # [B, S, H] is one head: [B, 1, S, H]
+            q, k, v = ([d[0], 1, *d[1:]] for d in (_dims(query), _dims(key), _dims(value)))
+            query, key, value = (op.Unsqueeze(t, one) for t in (query, key, value))
+            if attn_mask is not None and _rank(attn_mask) == 3:  # [B, S, L] -> [B, 1, S, L]
+                attn_mask, mask_dims = op.Unsqueeze(attn_mask, one), [_dims(attn_mask)[0], 1, *_dims(attn_mask)[1:]]
+            else:
+                mask_dims = None if attn_mask is None else _dims(attn_mask)
+        else:
+            q, k, v = _dims(query), _dims(key), _dims(value)
+            mask_dims = None if attn_mask is None else _dims(attn_mask)
+        heads, kv_heads, head_size, v_head_size = q[1], k[1], q[3], v[3]
+        bias = None if attn_mask is None else self._attention_bias(attn_mask, mask_dims, query, q, key, k)
+        if kv_heads != heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
+            key, value = (self._repeat_heads(t, kv_heads, heads // kv_heads) for t in (key, value))
+        scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+
+        def bsd(t):  # [B, N, S, H] -> [B, S, N*H]
+            return op.Reshape(op.Transpose(t, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
+
+        out = MULTI_HEAD_ATTENTION(bsd(query), bsd(key), bsd(value), None, None, bias, num_heads=heads, scale=scale,
+                                   unidirectional=int(bool(is_causal)))
+        self._count("attention -> com.microsoft.MultiHeadAttention")
+        if three_d:  # [B, S, 1 * Hv] is the answer
+            return out
+        split = op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[heads, v_head_size]), axis=0)
+        return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
+
+    def _repeat_heads(self, t: Any, kv_heads: int, times: int) -> Any:
+        """[B, Nk, L, H] -> [B, Nk * times, L, H], each head repeated ``times`` times in place (as SDPA's GQA)."""
+        op = self.op
+        expanded = op.Expand(op.Unsqueeze(t, op.Constant(value_ints=[2])),
+                             op.Concat(op.Shape(t, start=0, end=2), op.Constant(value_ints=[times]),
+                                       op.Shape(t, start=2, end=4), axis=0))
+        return op.Reshape(expanded, op.Concat(op.Shape(t, start=0, end=1), op.Constant(value_ints=[kv_heads * times]),
+                                              op.Shape(t, start=2, end=4), axis=0))
+
+    def _attention_bias(self, mask: Any, mask_dims: list, query: Any, q: list, key: Any, k: list) -> Any:
+        """SDPA's mask as MultiHeadAttention's ``attention_bias``: additive, same dtype as q, 4-d, with the
+        query and key dims spelled out (ORT broadcasts batch and heads only). ``*_dims``: static dims."""
+        op = self.op
+        if mask.dtype == ir.DataType.BOOL:  # True keeps a key (as torch.onnx's own translation does it)
+            mask = op.Where(mask, _constant(op, 0.0, query), _constant(op, -math.inf, query))
+        elif mask.dtype != query.dtype:
+            mask = op.CastLike(mask, query)
+        if len(mask_dims) < 4:
+            mask = op.Unsqueeze(mask, op.Constant(value_ints=list(range(4 - len(mask_dims)))))
+            mask_dims = [1] * (4 - len(mask_dims)) + list(mask_dims)
+        if not (_same_dim(mask_dims[2], q[2]) and _same_dim(mask_dims[3], k[2])):
+            target = op.Concat(op.Shape(mask, start=0, end=2), op.Shape(query, start=2, end=3),
+                               op.Shape(key, start=2, end=3), axis=0)
+            mask = op.Expand(mask, target)
+        return mask
+
+    def summary(self) -> list[str]:
+        """One line per translation used, and one per attention kept plain.
+
+        Example:
+            >>> t = Translations(); t.used["fxforge::conv_pointwise -> Conv + relu"] = 2
+            >>> t.summary()
+            ['fxforge::conv_pointwise -> Conv + relu: 2']
+        """
+        lines = [f"{what}: {count}" for what, count in sorted(self.used.items())]
+        lines += [f"attention kept torch.onnx's translation: {reason}" for reason in self.kept_plain]
+        return lines

@@ -1,0 +1,234 @@
+"""``fxforge.optimize(..., target="onnxruntime")`` and ``OnnxRuntimeModule``: called like the model, outputs in
+the model's own structure, session options exposed, clear errors for inputs the file does not take."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.exporters import InputShapeError, OnnxRuntimeModule
+from fxforge.verify import compare_outputs
+
+
+def assert_same(expected, actual):
+    result = compare_outputs(expected, actual, rtol_scale=10.0)
+    assert result.ok, result.reason
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+class Structured(nn.Module):
+    """Keyword inputs, an optional one, and nested outputs with Python values among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 2)
+
+    def forward(self, x, extra=None, scale: float = 2.0):
+        out = {"a": self.a(x) * scale, "pair": (self.b(x), torch.tanh(x)), "none": None, "n": 3}
+        if extra is not None:
+            out["extra"] = extra + 1
+        return out
+
+
+def test_optimize_onnxruntime_is_a_module(tmp_path):
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    x = torch.randn(2, 3, 8, 8)
+    opt = fxforge.optimize(model, (x,), target="onnxruntime")
+    assert isinstance(opt, nn.Module) and isinstance(opt, OnnxRuntimeModule)
+    assert opt.report.counts == {"conv_bn_fold": 1, "conv_activation": 1}
+    assert any(n.startswith("onnx: validated in ONNX Runtime") for n in opt.report.notes)
+    assert opt.providers == ["CPUExecutionProvider"] and opt.device == torch.device("cpu")
+    assert opt.intra_op_num_threads == torch.get_num_threads()
+    assert opt.session_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    fresh = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert_same(model(fresh), opt(fresh))
+    assert list(opt.state_dict()) == []  # the ONNX file holds the weights
+
+
+def test_thread_count_and_options_recreate_the_session():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU()).eval()
+    x = torch.randn(3, 4)
+    opt = fxforge.optimize(model, (x,), target="onnxruntime", intra_op_num_threads=1)
+    assert opt.intra_op_num_threads == 1
+    first = opt.session
+    opt.intra_op_num_threads = 2
+    assert opt.intra_op_num_threads == 2 and opt.session is not first
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    opt.session_options = options
+    assert opt.session_options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    with torch.no_grad():
+        assert_same(model(x), opt(x))
+
+
+def test_session_options_and_providers_at_creation():
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    opt = fxforge.optimize(nn.ReLU().eval(), (torch.randn(2),), target="onnxruntime", session_options=options,
+                           providers=["CPUExecutionProvider"])
+    assert opt.intra_op_num_threads == 1 and opt.providers == ["CPUExecutionProvider"]
+
+
+def test_outputs_in_the_models_structure():
+    torch.manual_seed(0)
+    model = Structured().eval()
+    x, extra = torch.randn(2, 4), torch.randn(2, 2)
+    opt = fxforge.optimize(model, {"x": x, "extra": extra}, target="onnxruntime")
+    out = opt(extra=extra * 3, x=x)  # keywords in another order
+    with torch.no_grad():
+        expected = model(x, extra=extra * 3)
+    assert type(out) is dict and list(out) == list(expected)
+    assert out["none"] is None and out["n"] == 3 and isinstance(out["pair"], tuple)
+    assert_same(expected, out)
+
+
+def test_calls_it_was_not_exported_for():
+    model = Structured().eval()
+    opt = fxforge.optimize(model, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime")
+    assert_same(model(torch.ones(2, 4), scale=2.0), opt(x=torch.ones(2, 4), scale=2.0))
+    with pytest.raises(InputShapeError, match="differ from the exported ones"):
+        opt(x=torch.randn(2, 4), extra=torch.randn(2, 2), scale=2.0)
+    with pytest.raises(InputShapeError, match="keyword inputs"):
+        opt(torch.randn(2, 4))  # positional, exported as a keyword
+    with pytest.raises(InputShapeError, match="fixed to 2.0 at export; this call passes 3.0"):
+        opt(x=torch.randn(2, 4), scale=3.0)
+    positional = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime")
+    with pytest.raises(InputShapeError, match="structure"):
+        positional(torch.randn(2, 4), torch.randn(2, 2))
+
+
+def test_shapes_the_file_does_not_take():
+    model = nn.Linear(4, 3).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime")
+    with pytest.raises(InputShapeError, match=r"has shape \(5, 4\); the ONNX model takes \(2, 4\).*dynamic_batch"):
+        opt(torch.randn(5, 4))
+    with pytest.raises(InputShapeError, match="dtype torch.float64"):
+        opt(torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(InputShapeError, match="3 dims"):
+        opt(torch.randn(1, 2, 4))
+
+
+def test_dynamic_batch_takes_other_batches_but_one_batch():
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    opt = fxforge.optimize(Two().eval(), (torch.randn(2, 3), torch.randn(2, 3)), target="onnxruntime",
+                           dynamic_batch=True)
+    a, b = torch.randn(7, 3), torch.randn(7, 3)
+    assert torch.allclose(opt(a, b), a + b)
+    with pytest.raises(InputShapeError, match="needs them equal"):
+        opt(torch.randn(4, 3), torch.randn(5, 3))
+
+
+def test_exports_on_first_call_without_example_inputs():
+    model = ConvNet().eval()
+    opt = fxforge.optimize(model, target="onnxruntime")
+    assert opt.report is None and "not exported yet" in repr(opt)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert_same(model(x), opt(x))
+    assert opt.report.counts["conv_bn_fold"] == 1 and os.path.exists(opt.path)
+
+
+def test_decorated_class():
+    @fxforge.optimize(target="onnxruntime", intra_op_num_threads=1)
+    class Net(nn.Module):
+        """A net."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(torch.relu(self.fc(x)))
+
+    net = Net()
+    assert Net.__name__ == "Net" and Net.__doc__ == "A net."
+    x = torch.randn(3, 4)
+    net(x).sum().backward()  # training mode: the module's own forward, with gradients
+    assert net.fxforge_onnxruntime is None and net.fc.weight.grad is not None
+    net.eval()
+    with torch.no_grad():
+        expected = torch.relu(net.fc(x))
+    assert_same(expected, net(x))
+    assert isinstance(net.fxforge_onnxruntime, OnnxRuntimeModule) and net.report.counts["cleanup"] == 1
+    assert net.fxforge_onnxruntime.intra_op_num_threads == 1
+
+
+def test_options_checked():
+    with pytest.raises(TypeError, match="does not take threads"):
+        fxforge.optimize(nn.ReLU(), target="onnxruntime", threads=2)
+    with pytest.raises(TypeError, match="target 'native' does not take intra_op_num_threads"):
+        fxforge.optimize(nn.ReLU(), target="native", intra_op_num_threads=2)
+
+
+def test_temporary_file_removed_with_the_module(tmp_path):
+    opt = fxforge.optimize(nn.ReLU().eval(), (torch.randn(2),), target="onnxruntime")
+    folder = os.path.dirname(opt.path)
+    assert os.path.isdir(folder)
+    del opt
+    gc.collect()
+    assert not os.path.exists(folder)
+    kept = fxforge.optimize(nn.ReLU().eval(), (torch.randn(2),), target="onnxruntime", path=tmp_path / "relu.onnx")
+    assert kept.path == str(tmp_path / "relu.onnx") and os.listdir(tmp_path) == ["relu.onnx"]
+
+
+def test_module_from_a_file(tmp_path):
+    path = str(tmp_path / "m.onnx")
+    fxforge.export_onnx(ConvNet().eval(), path, (torch.randn(2, 3, 8, 8),))
+    module = OnnxRuntimeModule(path, intra_op_num_threads=1)
+    assert module(torch.randn(2, 3, 8, 8)).shape == (2, 5)
+    assert module.intra_op_num_threads == 1 and "m.onnx" in repr(module)
+
+
+def test_no_provider_messages_on_cpu(capfd):
+    fxforge.optimize(nn.ReLU().eval(), (torch.randn(2),), target="onnxruntime")(torch.randn(2))
+    out, err = capfd.readouterr()
+    assert "Failed to load" not in err + out and "CUDA" not in err + out
+
+
+@pytest.mark.slow
+def test_transformers_model_output():
+    from models import TRANSFORMERS  # tests/corpus, put on the path by conftest.py
+
+    model, inputs = TRANSFORMERS["bert"]()
+    opt = fxforge.optimize(model, inputs, target="onnxruntime", dynamic_batch=True)
+    out = opt(**inputs)
+    assert type(out).__name__ == "BaseModelOutputWithPoolingAndCrossAttentions"
+    with torch.no_grad():
+        assert_same(model(**inputs), out)
+    assert "attention -> com.microsoft.MultiHeadAttention: 2" in opt.onnx_export.translations
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_io_binding():
+    model = ConvNet().eval().cuda()
+    x = torch.randn(2, 3, 8, 8, device="cuda")
+    opt = fxforge.optimize(model, (x,), target="onnxruntime", dynamic_batch=True)
+    assert opt.providers[0] == "CUDAExecutionProvider" and opt.device.type == "cuda"
+    out = opt(torch.randn(4, 3, 8, 8, device="cuda"))
+    assert out.device.type == "cuda" and out.shape == (4, 5)
+    with torch.no_grad():
+        assert_same(model(x), opt(x))
