@@ -311,7 +311,8 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
                 timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
                                             "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
                                            warmed=("fused",) if runner else (), decisive=DECISIVE)
-            if cache is not None:
+            clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
+            if cache is not None and clear:  # a close call is measured again next time, not replayed
                 cache.put(cache_key, timings)
         keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
         ratio = timings["before"] / timings["fused"]

@@ -4,7 +4,9 @@ Autotune times every fused op's kernels and then the whole graph; on two CPU cor
 time ``fxforge.optimize`` takes. The results only depend on the op (or graph), its shapes and strides,
 the torch build and the machine, so they are stored under a key made of exactly those, in one JSON file:
 ``$FXFORGE_CACHE_DIR/autotune.json`` (default ``~/.cache/fxforge``). A result read back is reported as
-such ("measured earlier on this machine"). ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
+such ("measured earlier on this machine"). A whole-graph timing is only stored when one graph was clearly
+faster (by more than ``autotune.DECISIVE``); a close call, or one a busy machine blurred, is measured again
+next time. ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
 
 Example:
     >>> import tempfile, pathlib

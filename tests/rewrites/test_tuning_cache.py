@@ -63,3 +63,20 @@ def test_a_second_optimize_reuses_the_measurements_and_says_so(cache_on, monkeyp
     # Other shapes are other measurements.
     fxforge.rewrite(fxforge.capture(model, (torch.randn(2, 3, 16, 16),)), ["conv_activation"])
     assert len(timed) > count
+
+
+def test_a_close_whole_graph_call_is_measured_again(cache_on, monkeypatch):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    graph_timings = []
+
+    def close_call(calls, budget, **_):
+        if "fused" in calls:
+            graph_timings.append(1)
+            return {"fused": 1.0, "before": 1.01}
+        return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", close_call)
+    for _ in range(2):
+        fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert len(graph_timings) == 2
