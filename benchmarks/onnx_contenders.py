@@ -1,10 +1,10 @@
 """ONNX Runtime contenders for the harness: fxforge -> ORT, plain torch.onnx -> ORT, ORT's transformers optimizer.
 
-Importing this module registers three contenders in :data:`benchmarks.contenders.CONTENDERS`:
+Importing this module registers two contenders in :data:`benchmarks.contenders.CONTENDERS` (the plain
+``torch.onnx.export(model, args, dynamo=True)`` -> ORT peer is the harness's own ``ort``):
 
 - ``fxforge-ort``: ``fxforge.optimize(model, args, target="onnxruntime")``: fxforge's rewrites, its
   ONNX translations (attention -> ``com.microsoft.MultiHeadAttention``), run in an ORT session;
-- ``onnx-ort``: ``torch.onnx.export(model, args, dynamo=True)`` of the model as it is, in an ORT session;
 - ``ort-transformers-optimizer``: that plain export, then ``onnxruntime.transformers.optimizer`` for the
   model's architecture (transformers models whose ``config.model_type`` the optimizer knows; it refuses
   other models with the reason, and that row fails with it).
@@ -90,19 +90,6 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
     return Prepared(module, note=note, info=info)
-
-
-@register("onnx-ort", "torch.onnx.export(model, args, dynamo=True) of the model as is, in an onnxruntime "
-          "session (no spinning, torch's thread count)")
-def _onnx_ort(model: nn.Module, args: tuple) -> Prepared:
-    device = _device_of(args)
-    with tempfile.TemporaryDirectory(prefix="fxforge-bench-") as tmp:
-        path = os.path.join(tmp, "model.onnx")
-        _plain_export(model, args, path)
-        session = _session(path, device)
-        ops = _op_counts(path)
-    return Prepared(OrtCallable(session, device), note=session.get_providers()[0].replace("ExecutionProvider", ""),
-                    info={"providers": session.get_providers(), "ops": ops})
 
 
 def optimizer_model_type(model: nn.Module) -> str:

@@ -332,6 +332,52 @@ def attention_summary(
     return lines
 
 
+def onnx_summary(
+    rows: list[dict[str, Any]],
+    *,
+    contender: str = "fxforge-ort",
+    peer: str = "ort",
+    attention_prefixes: tuple[str, ...] = ("bert", "llama"),
+    min_attention_seq: int = 1024,
+    min_attention_speedup: float = 1.2,
+) -> list[str]:
+    """The ONNX section's summary (issue 6's targets), one markdown bullet per line.
+
+    1. per model: ``contender`` ms / ``peer`` ms as a speed ratio (> 1: fxforge's export runs faster in
+       ORT), and against ORT's transformers optimizer where it ran;
+    2. never slower than the plain export (every ratio >= 1, within the run's noise: rows the harness
+       marks noisy are named);
+    3. ``>= min_attention_speedup`` on the attention models (``<prefix>_s<S>``) at S >= ``min_attention_seq``.
+    """
+    ours, plain = timed_rows(rows, contender), timed_rows(rows, peer)
+    optimizer = timed_rows(rows, "ort-transformers-optimizer")
+    ratios: dict[str, float] = {}
+    lines = []
+    for model in row_models(rows):
+        if model not in ours or model not in plain:
+            lines.append(f"- {model}: {contender} or {peer} did not run")
+            continue
+        ratios[model] = plain[model]["median_ms"] / ours[model]["median_ms"]
+        line = f"- {model}: {peer} ms / {contender} ms = {fmt_ratio(ratios[model])}"
+        if model in optimizer:
+            line += (f"; ORT transformers optimizer ms / {contender} ms = "
+                     f"{fmt_ratio(optimizer[model]['median_ms'] / ours[model]['median_ms'])}")
+        lines.append(line)
+    if ratios:
+        slowest = min(ratios, key=ratios.__getitem__)
+        lines.append(f"- {contender} never slower than {peer}: slowest {slowest} {fmt_ratio(ratios[slowest])} "
+                     f"({verdict(ratios[slowest] >= 1.0)})")
+    attention = {m: r for m, r in ratios.items()
+                 if any(m.startswith(p + "_s") for p in attention_prefixes)
+                 and int(m.rpartition("_s")[2]) >= min_attention_seq}
+    if attention:
+        worst = min(attention, key=attention.__getitem__)
+        lines.append(f"- attention models at S ≥ {min_attention_seq}: {contender} vs {peer} "
+                     f"{', '.join(f'{m} {fmt_ratio(r)}' for m, r in attention.items())} "
+                     f"(target ≥ {min_attention_speedup:.2f}×: {verdict(attention[worst] >= min_attention_speedup)})")
+    return lines
+
+
 def _speedup_line(rows: list[dict[str, Any]], ok: dict[str, dict[str, dict[str, Any]]], contender: str,
                   model: str, target: float) -> str:
     head = f"- {contender} × vs eager on {model}:"

@@ -51,7 +51,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from benchmarks import contenders as contenders_mod
 from benchmarks import memory as memory_mod
-from benchmarks import report
+from benchmarks import (
+    onnx_contenders,  # noqa: F401 - registers fxforge-ort and ort-transformers-optimizer
+    report,
+)
 from benchmarks import suite as suite_mod
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -97,6 +100,12 @@ SECTIONS: dict[str, Section] = {
         ("eager", "torch.compile", "fxforge", "fxforge-attention"),
         report.attention_summary,
         memory=True,
+    ),
+    "onnx": Section(
+        "onnx",
+        "ONNX Runtime: fxforge -> ORT against plain torch.onnx.export -> ORT and ORT's transformers optimizer (issue 6)",
+        ("eager", "ort", "ort-transformers-optimizer", "fxforge-ort"),
+        report.onnx_summary,
     ),
 }
 

@@ -292,7 +292,8 @@ CONV_BATCHES = (1, 8)
 
 
 def _conv_entry(name: str, factory: Factory, group: str, description: str) -> SuiteEntry:
-    return SuiteEntry(name, factory, group, description, default=False, tags=("conv",))
+    tags = ("conv", "onnx") if name in ONNX_MODELS else ("conv",)
+    return SuiteEntry(name, factory, group, description, default=False, tags=tags)
 
 
 def conv_entries() -> list[SuiteEntry]:
@@ -387,8 +388,14 @@ def llama_decoder(seq: int, *, hidden: int = 256, layers: int = 4, heads: int = 
     return factory
 
 
+# The ONNX section (issue 6, ``--suite onnx``) reuses entries of the others: attention at S >= 1024 and the
+# transformers CNNs at batch 1.
+ONNX_MODELS = ("bert_s1024", "bert_s2048", "llama_s2048", "hf_resnet50", "hf_mobilenet_v2_224")
+
+
 def _attention_entry(name: str, factory: Factory, description: str) -> SuiteEntry:
-    return SuiteEntry(name, factory, "transformers", description, default=False, tags=("attention",))
+    tags = ("attention", "onnx") if name in ONNX_MODELS else ("attention",)
+    return SuiteEntry(name, factory, "transformers", description, default=False, tags=tags)
 
 
 def attention_entries() -> list[SuiteEntry]:
