@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from fxforge.exporters.ort_module import OnnxRuntimeModule
+from fxforge.runtime.native import decorated_subclass
 
 
 def optimize_onnxruntime(model: nn.Module, example_inputs: Any = None, **options: Any) -> OnnxRuntimeModule:
@@ -76,16 +77,10 @@ def onnxruntime_class(cls: type[nn.Module], **options: Any) -> type[nn.Module]:
         state.pop("_fxforge_ort", None)
         return state
 
-    namespace = {
+    optimized = decorated_subclass(cls, {
         "forward": forward,
         "fxforge_onnxruntime": property(fxforge_onnxruntime, doc="The ONNX Runtime module, once exported."),
         "fxforge_report": property(fxforge_report, doc="What fxforge did before exporting this instance."),
         "__getstate__": __getstate__,
-        "__doc__": cls.__doc__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-    }
-    if not hasattr(cls, "report"):
-        namespace["report"] = namespace["fxforge_report"]
-    optimized = type(cls.__name__, (cls,), namespace)
+    })
     return optimized

@@ -142,16 +142,27 @@ def optimize_class(cls: type[nn.Module], *, rewrites: Any = "default", verify: b
         original_init(self, *args, **kwargs)
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
 
-    namespace = {
+    optimized = decorated_subclass(cls, {
         "forward": forward,
         "fxforge_report": property(fxforge_report, doc="What fxforge did to this instance's latest graph."),
         "__getstate__": __getstate__,
         "__init__": __init__,
-        "__doc__": cls.__doc__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-    }
+    })
+    return optimized
+
+
+def decorated_subclass(cls: type, members: dict[str, Any]) -> type:
+    """``cls`` subclassed with ``members`` (its new ``forward``, properties...), keeping its name, module,
+    qualified name and docstring; ``report`` is ``fxforge_report`` unless the class has a ``report`` of its own.
+
+    Example:
+        >>> class Net(torch.nn.Module):
+        ...     "My net."
+        >>> sub = decorated_subclass(Net, {"fxforge_report": property(lambda self: "r")})
+        >>> sub.__name__, sub.__doc__, sub().report
+        ('Net', 'My net.', 'r')
+    """
+    namespace = {**members, "__doc__": cls.__doc__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
     if not hasattr(cls, "report"):
         namespace["report"] = namespace["fxforge_report"]
-    optimized = type(cls.__name__, (cls,), namespace)
-    return optimized
+    return type(cls.__name__, (cls,), namespace)
