@@ -291,34 +291,29 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     layout = min(candidates, key=lambda name: candidates[name][1])
     if FORCED.layout in candidates:
         layout = FORCED.layout
-    chosen, _, choices, runner = candidates[layout]
-    for name, best, timings, note in choices:
-        ctx.tuned(name, best, timings, note)
     sums = {name: round(c[1], 3) for name, c in candidates.items()}
-    ctx.tuned("layout", layout, sums, "sum of the fused ops' best kernel times per layout" + _forced("layout"))
+    layout_note = "sum of the fused ops' best kernel times per layout" + _forced("layout")
     if FORCED.keep is not None:
         keep, timings, note = FORCED.keep, {}, _forced("keep").lstrip("; ")
-    elif layout == "as captured" and all(best == "composite" for _, best, _, _ in choices):
-        keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
     else:
-        cache = default_cache()
-        cache_key = _graph_key(chosen, before, args, kwargs)
-        timings = cache.get(cache_key) if cache is not None else None
-        from_cache = timings is not None
-        if not from_cache:
-            with isolated(before, chosen):
-                # A channels-last candidate already ran once (its check); its warm-up is done.
-                timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
-                                            "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
-                                           warmed=("fused",) if runner else (), decisive=DECISIVE)
-            clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
-            if cache is not None and clear:  # a close call is measured again next time, not replayed
-                cache.put(cache_key, timings)
-        keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
-        ratio = timings["before"] / timings["fused"]
-        note = f"{ratio:.2f}x the speed of the graph before" + ("" if keep == "fused" else "; not faster, undone")
-        if from_cache:
-            note += f"; {CACHED}"
+        if _plain(layout, candidates[layout]):
+            keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
+        else:
+            keep, timings, note = _keep_or_undo(candidates[layout], before, args, kwargs)
+        if keep == "before" and FORCED.layout is None:
+            # The per-op sums are a prediction: another layout's whole graph may still beat the graph before.
+            for other in (n for n, c in candidates.items() if n != layout and not _plain(n, c)):
+                other_keep, other_timings, other_note = _keep_or_undo(candidates[other], before, args, kwargs)
+                if other_keep == "fused":
+                    layout_note += f"; the {layout} graph was not faster than the graph before, the {other} graph was"
+                    layout, keep, timings, note = other, other_keep, other_timings, other_note
+                    break
+        if keep == "before" and timings:
+            note += "; not faster, undone"
+    chosen, _, choices, _ = candidates[layout]
+    for name, best, op_timings, op_note in choices:
+        ctx.tuned(name, best, op_timings, op_note)
+    ctx.tuned("layout", layout, sums, layout_note)
     ctx.tuned("graph", keep, timings, note)
     if default_cache() is not None:
         default_cache().save()
@@ -327,6 +322,34 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     else:
         gm.graph = before.graph
         ctx.matches.clear()
+
+
+def _plain(layout: str, candidate: tuple) -> bool:
+    """An as-captured candidate whose every op chose the composite: the graph before, in effect."""
+    return layout == "as captured" and all(best == "composite" for _, best, _, _ in candidate[2])
+
+
+def _keep_or_undo(candidate: tuple, before: torch.fx.GraphModule, args: tuple, kwargs: dict
+                  ) -> tuple[str, dict[str, float], str]:
+    """Time a candidate's whole lowered graph against the graph before fusing (or read the cache):
+    ``("fused" | "before", timings, note)``."""
+    chosen, _, _, runner = candidate
+    cache = default_cache()
+    cache_key = _graph_key(chosen, before, args, kwargs)
+    timings = cache.get(cache_key) if cache is not None else None
+    from_cache = timings is not None
+    if not from_cache:
+        with isolated(before, chosen):
+            # A channels-last candidate already ran once (its check); its warm-up is done.
+            timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
+                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
+                                       warmed=("fused",) if runner else (), decisive=DECISIVE)
+        clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
+        if cache is not None and clear:  # a close call is measured again next time, not replayed
+            cache.put(cache_key, timings)
+    keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
+    note = f"{timings['before'] / timings['fused']:.2f}x the speed of the graph before"
+    return keep, timings, note + (f"; {CACHED}" if from_cache else "")
 
 
 def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str:

@@ -280,3 +280,26 @@ def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
     assert timings["quick"] < timings["slow"]
     # quick: no warm-up, then two rounds; slow: a warm-up, then two rounds. Without `decisive`, 1 s buys 25.
     assert counts == {"quick": 2, "slow": 3}
+
+
+def test_when_the_chosen_layouts_graph_is_not_faster_the_other_layouts_graph_is_tried(monkeypatch):
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
+    graphs = []
+
+    def as_captured_predicted_but_channels_last_wins(calls, budget, **_):
+        if "fused" not in calls:  # per-op: the sums pick "as captured" (mkldnn there is cheaper)
+            is_channels_last = any(getattr(c, "__defaults__", None) and any(
+                isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last)
+                and not a.is_contiguous() for a in c.__defaults__[1]) for c in calls.values())
+            return {name: (1.0 if name == "mkldnn" else 2.0) * (3.0 if is_channels_last else 1.0) for name in calls}
+        graphs.append(1)
+        return {"fused": 1.0, "before": 1.0} if len(graphs) == 1 else {"fused": 1.0, "before": 2.0}
+
+    monkeypatch.setattr(autotune, "time_interleaved", as_captured_predicted_but_channels_last_wins)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    layout = next(t for t in new.report.tuning if t.subject == "layout")
+    graph = next(t for t in new.report.tuning if t.subject == "graph")
+    assert len(graphs) == 2 and new.report.counts == {"conv_activation": 1}
+    assert layout.choice == "channels-last"
+    assert "the as captured graph was not faster than the graph before, the channels-last graph was" in layout.note
+    assert graph.choice == "fused" and graph.timings == {"fused": 1.0, "before": 2.0}

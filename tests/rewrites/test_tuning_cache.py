@@ -77,6 +77,7 @@ def test_a_close_whole_graph_call_is_measured_again(cache_on, monkeypatch):
         return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
 
     monkeypatch.setattr(autotune, "time_interleaved", close_call)
-    for _ in range(2):
-        fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
-    assert len(graph_timings) == 2
+    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    first = len(graph_timings)
+    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert first >= 1 and len(graph_timings) == 2 * first  # timed again, not replayed
