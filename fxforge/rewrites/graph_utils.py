@@ -130,17 +130,35 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
             return True
         return is_inplace(node, gm) or module.training
     if node.op == "call_method":
-        return is_inplace(node, gm) or str(target) in _RANDOM_METHODS
+        return is_inplace(node, gm) or is_random(node)
     if target in _side_effectful_functions or is_inplace(node, gm):
         return True
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overload = target if isinstance(target, torch._ops.OpOverload) else None
-        if overload is not None:
-            return overload._schema.is_mutable or torch.Tag.nondeterministic_seeded in overload.tags
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable or is_random(node)
+    if isinstance(target, torch._ops.OpOverloadPacket):
         return True
-    if target in _RANDOM_FUNCTIONS:
-        return _training_flag(node, default=True)
-    return False
+    return is_random(node)
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """True when ``node`` draws random numbers (it advances the RNG: its order relative to other random
+    ops decides their values). Dropout counts only when its ``training`` flag is on.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> is_random(g.call_function(torch.nn.functional.dropout, (x, 0.5, False)))
+        False
+        >>> is_random(g.call_method("bernoulli", (x,)))
+        True
+    """
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return target in _RANDOM_FUNCTIONS and _training_flag(node, default=True)
 
 
 def _training_flag(node: torch.fx.Node, default: bool) -> bool:

@@ -63,12 +63,10 @@ import torch
 from torch.fx.node import _side_effectful_functions
 
 from fxforge.rewrites.graph_utils import (
-    _RANDOM_FUNCTIONS,
-    _RANDOM_METHODS,
     _is_torch_nn_module,
-    _training_flag,
     is_effectful,
     is_inplace,
+    is_random,
     submodule,
 )
 from fxforge.rewrites.passes import Pass, PassContext
@@ -174,17 +172,6 @@ class Schedule:
 # which orders are allowed
 
 
-def _is_random(node: torch.fx.Node) -> bool:
-    target = node.target
-    if node.op == "call_method":
-        return str(target) in _RANDOM_METHODS
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in target.tags
-    return target in _RANDOM_FUNCTIONS and _training_flag(node, default=True)
-
-
 def effect_kind(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     """How an effectful node constrains the order: None (no effect), ``"mutation"`` (writes a storage the
     shape metadata identifies: it keeps its place relative to the nodes touching that storage),
@@ -208,7 +195,7 @@ def effect_kind(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
     if node.op == "call_function" and target in _side_effectful_functions and target is not operator.setitem:
         name = getattr(target, "__name__", str(target))
         return "global" if ("assert" in name or "constrain" in name) else "barrier"
-    if not is_inplace(node, gm) or _is_random(node) or "val" not in node.meta:
+    if not is_inplace(node, gm) or is_random(node) or "val" not in node.meta:
         return "global"
     if node.op == "call_module":
         module = submodule(node, gm)
