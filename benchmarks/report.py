@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fxforge.rewrites.tuning_cache import cpu_model
+
 BEGIN = "<!-- harness:begin -->"
 END = "<!-- harness:end -->"
 
@@ -461,17 +463,6 @@ def _decoder_line(ok: dict[str, dict[str, dict[str, Any]]], contenders: list[str
 
 # --------------------------------------------------------------------------------------------------
 # machine
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _version(module: str) -> str | None:

@@ -41,11 +41,17 @@ def machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_model()
+        name = cpu_model()
     return f"v{VERSION} torch {torch.__version__} {platform.machine()} {name} threads {torch.get_num_threads()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows.
+
+    Example:
+        >>> isinstance(cpu_model(), str)
+        True
+    """
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
@@ -53,7 +59,7 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "cpu"
+    return platform.processor() or platform.machine() or "unknown"
 
 
 class TuningCache:
