@@ -25,7 +25,6 @@ default order of the run and of the tables.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import tempfile
@@ -220,24 +219,36 @@ class OrtCallable:
         return [torch.from_numpy(o).to(self.device) for o in outs]
 
 
-@register("ort", "torch.onnx.export(model, args, dynamo=True) in an onnxruntime InferenceSession")
-def _ort(model: nn.Module, args: tuple) -> Prepared:
+def plain_onnx_export(model: nn.Module, args: tuple, path: str) -> None:
+    """``torch.onnx.export(model, args, path, dynamo=True)`` with its progress lines kept off the console;
+    a failure keeps the exporter's last lines (which say which step failed) in its message."""
+    from fxforge.exporters.onnx import quiet
+
+    log = io.StringIO()
+    try:
+        with quiet(log):
+            torch.onnx.export(model, args, path, dynamo=True, verbose=False)
+    except Exception as exc:
+        tail = "\n".join(log.getvalue().strip().splitlines()[-5:])
+        raise RuntimeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{tail}") from exc
+
+
+def ort_session(path: str, device: torch.device) -> Any:
+    """An onnxruntime session for ``path`` with :func:`ort_session_options` and warnings-only logging."""
     import onnxruntime as ort
 
+    options = ort_session_options()
+    options.log_severity_level = 3
+    return ort.InferenceSession(path, sess_options=options, providers=ort_providers(device))
+
+
+@register("ort", "torch.onnx.export(model, args, dynamo=True) in an onnxruntime InferenceSession")
+def _ort(model: nn.Module, args: tuple) -> Prepared:
     device = _device_of(args)
     with tempfile.TemporaryDirectory(prefix="fxforge-bench-") as tmp:
         path = os.path.join(tmp, "model.onnx")
-        log = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(log):
-                torch.onnx.export(model, args, path, dynamo=True, verbose=False)
-        except Exception as exc:
-            # The exporter's progress lines say which step failed; keep the last ones.
-            tail = "\n".join(log.getvalue().strip().splitlines()[-5:])
-            raise RuntimeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{tail}") from exc
-        session = ort.InferenceSession(
-            path, sess_options=ort_session_options(), providers=ort_providers(device)
-        )
+        plain_onnx_export(model, args, path)
+        session = ort_session(path, device)
         size = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
     return Prepared(
         OrtCallable(session, device),

@@ -17,14 +17,11 @@ same way. Each contender's note names what it ran (translations used, or the opt
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 import traceback
 from collections import Counter
-from typing import Any
 
-import torch
 from torch import nn
 
 from benchmarks.contenders import (
@@ -32,7 +29,9 @@ from benchmarks.contenders import (
     Prepared,
     _device_of,
     ort_providers,
+    ort_session,
     ort_session_options,
+    plain_onnx_export,
     register,
     report_info,
     report_note,
@@ -44,27 +43,6 @@ OPTIMIZER_MODEL_TYPES = {
     "llama": "gpt2", "mistral": "gpt2", "qwen2": "gpt2", "phi": "phi", "t5": "t5", "bart": "bart",
     "swin": "swin", "clip": "clip",
 }
-
-
-def _plain_export(model: nn.Module, args: tuple, path: str) -> None:
-    """``torch.onnx.export(model, args, path, dynamo=True)`` with its progress lines kept off the console."""
-    from fxforge.exporters.onnx import quiet
-
-    log = io.StringIO()
-    try:
-        with quiet(log):
-            torch.onnx.export(model, args, path, dynamo=True, verbose=False)
-    except Exception as exc:
-        tail = "\n".join(log.getvalue().strip().splitlines()[-5:])
-        raise RuntimeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{tail}") from exc
-
-
-def _session(path: str, device: torch.device) -> Any:
-    import onnxruntime as ort
-
-    options = ort_session_options()
-    options.log_severity_level = 3
-    return ort.InferenceSession(path, sess_options=options, providers=ort_providers(device))
 
 
 def _op_counts(path: str) -> dict[str, int]:
@@ -123,7 +101,7 @@ def _ort_transformers_optimizer(model: nn.Module, args: tuple) -> Prepared:
     device = _device_of(args)
     with tempfile.TemporaryDirectory(prefix="fxforge-bench-") as tmp:
         path = os.path.join(tmp, "model.onnx")
-        _plain_export(model, args, path)
+        plain_onnx_export(model, args, path)
         try:
             with quiet():
                 optimized = optimizer.optimize_model(path, model_type=model_type, num_heads=heads,
@@ -136,7 +114,7 @@ def _ort_transformers_optimizer(model: nn.Module, args: tuple) -> Prepared:
             where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
             raise RuntimeError(f"onnxruntime.transformers.optimizer (model_type={model_type!r}) failed on the plain "
                                f"export: {type(exc).__name__}: {exc} (at {where})") from exc
-        session = _session(optimized_path, device)
+        session = ort_session(optimized_path, device)
     note = ", ".join(f"{k}×{v}" for k, v in sorted(fused.items())) or "no fusion applied"
     return Prepared(OrtCallable(session, device), note=f"{model_type}: {note}",
                     info={"model_type": model_type, "fused": fused, "providers": session.get_providers()})
