@@ -315,8 +315,9 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         ctx.tuned(name, best, op_timings, op_note)
     ctx.tuned("layout", layout, sums, layout_note)
     ctx.tuned("graph", keep, timings, note)
-    if default_cache() is not None:
-        default_cache().save()
+    cache = default_cache()
+    if cache is not None:
+        cache.save()
     if keep == "fused":
         gm.graph = chosen.graph
     else:
@@ -354,10 +355,9 @@ def _keep_or_undo(candidate: tuple, before: torch.fx.GraphModule, args: tuple, k
 
 def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str:
     """The cache key of a whole-graph timing: both graphs' code and the inputs' shapes, on this machine."""
-    inputs = [(tuple(t.shape), t.stride(), str(t.dtype)) for t in pytree.tree_leaves((args, kwargs))
-              if isinstance(t, torch.Tensor)]
-    device = next((t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-                  torch.device("cpu"))
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    inputs = [(tuple(t.shape), t.stride(), str(t.dtype)) for t in tensors]
+    device = tensors[0].device if tensors else torch.device("cpu")
     digest = hashlib.sha256(f"{chosen.code}\n{before.code}\n{inputs}".encode()).hexdigest()
     return f"{machine_key(device)} | graph {digest}"
 

@@ -285,17 +285,21 @@ def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
 def test_when_the_chosen_layouts_graph_is_not_faster_the_other_layouts_graph_is_tried(monkeypatch):
     model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
     graphs = []
+    tune_kernels = autotune.tune_kernels
 
-    def as_captured_predicted_but_channels_last_wins(calls, budget, **_):
-        if "fused" not in calls:  # per-op: the sums pick "as captured" (mkldnn there is cheaper)
-            is_channels_last = any(getattr(c, "__defaults__", None) and any(
-                isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_contiguous(memory_format=torch.channels_last)
-                and not a.is_contiguous() for a in c.__defaults__[1]) for c in calls.values())
-            return {name: (1.0 if name == "mkldnn" else 2.0) * (3.0 if is_channels_last else 1.0) for name in calls}
-        graphs.append(1)
+    def sums_predict_as_captured(graph, pool=None):
+        total, choices = tune_kernels(graph, pool)
+        channels_last = any(n.kwargs.get("memory_format") is torch.channels_last for n in graph.graph.nodes)
+        return total * (3.0 if channels_last else 1.0), choices
+
+    def timings(calls, budget, **_):
+        if "fused" not in calls:  # per-op: mkldnn wins everywhere
+            return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
+        graphs.append(1)  # the first graph timed (as captured) is no faster; the second (channels-last) is
         return {"fused": 1.0, "before": 1.0} if len(graphs) == 1 else {"fused": 1.0, "before": 2.0}
 
-    monkeypatch.setattr(autotune, "time_interleaved", as_captured_predicted_but_channels_last_wins)
+    monkeypatch.setattr(autotune, "tune_kernels", sums_predict_as_captured)
+    monkeypatch.setattr(autotune, "time_interleaved", timings)
     new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
     layout = next(t for t in new.report.tuning if t.subject == "layout")
     graph = next(t for t in new.report.tuning if t.subject == "graph")
