@@ -1,0 +1,138 @@
+"""The example notebooks (``examples/notebooks``) run top to bottom in a clean kernel and tell their story.
+
+Each notebook is copied to a temporary folder and executed there with nbclient, in a fresh kernel started
+from the ``python3`` kernel spec (jupyter_client runs it with this interpreter), with the working directory
+set to the repository root for some notebooks and to ``examples/notebooks`` for the others (both must
+work). A cell that raises fails the test. The last cell of every notebook prints one line
+``NOTEBOOK_SUMMARY {json}`` with the figures it computed; the tests check those against the story the
+notebook tells (counts of rewrites, equal outputs, lower memory), never against timings, which depend on
+the machine's load.
+
+The committed notebooks carry no outputs; ``test_notebooks_are_stored_without_outputs`` keeps it so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "examples" / "notebooks"
+NAMES = ["01_cnn_conv_fusion.ipynb", "02_attention_sequence_length.ipynb", "03_memory_reorder_branchy.ipynb"]
+# Where each notebook's kernel starts: both places a user runs them from are covered.
+WORKDIR = {
+    "01_cnn_conv_fusion.ipynb": ROOT,
+    "02_attention_sequence_length.ipynb": NOTEBOOKS,
+    "03_memory_reorder_branchy.ipynb": ROOT,
+}
+CELL_TIMEOUT_S = 300
+MARKER = "NOTEBOOK_SUMMARY "
+
+
+def _stream_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+
+
+def _count_outputs(nb, mime: str) -> int:
+    return sum(mime in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def _execute(name: str, tmp_path: Path) -> tuple[object, dict]:
+    """Run a temporary copy of notebook ``name``; return the executed notebook and its summary."""
+    copy = tmp_path / name
+    shutil.copyfile(NOTEBOOKS / name, copy)
+    nb = nbformat.read(copy, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(WORKDIR[name])}})
+    start = time.perf_counter()
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, copy)  # the executed copy, outputs included, for a look after a failure
+        print(f"{name}: executed in {time.perf_counter() - start:.1f} s ({copy})")
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, errors
+    setup = _stream_text(next(c for c in nb.cells if c.cell_type == "code"))
+    assert f"python {sys.executable}" in setup, f"the kernel is not this interpreter: {setup!r}"
+    lines = [line for c in nb.cells if c.cell_type == "code" for line in _stream_text(c).splitlines()
+             if line.startswith(MARKER)]
+    assert len(lines) == 1, f"expected one {MARKER.strip()} line, found {len(lines)}"
+    return nb, json.loads(lines[0][len(MARKER):])
+
+
+def test_notebooks_are_stored_without_outputs():
+    found = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+    assert found == sorted(NAMES)
+    for name in NAMES:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        nbformat.validate(nb)
+        assert nb.metadata.kernelspec.name == "python3", name
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert code, name
+        for cell in code:
+            assert cell.outputs == [], f"{name}: a code cell has stored outputs"
+            assert cell.execution_count is None, f"{name}: a code cell has an execution count"
+            assert "execution" not in cell.metadata, f"{name}: a code cell has execution timings"
+        assert (NOTEBOOKS / name).stat().st_size < 50_000, f"{name} is larger than its source should be"
+
+
+@pytest.mark.slow
+def test_cnn_conv_fusion_notebook(tmp_path):
+    nb, s = _execute("01_cnn_conv_fusion.ipynb", tmp_path)
+    # Every BatchNorm of the example ResNet is folded; the convolutions fuse with their activations, unless
+    # autotune measured the fused graph no faster than the graph before (then it undoes the fusion).
+    assert s["counts"].get("conv_bn_fold") == 9
+    assert s["graph_choice"] in ("fused", "before")
+    if s["graph_choice"] == "fused":
+        assert s["counts"].get("conv_activation", 0) >= 6
+    else:
+        assert "conv_activation" not in s["counts"]
+    assert s["autotune_choices"] >= 1
+    assert s["optimized_nodes"] < s["eager_nodes"]
+    assert 0 < s["eager_memory_bound_share"] < 1
+    assert s["max_abs_err"] < 1e-4
+    assert s["eager_ms"] > 0 and s["fxforge_ms"] > 0
+    assert _count_outputs(nb, "image/png") >= 2  # the eager and the optimized profile plots
+    assert _count_outputs(nb, "image/svg+xml") >= 1  # the coloured graph
+
+
+@pytest.mark.slow
+def test_attention_sequence_length_notebook(tmp_path):
+    nb, s = _execute("02_attention_sequence_length.ipynb", tmp_path)
+    seqs = list(s["attention_counts"])
+    assert len(seqs) >= 3
+    for seq in seqs:
+        assert s["attention_counts"][seq] == s["layers"], seq  # every layer's attention became SDPA
+        assert s["max_abs_err"][seq] < 1e-4, seq
+        assert s["fxforge_peak_mib"][seq] < s["eager_peak_mib"][seq], seq
+        assert s["fxforge_simulated_mib"][seq] == pytest.approx(s["fxforge_peak_mib"][seq], rel=0.05), seq
+    # Eager's peak grows faster than linearly (S x S scores); fxforge's stays about linear.
+    assert s["fxforge_memory_exponent"] < 1.25
+    assert s["eager_memory_exponent"] > s["fxforge_memory_exponent"] + 0.3
+    assert s["profiled_nodes"]["fxforge"] < s["profiled_nodes"]["eager"]
+    assert s["profiled_sdpa_nodes"] == s["layers"] == s["profiled_eager_softmax_nodes"]
+    assert _count_outputs(nb, "image/png") >= 2  # latency and memory vs S; the profile plots
+
+
+@pytest.mark.slow
+def test_memory_reorder_branchy_notebook(tmp_path):
+    nb, s = _execute("03_memory_reorder_branchy.ipynb", tmp_path)
+    assert s["counts"].get("memory_reorder", 0) >= 1
+    assert s["segments"] >= 1 and s["proven_optimal"]
+    assert s["simulated_after"] < s["simulated_before"]
+    assert s["measured_after"] < s["measured_before"]
+    assert s["measured_before"] == pytest.approx(s["simulated_before"], rel=0.05)
+    assert s["measured_after"] == pytest.approx(s["simulated_after"], rel=0.05)
+    assert s["outputs_equal"]
+    assert s["others"], "the table of other graphs is empty"
+    for name, row in s["others"].items():
+        assert row["outputs_equal"] and row["sim_after_le_before"], name
+    assert _count_outputs(nb, "image/png") >= 1  # the timeline plot
