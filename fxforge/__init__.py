@@ -15,7 +15,9 @@ from fxforge.exporters import ExportError, OnnxRuntimeModule, export_onnx
 from fxforge.rewrites.passes import Pass
 from fxforge.rewrites.pipeline import rewrite
 from fxforge.rewrites.report import Report
+from fxforge.runtime.artifact import load
 from fxforge.runtime.native import OptimizedModule
+from fxforge.runtime.profiler import Profile, profile
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Report", "capture",
-           "export_onnx", "optimize", "rewrite"]
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report", "capture",
+           "export_onnx", "load", "optimize", "profile", "rewrite"]

@@ -1,0 +1,188 @@
+"""The ``fxforge`` command: optimize and export a model in one line, profile it, look at its graph.
+
+::
+
+    fxforge optimize MODEL --input SHAPE[:DTYPE] [--input ...] [--target native|onnxruntime]
+                     [--rewrites a,b] [--no-verify] [--dynamic-batch] [-o OUT.pt2|OUT.onnx] [--report r.html]
+    fxforge export   MODEL --input ... -o OUT.onnx          (no rewrites)
+    fxforge profile  MODEL --input ... [--csv table.csv]    (time, FLOPs, bytes per node)
+    fxforge show     MODEL --input ... [-o graph.svg|graph.html]
+    fxforge rewrites                                         (the built-in rewrites)
+
+MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
+called with no arguments or with ``--model-args '{"width": 8}'``; ``--weights file.pt`` loads a state
+dict. Exit codes: 0 done, 1 failed (one line saying why; ``--debug`` for the traceback), 2 usage.
+
+Example:
+    >>> main(["rewrites"])  # doctest: +ELLIPSIS
+    cleanup  ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from fxforge.cli.args import CommandError, load_model, parse_input, parse_model_args, parse_rewrites
+from fxforge.cli.commands import (
+    check_output_suffix,
+    check_target,
+    run_export,
+    run_optimize,
+    run_profile,
+    run_rewrites,
+    run_show,
+)
+
+__all__ = ["CommandError", "build_parser", "load_model", "main", "parse_input"]
+
+_EXAMPLES = """\
+examples:
+  fxforge optimize examples/models/resnet_cnn.py:ResNetCNN --input 2x3x32x32 -o resnet.pt2 --report report.html
+  fxforge optimize my_model.py:build --input 1x128:int64 --model-args '{"width": 8}' -o model.onnx
+  fxforge show examples/models/resnet_cnn.py:ResNetCNN --input 1x3x32x32 -o graph.html
+"""
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL",
+                        help="path/to/file.py:Name or package.module:Name (an nn.Module class or a factory)")
+    parser.add_argument("--input", action="append", type=parse_input, required=True, metavar="SHAPE[:DTYPE]",
+                        help="one per model input, e.g. 2x3x224x224 or 1x128:int64 (default dtype float32)")
+    parser.add_argument("--model-args", type=parse_model_args, default={}, metavar="JSON",
+                        help='keyword arguments for Name, e.g. \'{"width": 8}\'')
+    parser.add_argument("--weights", metavar="FILE.pt", help="a state dict to load into the model")
+
+
+def _rewrite_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rewrites", type=parse_rewrites, default="default", metavar="A,B",
+                        help="comma-separated rewrite names, 'default' or 'none' (see `fxforge rewrites`)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the numerical check of each rewrite")
+
+
+def _write_arguments(parser: argparse.ArgumentParser, *, output_required: bool) -> None:
+    parser.add_argument("-o", "--output", metavar="OUT", required=output_required,
+                        help="OUT.pt2 (torch.export program, load with fxforge.load) or OUT.onnx "
+                             "(checked and validated in ONNX Runtime)")
+    parser.add_argument("--target", choices=("native", "onnxruntime"),
+                        help="what the rewrites are tuned for and the model runs in (default: from OUT's "
+                             "suffix, else native)")
+    parser.add_argument("--dynamic-batch", action="store_true", help="make dim 0 (the batch) of the output dynamic")
+    parser.add_argument("--report", metavar="REPORT.html", help="write a self-contained HTML report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also what ``--help`` prints).
+
+    Example:
+        >>> build_parser().parse_args(["optimize", "m.py:Net", "--input", "2x8"]).input
+        [((2, 8), torch.float32)]
+    """
+    parser = argparse.ArgumentParser(prog="fxforge", description="Capture, rewrite, export and profile PyTorch models.",
+                                     epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and warnings")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    opt = commands.add_parser("optimize", help="rewrite a model; write .pt2 or .onnx; summary and report",
+                              description="Capture and rewrite a model, write it as a native .pt2 or an ONNX file, "
+                                          "and print what changed, with memory and latency before and after.")
+    _model_arguments(opt)
+    _rewrite_arguments(opt)
+    _write_arguments(opt, output_required=False)
+    opt.add_argument("--no-bench", action="store_true", help="do not time eager against optimized")
+    opt.add_argument("--bench-reps", type=int, default=10, metavar="N", help="timed repetitions of each (default 10)")
+    opt.set_defaults(run=run_optimize, parser=opt)
+
+    exp = commands.add_parser("export", help="write a model as .onnx (or .pt2) without rewrites",
+                              description="Capture a model and write it as an ONNX file (or .pt2), without rewrites.")
+    _model_arguments(exp)
+    _write_arguments(exp, output_required=True)
+    exp.add_argument("--no-verify", action="store_true", help=argparse.SUPPRESS)
+    exp.add_argument("--bench", action="store_true", help="time eager against the exported model")
+    exp.add_argument("--bench-reps", type=int, default=10, metavar="N", help="timed repetitions (default 10)")
+    exp.set_defaults(run=run_export, rewrites=[], parser=exp)
+
+    prof = commands.add_parser("profile", help="per-node time, FLOPs, bytes, compute/memory bound",
+                               description="Profile a model node by node (fxforge.profile).")
+    _model_arguments(prof)
+    prof.add_argument("--csv", metavar="TABLE.csv", help="save the full table")
+    prof.add_argument("--top", type=int, default=15, metavar="N", help="rows to print (default 15)")
+    prof.add_argument("--by-op", action="store_true", help="also print the time per op type")
+    prof.add_argument("--optimized", action="store_true",
+                      help="profile the graph fxforge.optimize runs (rewritten, fused ops lowered) instead of the captured one")
+    prof.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed runs first (default 2)")
+    prof.add_argument("--repeat", type=int, default=5, metavar="N", help="timed runs (default 5)")
+    prof.set_defaults(run=run_profile, parser=prof)
+
+    show = commands.add_parser("show", help="the graph before and after the rewrites",
+                               description="Show the captured and rewritten graphs, rewritten nodes marked: as text, "
+                                           "or drawn with -o graph.svg (rewritten) / graph.html (both, and the report).")
+    _model_arguments(show)
+    _rewrite_arguments(show)
+    show.add_argument("-o", "--output", metavar="OUT", help="graph.svg or graph.html")
+    show.set_defaults(run=run_show, parser=show)
+
+    commands.add_parser("rewrites", help="list the built-in rewrites",
+                        description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
+    for sub in (opt, exp, prof, show):  # --debug also after the command's name
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """torch's export and ONNX loggers print progress and warnings on stderr: errors only."""
+    from fxforge.exporters.onnx import _NOISY_LOGGERS
+
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    Example:
+        >>> main(["optimize", "torch.nn:NoSuchModule", "--input", "2x8"])  # stderr: one line saying why
+        1
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("optimize", "export"):
+            check_target(args)
+            if args.report:
+                check_output_suffix(args.report, (".html", ".htm"), "--report")
+        elif args.command == "show" and args.output:
+            check_output_suffix(args.output, (".svg", ".html", ".htm"), "-o")
+        elif args.command == "profile" and args.csv:
+            check_output_suffix(args.csv, (".csv",), "--csv")
+        if getattr(args, "bench_reps", 1) < 0:
+            raise argparse.ArgumentTypeError("--bench-reps must be 0 or more")
+    except argparse.ArgumentTypeError as error:
+        getattr(args, "parser", parser).error(str(error))
+    if not args.debug:
+        _quiet_libraries()
+    try:
+        if args.debug:
+            return args.run(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return args.run(args)
+    except KeyboardInterrupt:
+        print("fxforge: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            raise
+        message = str(error) if isinstance(error, CommandError) else _one_line(error)
+        print(f"fxforge: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's first line, with its type unless it is one of fxforge's (whose messages say what failed)."""
+    text = " ".join(str(error).strip().splitlines()[:1]) or type(error).__name__
+    own = type(error).__module__.startswith("fxforge") or isinstance(error, (FileNotFoundError, PermissionError))
+    return text if own else f"{type(error).__name__}: {text}"

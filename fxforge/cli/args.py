@@ -1,0 +1,279 @@
+"""What the command line is given: input shapes, rewrite names, the model (file or module), outputs.
+
+Parsing errors of arguments are ``argparse.ArgumentTypeError`` (exit 2, with usage); everything that goes
+wrong with a well-formed argument (a missing file, a model that raises) is a :class:`CommandError`
+(exit 1, one line).
+
+Example:
+    >>> parse_input("2x3x8x8")
+    ((2, 3, 8, 8), torch.float32)
+    >>> parse_rewrites("cleanup,conv_bn_fold")
+    ['cleanup', 'conv_bn_fold']
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
+          "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
+_SHAPE = re.compile(r"^\d+(x\d+)*$")
+
+
+class CommandError(Exception):
+    """A failure to report as one line with exit code 1.
+
+    Example:
+        >>> str(CommandError("no such file: m.py"))
+        'no such file: m.py'
+    """
+
+
+def parse_input(text: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """``2x3x224x224`` or ``1x128:int64`` → shape and dtype (float32 unless given).
+
+    Raises:
+        argparse.ArgumentTypeError: a malformed shape or an unknown dtype.
+
+    Example:
+        >>> parse_input("1x128:int64")
+        ((1, 128), torch.int64)
+    """
+    shape_text, _, dtype_text = text.partition(":")
+    if not _SHAPE.match(shape_text):
+        raise argparse.ArgumentTypeError(f"malformed shape {shape_text!r}; write it like 2x3x224x224")
+    dtype_name = dtype_text or "float32"
+    if dtype_name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
+    return tuple(int(d) for d in shape_text.split("x")), DTYPES[dtype_name]
+
+
+def format_input(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    """The ``SHAPE[:DTYPE]`` text of one input, as a user writes it.
+
+    Example:
+        >>> format_input((1, 128), torch.int64), format_input((2, 8), torch.float32)
+        ('1x128:int64', '2x8')
+    """
+    shape_text = "x".join(str(d) for d in shape) or "scalar"
+    name = str(dtype).removeprefix("torch.")
+    return shape_text if dtype == torch.float32 else f"{shape_text}:{name}"
+
+
+def parse_rewrites(text: str) -> list[str]:
+    """``a,b`` → the list of rewrite names (``default`` and the built-in names); ``""`` or ``none`` → none.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name; the message lists the valid ones.
+
+    Example:
+        >>> parse_rewrites("none")
+        []
+    """
+    from fxforge.rewrites.registry import UnknownRewriteError, resolve
+
+    names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"]
+    try:
+        resolve(names)
+    except UnknownRewriteError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return names
+
+
+def parse_model_args(text: str) -> dict[str, Any]:
+    """The JSON object of ``--model-args``.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not an object.
+
+    Example:
+        >>> parse_model_args('{"width": 8}')
+        {'width': 8}
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--model-args is not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--model-args must be a JSON object, like '{\"width\": 8}'")
+    return value
+
+
+def _import_root(path: Path) -> tuple[Path, str]:
+    """The folder to put on ``sys.path`` and the dotted name of ``path``, so relative imports work in
+    files that live inside packages (folders with ``__init__.py``)."""
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return folder, ".".join(parts)
+
+
+def _describe_error(error: BaseException) -> str:
+    from fxforge.capture.source import first_line, user_frame_of
+
+    where = user_frame_of(error)
+    return first_line(error) + (f" at {where}" if where else "")
+
+
+def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module:
+    """Build the model named by ``path/to/file.py:Name`` or ``package.module:Name``.
+
+    ``Name`` is an ``nn.Module`` class or a factory function, called with ``model_args`` as keyword
+    arguments. A factory may also return ``(model, example_inputs)`` (as the bundled examples do): the
+    model is used.
+
+    Raises:
+        CommandError: a missing file, a module that fails to import, a name not in it, a call that
+            raises, or something that is not an ``nn.Module``.
+
+    Example:
+        >>> type(load_model("torch.nn:ReLU")).__name__
+        'ReLU'
+    """
+    model_args = model_args or {}
+    location, sep, name = spec.rpartition(":")
+    if not sep or not location or not name:
+        raise CommandError(f"MODEL must look like path/to/file.py:Name or package.module:Name, got {spec!r}")
+    if location.endswith(".py"):
+        path = Path(location)
+        if not path.is_file():
+            raise CommandError(f"no such file: {location}")
+        root, dotted = _import_root(path.resolve())
+        sys.path.insert(0, str(root))
+        try:
+            module = importlib.import_module(dotted)
+        except Exception as error:
+            raise CommandError(f"{location} failed to import: {_describe_error(error)}") from error
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            raise CommandError(f"cannot import {location}: {error}") from error
+        except Exception as error:
+            raise CommandError(f"{location} failed to import: {_describe_error(error)}") from error
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise CommandError(f"{location} has no {name!r}")
+    if not callable(factory):
+        raise CommandError(f"{location}:{name} is a {type(factory).__name__}, not a class or a function")
+    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in model_args.items())})"
+    try:
+        model = factory(**model_args)
+    except Exception as error:
+        raise CommandError(f"{call} raised {_describe_error(error)}") from error
+    if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
+        model = model[0]  # a factory returning (model, example_inputs)
+    if not isinstance(model, nn.Module):
+        raise CommandError(f"{call} gave a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a state dict (``torch.save(model.state_dict(), path)``, or a checkpoint dict holding one under
+    ``"state_dict"``) into ``model``.
+
+    Raises:
+        CommandError: no such file, not a state dict, or keys/shapes that do not fit the model.
+
+    Example:
+        >>> load_weights(torch.nn.ReLU(), "missing.pt")
+        Traceback (most recent call last):
+        ...
+        fxforge.cli.args.CommandError: no such weights file: missing.pt
+    """
+    if not os.path.isfile(path):
+        raise CommandError(f"no such weights file: {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CommandError(f"cannot read weights {path}: {type(error).__name__}: {str(error).splitlines()[0]}") from error
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise CommandError(f"{path} holds a {type(state).__name__}, not a state dict")
+    try:
+        model.load_state_dict(state)
+    except Exception as error:
+        message = " ".join(str(error).split())
+        raise CommandError(f"weights {path} do not fit {type(model).__name__}: {message[:300]}") from error
+
+
+def example_inputs(specs: list[tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random inputs of the given shapes and dtypes (normal floats; integers 0 or 1; booleans True).
+
+    Example:
+        >>> [tuple(t.shape) for t in example_inputs([((2, 3), torch.float32), ((2,), torch.int64)])]
+        [(2, 3), (2,)]
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for shape, dtype in specs:
+        if dtype.is_floating_point:
+            tensors.append(torch.randn(shape, generator=generator).to(dtype))
+        elif dtype == torch.bool:
+            tensors.append(torch.ones(shape, dtype=torch.bool))
+        else:
+            tensors.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
+    return tuple(tensors)
+
+
+def check_eager(model: nn.Module, inputs: tuple, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> Any:
+    """Run the model once on the inputs; its outputs, or a :class:`CommandError` naming the input shapes
+    (the model rejects them, or raises for another reason).
+
+    Example:
+        >>> check_eager(torch.nn.Linear(8, 2), (torch.ones(2, 5),), [((2, 5), torch.float32)])
+        Traceback (most recent call last):
+        ...
+        fxforge.cli.args.CommandError: Linear raised on example inputs of shape 2x5: RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 8x2)
+    """
+    from fxforge.verify import isolated
+
+    try:
+        with isolated(model), torch.no_grad():
+            return model(*inputs)
+    except Exception as error:
+        shapes = ", ".join(format_input(*spec) for spec in specs)
+        raise CommandError(f"{type(model).__name__} raised on example inputs of shape {shapes}: "
+                           f"{_describe_error(error)}") from error
+
+
+def check_output(path: str, suffixes: tuple[str, ...], option: str = "-o") -> str:
+    """Check, before any work, that ``path`` can be written: a known suffix (else a usage error) and an
+    existing folder that is not ``path`` itself.
+
+    Raises:
+        argparse.ArgumentTypeError: a suffix not in ``suffixes``.
+        CommandError: no such folder, or ``path`` is a folder.
+
+    Example:
+        >>> check_output("/no/such/folder/m.onnx", (".onnx",))
+        Traceback (most recent call last):
+        ...
+        fxforge.cli.args.CommandError: cannot write /no/such/folder/m.onnx: no folder /no/such/folder
+    """
+    if not path.lower().endswith(suffixes):
+        raise argparse.ArgumentTypeError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise CommandError(f"cannot write {path}: {folder} is a file, not a folder")
+    if not os.path.isdir(folder):
+        raise CommandError(f"cannot write {path}: no folder {folder}")
+    if os.path.isdir(path):
+        raise CommandError(f"cannot write {path}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise CommandError(f"cannot write {path}: the folder {folder} is not writable")
+    return path

@@ -1,0 +1,271 @@
+"""Native artifacts: a rewritten graph saved with ``torch.export`` (``.pt2``) and loaded back as a module.
+
+:func:`save_native` exports a :class:`~fxforge.captured.Captured` (usually rewritten) with
+``torch.export``, keeping fxforge's fused ops (``torch.ops.fxforge.conv_pointwise``,
+``linear_pointwise``: they are registered with ``torch.library`` and have fake implementations, so
+export records them as single ops, with the kernel autotune chose). The program is written to a
+temporary file beside the target, loaded back, run on the example inputs (and on another batch size
+with ``dynamic_batch``) and compared with the model; only then is it renamed into place. A failure at
+any step raises :class:`~fxforge.exporters.onnx.ExportError` and leaves nothing on disk.
+
+:func:`load` (also ``fxforge.load``) registers the fused ops before ``torch.export.load`` and returns
+an ``nn.Module`` that returns what the model returned.
+
+Example:
+    >>> import os, tempfile, torch, fxforge
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    >>> cap = fxforge.rewrite(fxforge.capture(model, (torch.randn(2, 4),)))
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.pt2")
+    >>> saved = save_native(cap, path)
+    >>> x = torch.randn(2, 4)
+    >>> torch.allclose(load(path)(x), model(x), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import tempfile
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxforge.captured import Captured
+
+_EXTRA = "fxforge.json"  # the extra file of the archive holding the model's output structure
+_TOLERANCE_SCALE = 10.0  # as for ONNX validation: a different kernel may sum in another order
+
+
+@dataclasses.dataclass
+class NativeExport:
+    """What :func:`save_native` wrote, and how it was checked.
+
+    Attributes:
+        path: the ``.pt2`` file.
+        ops: fxforge's fused ops in the saved program, ``{"fxforge::conv_pointwise": 3}``.
+        validation: the largest absolute difference from the model, per input set checked on the
+            artifact loaded back from disk.
+        dynamic_batch: whether dim 0 of the batch inputs is dynamic.
+
+    Example:
+        >>> print(NativeExport("m.pt2", {"fxforge::linear_pointwise": 1}, {"example inputs": 0.0}))
+        m.pt2: torch.export program, static shapes
+          fxforge::linear_pointwise x1
+          checked after loading on example inputs: max abs error 0
+    """
+
+    path: str
+    ops: dict[str, int]
+    validation: dict[str, float]
+    dynamic_batch: bool = False
+
+    def __str__(self) -> str:
+        shapes = "dynamic batch" if self.dynamic_batch else "static shapes"
+        lines = [f"{self.path}: torch.export program, {shapes}"]
+        lines += [f"  {op} x{n}" for op, n in self.ops.items()]
+        lines += [f"  checked after loading on {k}: max abs error {v:.3g}" for k, v in self.validation.items()]
+        return "\n".join(lines)
+
+
+def _export_program(captured: Captured, dynamic_batch: bool) -> tuple[torch.export.ExportedProgram, Any,
+                                                                       tuple | None]:
+    """``torch.export`` of the captured graph; returns the program, its output structure and the other
+    batch's ``(label, args, kwargs)`` to validate on (or None)."""
+    from fxforge.capture.source import first_line, user_frame_of
+    from fxforge.exporters.onnx import (
+        ExportError,
+        batch_dynamic_shapes,
+        batch_size,
+        exportable,
+        quiet,
+        with_batch,
+    )
+
+    gm, structure = exportable(captured.graph_module)
+    args, kwargs = tuple(captured.example_args), dict(captured.example_kwargs)
+    dynamic_shapes, other_batch = None, None
+    if dynamic_batch:
+        batch = batch_size(args, kwargs)
+        if batch is None:
+            raise ExportError("dynamic batch asked for, but no input tensor has a dim 0", stage="input")
+        if batch == 1:  # torch.export specialises a size-1 dim: trace on a batch of 2 made from the example rows
+            args, kwargs = with_batch(args, kwargs, 1, 2)
+        other_batch = (f"batch {batch + 1}", *with_batch(captured.example_args, captured.example_kwargs,
+                                                         batch, batch + 1))
+        dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, 2 if batch == 1 else batch)
+    log = io.StringIO()
+    try:
+        with quiet(log), torch.no_grad():
+            program = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as error:
+        where = user_frame_of(error)
+        what = "with a dynamic batch dim " if dynamic_batch else ""
+        raise ExportError(f"torch.export could not export the rewritten graph {what}({first_line(error)})"
+                          + (f" at {where}" if where else ""), stage="torch.export", source=where) from error
+    return program, structure, other_batch
+
+
+def _structure_json(structure: tuple | None) -> str | None:
+    """The output structure :func:`~fxforge.exporters.onnx.exportable` returned, as JSON (None: plain)."""
+    from fxforge.exporters.onnx import ExportError
+
+    if structure is None:
+        return None
+    spec, kinds = structure
+    try:
+        text = json.dumps({"spec": pytree.treespec_dumps(spec), "kinds": [list(k) for k in kinds]})
+    except Exception as error:
+        raise ExportError(f"the model's output structure cannot be saved in a .pt2 file ({error})",
+                          stage="save") from error
+    return text
+
+
+class _Restructured(nn.Module):
+    """The loaded program (which returns a flat tuple of tensors), returning the model's own structure."""
+
+    def __init__(self, program_module: nn.Module, spec: Any, kinds: list):
+        super().__init__()
+        self.program = program_module
+        self._spec = spec
+        self._kinds = kinds
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.program(*args, **kwargs)
+        flat = (flat,) if isinstance(flat, torch.Tensor) else tuple(flat)
+        leaves = [flat[value] if kind == "tensor" else value for kind, value in self._kinds]
+        return pytree.tree_unflatten(leaves, self._spec)
+
+
+def load(path: str | os.PathLike) -> nn.Module:
+    """Load a native artifact written by :func:`save_native` (``fxforge optimize ... -o model.pt2``).
+
+    fxforge's fused ops are registered first (the program calls them), then the file is read with
+    ``torch.export.load``. The module returned takes the model's inputs and returns what the model
+    returned.
+
+    Args:
+        path: the ``.pt2`` file.
+
+    Returns:
+        An ``nn.Module`` running the saved graph.
+
+    Raises:
+        FileNotFoundError: no such file.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "relu.pt2")
+        >>> _ = save_native(fxforge.capture(torch.nn.ReLU().eval(), (torch.ones(2),)), path)
+        >>> load(path)(-torch.ones(2)).tolist()
+        [0.0, 0.0]
+    """
+    import fxforge.fused_ops  # noqa: F401 - registers torch.ops.fxforge.* before the program is read
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    extra = {_EXTRA: ""}
+    program = torch.export.load(path, extra_files=extra)
+    module = program.module()
+    if extra[_EXTRA]:
+        saved = json.loads(extra[_EXTRA])
+        kinds = [(kind, value) for kind, value in saved["kinds"]]
+        return _Restructured(module, pytree.treespec_loads(saved["spec"]), kinds)
+    return module
+
+
+def fused_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """How many of fxforge's fused ops (``fxforge::...``) a graph calls.
+
+    Example:
+        >>> fused_op_counts(torch.fx.symbolic_trace(torch.nn.ReLU()).graph)
+        {}
+    """
+    counts: Counter = Counter()
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            name = node.target.name()
+            if name.startswith("fxforge::"):
+                counts[name] += 1
+    return dict(counts)
+
+
+def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: bool = False) -> NativeExport:
+    """Save ``captured``'s graph as a ``torch.export`` program at ``path``, checked after loading it back.
+
+    Args:
+        captured: a (rewritten) capture of a model in eval mode.
+        path: the ``.pt2`` file; its folder must exist. An existing file is replaced only by a complete,
+            checked one.
+        dynamic_batch: make dim 0 of every input whose dim 0 is the batch size dynamic; checked on
+            another batch size too.
+
+    Returns:
+        A :class:`NativeExport`.
+
+    Raises:
+        ExportError: the graph was captured in training mode, ``torch.export`` failed, or the loaded
+            artifact's outputs differ from the model's; nothing is left on disk.
+        FileNotFoundError: the folder does not exist.
+
+    Example:
+        >>> import os, tempfile
+        >>> cap = fxforge.capture(torch.nn.Linear(3, 2).eval(), (torch.ones(4, 3),))
+        >>> saved = save_native(cap, os.path.join(tempfile.mkdtemp(), "lin.pt2"), dynamic_batch=True)
+        >>> sorted(saved.validation), load(saved.path)(torch.ones(7, 3)).shape
+        (['batch 5', 'example inputs'], torch.Size([7, 2]))
+    """
+    from fxforge.capture.source import first_line
+    from fxforge.exporters.onnx import ExportError
+    from fxforge.verify import compare_outputs, isolated
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
+    if captured.training:
+        raise ExportError("the graph was captured in training mode; save it after model.eval()", stage="input")
+    program, structure, other_batch = _export_program(captured, dynamic_batch)
+    extra = _structure_json(structure)
+    handle, scratch = tempfile.mkstemp(prefix=".fxforge-", suffix=".pt2", dir=directory)
+    os.close(handle)
+    try:
+        try:
+            torch.export.save(program, scratch, extra_files={_EXTRA: extra} if extra else None)
+        except Exception as error:
+            raise ExportError(f"writing the .pt2 file failed: {first_line(error)}", stage="save") from error
+        loaded = load(scratch)
+        cases = [("example inputs", captured.example_args, captured.example_kwargs, captured.example_outputs)]
+        if other_batch is not None:
+            cases.append((*other_batch, None))
+        validation = {}
+        for label, args, kwargs, reference in cases:
+            if reference is None:
+                with isolated(captured.module), torch.no_grad():
+                    reference = captured.module(*args, **kwargs)
+            try:
+                with torch.no_grad():
+                    actual = loaded(*args, **kwargs)
+            except Exception as error:
+                raise ExportError(f"the saved program failed on the {label}: {first_line(error)}",
+                                  stage="validation") from error
+            result = compare_outputs(reference, actual, rtol_scale=_TOLERANCE_SCALE)
+            if not result.ok:
+                raise ExportError(f"the saved program's outputs differ from the model's on the {label}: "
+                                  f"{result.reason}", stage="validation")
+            validation[label] = result.max_abs_err
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(scratch, 0o666 & ~mask)  # mkstemp makes 0600 files; give the usual permissions
+        os.replace(scratch, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(scratch)
+    return NativeExport(path, fused_op_counts(program.graph), validation, dynamic_batch)

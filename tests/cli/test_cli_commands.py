@@ -1,0 +1,122 @@
+"""The fxforge command's happy paths, driven as a subprocess the way a user runs it: on a model file
+written outside the repository and on the bundled examples."""
+
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import REPO, run_cli
+
+import fxforge
+from fxforge.cli.graphs import draw_available
+
+
+def _import(path):
+    spec = importlib.util.spec_from_file_location(f"user_model_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_lists_every_command():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("optimize", "export", "profile", "show", "rewrites"):
+        assert command in result.stdout
+    rewrites = run_cli("rewrites")
+    assert rewrites.returncode == 0 and rewrites.stdout.startswith("cleanup")
+    assert len(rewrites.stdout.strip().splitlines()) == 5
+
+
+def test_optimize_a_model_file_outside_the_repo_to_pt2_with_report(user_model, out, tmp_path):
+    model = _import(user_model).Net(width=8).eval()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    result = run_cli("optimize", f"{user_model}:Net", "--input", "2x8", "--model-args", '{"width": 8}',
+                     "--weights", tmp_path / "weights.pt", "-o", "net.pt2", "--report", "report.html",
+                     "--bench-reps", "3", cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    text = result.stdout
+    for step in ("load model", "capture: fx", "rewrite (verify, autotune): cleanup x1", "export .pt2", "time eager"):
+        assert step in text
+    for row in ("rewrites applied", "cleanup x1", "4 -> 3", "peak memory (simulated)", "latency", "interleaved",
+                "max abs error vs eager"):
+        assert row in text
+    assert "cleanup: dropout in eval removed [drop]" in text
+    assert "user_model.py:9: return self.drop(self.lin(x))" in text
+    assert sorted(p.name for p in out.iterdir()) == ["net.pt2", "report.html"]
+
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "user_model.py:9: return self.drop(self.lin(x))" in page
+    # self-contained: nothing to fetch (SVG's namespace URI and in-page url(#id) references are not fetches)
+    assert "<script" not in page and "<link" not in page and "src=" not in page
+    assert not re.search(r"url\((?!#)", page) and not re.search(r"https?://(?!www\.w3\.org/)", page)
+    if draw_available():
+        assert page.count("<svg") == 2
+
+    x = torch.randn(5, 8)
+    assert torch.allclose(fxforge.load(out / "net.pt2")(x[:2]), model(x[:2]), atol=1e-6)
+
+
+def test_optimize_a_factory_to_onnx_with_a_dynamic_batch(user_model, out):
+    import onnxruntime
+
+    result = run_cli("optimize", f"{user_model}:build", "--input", "3x8", "-o", "net.onnx", "--dynamic-batch",
+                     "--no-bench", cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert "validate in ONNX Runtime" in result.stdout and "onnxruntime" not in result.stderr
+    assert [p.name for p in out.iterdir()] == ["net.onnx"]
+    session = onnxruntime.InferenceSession(str(out / "net.onnx"), providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {session.get_inputs()[0].name: np.ones((5, 8), np.float32)})
+    assert y.shape == (5, 8)
+
+
+def test_export_writes_onnx_without_rewrites(user_model, out):
+    result = run_cli("export", f"{user_model}:Net", "--input", "2x4", "-o", "plain.onnx", cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert "│ rewrites applied        │ none" in result.stdout
+    assert "cleanup x1" not in result.stdout
+    assert [p.name for p in out.iterdir()] == ["plain.onnx"]
+
+
+def test_bundled_example_factory_to_pt2_loads_and_matches_eager(out):
+    from examples.models.resnet_cnn import example
+
+    # example() returns (model, inputs), with seeded weights: the CLI takes the model from the pair
+    result = run_cli("optimize", REPO / "examples/models/resnet_cnn.py:example", "--input", "1x3x32x32",
+                     "-o", "resnet.pt2", "--bench-reps", "2", cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert "conv_bn_fold x9" in result.stdout and "speed" not in result.stderr
+    model, _ = example()
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.allclose(fxforge.load(out / "resnet.pt2")(x), model(x), atol=1e-5)
+
+
+def test_show_prints_both_graphs_with_rewritten_nodes_marked(out):
+    spec = f"{REPO / 'examples/models/resnet_cnn.py'}:ResNetCNN"
+    result = run_cli("show", spec, "--input", "1x3x16x16", "--model-args", '{"width": 4, "blocks": [1]}', cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert "captured: " in result.stdout and "rewritten (* = made by a rewrite)" in result.stdout
+    captured, rewritten = result.stdout.split("rewritten (* = made by a rewrite)")
+    assert " *  " not in captured
+    # the convolutions with BatchNorm folded in (or fused with their ReLU, as autotune decides) are marked
+    assert re.search(r"^  \w+ \*  call_function (conv2d|fxforge::conv_pointwise)  1x4x16x16 float32$", rewritten, re.MULTILINE)
+    if draw_available():
+        drawn = run_cli("show", spec, "--input", "1x3x16x16", "--model-args", '{"width": 4, "blocks": [1]}',
+                        "-o", "graph.svg", cwd=out)
+        assert drawn.returncode == 0, drawn.stderr
+        svg = (out / "graph.svg").read_text()
+        assert svg.startswith("<svg") and 'class="node marked"' in svg
+
+
+@pytest.mark.skipif(not hasattr(fxforge, "profile"), reason="fxforge.profile is not in this checkout")
+def test_profile_prints_the_slowest_nodes_and_saves_the_table(user_model, out):
+    result = run_cli("profile", f"{user_model}:Net", "--input", "2x4", "--repeat", "2", "--csv", "table.csv",
+                     "--optimized", "--by-op", cwd=out)
+    assert result.returncode == 0, result.stderr
+    assert "optimize (capture, rewrite): cleanup x1" in result.stdout and "by op" in result.stdout
+    assert "time_ms" in result.stdout and "lin" in result.stdout
+    header = (out / "table.csv").read_text().splitlines()[0].split(",")
+    assert {"node", "op", "time_ms", "flops", "bytes", "bound"} <= set(header)
