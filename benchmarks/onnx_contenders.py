@@ -4,7 +4,8 @@ Importing this module registers two contenders in :data:`benchmarks.contenders.C
 ``torch.onnx.export(model, args, dynamo=True)`` -> ORT peer is the harness's own ``ort``):
 
 - ``fxforge-ort``: ``fxforge.optimize(model, args, target="onnxruntime")``: fxforge's rewrites, its
-  ONNX translations (attention -> ``com.microsoft.MultiHeadAttention``), run in an ORT session;
+  ONNX translations (attention -> ``com.microsoft.MultiHeadAttention``, causal self-attention ->
+  ``com.microsoft.GroupQueryAttention``), run in an ORT session;
 - ``ort-transformers-optimizer``: that plain export, then ``onnxruntime.transformers.optimizer`` for the
   model's architecture (transformers models whose ``config.model_type`` the optimizer knows; it refuses
   other models with the reason, and that row fails with it).
@@ -62,12 +63,27 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
                               session_options=ort_session_options(), providers=ort_providers(device))
     translations = module.onnx_export.translations if module.onnx_export is not None else []
     note = report_note(module.report)
-    attention = sum(int(t.rsplit(": ", 1)[1]) for t in translations if "MultiHeadAttention" in t)
-    if attention:
-        note += f", MultiHeadAttention×{attention}"
+    note += "".join(f", {kernel}×{count}" for kernel, count in attention_kernels(translations).items())
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
     return Prepared(module, note=note, info=info)
+
+
+def attention_kernels(translations: list[str]) -> dict[str, int]:
+    """How many attention calls each ORT kernel carries, from an export's translation lines.
+
+    Example:
+        >>> attention_kernels(["attention -> com.microsoft.GroupQueryAttention (causal): 4",
+        ...                    "attention -> com.microsoft.MultiHeadAttention: 2", "fxforge::linear_pointwise -> Gemm: 1"])
+        {'GroupQueryAttention': 4, 'MultiHeadAttention': 2}
+    """
+    counts: dict[str, int] = {}
+    for line in translations:
+        if line.startswith("attention -> com.microsoft."):
+            what, _, count = line.rpartition(": ")
+            kernel = what.removeprefix("attention -> com.microsoft.").split(" ")[0]
+            counts[kernel] = counts.get(kernel, 0) + int(count)
+    return counts
 
 
 def optimizer_model_type(model: nn.Module) -> str:

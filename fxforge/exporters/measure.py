@@ -14,7 +14,9 @@ first form's median time to the second's (> 1: the second is faster).
 - conv: ``Conv`` (+ ``Add``) + activation (what fxforge emits; ORT fuses it) vs ``com.microsoft.FusedConv``;
 - linear: ``Gemm``/``MatMul`` + activation vs ``com.microsoft.FusedGemm``;
 - attention (a BERT-base attention layer, batch 1): torch.onnx's MatMul/Softmax graph vs
-  ``com.microsoft.MultiHeadAttention`` vs ONNX ``Attention`` (opset 23).
+  ``com.microsoft.MultiHeadAttention`` vs ONNX ``Attention`` (opset 23), with a padding mask and with one
+  that masks nothing; a causal layer: ``MultiHeadAttention`` (``unidirectional``) vs
+  ``com.microsoft.GroupQueryAttention``.
 
 Example:
     >>> rows = main(["--quick", "--only", "linear"], out=None)
@@ -180,21 +182,25 @@ def measure_linear(shapes=LINEAR_SHAPES, activations=("relu", "tanh", "leaky_rel
 # ---------------------------------------------------------------------------------------------- attention
 
 class AttentionLayer(nn.Module):
-    """A BERT attention layer: q, k, v and output projections around SDPA with a padding mask."""
+    """A BERT attention layer: q, k, v and output projections around SDPA with a padding mask; or (``causal``)
+    a decoder's, with ``kv_heads`` key/value heads and no mask."""
 
-    def __init__(self, hidden: int = 768, heads: int = 12):
+    def __init__(self, hidden: int = 768, heads: int = 12, kv_heads: int | None = None, causal: bool = False):
         super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.heads, self.kv_heads, self.causal = heads, kv_heads or heads, causal
+        size = hidden // heads
+        self.q, self.o = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.k, self.v = (nn.Linear(hidden, self.kv_heads * size) for _ in range(2))
 
-    def forward(self, x, mask):
+    def forward(self, x, mask=None):
         b, s, d = x.shape
 
         def split(t):
-            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+            return t.view(b, s, -1, d // self.heads).transpose(1, 2)
 
         y = nn.functional.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
-                                                       attn_mask=mask)
+                                                       attn_mask=mask, is_causal=self.causal,
+                                                       enable_gqa=self.kv_heads != self.heads)
         return self.o(y.transpose(1, 2).reshape(b, s, d))
 
 
@@ -215,9 +221,18 @@ def _export_attention(model: nn.Module, inputs: tuple, form: str) -> bytes:
     from fxforge.exporters.onnx import quiet
     from fxforge.exporters.translations import SDPA, Translations
 
+    class NoGroupQuery(Translations):  # causal attention as MultiHeadAttention(unidirectional), as before GQA
+        @staticmethod
+        def group_query_refusal(q, k, v):
+            return "measuring MultiHeadAttention"
+
     opset = 23 if form == "Attention-23" else 20
-    table = {SDPA: _attention23} if form == "Attention-23" else Translations(
-        opset, attention="plain" if form == "plain" else "MultiHeadAttention").table()
+    if form == "Attention-23":
+        table = {SDPA: _attention23}
+    elif form == "MultiHeadAttention-unidirectional":
+        table = NoGroupQuery(opset).table()
+    else:
+        table = Translations(opset, attention="plain" if form == "plain" else "MultiHeadAttention").table()
     with tempfile.TemporaryDirectory() as folder, quiet(io.StringIO()):
         path = os.path.join(folder, "attention.onnx")
         torch.onnx.export(model, inputs, path, dynamo=True, opset_version=opset, custom_translation_table=table,
@@ -226,26 +241,37 @@ def _export_attention(model: nn.Module, inputs: tuple, form: str) -> bytes:
             return file.read()
 
 
+def _time_forms(case: str, model: nn.Module, inputs: tuple, forms: tuple[str, ...], rounds: int, reps: int) -> list:
+    """Rows comparing each of ``forms[1:]`` with ``forms[0]`` on ``model``'s export at ``inputs``."""
+    sessions = {f: _session(_export_attention(model, inputs, f)) for f in forms}
+    names = [i.name for i in sessions[forms[0]].get_inputs()]
+    feeds = dict(zip(names, (t.numpy() for t in inputs)))
+    reference = sessions[forms[0]].run(None, feeds)[0]
+    error = max(float(np.abs(s.run(None, feeds)[0] - reference).max()) for s in sessions.values())
+    medians = time_interleaved({f: (lambda s=s: s.run(None, feeds)) for f, s in sessions.items()}, rounds, reps)
+    return [{"case": case, "forms": (forms[0], form), "ms": {forms[0]: medians[forms[0]], form: medians[form]},
+             "ratio": medians[forms[0]] / medians[form], "max_abs_diff": error} for form in forms[1:]]
+
+
 def measure_attention(lengths=ATTENTION_LENGTHS, hidden: int = 768, heads: int = 12, rounds: int = 10, reps: int = 1):
-    """The plain export vs MultiHeadAttention vs Attention-23 on a BERT attention layer, per sequence length."""
+    """The plain export vs MultiHeadAttention vs Attention-23 on a BERT attention layer, per sequence length,
+    with padding (the last eighth) and without (an all-zero mask: fxforge's run-time check sends it to
+    flash attention); and a causal decoder layer (``heads // 2`` key/value heads): MultiHeadAttention
+    ``unidirectional`` vs GroupQueryAttention."""
     rows = []
     torch.manual_seed(0)
     model = AttentionLayer(hidden, heads).eval()
-    forms = ("plain", "MultiHeadAttention", "Attention-23")
+    causal = AttentionLayer(hidden, heads, kv_heads=max(heads // 2, 1), causal=True).eval()
     for length in lengths:
         x = torch.randn(1, length, hidden)
         mask = torch.zeros(1, 1, 1, length)
         mask[..., -length // 8:] = float("-inf")  # the last eighth is padding
-        sessions = {f: _session(_export_attention(model, (x, mask), f)) for f in forms}
-        feeds = {"x": x.numpy(), "mask": mask.numpy()}
-        reference = sessions["plain"].run(None, feeds)[0]
-        error = max(float(np.abs(s.run(None, feeds)[0] - reference).max()) for s in sessions.values())
-        medians = time_interleaved({f: (lambda s=s, feeds=feeds: s.run(None, feeds)) for f, s in sessions.items()},
-                                   rounds, reps)
-        for form in forms[1:]:
-            rows.append({"case": f"attention layer S={length} D={hidden} H={heads}", "forms": ("plain", form),
-                         "ms": {"plain": medians["plain"], form: medians[form]},
-                         "ratio": medians["plain"] / medians[form], "max_abs_diff": error})
+        rows += _time_forms(f"attention layer S={length} D={hidden} H={heads}, padded", model, (x, mask),
+                            ("plain", "MultiHeadAttention", "Attention-23"), rounds, reps)
+        rows += _time_forms(f"attention layer S={length} D={hidden} H={heads}, no padding", model,
+                            (x, torch.zeros(1, 1, 1, length)), ("plain", "MultiHeadAttention"), rounds, reps)
+        rows += _time_forms(f"causal layer S={length} D={hidden} H={heads}/{causal.kv_heads}", causal, (x,),
+                            ("MultiHeadAttention-unidirectional", "GroupQueryAttention"), rounds, reps)
     return rows
 
 

@@ -172,8 +172,10 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
             not together with ``dynamic_batch``.
         verify: verify each rewrite numerically (see :func:`fxforge.rewrite`).
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
-        attention: ``"MultiHeadAttention"`` (attention -> ONNX Runtime's ``com.microsoft.MultiHeadAttention``
-            where it carries the call) or ``"plain"`` (torch.onnx's MatMul/Softmax graph).
+        attention: ``"MultiHeadAttention"`` (attention -> ONNX Runtime's attention kernels where they carry
+            the call: ``com.microsoft.GroupQueryAttention`` for causal self-attention, else
+            ``com.microsoft.MultiHeadAttention``, run without its mask when the mask masks nothing; see
+            :mod:`fxforge.exporters.translations`) or ``"plain"`` (torch.onnx's MatMul/Softmax graph).
         external_data: weights in a separate ``.data`` file (True), in the ``.onnx`` (False), or only
             when they must be (None).
 

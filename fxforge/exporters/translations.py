@@ -22,13 +22,30 @@ fxforge op                 translation                                  why (mea
                            + the activation's standard op               (``FusedGemm``); emitting ``FusedGemm``:
                                                                         0.74-1.09x
 ``scaled_dot_product_      ``com.microsoft.MultiHeadAttention``          vs the decomposed MatMul/Softmax graph,
-attention``                (q, k, v as [B, S, N*H]; masks as            BERT-base attention layer, B=1: S=1024
-                           ``attention_bias``; causal as                1.05-1.08x, S=2048 1.02-1.12x. ONNX
-                           ``unidirectional``; GQA by repeating k, v)   ``Attention`` (opset 23): 0.98-1.07x and
-                                                                        1.03-1.05x, needs opset 23 for the whole
-                                                                        model, and ORT 1.31's CPU kernel rejects
-                                                                        masks that broadcast over the query dim
+attention``                (q, k, v as [B, S, N*H]; masks as            attention layer (hidden 256, 4 heads,
+                           ``attention_bias``; GQA by repeating k, v)   B=1), padding mask: S=1024 1.09x,
+                                                                        S=2048 1.05x (``key_padding_mask`` would
+                                                                        be 1.13-1.14x but cannot carry an
+                                                                        arbitrary additive mask). ONNX
+                                                                        ``Attention`` (opset 23): 0.98-1.07x,
+                                                                        needs opset 23 for the whole model
+(with a key padding mask,  ``If`` the mask masks nothing (all 0 / all   ORT's CPU MultiHeadAttention runs flash
+[B, 1, 1, L]: one that     True, checked at run time on the mask        attention only with no mask, no causal
+broadcasts over queries)   before it is expanded): MultiHeadAttention   flag: 1.38-1.56x faster than with an
+                           without it, else with it. Full [.., S, L]    all-zero ``attention_bias`` (S=1024,
+                           masks are not checked (S x L reads a call,   2048); the check reads B x L values
+                           and causal ones never mask nothing)
+(causal, q and k of one    ``com.microsoft.GroupQueryAttention``        vs MultiHeadAttention ``unidirectional``
+length, head size a        (causal, ``kv_num_heads`` = the key/value    (its CPU kernel adds a full S x S causal
+multiple of 8)             heads read in place, no past)                mask; GQA's softmax runs over each row's
+                                                                        prefix only): 1.55x (S=1024), 1.89x
+                                                                        (S=2048, 4 q / 2 kv heads)
 =========================  ===========================================  ==========================================
+
+Whole models (``python -m benchmarks --suite onnx``, fxforge -> ORT vs plain export -> ORT): attention
+is then where the two differ; the linear layers (``Gemm``/``MatMul``), layer norms and GELU are the same
+ORT kernels in both. Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x
+(ORT 1.31's CPU MultiHeadAttention does not take packed QKV), so it is not done.
 
 Activations (:data:`fxforge.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
 ``leaky_relu`` -> ``LeakyRelu``; ``gelu``/``gelu_tanh`` -> ``Gelu`` (opset >= 20; below, its erf / tanh
@@ -38,7 +55,12 @@ formula, which ORT fuses back into one Gelu); ``silu`` -> ``x * Sigmoid(x)`` (OR
 Attention that ``MultiHeadAttention`` cannot carry keeps torch.onnx's own translation, and the reason is
 recorded (see :class:`Translations`): dropout, inputs that are neither 4-d nor 3-d (3-d is one head), a
 causal mask on a non-square score matrix, head counts or sizes not known at export time, a scale
-computed at run time.
+computed at run time. Causal attention that ``GroupQueryAttention`` cannot carry (head sizes not a
+multiple of 8, or q and v head sizes that differ) stays ``MultiHeadAttention`` with ``unidirectional``,
+with a note saying why.
+
+The masked form runs one branch per call; export-time validation runs the branch of the example's mask
+(the other one is the same kernel call with or without ``attention_bias``; the tests run both).
 
 Example:
     >>> table = Translations(opset=20).table()
@@ -92,6 +114,27 @@ def _multi_head_attention_op() -> values.Op:
 
 
 MULTI_HEAD_ATTENTION = _multi_head_attention_op()
+
+
+def _group_query_attention_op() -> values.Op:
+    """``com.microsoft.GroupQueryAttention`` (its first seven inputs, three outputs) as an onnxscript op."""
+    param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    attr, kind = OpSchema.Attribute, OpSchema.AttrType
+    inputs = [param("query", "T")]
+    inputs += [param(name, "T", param_option=optional) for name in ("key", "value", "past_key", "past_value")]
+    inputs += [param("seqlens_k", "M"), param("total_sequence_length", "M")]
+    schema = OpSchema(
+        "GroupQueryAttention", "com.microsoft", 1, "ONNX Runtime's grouped-query attention (contrib op)",
+        inputs=inputs, outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("M", ["tensor(int32)"], "")],
+        attributes=[attr("num_heads", kind.INT, "query heads", required=True),
+                    attr("kv_num_heads", kind.INT, "key/value heads", required=True),
+                    attr("scale", kind.FLOAT, "scale of q @ k^T", required=False)])
+    return values.Op(_MSFT, "GroupQueryAttention", schema)
+
+
+GROUP_QUERY_ATTENTION = _group_query_attention_op()
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -219,6 +262,7 @@ class Translations:
     attention: str = "MultiHeadAttention"
     used: dict[str, int] = dataclasses.field(default_factory=dict)
     kept_plain: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def op(self) -> values.Opset:
@@ -242,8 +286,10 @@ class Translations:
         op = self.op
         dims = (_rank(weight) or len(stride) + 2) - 2
         conv_inputs = [input, weight] + ([bias] if bias is not None else [])
+        kernel_shape = _dims(weight)[2:]  # spelled out as torch.onnx's own Conv does (same optimized graph)
+        extra = {"kernel_shape": kernel_shape} if all(isinstance(d, int) for d in kernel_shape) else {}
         y = op.Conv(*conv_inputs, strides=_per_dim(stride, dims), pads=_per_dim(padding, dims) * 2,
-                    dilations=_per_dim(dilation, dims), group=int(groups))
+                    dilations=_per_dim(dilation, dims), group=int(groups), **extra)
         if other is not None:
             y = op.Add(y, other)
         self._count(f"fxforge::conv_pointwise -> Conv{' + Add' if other is not None else ''}"
@@ -288,8 +334,9 @@ class Translations:
 
     def scaled_dot_product_attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                      scale=None, enable_gqa=False):
-        """``aten.scaled_dot_product_attention`` -> ``com.microsoft.MultiHeadAttention``, or torch.onnx's
-        own translation (reason recorded) where that kernel cannot carry the call."""
+        """``aten.scaled_dot_product_attention`` -> ``com.microsoft.GroupQueryAttention`` (causal
+        self-attention) or ``com.microsoft.MultiHeadAttention``, or torch.onnx's own translation (reason
+        recorded) where those kernels cannot carry the call."""
         reason = self.attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale)
         if reason is not None:
             node = _translating_node()
@@ -300,6 +347,7 @@ class Translations:
             return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         op = self.op
         one = op.Constant(value_ints=[1])
+        dtype, mask_dtype = query.dtype, None if attn_mask is None else attn_mask.dtype  # before any Unsqueeze
         three_d = _rank(query) == 3
         if three_d:  # [B, S, H] is one head: [B, 1, S, H]
             q, k, v = ([d[0], 1, *d[1:]] for d in (_dims(query), _dims(key), _dims(value)))
@@ -312,21 +360,98 @@ class Translations:
             q, k, v = _dims(query), _dims(key), _dims(value)
             mask_dims = None if attn_mask is None else _dims(attn_mask)
         heads, kv_heads, head_size, v_head_size = q[1], k[1], q[3], v[3]
-        bias = None if attn_mask is None else self._attention_bias(attn_mask, mask_dims, query, q, key, k)
-        if kv_heads != heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
-            key, value = (self._repeat_heads(t, kv_heads, heads // kv_heads) for t in (key, value))
         scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
 
         def bsd(t):  # [B, N, S, H] -> [B, S, N*H]
             return op.Reshape(op.Transpose(t, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, -1]))
 
-        out = MULTI_HEAD_ATTENTION(bsd(query), bsd(key), bsd(value), None, None, bias, num_heads=heads, scale=scale,
-                                   unidirectional=int(bool(is_causal)))
-        self._count("attention -> com.microsoft.MultiHeadAttention")
+        group_query = is_causal and attn_mask is None and self.group_query_refusal(q, k, v) is None
+        if group_query:
+            out = self._causal_group_query(bsd(query), bsd(key), bsd(value), heads, kv_heads, scale)
+            self._count("attention -> com.microsoft.GroupQueryAttention (causal)")
+        else:
+            if is_causal and attn_mask is None:
+                self.notes.append(f"causal attention as MultiHeadAttention: {self.group_query_refusal(q, k, v)}")
+            out = self._multi_head(query, q, key, k, value, bsd, attn_mask, mask_dims, heads, kv_heads, scale,
+                                   is_causal, v_head_size, dtype, mask_dtype)
+            self._count("attention -> com.microsoft.MultiHeadAttention")
         if three_d:  # [B, S, 1 * Hv] is the answer
             return out
         split = op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[heads, v_head_size]), axis=0)
         return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
+
+    @staticmethod
+    def group_query_refusal(q: list, k: list, v: list) -> str | None:
+        """Why ``GroupQueryAttention`` cannot carry a causal self-attention with these [B, N, S, H] dims, or
+        None (its CPU kernel's checks: head sizes equal and a multiple of 8; fewer than 2**31 elements)."""
+        if q[3] != v[3]:
+            return f"value head size {v[3]} differs from query head size {q[3]}"
+        if q[3] % 8:
+            return f"head size {q[3]} is not a multiple of 8 (GroupQueryAttention's CPU kernel needs that)"
+        if all(isinstance(d, int) for d in (q[0], q[2])) and q[0] * q[2] * (q[1] + 2 * k[1]) * q[3] >= 2**31:
+            return "more than 2**31 elements in q, k and v"
+        return None
+
+    def _causal_group_query(self, query: Any, key: Any, value: Any, heads: int, kv_heads: int, scale: float) -> Any:
+        """Causal self-attention (query and key lengths equal) on [B, S, N*H] inputs as ``GroupQueryAttention``:
+        its CPU kernel runs the softmax only over each row's causal prefix and reads the ``kv_heads`` key/value
+        heads in place (no repeat). No past: ``seqlens_k`` is S - 1 for every batch row, the total length S."""
+        op = self.op
+        length = op.Cast(op.Shape(query, start=1, end=2), to=ir.DataType.INT32)
+        seqlens_k = op.Expand(op.Sub(length, op.CastLike(op.Constant(value_ints=[1]), length)),
+                              op.Shape(query, start=0, end=1))
+        total = op.Squeeze(length, op.Constant(value_ints=[0]))
+        out, _, _ = GROUP_QUERY_ATTENTION(query, key, value, None, None, seqlens_k, total, num_heads=heads,
+                                          kv_num_heads=kv_heads, scale=scale)
+        return out
+
+    def _multi_head(self, query, q, key, k, value, bsd, attn_mask, mask_dims, heads, kv_heads, scale, is_causal,
+                    v_head_size, dtype, mask_dtype):
+        """``MultiHeadAttention`` on [B, S, N*H] inputs; the output is [B, S, N*Hv].
+
+        With a key padding mask (one that broadcasts over the query dim), two ``MultiHeadAttention`` calls
+        under an ``If``: ORT's CPU kernel runs flash attention only without a mask, so a mask that masks
+        nothing (all zeros, or all True: a batch without padding) is checked at run time, on the mask before
+        it is expanded to [.., S, L], and the kernel is called without it; any other mask goes to the kernel
+        as ``attention_bias``.
+        """
+        op = self.op
+        mask, target = (None, None) if attn_mask is None else self._attention_bias(attn_mask, mask_dtype, mask_dims,
+                                                                                      dtype, query, q, key, k)
+        if kv_heads != heads:  # grouped-query attention: each key/value head serves heads // kv_heads queries
+            key, value = (self._repeat_heads(t, kv_heads, heads // kv_heads) for t in (key, value))
+        query, key, value = bsd(query), bsd(key), bsd(value)
+        # Only a mask that broadcasts over the query dim (a key padding mask, [B, 1, 1, L]) is checked: a full
+        # [.., S, L] mask (causal, relative positions) costs S x L reads a call and rarely masks nothing.
+        padding = mask_dims is not None and (len(mask_dims) < 2 or mask_dims[-2] == 1)
+        if mask is None or is_causal or not padding:
+            bias = mask if target is None else op.Expand(mask, target)
+            return MULTI_HEAD_ATTENTION(query, key, value, None, None, bias, num_heads=heads, scale=scale,
+                                        unidirectional=int(bool(is_causal)))
+        keeps_all = op.Cast(op.ReduceMin(op.Cast(op.Equal(mask, _constant(op, 0.0, mask)), to=ir.DataType.INT32),
+                                         keepdims=0), to=ir.DataType.BOOL)
+        self._count("attention mask checked at run time (a mask that masks nothing: flash attention)")
+        # onnx infers no type through a contrib op: the branch outputs and the If's are typed here
+        shape = ir.Shape([q[0], q[2], heads * v_head_size])
+        out = op.If(keeps_all, then_branch=self._branch(query, key, value, None, None, heads, scale, dtype, shape),
+                    else_branch=self._branch(query, key, value, mask, target, heads, scale, dtype, shape))
+        out.dtype, out.shape = dtype, shape
+        return out
+
+    @staticmethod
+    def _branch(query: Any, key: Any, value: Any, mask: Any, target: Any, heads: int, scale: float, dtype: Any,
+                shape: ir.Shape) -> ir.Graph:
+        """A subgraph running ``MultiHeadAttention`` on the outer graph's values: without a mask (``mask``
+        None), or with ``mask`` (expanded to ``target`` first, unless None) as its ``attention_bias``."""
+        nodes = []
+        if mask is not None and target is not None:
+            nodes.append(ir.Node("", "Expand", [mask, target], outputs=[ir.Value(name=None, type=ir.TensorType(dtype))]))
+            mask = nodes[-1].outputs[0]
+        output = ir.Value(name=None, type=ir.TensorType(dtype), shape=shape)
+        inputs = [query, key, value] + ([None, None, mask] if mask is not None else [])
+        nodes.append(ir.Node("com.microsoft", "MultiHeadAttention", inputs, attributes=[
+            ir.AttrInt64("num_heads", heads), ir.AttrFloat32("scale", scale)], outputs=[output]))
+        return ir.Graph([], [output], nodes=nodes, name="attention_masked" if mask is not None else "attention")
 
     def _repeat_heads(self, t: Any, kv_heads: int, times: int) -> Any:
         """[B, Nk, L, H] -> [B, Nk * times, L, H], each head repeated ``times`` times in place (as SDPA's GQA)."""
@@ -337,22 +462,25 @@ class Translations:
         return op.Reshape(expanded, op.Concat(op.Shape(t, start=0, end=1), op.Constant(value_ints=[kv_heads * times]),
                                               op.Shape(t, start=2, end=4), axis=0))
 
-    def _attention_bias(self, mask: Any, mask_dims: list, query: Any, q: list, key: Any, k: list) -> Any:
-        """SDPA's mask as MultiHeadAttention's ``attention_bias``: additive, same dtype as q, 4-d, with the
-        query and key dims spelled out (ORT broadcasts batch and heads only). ``*_dims``: static dims."""
+    def _attention_bias(self, mask: Any, mask_dtype: Any, mask_dims: list, dtype: Any, query: Any, q: list, key: Any,
+                        k: list) -> tuple[Any, Any]:
+        """SDPA's mask as MultiHeadAttention's ``attention_bias``: additive, same dtype as q, 4-d, and the shape
+        to expand it to (None: none needed) so that the query and key dims are spelled out (ORT broadcasts
+        batch and heads only). ``*_dims``: static dims; ``mask_dtype``, ``dtype``: the mask's and the query's
+        dtypes (an Unsqueeze's output has none while tracing)."""
         op = self.op
-        if mask.dtype == ir.DataType.BOOL:  # True keeps a key (as torch.onnx's own translation does it)
+        if mask_dtype == ir.DataType.BOOL:  # True keeps a key (as torch.onnx's own translation does it)
             mask = op.Where(mask, _constant(op, 0.0, query), _constant(op, -math.inf, query))
-        elif mask.dtype != query.dtype:
+        elif mask_dtype != dtype:
             mask = op.CastLike(mask, query)
         if len(mask_dims) < 4:
             mask = op.Unsqueeze(mask, op.Constant(value_ints=list(range(4 - len(mask_dims)))))
             mask_dims = [1] * (4 - len(mask_dims)) + list(mask_dims)
+        target = None
         if not (_same_dim(mask_dims[2], q[2]) and _same_dim(mask_dims[3], k[2])):
             target = op.Concat(op.Shape(mask, start=0, end=2), op.Shape(query, start=2, end=3),
                                op.Shape(key, start=2, end=3), axis=0)
-            mask = op.Expand(mask, target)
-        return mask
+        return mask, target
 
     def summary(self) -> list[str]:
         """One line per translation used, and one per attention kept plain.
@@ -364,4 +492,5 @@ class Translations:
         """
         lines = [f"{what}: {count}" for what, count in sorted(self.used.items())]
         lines += [f"attention kept torch.onnx's translation: {reason}" for reason in self.kept_plain]
+        lines += sorted(set(self.notes))
         return lines

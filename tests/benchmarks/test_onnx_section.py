@@ -33,3 +33,14 @@ def test_summary_reads_ratios_against_the_plain_export_and_the_targets():
 def test_a_model_without_both_rows_is_said_so():
     lines = report.onnx_summary([_row("bert_s1024", "ort", 1.0)])
     assert lines == ["- bert_s1024: fxforge-ort or ort did not run"]
+
+
+def test_fxforge_ort_note_counts_each_attention_kernel():
+    from benchmarks.onnx_contenders import attention_kernels
+
+    translations = ["attention -> com.microsoft.MultiHeadAttention: 2",
+                    "attention mask checked at run time (a mask that masks nothing: flash attention): 2",
+                    "attention -> com.microsoft.GroupQueryAttention (causal): 3",
+                    "causal attention as MultiHeadAttention: head size 12 is not a multiple of 8 (...)",
+                    "fxforge::linear_pointwise -> MatMul + Add + gelu: 4"]
+    assert attention_kernels(translations) == {"MultiHeadAttention": 2, "GroupQueryAttention": 3}
