@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -212,11 +213,13 @@ def check_same(
     modules: Sequence[torch.nn.Module],
     *,
     reference_outputs: list | None = None,
+    candidate_outputs: dict[int, Any] | None = None,
 ) -> Comparison:
     """Run ``reference`` and ``candidate`` on each ``(args, kwargs)`` in ``inputs`` and compare.
 
     Both run under :func:`isolated` with the same seed, so random ops agree and no buffer changes.
-    ``reference_outputs`` (one per input) skips re-running the reference.
+    ``reference_outputs`` (one per input) skips re-running the reference; ``candidate_outputs`` (by
+    index, e.g. from :func:`remembered_outputs`) skips running the candidate on those inputs.
 
     Example:
         >>> f = lambda x: x * 2
@@ -230,11 +233,79 @@ def check_same(
         else:
             with isolated(*modules, seed=i), torch.no_grad():
                 ref = reference(*args, **kwargs)
-        with isolated(*modules, seed=i), torch.no_grad():
-            out = candidate(*args, **kwargs)
+        if candidate_outputs is not None and i in candidate_outputs:
+            out = candidate_outputs[i]
+        else:
+            with isolated(*modules, seed=i), torch.no_grad():
+                out = candidate(*args, **kwargs)
         result = compare_outputs(ref, out)
         worst = max(worst, result.max_abs_err)
         if not result.ok:
             kind = "example inputs" if i == 0 else f"random inputs #{i}"
             return Comparison(False, result.max_abs_err, f"on {kind}: {result.reason}")
     return Comparison(True, worst)
+
+
+def graph_fingerprint(graph_module: torch.nn.Module) -> tuple:
+    """What a GraphModule computes, as far as it can change: its code and the identity (and version) of
+    every submodule, parameter and buffer it reaches. Two equal fingerprints mean the same function.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+        >>> graph_fingerprint(gm) == graph_fingerprint(gm)
+        True
+    """
+    code = getattr(graph_module, "code", None)
+    modules = tuple((name, id(m)) for name, m in graph_module.named_modules(remove_duplicate=False))
+    tensors = tuple((name, id(t), t._version) for name, t in
+                    (*graph_module.named_parameters(remove_duplicate=False),
+                     *graph_module.named_buffers(remove_duplicate=False)))
+    return code, modules, tensors
+
+
+def _inputs_key(args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return spec, tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
+
+
+# graph module -> (fingerprint, inputs key, seed, the inputs (kept alive: ids stay theirs), output)
+_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_output(graph_module: torch.nn.Module, args: tuple, kwargs: dict, seed: int, output: Any) -> None:
+    """Record what ``graph_module`` returned for ``(args, kwargs)`` run under ``isolated(..., seed=seed)``
+    with gradients off, so that :func:`check_same` need not run it on the same inputs again.
+
+    Autotune runs the graph it chooses on the example inputs anyway (its check and warm-up); the
+    record holds only while the graph module computes the same function (:func:`graph_fingerprint`)
+    and the inputs are the same tensors, unchanged.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); x = torch.ones(1)
+        >>> remember_output(gm, (x,), {}, 0, gm(x))
+        >>> remembered_outputs(gm, [((x,), {})])[0].tolist()
+        [1.0]
+    """
+    _REMEMBERED[graph_module] = (graph_fingerprint(graph_module), _inputs_key(args, kwargs), seed, (args, kwargs),
+                                 output)
+
+
+def remembered_outputs(graph_module: Any, inputs: Sequence[tuple[tuple, dict]]) -> dict[int, Any]:
+    """``{i: output}`` for the entries of ``inputs`` (run with seed ``i``, as :func:`check_same` does) whose
+    outputs :func:`remember_output` recorded for this very function; empty when none.
+
+    Example:
+        >>> remembered_outputs(torch.fx.symbolic_trace(torch.nn.ReLU()), [((torch.ones(1),), {})])
+        {}
+    """
+    try:
+        entry = _REMEMBERED.get(graph_module)
+    except TypeError:  # not weakly referenceable (a plain function)
+        return {}
+    if entry is None:
+        return {}
+    fingerprint, key, seed, _, output = entry
+    found = {i: output for i, (args, kwargs) in enumerate(inputs) if i == seed and _inputs_key(args, kwargs) == key}
+    if found and graph_fingerprint(graph_module) != fingerprint:
+        return {}
+    return found

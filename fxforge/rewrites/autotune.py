@@ -3,12 +3,15 @@
 After ``conv_activation`` has fused, :func:`autotune`
 
 1. picks each fused op's kernel by timing every kernel that can run it (oneDNN with prepacked weights,
-   cuDNN, the composite of plain ops) on random tensors of the op's real input shapes and strides;
-2. does so for each memory layout worth trying (as captured, and channels-last: inputs converted once
-   at the graph's entry, outputs back once at its exit, so convolutions never reorder in between),
-   and keeps the layout whose fused ops sum to the least time;
+   cuDNN, the composite of plain ops) on random tensors of the op's real input shapes and strides
+   (interleaved calls, medians; one round is enough when one kernel is more than twice as fast);
+2. does so for each memory layout worth trying (channels-last: inputs converted once at the graph's
+   entry, outputs back once at its exit, so convolutions never reorder in between; then as captured,
+   whose timing stops once its running sum is past channels-last's, since sums only grow), and keeps
+   the layout whose fused ops sum to the least time;
 3. times the whole lowered graph against the graph before fusing (interleaved runs, medians) and keeps
-   the fused graph only if it is faster; otherwise the graph goes back to what it was.
+   the fused graph only if it is faster; otherwise the graph goes back to what it was. The lowered
+   graph it kept goes on to the runtime, and its run on the example inputs to verification.
 
 Every choice, with the timings behind it, lands in the report (``report.tuning``). Tests and
 experiments can force choices with :func:`forced` (the report then says they were forced).
@@ -40,7 +43,7 @@ from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
 from fxforge.rewrites.passes import PassContext
 from fxforge.rewrites.tuning_cache import NOTE as CACHED
 from fxforge.rewrites.tuning_cache import default_cache, machine_key
-from fxforge.verify import isolated
+from fxforge.verify import isolated, remember_output
 
 aten = torch.ops.aten
 # Seconds of timing spent per measurement, at most, and repetitions at least / at most.
@@ -51,6 +54,9 @@ MIN_REPS, MAX_REPS = 3, 25
 MARGIN = 0.02
 # Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
 DECISIVE = 0.05
+# Per-op timing stops after one round when one kernel's warm-up and first call both took less than this
+# fraction of the other's (one noisy call does not make such a gap twice over).
+CLEAR = 0.5
 
 
 @dataclasses.dataclass
@@ -102,7 +108,7 @@ def kernels_for(device: torch.device) -> tuple[str, ...]:
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
-                     decisive: float | None = None) -> dict[str, float]:
+                     decisive: float | None = None, clear: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -111,18 +117,27 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         warmed: names already run once (their warm-up is skipped).
         decisive: with two calls, stop after two rounds when every sample of one is below every sample of
             the other by this fraction (more rounds would not change the choice).
+        clear: with two calls, both warmed up here, stop after one round when the warm-up and the first
+            sample of one both took less than this fraction of the other's warm-up and first sample.
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
     samples: dict[str, list[float]] = {}
+    warm_ups: dict[str, float] = {}
     for name, call in calls.items():
         if name not in warmed:
+            start = time.perf_counter()
             call()  # warm-up: packing, allocator, caches
+            warm_ups[name] = time.perf_counter() - start
         start = time.perf_counter()
         call()
         samples[name] = [time.perf_counter() - start]
+    if clear is not None and len(samples) == 2 and len(warm_ups) == 2:
+        a_first, b_first = ([warm_ups[n], *samples[n]] for n in samples)
+        if max(a_first) < clear * min(b_first) or max(b_first) < clear * min(a_first):
+            return {name: s[0] * 1e3 for name, s in samples.items()}
     total = sum(s[0] for s in samples.values()) or 1e-6
     reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
@@ -151,18 +166,35 @@ def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
     return pool[key]
 
 
-def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None) -> tuple[float, list[tuple]]:
+def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, bound: float | None = None,
+                 order: dict[str, float] | None = None, memo: dict | None = None) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
     Identical calls (same op, shapes, strides and settings) are timed once; random inputs of the same
     shape and strides are drawn once (``pool``, shared between calls when given).
+
+    Args:
+        gm: the graph whose fused ops get their kernel (``node.args[-1]``) set.
+        pool: random inputs by shape and strides, shared between calls.
+        bound: stop once the total exceeds this many milliseconds (the total only grows with each op, so
+            a layout past the bound cannot beat the one that set it); ``choices`` then lists only the ops
+            timed so far and the others keep the kernel they had.
+        order: expected milliseconds per node name; ops are timed most expensive first (so that a bound,
+            if any, is passed soonest). Choices are listed in graph order either way.
+        memo: measurements by call, shared between calls (an op timed once is not timed again).
     """
     from fxforge.runtime.lowering import fused_calls
 
     pool = {} if pool is None else pool
     cache = default_cache()
-    total, choices, seen = 0.0, [], {}
-    for node, kernel_call, weight in fused_calls(gm):
+    total, choices, seen = 0.0, [], {} if memo is None else memo
+    calls = list(fused_calls(gm))
+    position = {node: i for i, (node, _, _) in enumerate(calls)}
+    if order:
+        calls.sort(key=lambda call: -order.get(call[0].name, 0.0))
+    for node, kernel_call, weight in calls:
+        if bound is not None and total > bound:
+            break
         *op_args, _ = node.args
         values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
         key = repr((str(node.target), *((tuple(v.shape), v.stride(), str(v.dtype)) if isinstance(v, torch.Tensor)
@@ -185,6 +217,9 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None) -> tuple[fl
         node.args = (*op_args, best)
         total += timings[best]
         choices.append((node.name, best, timings, note))
+    if order:
+        index = {node.name: i for node, i in position.items()}
+        choices.sort(key=lambda choice: index[choice[0]])
     return total, choices
 
 
@@ -204,7 +239,7 @@ def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_
             fn, args = call
             calls[kernel] = (lambda fn=fn, args=args: fn(*args))
     with torch.no_grad():
-        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE)
+        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE, clear=CLEAR)
     return timings, "; ".join(f"{k}: {v}" for k, v in reasons.items())
 
 
@@ -256,7 +291,36 @@ def _graph_timer(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Callabl
         with torch.no_grad():
             return runnable(*args, **kwargs)
 
+    run.lowered = runnable  # type: ignore[attr-defined]
     return run
+
+
+_NOT_RUN = object()
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """One layout's graph: its fused ops' kernels, their summed times, and its lowered graph's first run.
+
+    ``complete`` is False when per-op timing stopped early (the sum already exceeded another layout's);
+    ``runner``/``output`` are set once the lowered graph ran on the example inputs (seed 0, buffers
+    restored: the same run :func:`fxforge.verify.check_same` makes of it on the example inputs).
+    """
+
+    graph: torch.fx.GraphModule
+    total: float
+    choices: list
+    complete: bool = True
+    runner: Callable[[], Any] | None = None
+    output: Any = _NOT_RUN
+
+    def first_run(self, args: tuple, kwargs: dict) -> None:
+        """Lower the graph and run it once on the example inputs (its warm-up, and its check output)."""
+        if self.runner is None:
+            self.runner = _graph_timer(self.graph, args, kwargs)
+        if self.output is _NOT_RUN:
+            with isolated(self.graph, seed=0):
+                self.output = self.runner()
 
 
 def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -264,35 +328,46 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
 
     ``gm`` is modified in place (its graph replaced); each choice is recorded with ``ctx.tuned``.
     Without example inputs (a pass run outside the pipeline) the kernels stay the composite.
+
+    The channels-last layout is timed first; its sum bounds the as-captured layout's timing, which stops
+    as soon as its own running sum is past it (sums only grow, so that layout cannot win any more) and is
+    finished only if that layout is needed after all. The chosen graph's lowered form, and its outputs on
+    the example inputs, are handed on: the runtime runs that lowered graph
+    (:func:`fxforge.runtime.lowering.adopt`) and verification compares those outputs
+    (:func:`fxforge.verify.remember_output`) instead of running the same graph on the same inputs again.
     """
     if ctx.example_args is None:
         ctx.tuned("graph", "composite", {}, "no example inputs to time on; kernels left as the composite")
         return
     args, kwargs = ctx.example_args, ctx.example_kwargs or {}
-    candidates: dict[str, tuple[torch.fx.GraphModule, float, list, Callable[[], Any] | None]] = {}
+    candidates: dict[str, _Candidate] = {}
     pool: dict = {}
-    for layout in ("as captured", "channels-last"):
-        graph, runner = copy_graph_module(gm), None
-        if layout == "channels-last":
-            if not to_channels_last(graph):
-                continue
-            try:
-                with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
-                    annotate(graph, args, kwargs, force=True)
-                    total, choices = tune_kernels(graph, pool)
-                    runner = _graph_timer(graph, args, kwargs)
-                    runner()  # fake tensors can miss a .view() that real strides refuse
-            except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
-                ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
-                continue
-        else:
-            total, choices = tune_kernels(graph, pool)
-        candidates[layout] = (graph, total, choices, runner)
-    layout = min(candidates, key=lambda name: candidates[name][1])
+    memo: dict = {}
+    channels_last = copy_graph_module(gm)
+    if to_channels_last(channels_last):
+        try:
+            with isolated(channels_last):  # strides changed: propagate them (the rules already gave new nodes shapes)
+                annotate(channels_last, args, kwargs, force=True)
+                total, choices = tune_kernels(channels_last, pool, memo=memo)
+            candidate = _Candidate(channels_last, total, choices)
+            candidate.first_run(args, kwargs)  # fake tensors can miss a .view() that real strides refuse
+            candidates["channels-last"] = candidate
+        except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
+            ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
+    # The as-captured candidate is gm itself (its kernels set in place; the other graphs are copies).
+    other = candidates.get("channels-last")
+    bound = other.total * (1 + DECISIVE) if other is not None and FORCED.layout is None else None
+    hint = {name: timings[best] for name, best, timings, _ in other.choices} if other is not None else None
+    total, choices = tune_kernels(gm, pool, bound=bound, order=hint, memo=memo)
+    candidates = {"as captured": _Candidate(gm, total, choices, complete=len(choices) == _count_fused(gm)),
+                  **candidates}
+    layout = min(candidates, key=lambda name: candidates[name].total)
     if FORCED.layout in candidates:
         layout = FORCED.layout
-    sums = {name: round(c[1], 3) for name, c in candidates.items()}
+    sums = {name: round(c.total, 3) for name, c in candidates.items()}
     layout_note = "sum of the fused ops' best kernel times per layout" + _forced("layout")
+    stopped = [f"{name}: timing stopped after {len(c.choices)} of {_count_fused(c.graph)} ops, its sum already "
+               f"past {layout}'s" for name, c in candidates.items() if not c.complete]
     if FORCED.keep is not None:
         keep, timings, note = FORCED.keep, {}, _forced("keep").lstrip("; ")
     else:
@@ -302,16 +377,25 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
             keep, timings, note = _keep_or_undo(candidates[layout], before, args, kwargs)
         if keep == "before" and FORCED.layout is None:
             # The per-op sums are a prediction: another layout's whole graph may still beat the graph before.
-            for other in (n for n, c in candidates.items() if n != layout and not _plain(n, c)):
-                other_keep, other_timings, other_note = _keep_or_undo(candidates[other], before, args, kwargs)
+            for name in [n for n in candidates if n != layout]:
+                candidate = candidates[name]
+                if not candidate.complete:  # needed after all: time the ops left
+                    candidate.total, candidate.choices = tune_kernels(candidate.graph, pool, memo=memo)
+                    candidate.complete, stopped = True, []
+                    sums[name] = round(candidate.total, 3)
+                if _plain(name, candidate):
+                    continue
+                other_keep, other_timings, other_note = _keep_or_undo(candidate, before, args, kwargs)
                 if other_keep == "fused":
-                    layout_note += f"; the {layout} graph was not faster than the graph before, the {other} graph was"
-                    layout, keep, timings, note = other, other_keep, other_timings, other_note
+                    layout_note += f"; the {layout} graph was not faster than the graph before, the {name} graph was"
+                    layout, keep, timings, note = name, other_keep, other_timings, other_note
                     break
         if keep == "before" and timings:
             note += "; not faster, undone"
-    chosen, _, choices, _ = candidates[layout]
-    for name, best, op_timings, op_note in choices:
+    if stopped:
+        layout_note += "; " + "; ".join(stopped)
+    chosen = candidates[layout]
+    for name, best, op_timings, op_note in chosen.choices:
         ctx.tuned(name, best, op_timings, op_note)
     ctx.tuned("layout", layout, sums, layout_note)
     ctx.tuned("graph", keep, timings, note)
@@ -319,32 +403,44 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     if cache is not None:
         cache.save()
     if keep == "fused":
-        gm.graph = chosen.graph
+        gm.graph = chosen.graph.graph
+        if chosen.runner is not None:
+            from fxforge.runtime.lowering import adopt
+
+            adopt(gm, chosen.runner.lowered)
+        if chosen.output is not _NOT_RUN:
+            remember_output(gm, args, kwargs, 0, chosen.output)
     else:
         gm.graph = before.graph
         ctx.matches.clear()
 
 
-def _plain(layout: str, candidate: tuple) -> bool:
+def _count_fused(gm: torch.fx.GraphModule) -> int:
+    from fxforge.runtime.lowering import fused_calls
+
+    return sum(1 for _ in fused_calls(gm))
+
+
+def _plain(layout: str, candidate: _Candidate) -> bool:
     """An as-captured candidate whose every op chose the composite: the graph before, in effect."""
-    return layout == "as captured" and all(best == "composite" for _, best, _, _ in candidate[2])
+    return layout == "as captured" and all(best == "composite" for _, best, _, _ in candidate.choices)
 
 
-def _keep_or_undo(candidate: tuple, before: torch.fx.GraphModule, args: tuple, kwargs: dict
+def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tuple, kwargs: dict
                   ) -> tuple[str, dict[str, float], str]:
     """Time a candidate's whole lowered graph against the graph before fusing (or read the cache):
     ``("fused" | "before", timings, note)``."""
-    chosen, _, _, runner = candidate
+    chosen = candidate.graph
+    chosen.recompile()  # its code, in the cache key, must name the kernels just chosen
     cache = default_cache()
     cache_key = _graph_key(chosen, before, args, kwargs)
     timings = cache.get(cache_key) if cache is not None else None
     from_cache = timings is not None
     if not from_cache:
+        candidate.first_run(args, kwargs)  # its warm-up (a channels-last candidate's check run already was)
         with isolated(before, chosen):
-            # A channels-last candidate already ran once (its check); its warm-up is done.
-            timings = time_interleaved({"fused": runner or _graph_timer(chosen, args, kwargs),
-                                        "before": _graph_timer(before, args, kwargs)}, GRAPH_BUDGET_S,
-                                       warmed=("fused",) if runner else (), decisive=DECISIVE)
+            timings = time_interleaved({"fused": candidate.runner, "before": _graph_timer(before, args, kwargs)},
+                                       GRAPH_BUDGET_S, warmed=("fused",), decisive=DECISIVE)
         clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
         if cache is not None and clear:  # a close call is measured again next time, not replayed
             cache.put(cache_key, timings)

@@ -581,30 +581,20 @@ def _replace(rule: Rule, match: Match) -> None:
 
 
 def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
-    """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``."""
-    exact: dict[Node, Any] = {}  # float64 values
-    plain: dict[Node, Any] = {}  # values in the model's precision, for the dtype of the result
-    for node in new:
-        if node.op == "get_attr":
-            plain[node] = _tensor(gm, node)
-            exact[node] = plain[node].double() if plain[node].is_floating_point() else plain[node]
-            continue
-        inputs = node.all_input_nodes
-        if node.op not in ("call_function", "call_method") or not all(n in exact or n.op == "get_attr" for n in inputs):
-            continue
-        for values in (exact, plain):
-            for n in inputs:
-                if n not in values:
-                    t = _tensor(gm, n)
-                    values[n] = t.double() if values is exact and t.is_floating_point() else t
-            with torch.no_grad():
-                values[node] = _call(node, values.__getitem__)
+    """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``.
+
+    Values are computed in float64, and in the model's precision for the dtype of the result.
+    """
+    exact = _constant_values(gm, new, lambda t: t.double() if t.is_floating_point() else t)
+    plain = _constant_values(gm, new, lambda t: t)
     kept = []
     for node in new:
         value = plain.get(node)
         if node.op != "get_attr" and isinstance(value, torch.Tensor) and any(u not in plain for u in node.users):
             name = _free_name(gm, "_fxforge_folded")
-            gm.register_buffer(name, exact[node].to(value.dtype).detach().clone(), persistent=False)
+            # One conversion into a new tensor: the folded value never aliases a parameter.
+            folded = exact[node].detach().to(dtype=value.dtype, copy=True)
+            gm.register_buffer(name, folded, persistent=False)
             with gm.graph.inserting_before(node):
                 constant = gm.graph.get_attr(name)
             node.replace_all_uses_with(constant)
@@ -613,6 +603,26 @@ def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
         if node in plain and not node.users:
             gm.graph.erase_node(node)
     return [n for n in new if n.graph is gm.graph and n not in plain] + kept
+
+
+def _constant_values(gm: torch.fx.GraphModule, new: list[Node], convert: Callable[[torch.Tensor], Any]
+                     ) -> dict[Node, Any]:
+    """The values of the nodes among ``new`` computed from parameters and buffers alone, each tensor
+    taken through ``convert`` first (to float64, or as it is)."""
+    values: dict[Node, Any] = {}
+    for node in new:
+        if node.op == "get_attr":
+            values[node] = convert(_tensor(gm, node))
+            continue
+        inputs = node.all_input_nodes
+        if node.op not in ("call_function", "call_method") or not all(n in values or n.op == "get_attr" for n in inputs):
+            continue
+        for n in inputs:
+            if n not in values:
+                values[n] = convert(_tensor(gm, n))
+        with torch.no_grad():
+            values[node] = _call(node, values.__getitem__)
+    return values
 
 
 def _call(node: Node, value_of: Callable[[Node], Any]) -> Any:

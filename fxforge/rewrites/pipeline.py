@@ -20,7 +20,7 @@ from fxforge.rewrites.graph_utils import copy_graph_module
 from fxforge.rewrites.passes import PassContext
 from fxforge.rewrites.registry import resolve
 from fxforge.rewrites.report import RolledBack
-from fxforge.verify import check_same, isolated, random_like
+from fxforge.verify import check_same, isolated, random_like, remembered_outputs
 
 # Example inputs plus this many random inputs of the same shapes and dtypes.
 RANDOM_CHECKS = 2
@@ -56,9 +56,11 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     Passes run in order. Each works on a copy of the graph (parameters shared, never modified) and the
     graph is linted after it. With ``verify=True`` the rewritten graph is compared with the captured one
     on the example inputs and on random inputs of the same shapes and dtypes (same RNG seed, buffers
-    restored). When they agree, every pass is verified at once; when they do not (or the rewritten graph
-    raises), the passes run again one at a time, each checked against the graph before it, and a pass
-    that raises or changes results beyond tolerance is rolled back and reported with the error it caused.
+    restored; a graph a pass already ran on the example inputs, as autotune runs the graph it chose,
+    is not run on them again: its recorded outputs are compared). When they agree, every pass is
+    verified at once; when they do not (or the rewritten graph raises), the passes run again one at a
+    time, each checked against the graph before it, and a pass that raises or changes results beyond
+    tolerance is rolled back and reported with the error it caused.
 
     Args:
         captured: from :func:`fxforge.capture`; left unchanged.
@@ -89,7 +91,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     if report.matches:
         try:
             result = check_same(captured.graph_module, current, inputs, [captured.module, current],
-                                reference_outputs=reference)
+                                reference_outputs=reference, candidate_outputs=remembered_outputs(current, inputs))
         except Exception:  # noqa: BLE001 - found and reported below, pass by pass
             result = None
         if result is not None and result.ok:
@@ -119,8 +121,8 @@ def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, lis
         try:
             rewrite_pass.apply(candidate, ctx)
             candidate.graph.lint()
-            candidate.recompile()
-            if ctx.matches:
+            if ctx.matches:  # a pass that matched nothing leaves its copy unused: no code to generate
+                candidate.recompile()
                 # Passes that keep shape metadata up to date only need the nodes that lack it filled.
                 force = not getattr(rewrite_pass, "keeps_meta", False)
                 annotate(candidate, captured.example_args, captured.example_kwargs, force=force)
@@ -135,7 +137,8 @@ def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, lis
             inputs = check[0]
             modules = [captured.module, candidate]
             try:
-                result = check_same(current, candidate, inputs, modules, reference_outputs=reference)
+                result = check_same(current, candidate, inputs, modules, reference_outputs=reference,
+                                    candidate_outputs=remembered_outputs(candidate, inputs))
             except Exception as error:  # noqa: BLE001 - a rewritten graph that cannot run is rolled back
                 report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches),
                                                      f"the rewritten graph raised {first_line(error)}"))

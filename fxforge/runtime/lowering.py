@@ -7,6 +7,9 @@ oneDNN's fused op on a prepacked weight (packed once, here), cuDNN's fused op, o
 of the composite. It is the same function the custom op calls (:func:`fxforge.fused_ops.conv_kernel_call`),
 so the lowered graph computes exactly what was verified.
 
+Autotune lowers the graph it chooses in order to time it; :func:`adopt` hands that lowered graph on, so
+the runtime does not lower (copy, pack) the same graph again.
+
 The lowered graph has no autograd for oneDNN's and cuDNN's fused ops: the runtime uses it only when no
 gradient is needed, and the captured graph (whose custom ops have autograd) otherwise.
 
@@ -21,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -28,6 +32,7 @@ from torch.fx import Node
 
 from fxforge import fused_ops
 from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
+from fxforge.verify import graph_fingerprint
 
 FUSED_OPS = {
     torch.ops.fxforge.conv_pointwise.default: fused_ops.conv_kernel_call,
@@ -51,6 +56,25 @@ def fused_calls(graph_module: torch.fx.GraphModule) -> Iterator[tuple[Node, Call
             yield node, kernel_call, weight
 
 
+# graph module -> (its fingerprint when adopted, the lowered graph): lowered graphs built by autotune.
+_ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def adopt(graph_module: torch.fx.GraphModule, lowered: torch.fx.GraphModule) -> None:
+    """Record ``lowered`` as :func:`lower`'s result for ``graph_module`` (autotune lowers and times the graph
+    it chooses; the runtime then runs that same lowered graph instead of lowering again).
+
+    The record holds while ``graph_module`` computes the same function (same code, submodules and
+    tensors: :func:`fxforge.verify.graph_fingerprint`); after any change, :func:`lower` lowers afresh.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); twin = torch.fx.symbolic_trace(torch.nn.ReLU())
+        >>> adopt(gm, twin); lower(gm) is twin
+        True
+    """
+    _ADOPTED[graph_module] = (graph_fingerprint(graph_module), lowered)
+
+
 def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``graph_module`` with every fused op replaced by a direct call of its chosen kernel.
 
@@ -65,6 +89,9 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         >>> lower(gm)(-torch.ones(1)).tolist()
         [0.0]
     """
+    adopted = _ADOPTED.get(graph_module)
+    if adopted is not None and adopted[0] == graph_fingerprint(graph_module):
+        return adopted[1]
     if not lowered_kernels(graph_module):
         return graph_module
     new = copy_graph_module(graph_module)

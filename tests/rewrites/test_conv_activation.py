@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -287,8 +288,8 @@ def test_when_the_chosen_layouts_graph_is_not_faster_the_other_layouts_graph_is_
     graphs = []
     tune_kernels = autotune.tune_kernels
 
-    def sums_predict_as_captured(graph, pool=None):
-        total, choices = tune_kernels(graph, pool)
+    def sums_predict_as_captured(graph, pool=None, **options):
+        total, choices = tune_kernels(graph, pool, **options)
         channels_last = any(n.kwargs.get("memory_format") is torch.channels_last for n in graph.graph.nodes)
         return total * (3.0 if channels_last else 1.0), choices
 
@@ -307,3 +308,115 @@ def test_when_the_chosen_layouts_graph_is_not_faster_the_other_layouts_graph_is_
     assert layout.choice == "channels-last"
     assert "the as captured graph was not faster than the graph before, the channels-last graph was" in layout.note
     assert graph.choice == "fused" and graph.timings == {"fused": 1.0, "before": 2.0}
+
+
+def _channels_last(value: torch.Tensor) -> bool:
+    return value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous()
+
+
+def _chain(widths=(3, 4, 5, 6, 7)) -> nn.Module:
+    pairs = itertools.pairwise(widths)
+    return nn.Sequential(*(m for a, b in pairs for m in (nn.Conv2d(a, b, 3, padding=1), nn.ReLU())))
+
+
+def test_as_captured_timing_stops_once_its_sum_passes_channels_last(monkeypatch):
+    model, x = _chain().eval(), torch.randn(1, 3, 8, 8)
+    timed = {"channels-last": 0, "as captured": 0}
+
+    def fake_kernels(gm, op_args, values, kernel_call, weight, pool):
+        layout = "channels-last" if _channels_last(values[0]) else "as captured"
+        timed[layout] += 1
+        return ({"composite": 2.0, "mkldnn": 1.0} if layout == "channels-last" else {"composite": 10.0, "mkldnn": 9.0}), ""
+
+    monkeypatch.setattr(autotune, "_time_kernels", fake_kernels)
+    monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {"fused": 1.0, "before": 2.0})
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    layout = next(t for t in new.report.tuning if t.subject == "layout")
+    # Channels-last sums to 4 ms; the first as-captured op alone (9 ms) is past it: the other three are not timed.
+    assert timed == {"channels-last": 4, "as captured": 1}
+    assert layout.choice == "channels-last" and layout.timings == {"as captured": 9.0, "channels-last": 4.0}
+    assert "as captured: timing stopped after 1 of 4 ops" in layout.note
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_stopped_layout_is_timed_in_full_when_it_is_needed_after_all(monkeypatch):
+    model, x = _chain().eval(), torch.randn(1, 3, 8, 8)
+    timed = {"channels-last": 0, "as captured": 0}
+    graphs = []
+
+    def fake_kernels(gm, op_args, values, kernel_call, weight, pool):
+        layout = "channels-last" if _channels_last(values[0]) else "as captured"
+        timed[layout] += 1
+        return ({"composite": 2.0, "mkldnn": 1.0} if layout == "channels-last" else {"composite": 10.0, "mkldnn": 9.0}), ""
+
+    def graph_timings(calls, budget, **_):
+        graphs.append(1)  # channels-last's graph (timed first) is not faster than the graph before; as captured's is
+        return {"fused": 1.0, "before": 1.0} if len(graphs) == 1 else {"fused": 1.0, "before": 2.0}
+
+    monkeypatch.setattr(autotune, "_time_kernels", fake_kernels)
+    monkeypatch.setattr(autotune, "time_interleaved", graph_timings)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    layout = next(t for t in new.report.tuning if t.subject == "layout")
+    assert timed == {"channels-last": 4, "as captured": 4} and len(graphs) == 2
+    assert layout.choice == "as captured" and layout.timings == {"as captured": 36.0, "channels-last": 4.0}
+    assert "the channels-last graph was not faster than the graph before, the as captured graph was" in layout.note
+    assert "timing stopped" not in layout.note
+    assert lowered_kernels(new.graph_module) == {"mkldnn": 4}
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_per_op_timing_stops_after_one_round_only_when_one_kernel_is_clearly_faster():
+    counts = {"quick": 0, "slow": 0, "close": 0}
+
+    def quick():
+        counts["quick"] += 1
+
+    def slow():
+        counts["slow"] += 1
+        time.sleep(0.005)
+
+    timings = autotune.time_interleaved({"quick": quick, "slow": slow}, 1.0, decisive=0.05, clear=0.5)
+    assert timings["quick"] < timings["slow"]
+    assert counts["quick"] == counts["slow"] == 2  # a warm-up and one round each
+
+    def close():
+        counts["close"] += 1
+        time.sleep(0.004)
+
+    counts.update(slow=0, close=0)
+    autotune.time_interleaved({"slow": slow, "close": close}, 1.0, decisive=0.05, clear=0.5)
+    assert counts["slow"] >= 3 and counts["close"] >= 3  # 5 ms vs 4 ms is not clear after one round
+
+
+def test_the_chosen_graph_is_handed_on_lowered_and_its_example_run_is_not_repeated(monkeypatch):
+    from fxforge.rewrites import pipeline
+    from fxforge.verify import remembered_outputs
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    checks = []
+    check_same = pipeline.check_same
+
+    def spy(reference, candidate, inputs, modules, **options):
+        checks.append(sorted(options.get("candidate_outputs") or {}))
+        return check_same(reference, candidate, inputs, modules, **options)
+
+    monkeypatch.setattr(pipeline, "check_same", spy)
+    cap = fxforge.capture(model, (x,))
+    with forced(keep="fused", layout="channels-last", kernel="mkldnn"):
+        new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"])
+    assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 2}
+    assert checks == [[0]]  # verified together; the example inputs' outputs were autotune's run of the graph
+    assert any("verified together" in v for v in new.report.verified)
+    gm = new.graph_module
+    lowered = lower(gm)
+    assert lowered is lower(gm) and lowered_kernels(lowered) == {}  # autotune's lowered graph, not a new one
+    with torch.no_grad():
+        torch.testing.assert_close(lowered(x), model(x), rtol=1e-4, atol=1e-5)
+        inputs = pipeline.verification_inputs(cap)
+        torch.testing.assert_close(remembered_outputs(gm, inputs)[0], gm(x), rtol=1e-5, atol=1e-6)
+    # Any change to the graph afterwards and both records are dropped.
+    node = fused_nodes(gm)[-1]
+    node.args = (*node.args[:-3], "sigmoid", [], node.args[-1])
+    gm.recompile()
+    assert remembered_outputs(gm, inputs) == {} and lower(gm) is not lowered

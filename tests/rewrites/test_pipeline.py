@@ -172,3 +172,51 @@ def test_a_rewritten_graph_that_raises_when_run_is_rolled_back():
     new = fxforge.rewrite(cap, ["cleanup", fxforge.Pass("broken", insert_explosion)])
     assert new.report.counts == {"cleanup": 1}
     assert new.report.rolled_back[0].error == "the rewritten graph raised RuntimeError: boom on real data"
+
+
+def _double_folded_weights(gm, ctx):
+    """A wrong pass that leaves the code alone: it swaps a folded weight for another tensor."""
+    name = next(n for n, _ in gm.named_buffers() if "folded" in n)
+    ctx.matched("weight doubled", [next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name)])
+    gm.register_buffer(name, getattr(gm, name) * 2, persistent=False)
+
+
+def _sigmoid_instead_of_relu(gm, ctx):
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.fxforge.conv_pointwise.default)
+    ctx.matched("relu made sigmoid", [node])
+    node.args = (*node.args[:-3], "sigmoid", [], node.args[-1])
+
+
+@pytest.mark.parametrize("wrong", [_double_folded_weights, _sigmoid_instead_of_relu])
+def test_a_wrong_pass_after_autotune_is_caught_though_autotune_ran_the_graph(wrong):
+    from fxforge.rewrites.autotune import forced
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    with forced(keep="fused", layout="channels-last", kernel="mkldnn"):
+        new = fxforge.rewrite(fxforge.capture(model, (x,)),
+                              ["conv_bn_fold", "conv_activation", fxforge.Pass("wrong", wrong)])
+    assert [r.rule for r in new.report.rolled_back] == ["wrong"]
+    assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 2}
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_remembered_output_holds_only_for_the_same_function_and_inputs():
+    from fxforge.verify import remember_output, remembered_outputs
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    gm = torch.fx.symbolic_trace(model)
+    remember_output(gm, (x,), {}, 0, gm(x))
+    assert list(remembered_outputs(gm, [((x,), {}), ((x.clone(),), {})])) == [0]
+    assert remembered_outputs(gm, [((x.clone(),), {})]) == {}  # other tensors
+    with torch.no_grad():
+        model[0].weight.add_(1)  # a parameter changed in place
+    assert remembered_outputs(gm, [((x,), {})]) == {}
+    remember_output(gm, (x,), {}, 0, gm(x))
+    gm.register_buffer("extra", torch.ones(1))  # another tensor reached
+    assert remembered_outputs(gm, [((x,), {})]) == {}
+    remember_output(gm, (x,), {}, 0, gm(x))
+    x.add_(1)  # the inputs changed in place
+    assert remembered_outputs(gm, [((x,), {})]) == {}

@@ -131,3 +131,27 @@ def test_eval_graphs_follow_weights_changed_in_place_and_training_steps():
     opt.eval()
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x))
+
+
+def test_the_runtime_runs_the_lowered_graph_autotune_timed():
+    from fxforge.rewrites.autotune import forced
+    from fxforge.runtime import lowering
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 12, 12)
+    lowered = []
+    lower = lowering.lower
+
+    def spy(gm):
+        lowered.append(lower(gm))
+        return lowered[-1]
+
+    with forced(keep="fused", layout="channels-last", kernel="mkldnn"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lowering, "lower", spy)  # what autotune lowers and times
+        opt = fxforge.optimize(model, (x,))
+    assert opt.report.counts["conv_activation"] == 2
+    executable = next(iter(opt.cache.executables.values()))
+    assert any(executable is timed for timed in lowered)  # the runtime did not lower (and pack) it again
+    assert not any(n.target is torch.ops.fxforge.conv_pointwise.default for n in executable.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
