@@ -23,6 +23,7 @@ from fxforge.capture.hf import register_transformers_pytrees
 from fxforge.capture.meta import MetaInfo, annotate, run_and_annotate
 from fxforge.capture.source import first_line, user_frame_of
 from fxforge.captured import Captured
+from fxforge.rewrites.graph_utils import count_calls
 from fxforge.rewrites.report import Report
 from fxforge.verify import compare_outputs, isolated
 
@@ -168,7 +169,7 @@ def _finish(module: nn.Module, graph_module: torch.fx.GraphModule, method: str, 
             args: tuple, kwargs: dict, notes: list[str] | None = None, info: MetaInfo | None = None,
             reference: Any = None) -> Captured:
     info = info or annotate(graph_module, args, kwargs)
-    nodes = len(graph_module.graph.nodes)
+    nodes = count_calls(graph_module.graph)
     report = Report(method=method, opaque=list(opaque), meta_source=info.source, nodes_before=nodes, nodes_after=nodes)
     report.notes.extend(notes or [])
     if info.reason:

@@ -89,6 +89,36 @@ def node_source(node: torch.fx.Node) -> str | None:
     return node.meta.get("fxforge_source") or user_line_of_stack_trace(node.meta.get("stack_trace"))
 
 
+def inherit_origin(new_nodes: list[torch.fx.Node], replaced: list[torch.fx.Node], gm: torch.nn.Module) -> None:
+    """Give the nodes a rewrite created the origin of the nodes they replace: the user's source line
+    (``meta['fxforge_source']``) and module (``meta['nn_module_stack']``) of the first replaced node that has
+    one, so reports and profiles still point at the user's code and module after a rewrite.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU()))
+        >>> relu = next(n for n in gm.graph.nodes if n.op == "call_module")
+        >>> with gm.graph.inserting_after(relu):
+        ...     new = gm.graph.call_function(torch.relu, (relu.args[0],))
+        >>> inherit_origin([new], [relu], gm)
+        >>> list(new.meta["nn_module_stack"].values())[-1][0]
+        '0'
+    """
+    source = next((s for s in map(node_source, replaced) if s), None)
+    stack = None
+    for node in replaced:
+        if node.op == "call_module":
+            stack = dict(node.meta.get("nn_module_stack") or {})
+            stack[str(node.target)] = (str(node.target), type(gm.get_submodule(str(node.target))))
+            break
+        if node.meta.get("nn_module_stack"):
+            stack = dict(node.meta["nn_module_stack"])
+            break
+    for node in new_nodes:
+        node.meta["fxforge_source"] = source
+        if stack is not None:
+            node.meta["nn_module_stack"] = dict(stack)
+
+
 def first_line(error: BaseException) -> str:
     """A one-line description of an exception: its type and the first non-empty line of its message.
 

@@ -87,7 +87,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from fxforge.capture.source import first_line, node_source
+from fxforge.capture.source import first_line, inherit_origin
 from fxforge.rewrites.cleanup import Refuse, proven_assertion
 from fxforge.rewrites.graph_utils import (
     attribute_tensor,
@@ -1469,9 +1469,7 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
         ctx.refused(attention.softmax.node, f"the replacement could not be built: {first_line(error)}")
         return
     ctx.matched(describe_change(attention, plan), nodes)
-    source = next((s for s in map(node_source, nodes) if s), None)
-    for node in builder.nodes:
-        node.meta["fxforge_source"] = source
+    inherit_origin(builder.nodes, nodes, gm)
     anchor.replace_all_uses_with(result)
     inputs = {i for n in nodes for i in n.all_input_nodes} - set(nodes)
     for node in nodes:

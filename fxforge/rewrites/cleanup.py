@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fxforge.rewrites.graph_utils import fake_value, is_effectful, mutated_aliases, submodule
+from fxforge.rewrites.graph_utils import CALL_OPS, fake_value, is_effectful, mutated_aliases, submodule
 from fxforge.rewrites.passes import Pass, PassContext
 
 F = nn.functional
@@ -202,7 +202,7 @@ def remove_no_ops(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[NoOpRu
         >>> remove_no_ops(gm, PassContext("cleanup", False, "fx"))
     """
     for node in list(gm.graph.nodes):
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in CALL_OPS:
             continue
         for rule in rules:
             outcome = rule.check(node, gm, ctx)

@@ -28,6 +28,9 @@ _INPLACE_OPERATORS = {
 _INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}
 
 F = nn.functional
+
+# The node kinds that compute something (not inputs, outputs or parameter reads).
+CALL_OPS = ("call_function", "call_method", "call_module")
 # Functions whose result depends on the RNG unless told they are not training.
 _RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
@@ -54,6 +57,17 @@ def target_name(node: torch.fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
     return getattr(target, "__name__", str(target))
+
+
+def count_calls(graph: torch.fx.Graph) -> int:
+    """The number of nodes that compute (calls), not counting inputs, outputs and parameter reads, so a
+    folded weight does not count as a node.
+
+    Example:
+        >>> count_calls(torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())).graph)
+        2
+    """
+    return sum(node.op in CALL_OPS for node in graph.nodes)
 
 
 def submodule(node: torch.fx.Node, gm: torch.fx.GraphModule) -> nn.Module | None:

@@ -43,8 +43,15 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from fxforge.capture.source import node_source
-from fxforge.rewrites.graph_utils import attribute_tensor, is_effectful, is_inplace, is_view_op, submodule
+from fxforge.capture.source import inherit_origin
+from fxforge.rewrites.graph_utils import (
+    CALL_OPS,
+    attribute_tensor,
+    is_effectful,
+    is_inplace,
+    is_view_op,
+    submodule,
+)
 from fxforge.rewrites.passes import Pass, PassContext
 
 F = nn.functional
@@ -286,7 +293,7 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
         >>> op.name, op.inplace
         ('relu', True)
     """
-    if node.op not in ("call_function", "call_method", "call_module"):
+    if node.op not in CALL_OPS:
         return None
     name, bound, covered = _lookup(node, gm)
     if name is None:
@@ -508,7 +515,7 @@ def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule]) -
     """
     for rule in rules:
         for node in list(gm.graph.nodes):
-            if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method", "call_module"):
+            if getattr(node, "_erased", False) or node.op not in CALL_OPS:
                 continue
             reason = None
             for match in rule.pattern_graph.matches(node, gm):
@@ -568,9 +575,7 @@ def _replace(rule: Rule, match: Match) -> None:
         new = [n for n in graph.nodes if n not in before]
         if rule.fold:
             new = _fold_constants(gm, new)
-    source = next((s for s in map(node_source, match.nodes) if s), None)
-    for node in new:
-        node.meta["fxforge_source"] = source
+    inherit_origin(new, match.nodes, gm)
     _propagate_meta(gm, new)
     anchor.replace_all_uses_with(result.node)
     doomed = set(match.nodes).union(*(op.covered for op in match.ops.values()))

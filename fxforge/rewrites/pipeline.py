@@ -16,7 +16,7 @@ import torch
 from fxforge.capture.meta import annotate
 from fxforge.capture.source import first_line
 from fxforge.captured import Captured
-from fxforge.rewrites.graph_utils import copy_graph_module
+from fxforge.rewrites.graph_utils import copy_graph_module, count_calls
 from fxforge.rewrites.passes import PassContext
 from fxforge.rewrites.registry import resolve
 from fxforge.rewrites.report import RolledBack
@@ -104,7 +104,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
 
 
 def _finish(captured: Captured, current: torch.fx.GraphModule, report: Any) -> Captured:
-    report.nodes_after = len(current.graph.nodes)
+    report.nodes_after = count_calls(current.graph)
     return captured.replace(graph_module=current, report=report)
 
 

@@ -27,7 +27,7 @@ Example:
     >>> p = fxforge.profile(model, (torch.randn(8, 64),), warmup=1, repeat=3)
     >>> p.table[["node", "op", "module", "flops"]].values.tolist()
     [['_0', 'linear', '0', 32768], ['_1', 'relu', '1', 0]]
-    >>> sorted(set(p.table["bound"])) <= ["compute", "memory"]
+    >>> set(p.table["bound"]) <= {"compute", "memory"}
     True
 """
 
@@ -54,13 +54,12 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_flop
 from fxforge.capture.meta import placeholder_values
 from fxforge.capture.source import node_source
 from fxforge.captured import Captured
-from fxforge.rewrites.graph_utils import is_inplace, is_view_op, submodule, target_name
+from fxforge.rewrites.graph_utils import CALL_OPS, is_inplace, is_view_op, submodule, target_name
 from fxforge.runtime.memory import GraphMemory, MemoryTimeline, StorageTracker
 from fxforge.runtime.roofline import Machine, measure_machine
 
 COLUMNS = ["node", "op", "target", "module", "source", "time_ms", "flops", "bytes", "intensity", "bound",
            "live_bytes", "measured_live_bytes"]
-_CALLS = ("call_function", "call_method", "call_module")
 aten = torch.ops.aten
 
 
@@ -267,7 +266,7 @@ def module_paths(graph_module: torch.fx.GraphModule, model: nn.Module | None = N
     result: dict[str, str] = {}
     lines: _SourceIndex | None = None
     for node in graph_module.graph.nodes:
-        if node.op not in _CALLS:
+        if node.op not in CALL_OPS:
             continue
         own = _own_module(node)
         if own is None:
@@ -332,7 +331,7 @@ def _nearby_enclosing(node: torch.fx.Node, hops: int = 3) -> str | None:
         nxt = []
         for current in frontier:
             for other in [*current.all_input_nodes, *current.users]:
-                if other in seen or other.op not in _CALLS:
+                if other in seen or other.op not in CALL_OPS:
                     continue
                 seen.add(other)
                 nxt.append(other)
@@ -433,7 +432,7 @@ class _NodeRunner(torch.fx.Interpreter):
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             call = getattr(self, n.op)
-            if n.op not in _CALLS:
+            if n.op not in CALL_OPS:
                 return call(n.target, args, kwargs)
             if self.mode == "time":
                 if self.cuda:
@@ -509,7 +508,7 @@ def _simulate(graph_module: torch.fx.GraphModule, values: dict[torch.fx.Node, An
     """The simulated timeline; nodes without shape metadata borrow the values seen in the counting run."""
     borrowed = []
     for node in graph_module.graph.nodes:
-        if node.op in _CALLS and "val" not in node.meta and values.get(node) is not None:
+        if node.op in CALL_OPS and "val" not in node.meta and values.get(node) is not None:
             node.meta["val"] = values[node]
             borrowed.append(node)
     try:
@@ -878,7 +877,7 @@ def profile(model_or_captured: Any, example_inputs: Any = None, *, warmup: int =
     modules = module_paths(graph_module, target.model)
     rows = []
     for node in graph_module.graph.nodes:
-        if node.op not in _CALLS:
+        if node.op not in CALL_OPS:
             continue
         times = runner.times.get(node.name) or [0.0]
         flops, nbytes = int(runner.flops.get(node.name, 0)), int(runner.bytes.get(node.name, 0))

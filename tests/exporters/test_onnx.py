@@ -306,8 +306,8 @@ def test_causal_attention_with_odd_head_size_stays_multi_head(tmp_path):
     result = export_onnx(model, path, (torch.randn(2, 6, 32),), rewrites=[], dynamic_batch=True)
     assert result.translations == [
         "attention -> com.microsoft.MultiHeadAttention: 1",
-        "causal attention as MultiHeadAttention: head size 12 is not a multiple of 8 (GroupQueryAttention's CPU "
-        "kernel needs that)"]
+        ("causal attention as MultiHeadAttention: head size 12 is not a multiple of 8 (GroupQueryAttention's CPU "
+         "kernel needs that)")]
     assert onnx_ops(path)[MHA] == 1 and _attribute(path, "MultiHeadAttention", "unidirectional") == 1
     assert_runs_like(model, path, torch.randn(3, 6, 32))
 
@@ -424,8 +424,8 @@ def test_transformers_models(name, tmp_path):
     model, inputs = TRANSFORMERS[name]()
     result = _export_and_check(model, inputs, str(tmp_path / f"{name}.onnx"))
     if name != "resnet":  # causal self-attention (GPT-2, LLaMA) as GroupQueryAttention, the others MultiHeadAttention
-        kernels = {"attention -> com.microsoft.MultiHeadAttention: 2", "attention -> com.microsoft.GroupQueryAttention "
-                   "(causal): 2"}
+        kernels = {"attention -> com.microsoft.MultiHeadAttention: 2",
+                   "attention -> com.microsoft.GroupQueryAttention (causal): 2"}
         assert len(kernels & set(result.translations)) == 1, result.translations
     assert {"input_ids", "pixel_values"} & set(result.dynamic)
 

@@ -352,12 +352,25 @@ class WithBlock(nn.Module):
         return self.block(x).mean((2, 3))
 
 
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Block(), Block()
+        self.second.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
 def test_nodes_made_by_rewrites_keep_a_module():
     x = torch.randn(1, 3, 8, 8)
     folded = fxforge.profile(_fused(WithBlock().eval(), x).captured, warmup=0, repeat=1)
-    # conv + BN folded and fused with the ReLU: no module stack, no parameter path; the source line is in
-    # Block.forward, and the model has one Block.
-    assert _row(folded, "fxforge.conv_pointwise")["module"] == "block"
+    # conv + BN folded and fused with the ReLU: the new node takes the module of the conv it replaced,
+    # also where two instances of the same block share their source lines.
+    assert _row(folded, "fxforge.conv_pointwise")["module"] == "block.conv"
+    twice = fxforge.profile(_fused(TwoBlocks().eval(), x).captured, warmup=0, repeat=1)
+    fused = twice.table[twice.table["op"] == "fxforge.conv_pointwise"]
+    assert fused["module"].tolist() == ["first.conv", "second.conv"]
     linear = fxforge.profile(_fused(Outer().eval(), torch.randn(2, 4)).captured, warmup=0, repeat=1)
     fused = linear.table[linear.table["op"] == "fxforge.linear_pointwise"]
     assert fused["module"].tolist() == ["blocks.0.lin", "blocks.1.lin"]  # read from the weights they use
