@@ -107,7 +107,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps, *, dynamic_bat
             from fxforge.exporters.onnx import capture_dynamic
 
             captured = capture_dynamic(model, inputs, {}, reference=captured.example_outputs)
-        step.note(f"{captured.method}, {len(captured.graph_module.graph.nodes)} nodes")
+        step.note(f"{captured.method}, {captured.report.nodes_before} nodes")
     return captured
 
 
