@@ -1,0 +1,94 @@
+"""``python -m benchmarks.optimize_time``: how long a first-time ``fxforge.optimize`` takes (issue 3).
+
+Each repetition is a new Python process with an empty autotune cache (``FXFORGE_CACHE_DIR`` set to a new
+folder), so nothing measured earlier is reused: it builds a suite entry (``benchmarks/suite.py``), calls
+the model once (as the harness does before timing), then times ``fxforge.optimize(model, inputs)`` plus
+the first call. With ``--against PATH`` (another checkout of fxforge, e.g. a ``git worktree`` of the
+previous commit) the two checkouts run alternately, and the per-pair ratios are printed, so a change is
+compared with its parent on the same machine in the same minutes.
+
+Example::
+
+    python -m benchmarks.optimize_time --model hf_resnet50 --reps 5
+    git worktree add /tmp/before HEAD~1
+    python -m benchmarks.optimize_time --model hf_resnet50 --reps 5 --against /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+# Runs in the child process: the checkout under test is first on sys.path.
+_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.environ["FXFORGE_CHECKOUT"])
+import torch
+torch.set_num_threads(int(os.environ["FXFORGE_THREADS"]))
+from benchmarks import suite
+import fxforge
+if not fxforge.__file__.startswith(os.environ["FXFORGE_CHECKOUT"]):
+    sys.exit(f"imported fxforge from {fxforge.__file__}, not from {os.environ['FXFORGE_CHECKOUT']}")
+entry = next(e for e in suite.SUITE if e.name == os.environ["FXFORGE_MODEL"])
+model, args = suite.build(entry)
+with torch.no_grad():
+    model(*args)
+    start = time.perf_counter()
+    optimized = fxforge.optimize(model, args)
+    prepared = time.perf_counter()
+    optimized(*args)
+    done = time.perf_counter()
+print(json.dumps({"prepare": prepared - start, "first_call": done - prepared, "total": done - start,
+                  "counts": optimized.report.counts}))
+"""
+
+
+def time_once(checkout: str, model: str, threads: int) -> dict:
+    """One cold optimize of ``model`` with the fxforge in ``checkout``, in a new process.
+
+    Example:
+        >>> time_once(".", "resnet_cnn", 1)["total"] > 0  # doctest: +SKIP
+        True
+    """
+    with tempfile.TemporaryDirectory(prefix="fxforge-cold-") as cache:
+        env = dict(os.environ, FXFORGE_CACHE_DIR=cache, FXFORGE_CHECKOUT=os.path.abspath(checkout),
+                   FXFORGE_MODEL=model, FXFORGE_THREADS=str(threads))
+        result = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                                cwd=os.path.abspath(checkout), check=False)
+    if result.returncode:
+        raise RuntimeError(f"{checkout}: {model} failed: {result.stderr.strip().splitlines()[-1:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print each repetition and the medians; returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="hf_resnet50", help="a suite entry (python -m benchmarks --list)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--against", default=None, help="another fxforge checkout, run alternately")
+    opts = parser.parse_args(argv)
+    checkouts = {"this": "."} | ({"against": opts.against} if opts.against else {})
+    totals: dict[str, list[float]] = {name: [] for name in checkouts}
+    for rep in range(opts.reps):
+        for name, checkout in checkouts.items():
+            run = time_once(checkout, opts.model, opts.threads)
+            totals[name].append(run["total"])
+            print(f"rep {rep} {name:7s}: optimize {run['prepare']:.2f} s + first call {run['first_call']:.2f} s "
+                  f"= {run['total']:.2f} s  {run['counts']}", flush=True)
+    for name, values in totals.items():
+        print(f"{name:7s}: median {statistics.median(values):.2f} s, min {min(values):.2f} s over {len(values)}")
+    if opts.against:
+        ratios = [a / b for a, b in zip(totals["this"], totals["against"])]
+        print(f"this / against per pair: median {statistics.median(ratios):.2f} "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Smoke test of ``python -m benchmarks.optimize_time``: a cold optimize in a new process, A against B."""
+
+import os
+
+from benchmarks import optimize_time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cold_optimize_in_a_new_process_with_an_empty_cache(capsys):
+    assert optimize_time.main(["--model", "tiny_conv_bn", "--reps", "1", "--threads", "1",
+                               "--against", REPO_ROOT]) == 0
+    out = capsys.readouterr().out
+    assert "rep 0 this   : optimize" in out and "rep 0 against: optimize" in out
+    assert "'conv_bn_fold': 1" in out  # the child really optimized the model
+    assert "this / against per pair: median" in out
