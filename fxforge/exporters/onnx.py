@@ -38,7 +38,7 @@ import shutil
 import tempfile
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -559,13 +559,15 @@ def check_file(path: str) -> None:
         raise ExportError(f"the ONNX file fails onnx.checker: {first_line(error)}", stage="checker") from error
 
 
-def validate(module: OnnxRuntimeModule, captured: Captured, other_batch: tuple | None) -> dict[str, float]:
-    """Run the ONNX model and the PyTorch model on the example inputs (and another batch) and compare.
+def validate(module: Callable[..., Any], captured: Captured, other_batch: tuple | None, *,
+             name: str = "ONNX Runtime") -> dict[str, float]:
+    """Run an exported model (``module``, called like the model) and the PyTorch model on the example
+    inputs (and another batch) and compare. ``name`` says what ran the exported model, in errors.
 
     Returns the largest absolute difference per input set.
 
     Raises:
-        ExportError: outputs differ beyond tolerance, or ONNX Runtime failed to run the file.
+        ExportError: outputs differ beyond tolerance, or the exported model failed to run.
     """
     cases = [("example inputs", captured.example_args, captured.example_kwargs, captured.example_outputs)]
     if other_batch is not None:
@@ -579,11 +581,11 @@ def validate(module: OnnxRuntimeModule, captured: Captured, other_batch: tuple |
             with torch.no_grad():
                 actual = module(*args, **kwargs)
         except Exception as error:
-            raise ExportError(f"ONNX Runtime failed to run the exported model on the {label}: {first_line(error)}",
+            raise ExportError(f"{name} failed to run the exported model on the {label}: {first_line(error)}",
                               stage="validation") from error
         result = compare_outputs(reference, actual, rtol_scale=VALIDATION_TOLERANCE_SCALE)
         if not result.ok:
-            raise ExportError(f"ONNX Runtime's outputs differ from PyTorch's on the {label}: {result.reason}",
+            raise ExportError(f"{name}'s outputs differ from PyTorch's on the {label}: {result.reason}",
                               stage="validation")
         errors[label] = result.max_abs_err
     return errors

@@ -24,12 +24,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
 import os
-import tempfile
 from collections import Counter
 from typing import Any
 
@@ -38,9 +36,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.captured import Captured
+from fxforge.files import atomic_write
 
 _EXTRA = "fxforge.json"  # the extra file of the archive holding the model's output structure
-_TOLERANCE_SCALE = 10.0  # as for ONNX validation: a different kernel may sum in another order
 
 
 @dataclasses.dataclass
@@ -223,8 +221,7 @@ def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: b
         (['batch 5', 'example inputs'], torch.Size([7, 2]))
     """
     from fxforge.capture.source import first_line
-    from fxforge.exporters.onnx import ExportError
-    from fxforge.verify import compare_outputs, isolated
+    from fxforge.exporters.onnx import ExportError, validate
 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -234,38 +231,14 @@ def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: b
         raise ExportError("the graph was captured in training mode; save it after model.eval()", stage="input")
     program, structure, other_batch = _export_program(captured, dynamic_batch)
     extra = _structure_json(structure)
-    handle, scratch = tempfile.mkstemp(prefix=".fxforge-", suffix=".pt2", dir=directory)
-    os.close(handle)
-    try:
+    validation: dict[str, float] = {}
+
+    def write_and_check(scratch: str) -> None:
         try:
             torch.export.save(program, scratch, extra_files={_EXTRA: extra} if extra else None)
         except Exception as error:
             raise ExportError(f"writing the .pt2 file failed: {first_line(error)}", stage="save") from error
-        loaded = load(scratch)
-        cases = [("example inputs", captured.example_args, captured.example_kwargs, captured.example_outputs)]
-        if other_batch is not None:
-            cases.append((*other_batch, None))
-        validation = {}
-        for label, args, kwargs, reference in cases:
-            if reference is None:
-                with isolated(captured.module), torch.no_grad():
-                    reference = captured.module(*args, **kwargs)
-            try:
-                with torch.no_grad():
-                    actual = loaded(*args, **kwargs)
-            except Exception as error:
-                raise ExportError(f"the saved program failed on the {label}: {first_line(error)}",
-                                  stage="validation") from error
-            result = compare_outputs(reference, actual, rtol_scale=_TOLERANCE_SCALE)
-            if not result.ok:
-                raise ExportError(f"the saved program's outputs differ from the model's on the {label}: "
-                                  f"{result.reason}", stage="validation")
-            validation[label] = result.max_abs_err
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(scratch, 0o666 & ~mask)  # mkstemp makes 0600 files; give the usual permissions
-        os.replace(scratch, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(scratch)
+        validation.update(validate(load(scratch), captured, other_batch, name="the saved .pt2 program"))
+
+    atomic_write(path, write_and_check)
     return NativeExport(path, fused_op_counts(program.graph), validation, dynamic_batch)
