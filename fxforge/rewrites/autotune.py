@@ -4,7 +4,7 @@ After ``conv_activation`` has fused, :func:`autotune`
 
 1. picks each fused op's kernel by timing every kernel that can run it (oneDNN with prepacked weights,
    cuDNN, the composite of plain ops) on random tensors of the op's real input shapes and strides
-   (interleaved calls, medians; one round is enough when one kernel is more than twice as fast);
+   (interleaved calls, medians);
 2. does so for each memory layout worth trying (channels-last: inputs converted once at the graph's
    entry, outputs back once at its exit, so convolutions never reorder in between; then as captured,
    whose timing stops once its running sum is past channels-last's, since sums only grow), and keeps
@@ -54,9 +54,6 @@ MIN_REPS, MAX_REPS = 3, 25
 MARGIN = 0.02
 # Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
 DECISIVE = 0.05
-# Per-op timing stops after one round when one kernel's warm-up and first call both took less than this
-# fraction of the other's (one noisy call does not make such a gap twice over).
-CLEAR = 0.5
 
 
 @dataclasses.dataclass
@@ -108,7 +105,7 @@ def kernels_for(device: torch.device) -> tuple[str, ...]:
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
-                     decisive: float | None = None, clear: float | None = None) -> dict[str, float]:
+                     decisive: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -117,27 +114,18 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         warmed: names already run once (their warm-up is skipped).
         decisive: with two calls, stop after two rounds when every sample of one is below every sample of
             the other by this fraction (more rounds would not change the choice).
-        clear: with two calls, both warmed up here, stop after one round when the warm-up and the first
-            sample of one both took less than this fraction of the other's warm-up and first sample.
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
     samples: dict[str, list[float]] = {}
-    warm_ups: dict[str, float] = {}
     for name, call in calls.items():
         if name not in warmed:
-            start = time.perf_counter()
             call()  # warm-up: packing, allocator, caches
-            warm_ups[name] = time.perf_counter() - start
         start = time.perf_counter()
         call()
         samples[name] = [time.perf_counter() - start]
-    if clear is not None and len(samples) == 2 and len(warm_ups) == 2:
-        a_first, b_first = ([warm_ups[n], *samples[n]] for n in samples)
-        if max(a_first) < clear * min(b_first) or max(b_first) < clear * min(a_first):
-            return {name: s[0] * 1e3 for name, s in samples.items()}
     total = sum(s[0] for s in samples.values()) or 1e-6
     reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
@@ -239,7 +227,7 @@ def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_
             fn, args = call
             calls[kernel] = (lambda fn=fn, args=args: fn(*args))
     with torch.no_grad():
-        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE, clear=CLEAR)
+        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE)
     return timings, "; ".join(f"{k}: {v}" for k, v in reasons.items())
 
 
