@@ -382,9 +382,25 @@ def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, 
 
 # ---------------------------------------------------------------------------------------------- steps
 
-def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dynamic_shapes: Any,
-            attention: str, external_data: bool | None = None) -> dict[str, Any]:
-    """torch.export then torch.onnx.export of the captured graph into ``path``."""
+def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shapes: Any = None
+                   ) -> tuple[torch.export.ExportedProgram, Any, tuple | None, Any]:
+    """``torch.export`` of a captured (rewritten) graph, the step before writing ONNX or a ``.pt2`` file.
+
+    Returns the program, the model's output structure (see :func:`exportable`), the other batch's
+    ``(label, args, kwargs)`` to validate on when the batch is dynamic (else None), and the dynamic shapes
+    used. With ``dynamic_batch`` the leading dim of every batched input is dynamic; a batch of 1 is traced
+    as a batch of 2 made from the example rows, since torch.export specialises a size-1 dim.
+
+    Raises:
+        ExportError: no input has a batch dim, or torch.export failed (with the user's line where known).
+
+    Example:
+        >>> import fxforge
+        >>> cap = fxforge.capture(torch.nn.Linear(3, 2), (torch.ones(1, 3),))
+        >>> program, _, other, _ = export_program(cap, dynamic_batch=True)
+        >>> other[0], program.module()(torch.ones(5, 3)).shape
+        ('batch 2', torch.Size([5, 2]))
+    """
     gm, out_structure = exportable(captured.graph_module)
     args, kwargs = tuple(captured.example_args), dict(captured.example_kwargs)
     other_batch = None
@@ -392,15 +408,13 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         batch = batch_size(args, kwargs)
         if batch is None:
             raise ExportError("dynamic_batch=True, but no input tensor has a dim 0", stage="input")
-        # torch.export specialises a size-1 dim; trace on a batch of 2 made from the example rows.
         if batch == 1:
             args, kwargs = with_batch(args, kwargs, batch, 2)
         other = batch + 1
         other_batch = (f"batch {other}", *with_batch(captured.example_args, captured.example_kwargs, batch, other))
         dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, 2 if batch == 1 else batch)
-    log = io.StringIO()
     try:
-        with quiet(log), torch.no_grad():
+        with quiet(), torch.no_grad():
             program = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as error:
         where = user_frame_of(error)
@@ -409,6 +423,14 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
                 if dynamic_batch and "Constraints violated" in str(error) else "")
         raise ExportError(f"torch.export could not export the rewritten graph {what}({first_line(error)})"
                           + (f" at {where}" if where else "") + hint, stage="torch.export", source=where) from error
+    return program, out_structure, other_batch, dynamic_shapes
+
+
+def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dynamic_shapes: Any,
+            attention: str, external_data: bool | None = None) -> dict[str, Any]:
+    """torch.export then torch.onnx.export of the captured graph into ``path``."""
+    program, out_structure, other_batch, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes)
+    log = io.StringIO()
     translations = Translations(opset=opset, attention=attention)
     try:
         with quiet(log):

@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 from collections import Counter
@@ -70,44 +69,6 @@ class NativeExport:
         lines += [f"  {op} x{n}" for op, n in self.ops.items()]
         lines += [f"  checked after loading on {k}: max abs error {v:.3g}" for k, v in self.validation.items()]
         return "\n".join(lines)
-
-
-def _export_program(captured: Captured, dynamic_batch: bool) -> tuple[torch.export.ExportedProgram, Any,
-                                                                       tuple | None]:
-    """``torch.export`` of the captured graph; returns the program, its output structure and the other
-    batch's ``(label, args, kwargs)`` to validate on (or None)."""
-    from fxforge.capture.source import first_line, user_frame_of
-    from fxforge.exporters.onnx import (
-        ExportError,
-        batch_dynamic_shapes,
-        batch_size,
-        exportable,
-        quiet,
-        with_batch,
-    )
-
-    gm, structure = exportable(captured.graph_module)
-    args, kwargs = tuple(captured.example_args), dict(captured.example_kwargs)
-    dynamic_shapes, other_batch = None, None
-    if dynamic_batch:
-        batch = batch_size(args, kwargs)
-        if batch is None:
-            raise ExportError("dynamic batch asked for, but no input tensor has a dim 0", stage="input")
-        if batch == 1:  # torch.export specialises a size-1 dim: trace on a batch of 2 made from the example rows
-            args, kwargs = with_batch(args, kwargs, 1, 2)
-        other_batch = (f"batch {batch + 1}", *with_batch(captured.example_args, captured.example_kwargs,
-                                                         batch, batch + 1))
-        dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, 2 if batch == 1 else batch)
-    log = io.StringIO()
-    try:
-        with quiet(log), torch.no_grad():
-            program = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-    except Exception as error:
-        where = user_frame_of(error)
-        what = "with a dynamic batch dim " if dynamic_batch else ""
-        raise ExportError(f"torch.export could not export the rewritten graph {what}({first_line(error)})"
-                          + (f" at {where}" if where else ""), stage="torch.export", source=where) from error
-    return program, structure, other_batch
 
 
 def _structure_json(structure: tuple | None) -> str | None:
@@ -221,7 +182,7 @@ def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: b
         (['batch 5', 'example inputs'], torch.Size([7, 2]))
     """
     from fxforge.capture.source import first_line
-    from fxforge.exporters.onnx import ExportError, validate
+    from fxforge.exporters.onnx import ExportError, export_program, validate
 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -229,7 +190,7 @@ def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: b
         raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
     if captured.training:
         raise ExportError("the graph was captured in training mode; save it after model.eval()", stage="input")
-    program, structure, other_batch = _export_program(captured, dynamic_batch)
+    program, structure, other_batch, _ = export_program(captured, dynamic_batch)
     extra = _structure_json(structure)
     validation: dict[str, float] = {}
 
