@@ -22,10 +22,11 @@ import json
 import os
 import pathlib
 import platform
-import tempfile
 from typing import Any
 
 import torch
+
+from fxforge.files import atomic_write
 
 VERSION = 1
 NOTE = "measured earlier on this machine (autotune cache)"
@@ -100,16 +101,23 @@ class TuningCache:
         merged = {**self._entries(), **self._new}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".autotune-", suffix=".json")
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(merged, out)
-            os.replace(tmp, self.path)
+            atomic_write(str(self.path), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(merged), encoding="utf-8"))
         except OSError:
             return
         self._data, self._new = merged, {}
 
 
 _OPEN: dict[pathlib.Path, TuningCache] = {}
+
+
+def cache_dir() -> pathlib.Path:
+    """Where fxforge keeps what it measured on this machine: ``$FXFORGE_CACHE_DIR``, or ``~/.cache/fxforge``.
+
+    Example:
+        >>> cache_dir().is_absolute() or "FXFORGE_CACHE_DIR" in os.environ
+        True
+    """
+    return pathlib.Path(os.environ.get("FXFORGE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "fxforge")
 
 
 def default_cache() -> TuningCache | None:
@@ -123,8 +131,7 @@ def default_cache() -> TuningCache | None:
     """
     if os.environ.get("FXFORGE_AUTOTUNE_CACHE", "1") == "0":
         return None
-    root = pathlib.Path(os.environ.get("FXFORGE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "fxforge")
-    path = root / "autotune.json"
+    path = cache_dir() / "autotune.json"
     if path not in _OPEN:
         _OPEN[path] = TuningCache(path)
     return _OPEN[path]

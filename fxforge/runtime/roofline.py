@@ -28,13 +28,13 @@ import datetime
 import json
 import os
 import pathlib
-import tempfile
 import time
 from typing import Any
 
 import torch
 
-from fxforge.rewrites.tuning_cache import machine_key
+from fxforge.files import atomic_write
+from fxforge.rewrites.tuning_cache import cache_dir, machine_key
 
 FILE_NAME = "machine.json"
 # The matrix product and the copy, per device type: (GEMM size, copy bytes). Chosen so that one
@@ -100,8 +100,7 @@ def cache_path() -> pathlib.Path:
         >>> cache_path().name
         'machine.json'
     """
-    root = os.environ.get("FXFORGE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "fxforge"
-    return pathlib.Path(root) / FILE_NAME
+    return cache_dir() / FILE_NAME
 
 
 def _synchronize(device: torch.device) -> None:
@@ -174,10 +173,7 @@ def _write(path: pathlib.Path, key: str, entry: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {**_read(path), key: entry}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".machine-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=1)
-        os.replace(tmp, path)
+        atomic_write(str(path), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(data, indent=1), encoding="utf-8"))
     except OSError:
         return
 
