@@ -115,7 +115,13 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     return 0
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a value (a tensor, or any pytree of them); none for what pytree cannot walk.
+
+    Example:
+        >>> len(tensor_leaves({"a": torch.ones(1), "b": [torch.ones(2), 3]}))
+        2
+    """
     if isinstance(value, torch.Tensor):
         return [value]
     if value is None or isinstance(value, (int, float, bool, str, torch.SymInt)):
@@ -188,7 +194,7 @@ class GraphMemory:
                 else:
                     allocs = refs = [self._new(0, activation=True)]
             else:
-                for leaf in _tensor_leaves(node.meta.get("val")):
+                for leaf in tensor_leaves(node.meta.get("val")):
                     storage = _storage_of(leaf)
                     if storage is None:
                         continue
@@ -434,10 +440,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for leaf in _tensor_leaves((args, kwargs)):
+        for leaf in tensor_leaves((args, kwargs)):
             self._note(leaf, new=False)
         out = func(*args, **kwargs)
-        for leaf in _tensor_leaves(out):
+        for leaf in tensor_leaves(out):
             self._note(leaf, new=True)
         self.peak = max(self.peak, self.live)
         return out
@@ -470,12 +476,18 @@ class StorageTracker(TorchDispatchMode):
         return result
 
 
-def _device_of(graph_module: torch.nn.Module, values: Iterable[Any]) -> torch.device:
-    for leaf in _tensor_leaves(list(values)):
-        if leaf.device.type != "cpu":
+def device_of(graph_module: torch.nn.Module, values: Iterable[Any]) -> torch.device:
+    """The device a graph runs on: the first input, parameter or buffer off the CPU (meta tensors aside).
+
+    Example:
+        >>> device_of(torch.nn.Linear(2, 2), [torch.ones(2)])
+        device(type='cpu')
+    """
+    for leaf in tensor_leaves(list(values)):
+        if leaf.device.type not in ("cpu", "meta"):
             return leaf.device
     for tensor in [*graph_module.parameters(), *graph_module.buffers()]:
-        if tensor.device.type != "cpu":
+        if tensor.device.type not in ("cpu", "meta"):
             return tensor.device
     return torch.device("cpu")
 
@@ -493,7 +505,7 @@ def measure_peak(graph_module: torch.nn.Module, *args: Any, **kwargs: Any) -> Pe
         >>> m.peak_bytes, m.allocations, m.allocator_peak_bytes
         (8192, 2, None)
     """
-    device = _device_of(graph_module, (args, kwargs))
+    device = device_of(graph_module, (args, kwargs))
     gc.collect()  # garbage freed during the call would not be ours, but keep the allocator quiet
     allocator_peak = None
     if device.type == "cuda":

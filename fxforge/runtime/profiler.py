@@ -42,7 +42,6 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from fxforge.capture.meta import placeholder_values
 from fxforge.capture.source import node_source
 from fxforge.captured import Captured
 from fxforge.rewrites.graph_utils import CALL_OPS, is_inplace, is_view_op, submodule, target_name
-from fxforge.runtime.memory import GraphMemory, MemoryTimeline, StorageTracker
+from fxforge.runtime.memory import GraphMemory, MemoryTimeline, StorageTracker, device_of, tensor_leaves
 from fxforge.runtime.roofline import Machine, measure_machine
 
 COLUMNS = ["node", "op", "target", "module", "source", "time_ms", "flops", "bytes", "intensity", "bound",
@@ -346,17 +345,6 @@ def _nearby_enclosing(node: torch.fx.Node, hops: int = 3) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ bytes
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if value is None or isinstance(value, (int, float, bool, str)):
-        return []
-    try:
-        return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-    except Exception:  # noqa: BLE001 - a value pytree cannot walk holds no tensor we can see
-        return []
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.numel()) * int(tensor.element_size())
@@ -382,10 +370,10 @@ def node_bytes(node: torch.fx.Node, graph_module: torch.nn.Module, args: Any, kw
         >>> node_bytes(n, None, (t,), {}, torch.relu(t))     # 40 read, 40 written
         80
     """
-    outputs = _tensors(output)
+    outputs = tensor_leaves(output)
     if not outputs:
         return 0
-    inputs = {id(t): t for t in _tensors((args, kwargs))}
+    inputs = {id(t): t for t in tensor_leaves((args, kwargs))}
     module = submodule(node, graph_module) if graph_module is not None else None
     if module is not None:
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -806,16 +794,6 @@ def _resolve(model_or_captured: Any, example_inputs: Any) -> _Target:
                     f"got {type(model_or_captured).__name__}")
 
 
-def _device_of(graph_module: nn.Module, values: Iterable[Any]) -> torch.device:
-    for leaf in _tensors(list(values)):
-        if leaf.device.type not in ("cpu", "meta"):
-            return leaf.device
-    for tensor in [*graph_module.parameters(), *graph_module.buffers()]:
-        if tensor.device.type not in ("cpu", "meta"):
-            return tensor.device
-    return torch.device("cpu")
-
-
 def profile(model_or_captured: Any, example_inputs: Any = None, *, warmup: int = 2, repeat: int = 10,
             device: torch.device | str | None = None) -> Profile:
     """Profile a model's graph node by node: time, FLOPs, bytes, roofline verdict, memory.
@@ -861,7 +839,7 @@ def profile(model_or_captured: Any, example_inputs: Any = None, *, warmup: int =
     target = _resolve(model_or_captured, example_inputs)
     graph_module, args, kwargs, what, name = target.graph_module, target.args, target.kwargs, target.what, target.name
     values = placeholder_values(graph_module, args, kwargs)
-    run_device = _device_of(graph_module, values)
+    run_device = device_of(graph_module, values)
     judge = torch.device(device) if device is not None else run_device
     runner = _NodeRunner(graph_module, run_device)
     with isolated(graph_module), torch.no_grad():
@@ -899,7 +877,7 @@ def _compute_dtype(graph_module: nn.Module, values: list[Any], device: torch.dev
     the parameters (else inputs) have (their peak is several times float32's)."""
     if device.type != "cuda":
         return torch.float32
-    tensors = [*graph_module.parameters()] or _tensors(values)
+    tensors = [*graph_module.parameters()] or tensor_leaves(values)
     counts: dict[torch.dtype, int] = defaultdict(int)
     for t in tensors:
         if t.is_floating_point():
