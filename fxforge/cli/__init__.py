@@ -26,9 +26,15 @@ import logging
 import sys
 import warnings
 
-from fxforge.cli.args import CommandError, load_model, parse_input, parse_model_args, parse_rewrites
-from fxforge.cli.commands import (
+from fxforge.cli.args import (
+    CommandError,
     check_output_suffix,
+    load_model,
+    parse_input,
+    parse_model_args,
+    parse_rewrites,
+)
+from fxforge.cli.commands import (
     check_target,
     run_export,
     run_optimize,

@@ -251,6 +251,19 @@ def check_eager(model: nn.Module, inputs: tuple, specs: list[tuple[tuple[int, ..
                            f"{_describe_error(error)}") from error
 
 
+def check_output_suffix(path: str, suffixes: tuple[str, ...], option: str) -> None:
+    """Usage check of an output's suffix.
+
+    Example:
+        >>> check_output_suffix("m.txt", (".onnx", ".pt2"), "-o")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: -o m.txt: the file name must end in .onnx or .pt2
+    """
+    if not path.lower().endswith(suffixes):
+        raise argparse.ArgumentTypeError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
+
+
 def check_output(path: str, suffixes: tuple[str, ...], option: str = "-o") -> str:
     """Check, before any work, that ``path`` can be written: a known suffix (else a usage error) and an
     existing folder that is not ``path`` itself.
@@ -265,8 +278,7 @@ def check_output(path: str, suffixes: tuple[str, ...], option: str = "-o") -> st
         ...
         fxforge.cli.args.CommandError: cannot write /no/such/folder/m.onnx: no folder /no/such/folder
     """
-    if not path.lower().endswith(suffixes):
-        raise argparse.ArgumentTypeError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
+    check_output_suffix(path, suffixes, option)
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise CommandError(f"cannot write {path}: {folder} is a file, not a folder")

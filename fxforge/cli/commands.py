@@ -30,6 +30,7 @@ from fxforge.cli.args import (
     CommandError,
     check_eager,
     check_output,
+    check_output_suffix,
     example_inputs,
     format_input,
     load_model,
@@ -157,19 +158,6 @@ def check_target(args: argparse.Namespace) -> None:
             raise argparse.ArgumentTypeError(f"-o {output}: an .onnx file is for --target onnxruntime (native writes .pt2)")
         if args.target == "onnxruntime" and output.lower().endswith(".pt2"):
             raise argparse.ArgumentTypeError(f"-o {output}: a .pt2 file is for --target native (onnxruntime writes .onnx)")
-
-
-def check_output_suffix(path: str, suffixes: tuple[str, ...], option: str) -> None:
-    """Usage check of an output's suffix.
-
-    Example:
-        >>> check_output_suffix("m.txt", (".onnx", ".pt2"), "-o")
-        Traceback (most recent call last):
-        ...
-        argparse.ArgumentTypeError: -o m.txt: the file name must end in .onnx or .pt2
-    """
-    if not path.lower().endswith(suffixes):
-        raise argparse.ArgumentTypeError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
 
 
 def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from fxforge.rewrites.graph_utils import CALL_OPS
+
 _SDPA = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
 
@@ -49,7 +51,7 @@ def marked_nodes(before: torch.fx.GraphModule, after: torch.fx.GraphModule) -> l
     """
     names = {n.name for n in before.graph.nodes}
     return [n.name for n in after.graph.nodes
-            if n.op not in ("placeholder", "get_attr", "output") and (n.name not in names or is_fused(n))]
+            if n.op in CALL_OPS and (n.name not in names or is_fused(n))]
 
 
 def _target(node: torch.fx.Node) -> str:
