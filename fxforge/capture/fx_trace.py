@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -146,6 +148,15 @@ class _LeafTracer(torch.fx.Tracer):
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _ShapeProxy(node, self)
 
+    def _filter_traceback_frames(self, frames: traceback.StackSummary) -> traceback.StackSummary:
+        # torch's own filter imports torch.export, Inductor and networkx on first use (about 0.25 s, a tenth
+        # of a cold optimize) only to name torch's internal files; these are the same frames, named by folder.
+        first = next((i for i, frame in enumerate(frames) if frame.name == "forward"), None)
+        if first is None:
+            return traceback.StackSummary.from_list([])
+        kept = [frame for frame in frames[first:] if not _torch_internal(frame.filename)]
+        return traceback.StackSummary.from_list(kept)
+
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         known, value = shape_value(obj.node, self.inputs)
         if not known:
@@ -182,6 +193,22 @@ class _LeafTracer(torch.fx.Tracer):
             if qualname is not None and not hasattr(error, "_fxforge_module"):
                 error._fxforge_module = qualname  # type: ignore[attr-defined]
             raise
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_INTERNAL = tuple(os.path.join(_TORCH_DIR, part) for part in (
+    "fx", "_dynamo", "export", "_export", "_subclasses", "_library", "_inductor", "_higher_order_ops", "_logging",
+    "__init__.py", "_compile.py"))
+
+
+def _torch_internal(filename: str) -> bool:
+    """Whether a stack frame is in torch's tracing machinery (never the user's code nor a module's forward).
+
+    Example:
+        >>> _torch_internal(torch.fx.__file__), _torch_internal(torch.nn.modules.conv.__file__)
+        (True, False)
+    """
+    return filename.startswith(_TORCH_INTERNAL)
 
 
 class _ShapeProxy(torch.fx.Proxy):

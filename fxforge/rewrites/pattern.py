@@ -576,7 +576,7 @@ def _replace(rule: Rule, match: Match) -> None:
         if rule.fold:
             new = _fold_constants(gm, new)
     inherit_origin(new, match.nodes, gm)
-    _propagate_meta(gm, new)
+    _propagate_meta(gm, new, result=(result.node, anchor.meta.get("val")))
     anchor.replace_all_uses_with(result.node)
     doomed = set(match.nodes).union(*(op.covered for op in match.ops.values()))
     doomed.update(v for v in match.bindings.values() if isinstance(v, Node) and v.op == "get_attr")
@@ -588,10 +588,14 @@ def _replace(rule: Rule, match: Match) -> None:
 def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
     """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``.
 
-    Values are computed in float64, and in the model's precision for the dtype of the result.
+    Values are computed in float64 and stored in the dtype the same computation gives in the model's precision
+    (found on meta tensors, without computing it twice).
     """
     exact = _constant_values(gm, new, lambda t: t.double() if t.is_floating_point() else t)
-    plain = _constant_values(gm, new, lambda t: t)
+    try:  # which nodes are constant, and their dtypes in the model's precision: shapes suffice
+        plain = _constant_values(gm, new, lambda t: t.to("meta"))
+    except (NotImplementedError, RuntimeError):  # an op without a meta kernel: compute it for real
+        plain = _constant_values(gm, new, lambda t: t)
     kept = []
     for node in new:
         value = plain.get(node)
@@ -646,8 +650,13 @@ def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
     return f"{prefix}_{i}"
 
 
-def _propagate_meta(gm: torch.fx.GraphModule, nodes: list[Node]) -> None:
-    """Give new nodes ``meta['val']`` so later rules in the same pass can check shapes."""
+def _propagate_meta(gm: torch.fx.GraphModule, nodes: list[Node], result: tuple[Node, Any] | None = None) -> None:
+    """Give new nodes ``meta['val']`` so later rules in the same pass can check shapes.
+
+    ``result`` is ``(the node that replaces the match, the replaced value's val)``: that node computes the
+    same value, so it gets a tensor of the same shape, strides and dtype (its own storage) without running
+    its op on fake tensors (a fake convolution costs a millisecond; a rewrite makes one per match).
+    """
     mode = next((n.meta["val"].fake_mode for n in gm.graph.nodes
                  if hasattr(n.meta.get("val"), "fake_mode")), None)
     if mode is None:
@@ -655,6 +664,11 @@ def _propagate_meta(gm: torch.fx.GraphModule, nodes: list[Node]) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted(nodes, key=order.__getitem__):
         try:
+            if result is not None and node is result[0] and isinstance(result[1], torch.Tensor):
+                val = result[1]
+                with mode:
+                    node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+                continue
             if node.op == "get_attr":
                 node.meta["val"] = mode.from_tensor(_tensor(gm, node), static_shapes=True)
                 continue

@@ -574,3 +574,30 @@ def test_specialisation_checks_are_plain_graph_nodes():
     gm = cap.graph_module
     assert not hasattr(gm, "_guards_fn")
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"][:2] == [operator.eq, torch._assert]
+
+
+def test_tracing_records_stack_traces_without_importing_torch_export(tmp_path):
+    # torch's own stack-trace filter imports torch.export, Inductor and networkx (a quarter of a second)
+    # on the first traced node; fxforge's tracer filters the same frames without them.
+    import subprocess
+    import sys
+
+    (tmp_path / "user_model.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv = torch.nn.Conv2d(3, 4, 3)\n"
+        "    def forward(self, x):\n"
+        "        return self.conv(x).relu()\n"
+    )
+    code = (
+        "import sys, torch, fxforge, user_model\n"
+        "cap = fxforge.capture(user_model.Net().eval(), (torch.randn(1, 3, 8, 8),), method='fx')\n"
+        "print(sorted({n.meta.get('fxforge_source', '').split('/')[-1] for n in cap.graph_module.graph.nodes} - {''}))\n"
+        "print(sorted(m for m in ('torch.export._trace', 'networkx', 'torch._inductor.codecache') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    sources, imported = result.stdout.strip().splitlines()[-2:]
+    assert sources == "['user_model.py:7: return self.conv(x).relu()']", sources
+    assert imported == "[]", imported
