@@ -268,7 +268,7 @@ def _inputs_key(args: tuple, kwargs: dict) -> tuple:
     return spec, tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
 
 
-# graph module -> (fingerprint, inputs key, seed, the inputs (kept alive: ids stay theirs), output)
+# graph module -> (fingerprint, {seed: (inputs key, the inputs (kept alive: ids stay theirs), output)})
 _REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -276,9 +276,10 @@ def remember_output(graph_module: torch.nn.Module, args: tuple, kwargs: dict, se
     """Record what ``graph_module`` returned for ``(args, kwargs)`` run under ``isolated(..., seed=seed)``
     with gradients off, so that :func:`check_same` need not run it on the same inputs again.
 
-    Autotune runs the graph it chooses on the example inputs anyway (its check and warm-up); the
-    record holds only while the graph module computes the same function (:func:`graph_fingerprint`)
-    and the inputs are the same tensors, unchanged.
+    Autotune runs the graph it chooses on the verification inputs anyway (its warm-up and its timing
+    runs); a record holds only while the graph module computes the same function
+    (:func:`graph_fingerprint`) and the inputs are the same tensors, unchanged. Records of several seeds
+    add up while the function stays the same.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); x = torch.ones(1)
@@ -286,8 +287,11 @@ def remember_output(graph_module: torch.nn.Module, args: tuple, kwargs: dict, se
         >>> remembered_outputs(gm, [((x,), {})])[0].tolist()
         [1.0]
     """
-    _REMEMBERED[graph_module] = (graph_fingerprint(graph_module), _inputs_key(args, kwargs), seed, (args, kwargs),
-                                 output)
+    fingerprint = graph_fingerprint(graph_module)
+    known = _REMEMBERED.get(graph_module)
+    runs = known[1] if known is not None and known[0] == fingerprint else {}
+    runs[seed] = (_inputs_key(args, kwargs), (args, kwargs), output)
+    _REMEMBERED[graph_module] = (fingerprint, runs)
 
 
 def remembered_outputs(graph_module: Any, inputs: Sequence[tuple[tuple, dict]]) -> dict[int, Any]:
@@ -304,8 +308,9 @@ def remembered_outputs(graph_module: Any, inputs: Sequence[tuple[tuple, dict]]) 
         return {}
     if entry is None:
         return {}
-    fingerprint, key, seed, _, output = entry
-    found = {i: output for i, (args, kwargs) in enumerate(inputs) if i == seed and _inputs_key(args, kwargs) == key}
+    fingerprint, runs = entry
+    found = {i: runs[i][2] for i, (args, kwargs) in enumerate(inputs)
+             if i in runs and _inputs_key(args, kwargs) == runs[i][0]}
     if found and graph_fingerprint(graph_module) != fingerprint:
         return {}
     return found

@@ -5,13 +5,13 @@ After ``conv_activation`` has fused, :func:`autotune`
 1. picks each fused op's kernel by timing every kernel that can run it (oneDNN with prepacked weights,
    cuDNN, the composite of plain ops) on random tensors of the op's real input shapes and strides
    (interleaved calls, medians);
-2. does so for each memory layout worth trying (channels-last: inputs converted once at the graph's
-   entry, outputs back once at its exit, so convolutions never reorder in between; then as captured,
-   whose timing stops once its running sum is past channels-last's, since sums only grow), and keeps
-   the layout whose fused ops sum to the least time;
-3. times the whole lowered graph against the graph before fusing (interleaved runs, medians) and keeps
-   the fused graph only if it is faster; otherwise the graph goes back to what it was. The lowered
-   graph it kept goes on to the runtime, and its run on the example inputs to verification.
+2. times that layout's whole lowered graph against the graph before fusing (interleaved runs, medians)
+   and keeps it if it is faster;
+3. tries the memory layouts in turn, channels-last first (inputs converted once at the graph's entry,
+   outputs back once at its exit, so convolutions never reorder in between), then as captured only if
+   channels-last cannot run the graph or is not faster; if no layout's graph is faster, the graph goes
+   back to what it was. The lowered graph it kept goes on to the runtime, and its run on the example
+   inputs to verification.
 
 Every choice, with the timings behind it, lands in the report (``report.tuning``). Tests and
 experiments can force choices with :func:`forced` (the report then says they were forced).
@@ -54,6 +54,11 @@ MIN_REPS, MAX_REPS = 3, 25
 MARGIN = 0.02
 # Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
 DECISIVE = 0.05
+# Layouts in the order they are tried. Channels-last first: its convolutions take the activations as they
+# come (inputs converted once at the entry, outputs back once at the exit), where oneDNN's kernels reorder
+# NCHW activations around every fused op; as captured only when channels-last cannot run the graph or its
+# graph is not faster than the graph before.
+LAYOUTS = ("channels-last", "as captured")
 
 
 @dataclasses.dataclass
@@ -154,8 +159,8 @@ def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
     return pool[key]
 
 
-def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, bound: float | None = None,
-                 order: dict[str, float] | None = None, memo: dict | None = None) -> tuple[float, list[tuple]]:
+def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: dict | None = None
+                 ) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
     Identical calls (same op, shapes, strides and settings) are timed once; random inputs of the same
@@ -164,11 +169,6 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, bound: f
     Args:
         gm: the graph whose fused ops get their kernel (``node.args[-1]``) set.
         pool: random inputs by shape and strides, shared between calls.
-        bound: stop once the total exceeds this many milliseconds (the total only grows with each op, so
-            a layout past the bound cannot beat the one that set it); ``choices`` then lists only the ops
-            timed so far and the others keep the kernel they had.
-        order: expected milliseconds per node name; ops are timed most expensive first (so that a bound,
-            if any, is passed soonest). Choices are listed in graph order either way.
         memo: measurements by call, shared between calls (an op timed once is not timed again).
     """
     from fxforge.runtime.lowering import fused_calls
@@ -176,13 +176,7 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, bound: f
     pool = {} if pool is None else pool
     cache = default_cache()
     total, choices, seen = 0.0, [], {} if memo is None else memo
-    calls = list(fused_calls(gm))
-    position = {node: i for i, (node, _, _) in enumerate(calls)}
-    if order:
-        calls.sort(key=lambda call: -order.get(call[0].name, 0.0))
-    for node, kernel_call, weight in calls:
-        if bound is not None and total > bound:
-            break
+    for node, kernel_call, weight in fused_calls(gm):
         *op_args, _ = node.args
         values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
         key = repr((str(node.target), *((tuple(v.shape), v.stride(), str(v.dtype)) if isinstance(v, torch.Tensor)
@@ -205,9 +199,6 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, bound: f
         node.args = (*op_args, best)
         total += timings[best]
         choices.append((node.name, best, timings, note))
-    if order:
-        index = {node.name: i for node, i in position.items()}
-        choices.sort(key=lambda choice: index[choice[0]])
     return total, choices
 
 
@@ -290,17 +281,17 @@ _NOT_RUN = object()
 class _Candidate:
     """One layout's graph: its fused ops' kernels, their summed times, and its lowered graph's first run.
 
-    ``complete`` is False when per-op timing stopped early (the sum already exceeded another layout's);
     ``runner``/``output`` are set once the lowered graph ran on the example inputs (seed 0, buffers
-    restored: the same run :func:`fxforge.verify.check_same` makes of it on the example inputs).
+    restored: the same run :func:`fxforge.verify.check_same` makes of it on the example inputs);
+    ``outputs`` holds its outputs on the random verification inputs its timing ran it on, by seed.
     """
 
     graph: torch.fx.GraphModule
     total: float
     choices: list
-    complete: bool = True
     runner: Callable[[], Any] | None = None
     output: Any = _NOT_RUN
+    outputs: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     def first_run(self, args: tuple, kwargs: dict) -> None:
         """Lower the graph and run it once on the example inputs (its warm-up, and its check output)."""
@@ -317,75 +308,51 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     ``gm`` is modified in place (its graph replaced); each choice is recorded with ``ctx.tuned``.
     Without example inputs (a pass run outside the pipeline) the kernels stay the composite.
 
-    The channels-last layout is timed first; its sum bounds the as-captured layout's timing, which stops
-    as soon as its own running sum is past it (sums only grow, so that layout cannot win any more) and is
-    finished only if that layout is needed after all. The chosen graph's lowered form, and its outputs on
-    the example inputs, are handed on: the runtime runs that lowered graph
-    (:func:`fxforge.runtime.lowering.adopt`) and verification compares those outputs
-    (:func:`fxforge.verify.remember_output`) instead of running the same graph on the same inputs again.
+    Layouts are tried in the order of :data:`LAYOUTS`: each gets its kernels chosen op by op, then its
+    whole lowered graph is timed against the graph before; the first that is faster is kept, and the
+    layouts after it are not timed at all. The kept graph's lowered form, and its outputs on the example
+    inputs, are handed on: the runtime runs that lowered graph (:func:`fxforge.runtime.lowering.adopt`)
+    and verification compares those outputs (:func:`fxforge.verify.remember_output`) instead of running
+    the same graph on the same inputs again.
     """
     if ctx.example_args is None:
         ctx.tuned("graph", "composite", {}, "no example inputs to time on; kernels left as the composite")
         return
     args, kwargs = ctx.example_args, ctx.example_kwargs or {}
-    candidates: dict[str, _Candidate] = {}
     pool: dict = {}
     memo: dict = {}
-    channels_last = copy_graph_module(gm)
-    if to_channels_last(channels_last):
-        try:
-            with isolated(channels_last):  # strides changed: propagate them (the rules already gave new nodes shapes)
-                annotate(channels_last, args, kwargs, force=True)
-                total, choices = tune_kernels(channels_last, pool, memo=memo)
-            candidate = _Candidate(channels_last, total, choices)
-            candidate.first_run(args, kwargs)  # fake tensors can miss a .view() that real strides refuse
-            candidates["channels-last"] = candidate
-        except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
-            ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
-    # The as-captured candidate is gm itself (its kernels set in place; the other graphs are copies).
-    other = candidates.get("channels-last")
-    bound = other.total * (1 + DECISIVE) if other is not None and FORCED.layout is None else None
-    hint = {name: timings[best] for name, best, timings, _ in other.choices} if other is not None else None
-    total, choices = tune_kernels(gm, pool, bound=bound, order=hint, memo=memo)
-    candidates = {"as captured": _Candidate(gm, total, choices, complete=len(choices) == _count_fused(gm)),
-                  **candidates}
-    layout = min(candidates, key=lambda name: candidates[name].total)
-    if FORCED.layout in candidates:
-        layout = FORCED.layout
-    sums = {name: round(c.total, 3) for name, c in candidates.items()}
-    layout_note = "sum of the fused ops' best kernel times per layout" + _forced("layout")
-    stopped = [f"{name}: timing stopped after {len(c.choices)} of {_count_fused(c.graph)} ops, its sum already "
-               f"past {layout}'s" for name, c in candidates.items() if not c.complete]
-    if FORCED.keep is not None:
-        keep, timings, note = FORCED.keep, {}, _forced("keep").lstrip("; ")
-    else:
-        if _plain(layout, candidates[layout]):
-            keep, timings, note = "before", {}, "no fused kernel beat the plain ops"
+    forced_layout = FORCED.layout in LAYOUTS
+    order = [FORCED.layout, *(n for n in LAYOUTS if n != FORCED.layout)] if forced_layout else list(LAYOUTS)
+    sums: dict[str, float] = {}
+    events: list[str] = []
+    tried: tuple | None = None
+    for name in order:
+        candidate = _build(name, gm, args, kwargs, pool, memo, ctx)
+        if candidate is None:
+            continue
+        sums[name] = round(candidate.total, 3)
+        if FORCED.keep is not None:
+            verdict = (FORCED.keep, {}, _forced("keep").lstrip("; "))
+        elif _plain(name, candidate):
+            verdict = ("before", {}, "no fused kernel beat the plain ops")
         else:
-            keep, timings, note = _keep_or_undo(candidates[layout], before, args, kwargs)
-        if keep == "before" and FORCED.layout is None:
-            # The per-op sums are a prediction: another layout's whole graph may still beat the graph before.
-            for name in [n for n in candidates if n != layout]:
-                candidate = candidates[name]
-                if not candidate.complete:  # needed after all: time the ops left
-                    candidate.total, candidate.choices = tune_kernels(candidate.graph, pool, memo=memo)
-                    candidate.complete, stopped = True, []
-                    sums[name] = round(candidate.total, 3)
-                if _plain(name, candidate):
-                    continue
-                other_keep, other_timings, other_note = _keep_or_undo(candidate, before, args, kwargs)
-                if other_keep == "fused":
-                    layout_note += f"; the {layout} graph was not faster than the graph before, the {name} graph was"
-                    layout, keep, timings, note = name, other_keep, other_timings, other_note
-                    break
-        if keep == "before" and timings:
-            note += "; not faster, undone"
-    if stopped:
-        layout_note += "; " + "; ".join(stopped)
-    chosen = candidates[layout]
+            verdict = _keep_or_undo(candidate, before, args, kwargs, ctx.check_inputs)
+        if tried is not None and verdict[0] == "fused":
+            events.append(f"the {tried[0]} graph was not faster than the graph before, the {name} graph was")
+        tried = (name, candidate, *verdict)
+        if verdict[0] == "fused" or forced_layout or FORCED.keep is not None:
+            break
+    layout, chosen, keep, timings, note = tried
+    skipped = [name for name in order if name not in sums and name != layout]
+    if skipped and keep == "fused":
+        events.append(f"{', '.join(skipped)}: not timed, the {layout} graph was already faster than the graph before")
+    if keep == "before" and timings:
+        note += "; not faster, undone"
+    layout_note = (f"sum of the fused ops' best kernel times per layout timed; layouts tried in the order "
+                   f"{', '.join(LAYOUTS)}, the first whose graph beats the graph before kept{_forced('layout')}")
     for name, best, op_timings, op_note in chosen.choices:
         ctx.tuned(name, best, op_timings, op_note)
-    ctx.tuned("layout", layout, sums, layout_note)
+    ctx.tuned("layout", layout, sums, "; ".join([layout_note, *events]))
     ctx.tuned("graph", keep, timings, note)
     cache = default_cache()
     if cache is not None:
@@ -398,9 +365,33 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
             adopt(gm, chosen.runner.lowered)
         if chosen.output is not _NOT_RUN:
             remember_output(gm, args, kwargs, 0, chosen.output)
+        for seed, output in chosen.outputs.items():
+            remember_output(gm, *ctx.check_inputs[seed], seed, output)
     else:
         gm.graph = before.graph
         ctx.matches.clear()
+
+
+def _build(layout: str, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, pool: dict, memo: dict,
+           ctx: PassContext) -> _Candidate | None:
+    """``layout``'s graph with its kernels chosen, or None where the layout does not apply (no 4-d or 5-d
+    floating input to convert) or cannot run the graph (the reason goes to the report)."""
+    if layout == "as captured":  # gm itself: its kernels set in place (the other layouts' graphs are copies)
+        total, choices = tune_kernels(gm, pool, memo=memo)
+        return _Candidate(gm, total, choices)
+    graph = copy_graph_module(gm)
+    if not to_channels_last(graph):
+        return None
+    try:
+        with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
+            annotate(graph, args, kwargs, force=True)
+            total, choices = tune_kernels(graph, pool, memo=memo)
+        candidate = _Candidate(graph, total, choices)
+        candidate.first_run(args, kwargs)  # fake tensors can miss a .view() that real strides refuse
+    except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
+        ctx.tuned("layout", "as captured", {}, f"channels-last cannot run this graph: {error}"[:300])
+        return None
+    return candidate
 
 
 def _count_fused(gm: torch.fx.GraphModule) -> int:
@@ -414,10 +405,15 @@ def _plain(layout: str, candidate: _Candidate) -> bool:
     return layout == "as captured" and all(best == "composite" for _, best, _, _ in candidate.choices)
 
 
-def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tuple, kwargs: dict
-                  ) -> tuple[str, dict[str, float], str]:
+def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tuple, kwargs: dict,
+                  check_inputs: list | None = None) -> tuple[str, dict[str, float], str]:
     """Time a candidate's whole lowered graph against the graph before fusing (or read the cache):
-    ``("fused" | "before", timings, note)``."""
+    ``("fused" | "before", timings, note)``.
+
+    Both graphs run on the same inputs each round: the random verification inputs in turn where there are
+    any (``check_inputs[1:]``, each under its seed, as verification runs them), so the candidate's first
+    output on each is recorded in ``candidate.outputs`` and verification need not run it again.
+    """
     chosen = candidate.graph
     chosen.recompile()  # its code, in the cache key, must name the kernels just chosen
     cache = default_cache()
@@ -426,15 +422,38 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
     from_cache = timings is not None
     if not from_cache:
         candidate.first_run(args, kwargs)  # its warm-up (a channels-last candidate's check run already was)
-        with isolated(before, chosen):
-            timings = time_interleaved({"fused": candidate.runner, "before": _graph_timer(before, args, kwargs)},
-                                       GRAPH_BUDGET_S, warmed=("fused",), decisive=DECISIVE)
+        inputs = [(i, *pair) for i, pair in enumerate(check_inputs or []) if i > 0] or [(0, args, kwargs)]
+        fused = _InputCycle(candidate.runner.lowered, chosen, inputs, candidate.outputs)
+        plain = _InputCycle(_graph_timer(before, args, kwargs).lowered, before, inputs, None)
+        # The graph before has the captured graph's kernels on the captured shapes, which capture's check and
+        # verification's reference runs warmed up; a cold first sample of it cannot decide (medians, and
+        # ``decisive`` compares the fastest samples), so it gets no warm-up run of its own.
+        timings = time_interleaved({"fused": fused, "before": plain}, GRAPH_BUDGET_S, warmed=("fused", "before"),
+                                   decisive=DECISIVE)
         clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
         if cache is not None and clear:  # a close call is measured again next time, not replayed
             cache.put(cache_key, timings)
     keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
     note = f"{timings['before'] / timings['fused']:.2f}x the speed of the graph before"
     return keep, timings, note + (f"; {CACHED}" if from_cache else "")
+
+
+class _InputCycle:
+    """A graph run on a list of ``(seed, args, kwargs)`` in turn, one per call, each under ``isolated(graph,
+    seed=seed)`` with gradients off (as verification runs it); the first output on each seed goes to
+    ``record`` when one is given."""
+
+    def __init__(self, run: Callable[..., Any], graph: torch.nn.Module, inputs: list[tuple[int, tuple, dict]],
+                 record: dict[int, Any] | None):
+        self.run, self.graph, self.inputs, self.record, self.calls = run, graph, inputs, record, 0
+
+    def __call__(self) -> None:
+        seed, args, kwargs = self.inputs[self.calls % len(self.inputs)]
+        self.calls += 1
+        with isolated(self.graph, seed=seed), torch.no_grad():
+            output = self.run(*args, **kwargs)
+        if self.record is not None and seed not in self.record:
+            self.record[seed] = output
 
 
 def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str:

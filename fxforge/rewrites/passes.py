@@ -33,6 +33,9 @@ class PassContext:
         method: ``"fx"`` or ``"export"``.
         example_args, example_kwargs: the example inputs (None outside the pipeline), for passes that
             measure (autotune).
+        check_inputs: the inputs verification will compare the rewritten graph on (the example inputs,
+            then random ones; None without verification): a pass that runs its graph anyway can run it
+            on these and record the outputs (:func:`fxforge.verify.remember_output`).
         matches, near_misses, tuning: filled by :meth:`matched`, :meth:`refused` and :meth:`tuned`.
 
     Example:
@@ -47,6 +50,7 @@ class PassContext:
     method: str
     example_args: tuple | None = None
     example_kwargs: dict | None = None
+    check_inputs: list[tuple[tuple, dict]] | None = None
     matches: list[Match] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     tuning: list[Tuning] = dataclasses.field(default_factory=list)

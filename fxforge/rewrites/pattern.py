@@ -644,9 +644,13 @@ def _call(node: Node, value_of: Callable[[Node], Any]) -> Any:
 
 
 def _free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
-    i = 0
+    # The search starts where the last one on this module ended (a hint: the loop still checks), so folding
+    # n convolutions asks for n names, not n * n / 2.
+    hints = gm.__dict__.setdefault("_fxforge_free_names", {})
+    i = hints.get(prefix, 0)
     while hasattr(gm, f"{prefix}_{i}"):
         i += 1
+    hints[prefix] = i + 1
     return f"{prefix}_{i}"
 
 

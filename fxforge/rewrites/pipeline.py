@@ -87,7 +87,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     else:
         reference = _outputs(captured.graph_module, inputs, modules)
     report = captured.report.copy()
-    current = _apply(passes, captured, report, check=None)
+    current = _apply(passes, captured, report, check=None, check_inputs=inputs)
     if report.matches:
         try:
             result = check_same(captured.graph_module, current, inputs, [captured.module, current],
@@ -99,7 +99,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
             report.verified.append(f"{applied}: verified together, max abs error {result.max_abs_err:.3g}")
         else:
             report = captured.report.copy()
-            current = _apply(passes, captured, report, check=(inputs, reference))
+            current = _apply(passes, captured, report, check=(inputs, reference), check_inputs=inputs)
     return _finish(captured, current, report)
 
 
@@ -108,15 +108,18 @@ def _finish(captured: Captured, current: torch.fx.GraphModule, report: Any) -> C
     return captured.replace(graph_module=current, report=report)
 
 
-def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, list] | None) -> torch.fx.GraphModule:
+def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, list] | None,
+           check_inputs: list | None = None) -> torch.fx.GraphModule:
     """Run ``passes`` from the captured graph, recording into ``report``; with ``check=(inputs,
     reference outputs)`` verify each pass (its graph against the captured one's outputs, so errors
-    cannot drift from pass to pass) and roll back those that differ."""
+    cannot drift from pass to pass) and roll back those that differ. ``check_inputs`` (the verification
+    inputs) go to the passes' context."""
     current = captured.graph_module
     reference = check[1] if check else None
     for rewrite_pass in passes:
         ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method,
-                          example_args=captured.example_args, example_kwargs=captured.example_kwargs)
+                          example_args=captured.example_args, example_kwargs=captured.example_kwargs,
+                          check_inputs=check_inputs)
         candidate = copy_graph_module(current)
         try:
             rewrite_pass.apply(candidate, ctx)

@@ -283,33 +283,6 @@ def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
     assert counts == {"quick": 2, "slow": 3}
 
 
-def test_when_the_chosen_layouts_graph_is_not_faster_the_other_layouts_graph_is_tried(monkeypatch):
-    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
-    graphs = []
-    tune_kernels = autotune.tune_kernels
-
-    def sums_predict_as_captured(graph, pool=None, **options):
-        total, choices = tune_kernels(graph, pool, **options)
-        channels_last = any(n.kwargs.get("memory_format") is torch.channels_last for n in graph.graph.nodes)
-        return total * (3.0 if channels_last else 1.0), choices
-
-    def timings(calls, budget, **_):
-        if "fused" not in calls:  # per-op: mkldnn wins everywhere
-            return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
-        graphs.append(1)  # the first graph timed (as captured) is no faster; the second (channels-last) is
-        return {"fused": 1.0, "before": 1.0} if len(graphs) == 1 else {"fused": 1.0, "before": 2.0}
-
-    monkeypatch.setattr(autotune, "tune_kernels", sums_predict_as_captured)
-    monkeypatch.setattr(autotune, "time_interleaved", timings)
-    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
-    layout = next(t for t in new.report.tuning if t.subject == "layout")
-    graph = next(t for t in new.report.tuning if t.subject == "graph")
-    assert len(graphs) == 2 and new.report.counts == {"conv_activation": 1}
-    assert layout.choice == "channels-last"
-    assert "the as captured graph was not faster than the graph before, the channels-last graph was" in layout.note
-    assert graph.choice == "fused" and graph.timings == {"fused": 1.0, "before": 2.0}
-
-
 def _channels_last(value: torch.Tensor) -> bool:
     return value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous()
 
@@ -319,27 +292,26 @@ def _chain(widths=(3, 4, 5, 6, 7)) -> nn.Module:
     return nn.Sequential(*(m for a, b in pairs for m in (nn.Conv2d(a, b, 3, padding=1), nn.ReLU())))
 
 
-def test_as_captured_timing_stops_once_its_sum_passes_channels_last(monkeypatch):
+def test_as_captured_is_not_timed_when_the_channels_last_graph_is_faster(monkeypatch):
     model, x = _chain().eval(), torch.randn(1, 3, 8, 8)
     timed = {"channels-last": 0, "as captured": 0}
 
     def fake_kernels(gm, op_args, values, kernel_call, weight, pool):
-        layout = "channels-last" if _channels_last(values[0]) else "as captured"
-        timed[layout] += 1
-        return ({"composite": 2.0, "mkldnn": 1.0} if layout == "channels-last" else {"composite": 10.0, "mkldnn": 9.0}), ""
+        timed["channels-last" if _channels_last(values[0]) else "as captured"] += 1
+        return {"composite": 2.0, "mkldnn": 1.0}, ""
 
     monkeypatch.setattr(autotune, "_time_kernels", fake_kernels)
     monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {"fused": 1.0, "before": 2.0})
     new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
     layout = next(t for t in new.report.tuning if t.subject == "layout")
-    # Channels-last sums to 4 ms; the first as-captured op alone (9 ms) is past it: the other three are not timed.
-    assert timed == {"channels-last": 4, "as captured": 1}
-    assert layout.choice == "channels-last" and layout.timings == {"as captured": 9.0, "channels-last": 4.0}
-    assert "as captured: timing stopped after 1 of 4 ops" in layout.note
+    assert timed == {"channels-last": 4, "as captured": 0}
+    assert layout.choice == "channels-last" and layout.timings == {"channels-last": 4.0}
+    assert "as captured: not timed, the channels-last graph was already faster than the graph before" in layout.note
+    assert lowered_kernels(new.graph_module) == {"mkldnn": 4}
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
-def test_a_stopped_layout_is_timed_in_full_when_it_is_needed_after_all(monkeypatch):
+def test_as_captured_is_tried_when_the_channels_last_graph_is_not_faster(monkeypatch):
     model, x = _chain().eval(), torch.randn(1, 3, 8, 8)
     timed = {"channels-last": 0, "as captured": 0}
     graphs = []
@@ -360,7 +332,6 @@ def test_a_stopped_layout_is_timed_in_full_when_it_is_needed_after_all(monkeypat
     assert timed == {"channels-last": 4, "as captured": 4} and len(graphs) == 2
     assert layout.choice == "as captured" and layout.timings == {"as captured": 36.0, "channels-last": 4.0}
     assert "the channels-last graph was not faster than the graph before, the as captured graph was" in layout.note
-    assert "timing stopped" not in layout.note
     assert lowered_kernels(new.graph_module) == {"mkldnn": 4}
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
 
@@ -397,3 +368,41 @@ def test_the_chosen_graph_is_handed_on_lowered_and_its_example_run_is_not_repeat
     node.args = (*node.args[:-3], "sigmoid", [], node.args[-1])
     gm.recompile()
     assert remembered_outputs(gm, inputs) == {} and lower(gm) is not lowered
+
+
+def test_graph_timing_runs_on_the_verification_inputs_so_verification_does_not_run_the_graph_again(monkeypatch):
+    from fxforge.rewrites import pipeline
+    from fxforge.verify import remembered_outputs
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    checks, checked, graph_runs = [], [], []
+    check_same = pipeline.check_same
+
+    def spy(reference, candidate, inputs, modules, **options):
+        checks.append(sorted(options.get("candidate_outputs") or {}))
+        checked.extend(inputs)
+        return check_same(reference, candidate, inputs, modules, **options)
+
+    def timings(calls, budget, **_):
+        if "fused" not in calls:  # per op: mkldnn wins
+            return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
+        for _ in range(3):  # three rounds, as a real timing makes at least
+            for call in calls.values():
+                call()
+        graph_runs.append(1)
+        return {"fused": 1.0, "before": 2.0}
+
+    monkeypatch.setattr(pipeline, "check_same", spy)
+    monkeypatch.setattr(autotune, "time_interleaved", timings)
+    cap = fxforge.capture(model, (x,))
+    new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"])
+    assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 2} and graph_runs == [1]
+    # The example inputs' output is the graph's first run; the random inputs' are its timing runs.
+    assert checks == [[0, 1, 2]]
+    gm = new.graph_module
+    remembered = remembered_outputs(gm, checked)
+    with torch.no_grad():
+        for i, (args, kwargs) in enumerate(checked):
+            torch.testing.assert_close(remembered[i], gm(*args, **kwargs), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(remembered[i], model(*args, **kwargs), rtol=1e-4, atol=1e-5)
