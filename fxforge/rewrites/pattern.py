@@ -53,6 +53,7 @@ from fxforge.rewrites.graph_utils import (
     submodule,
 )
 from fxforge.rewrites.passes import Pass, PassContext
+from fxforge.verify import CONSTANT_BUFFER_PREFIX
 
 F = nn.functional
 aten = torch.ops.aten
@@ -588,19 +589,16 @@ def _replace(rule: Rule, match: Match) -> None:
 def _fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
     """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``.
 
-    Values are computed in float64 and stored in the dtype the same computation gives in the model's precision
-    (found on meta tensors, without computing it twice).
+    Values are computed in float64, and in the model's precision for the dtype of the result (on meta
+    tensors that second computation took longer than on real ones).
     """
     exact = _constant_values(gm, new, lambda t: t.double() if t.is_floating_point() else t)
-    try:  # which nodes are constant, and their dtypes in the model's precision: shapes suffice
-        plain = _constant_values(gm, new, lambda t: t.to("meta"))
-    except (NotImplementedError, RuntimeError):  # an op without a meta kernel: compute it for real
-        plain = _constant_values(gm, new, lambda t: t)
+    plain = _constant_values(gm, new, lambda t: t)
     kept = []
     for node in new:
         value = plain.get(node)
         if node.op != "get_attr" and isinstance(value, torch.Tensor) and any(u not in plain for u in node.users):
-            name = _free_name(gm, "_fxforge_folded")
+            name = _free_name(gm, CONSTANT_BUFFER_PREFIX)
             # One conversion into a new tensor: the folded value never aliases a parameter.
             folded = exact[node].detach().to(dtype=value.dtype, copy=True)
             gm.register_buffer(name, folded, persistent=False)
