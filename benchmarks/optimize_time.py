@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchmarks.report import COLD_CONTENDER
+
 # Runs in the child process: the checkout under test is first on sys.path.
 _CHILD = r"""
 import json, os, sys, time
@@ -63,6 +65,29 @@ def time_once(checkout: str, model: str, threads: int) -> dict:
     if result.returncode:
         raise RuntimeError(f"{checkout}: {model} failed: {result.stderr.strip().splitlines()[-1:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cold_row(model: str, reps: int = 5, threads: int = 2) -> dict:
+    """A results row for ``model``'s first-time optimize: the median of ``reps`` runs of :func:`time_once`
+    (each a new process with an empty autotune cache) with this checkout, in ``prepare_s``.
+
+    A suite run times each contender's prepare inside its own process, after the models and contenders
+    before it (torch.compile's Inductor among them) have grown the heap and warmed or filled caches; this
+    row is the figure a user sees optimizing the model for the first time.
+
+    Example:
+        >>> cold_row("tiny_conv_bn", reps=1)["contender"]  # doctest: +SKIP
+        'fxforge (new process)'
+    """
+    runs = [time_once(REPO, model, threads) for _ in range(reps)]
+    totals = sorted(run["total"] for run in runs)
+    return {"model": model, "contender": COLD_CONTENDER, "status": "ok", "prepare_s": statistics.median(totals),
+            "cold_runs_s": totals,
+            "note": f"first-time optimize + first call, median of {reps} new processes with an empty autotune cache "
+                    f"(min {totals[0]:.2f} s, max {totals[-1]:.2f} s)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from benchmarks import contenders as contenders_mod
 from benchmarks import memory as memory_mod
 from benchmarks import (
     onnx_contenders,  # noqa: F401 - registers fxforge-ort and ort-transformers-optimizer
+    optimize_time,
     report,
 )
 from benchmarks import suite as suite_mod
@@ -78,6 +79,8 @@ class Section:
         summary: ``summary(rows) -> markdown lines`` written under its table (and into the JSON).
         memory: also measure each contender's peak memory (:mod:`benchmarks.memory`), in one call of its
             own after the timed rounds; the table gets a "peak MiB" column.
+        cold_optimize: a model whose first-time ``fxforge.optimize`` is also timed in new processes after
+            the run (:func:`benchmarks.optimize_time.cold_row`), when it and fxforge are in the run.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Section:
     contenders: tuple[str, ...]
     summary: Callable[[list[dict[str, Any]]], list[str]] | None = None
     memory: bool = False
+    cold_optimize: str | None = None
 
 
 SECTIONS: dict[str, Section] = {
@@ -93,6 +97,7 @@ SECTIONS: dict[str, Section] = {
         "Convolutional models, batch 1 and 8 (issue 3)",
         ("eager", "optimize_for_inference", "torch.compile", "fxforge"),
         report.conv_summary,
+        cold_optimize="hf_resnet50",
     ),
     "attention": Section(
         "attention",
@@ -551,6 +556,10 @@ def _run(
     for entry in entries:
         result["rows"].extend(run_model(entry, selected, device=device, memory=memory, **timing))
         report.write_json(json_path, result)  # partial results survive a crash or ^C
+    cold = section.cold_optimize if section else None
+    if cold in {e.name for e in entries} and any(c.name == "fxforge" for c in selected):
+        log(f"[{cold}] timing fxforge's first-time optimize in new processes")
+        result["rows"].append(optimize_time.cold_row(cold, threads=torch.get_num_threads()))
     result["meta"]["complete"] = True
     result["meta"]["loadavg_end"] = report.load_average()
     if section and section.summary:

@@ -286,3 +286,16 @@ def test_random_like_batch_keeps_dtype_and_values_of_ids():
     x = suite.random_like_batch(torch.zeros(2, 4, dtype=torch.float64), 8)
     assert x.shape == (8, 4) and x.dtype == torch.float64 and x.abs().sum() > 0
     assert suite.random_like_batch(3, 8) == 3
+
+
+def test_conv_summary_judges_the_optimize_time_on_a_new_process_when_the_run_timed_one():
+    cold = {"model": "hf_resnet50", "contender": report.COLD_CONTENDER, "status": "ok", "prepare_s": 1.7,
+            "cold_runs_s": [1.6, 1.7, 1.9]}
+    lines = report.conv_summary([*summary_rows(resnet_prepare_s=2.4), cold])
+    assert lines[3] == ("- fxforge optimize time (prepare s) on hf_resnet50: 1.70 s, first use in a new process "
+                        "(median of 3); 2.40 s inside this run's process (target < 2 s: met)")
+    slow = dict(cold, prepare_s=2.1)
+    assert report.conv_summary([*summary_rows(), slow])[3].endswith("(target < 2 s: **not met**)")
+    # The cold row is not a timed contender: the other lines are those of the rows without it.
+    assert lines[:3] == report.conv_summary(summary_rows(resnet_prepare_s=2.4))[:3]
+    assert "fxforge (new process)" in report.markdown_table([cold])

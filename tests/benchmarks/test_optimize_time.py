@@ -14,3 +14,10 @@ def test_cold_optimize_in_a_new_process_with_an_empty_cache(capsys):
     assert "rep 0 this   : optimize" in out and "rep 0 against: optimize" in out
     assert "'conv_bn_fold': 1" in out  # the child really optimized the model
     assert "this / against per pair: median" in out
+
+
+def test_cold_row_is_a_results_row_of_first_time_optimizes():
+    row = optimize_time.cold_row("tiny_conv_bn", reps=1, threads=1)
+    assert row["model"] == "tiny_conv_bn" and row["contender"] == "fxforge (new process)"
+    assert row["status"] == "ok" and row["prepare_s"] == row["cold_runs_s"][0] > 0
+    assert "median of 1 new processes" in row["note"]
