@@ -155,7 +155,14 @@ def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
     key = (position, tuple(value.shape), value.stride(), value.dtype, value.device)
     if key not in pool:
         out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-        pool[key] = out.uniform_(-1, 1) if out.is_floating_point() else out.zero_()
+        if out.is_floating_point():  # copied from one random draw per device: copying is faster than drawing
+            source = pool.get(("source", value.device))
+            if source is None or source.numel() < out.numel():
+                source = pool[("source", value.device)] = torch.empty(out.numel(), device=value.device).uniform_(-1, 1)
+            out.copy_(source[:out.numel()].view(out.shape))
+        else:
+            out.zero_()
+        pool[key] = out
     return pool[key]
 
 
@@ -205,10 +212,9 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
 def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_call: Callable, weight: Any,
                   pool: dict) -> tuple[dict[str, float], str]:
     """Milliseconds of each kernel that can run this call, and why the others cannot."""
-    real = [_random_like_meta(v, pool, i) for i, v in enumerate(values)]
-    real[1] = weight
     bias = constant_tensor(gm, op_args[2])
-    real[2] = bias if bias is not None else real[2]
+    given = {1: weight} if bias is None else {1: weight, 2: bias}  # the op's own weight (prepacked) and bias
+    real = [given[i] if i in given else _random_like_meta(v, pool, i) for i, v in enumerate(values)]
     calls, reasons = {}, {}
     for kernel in kernels_for(real[0].device):
         call = kernel_call(kernel, *real)
