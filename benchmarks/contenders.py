@@ -25,8 +25,10 @@ default order of the run and of the tables.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -45,11 +47,14 @@ class Prepared:
         fn: called as ``fn(*example_inputs)``; returns the outputs (a pytree of tensors).
         note: a short text for the table's "note" column (e.g. which rewrites fired).
         info: anything JSON-serialisable; stored under the row's ``info`` in ``results.json``.
+        describe: called once after the prepare time was taken (so not counted in it); returns more
+            ``info`` (e.g. a digest of the graph ONNX Runtime optimized the model into).
     """
 
     fn: Callable[..., Any]
     note: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    describe: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -245,16 +250,83 @@ def ort_session(path: str, device: torch.device) -> Any:
 @register("ort", "torch.onnx.export(model, args, dynamo=True) in an onnxruntime InferenceSession")
 def _ort(model: nn.Module, args: tuple) -> Prepared:
     device = _device_of(args)
-    with tempfile.TemporaryDirectory(prefix="fxforge-bench-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="fxforge-bench-")
+    try:
         path = os.path.join(tmp, "model.onnx")
         plain_onnx_export(model, args, path)
         session = ort_session(path, device)
         size = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def describe() -> dict[str, Any]:
+        try:
+            return {"optimized_graph": optimized_graph_digest(path, device)}
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     return Prepared(
         OrtCallable(session, device),
         note=f"{session.get_providers()[0].replace('ExecutionProvider', '')}",
         info={"onnx_bytes": size, "providers": session.get_providers()},
+        describe=describe,
     )
+
+
+def optimized_graph_digest(path: str, device: torch.device) -> str:
+    """A digest of the graph ONNX Runtime optimizes ``path`` into (the harness's session options), by structure:
+    ops, their attributes and wiring, initializer shapes and dtypes; not names, not initializer values.
+
+    Two exports with the same digest run the same kernels on the same shapes in ORT, so any difference in
+    their timings is noise. Each call builds a throwaway session that writes its optimized model.
+
+    Example:
+        >>> optimized_graph_digest("model.onnx", torch.device("cpu"))  # doctest: +SKIP
+        '3f1c...'
+    """
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="fxforge-bench-opt-") as tmp:
+        options = ort_session_options()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(path, sess_options=options, providers=ort_providers(device))
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    return hashlib.sha256(repr(_graph_structure(optimized.graph)).encode()).hexdigest()[:16]
+
+
+def _graph_structure(graph: Any, outer: dict[str, str] | None = None) -> list:
+    """``graph`` by structure: each value named by a hash of how it is computed (its node's op, attributes
+    and inputs, recursively; graph inputs by position, initializers by shape and dtype), so names and the
+    order of independent nodes do not matter. Returns the sorted node hashes and the outputs' hashes."""
+    from onnx import helper
+
+    names: dict[str, str] = dict(outer or {})
+    names[""] = ""
+    for i, value in enumerate(graph.input):
+        names[value.name] = f"in{i}"
+    for init in graph.initializer:
+        names[init.name] = f"w{list(init.dims)}:{init.data_type}"
+    nodes = []
+    for node in graph.node:  # ONNX keeps nodes in topological order: inputs are named before their users
+        attrs = []
+        for attr in sorted(node.attribute, key=lambda a: a.name):
+            value = helper.get_attribute_value(attr)
+            if attr.type == attr.GRAPH:
+                value = _graph_structure(value, names)
+            elif isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            elif hasattr(value, "dims"):  # a tensor attribute: its shape and dtype
+                value = (list(value.dims), value.data_type)
+            attrs.append((attr.name, repr(value)))
+        inputs = [names.get(n, f"outer:{n}") for n in node.input]
+        key = hashlib.sha256(repr((node.domain, node.op_type, attrs, inputs)).encode()).hexdigest()[:16]
+        nodes.append(key)
+        for i, output in enumerate(node.output):
+            names[output] = f"{key}:{i}"
+    return [sorted(nodes), [names.get(o.name, o.name) for o in graph.output]]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from benchmarks.contenders import (
     OrtCallable,
     Prepared,
     _device_of,
+    optimized_graph_digest,
     ort_providers,
     ort_session,
     ort_session_options,
@@ -66,7 +67,8 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
     note += "".join(f", {kernel}×{count}" for kernel, count in attention_kernels(translations).items())
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
-    return Prepared(module, note=note, info=info)
+    return Prepared(module, note=note, info=info,
+                    describe=lambda: {"optimized_graph": optimized_graph_digest(module.path, device)})
 
 
 def attention_kernels(translations: list[str]) -> dict[str, int]:

@@ -348,6 +348,11 @@ def run_model(
         row["prepare_s"] = time.perf_counter() - t0
         row["note"] = prepared.note
         row["info"] = dict(prepared.info)
+        if prepared.describe is not None:  # after the prepare time: what it measures is not the contender's work
+            try:
+                row["info"].update(prepared.describe())
+            except Exception as exc:  # noqa: BLE001 - a description is extra; the row stands without it
+                log(f"[{entry.name}] {c.name}: could not describe: {error_text(exc, 200)}")
         try:
             row["max_abs_err"] = max_abs_error(reference, out)
         except OutputMismatch as exc:
