@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,15 +260,18 @@ def _ort(model: nn.Module, args: tuple) -> Prepared:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fn = OrtCallable(session, device)
+    # The export stays until describe() has read it, or until the callable is dropped if describe never runs.
+    remove_export = weakref.finalize(fn, shutil.rmtree, tmp, True)
 
     def describe() -> dict[str, Any]:
         try:
             return {"optimized_graph": optimized_graph_digest(path, device)}
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_export()
 
     return Prepared(
-        OrtCallable(session, device),
+        fn,
         note=f"{session.get_providers()[0].replace('ExecutionProvider', '')}",
         info={"onnx_bytes": size, "providers": session.get_providers()},
         describe=describe,

@@ -380,8 +380,10 @@ def onnx_summary(
     if ratios:
         # Where ORT optimizes both exports into the same graph (same digest of ops, attributes, wiring and
         # shapes), it runs the same kernels: a ratio below 1 there is timing noise, not a slower export.
-        same = {m for m in ratios if (ours[m].get("info") or {}).get("optimized_graph") is not None
-                and (ours[m].get("info") or {}).get("optimized_graph") == (plain[m].get("info") or {}).get("optimized_graph")}
+        def digest(row: dict[str, Any]) -> str | None:
+            return (row.get("info") or {}).get("optimized_graph")
+
+        same = {m for m in ratios if digest(ours[m]) is not None and digest(ours[m]) == digest(plain[m])}
         slower = {m: r for m, r in ratios.items() if r < 1.0 and m not in same}
         slowest = min(ratios, key=ratios.__getitem__)
         line = f"- {contender} never slower than {peer}: slowest {slowest} {fmt_ratio(ratios[slowest])}"

@@ -400,12 +400,6 @@ def _build(layout: str, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, poo
     return candidate
 
 
-def _count_fused(gm: torch.fx.GraphModule) -> int:
-    from fxforge.runtime.lowering import fused_calls
-
-    return sum(1 for _ in fused_calls(gm))
-
-
 def _plain(layout: str, candidate: _Candidate) -> bool:
     """An as-captured candidate whose every op chose the composite: the graph before, in effect."""
     return layout == "as captured" and all(best == "composite" for _, best, _, _ in candidate.choices)
@@ -420,6 +414,8 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
     any (``check_inputs[1:]``, each under its seed, as verification runs them), so the candidate's first
     output on each is recorded in ``candidate.outputs`` and verification need not run it again.
     """
+    from fxforge.runtime.lowering import lower
+
     chosen = candidate.graph
     chosen.recompile()  # its code, in the cache key, must name the kernels just chosen
     cache = default_cache()
@@ -430,7 +426,7 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
         candidate.first_run(args, kwargs)  # its warm-up (a channels-last candidate's check run already was)
         inputs = [(i, *pair) for i, pair in enumerate(check_inputs or []) if i > 0] or [(0, args, kwargs)]
         fused = _InputCycle(candidate.runner.lowered, chosen, inputs, candidate.outputs)
-        plain = _InputCycle(_graph_timer(before, args, kwargs).lowered, before, inputs, None)
+        plain = _InputCycle(lower(before), before, inputs, None)
         # The graph before has the captured graph's kernels on the captured shapes, which capture's check and
         # verification's reference runs warmed up; a cold first sample of it cannot decide (medians, and
         # ``decisive`` compares the fastest samples), so it gets no warm-up run of its own.
