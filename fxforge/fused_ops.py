@@ -274,8 +274,9 @@ def conv_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, stride: S
 @conv_pointwise.register_fake
 def _conv_pointwise_fake(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars,
                          kernel):
-    return conv_pointwise_composite(input, weight, bias, stride, padding, dilation, groups, other, activation,
-                                    scalars)
+    # The composite without its activation: every activation keeps the shape, dtype and strides of the
+    # fresh tensor it is given, and running it on fake tensors would cost as much again as the convolution.
+    return conv_pointwise_composite(input, weight, bias, stride, padding, dilation, groups, other, "none", ())
 
 
 @torch.library.custom_op("fxforge::linear_pointwise", mutates_args=())
@@ -294,7 +295,7 @@ def linear_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, activat
 
 @linear_pointwise.register_fake
 def _linear_pointwise_fake(input, weight, bias, activation, scalars, kernel):
-    return linear_pointwise_composite(input, weight, bias, activation, scalars)
+    return linear_pointwise_composite(input, weight, bias, "none", ())  # as for conv_pointwise's fake
 
 
 # ---------------------------------------------------------------------------------------------- autograd

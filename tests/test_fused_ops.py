@@ -79,6 +79,30 @@ def test_fake_implementation_gives_shapes():
     assert y.shape == (2, 4, 5, 5) and z.shape == (5, 3)
 
 
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fake_result_has_the_real_results_shape_strides_and_dtype(activation, channels_last):
+    # The fake implementation skips the activation: it must not change what the result looks like.
+    x, w, b = torch.randn(2, 6, 9, 9), torch.randn(4, 6, 3, 3), torch.randn(4)
+    other = torch.randn(2, 4, 5, 5)
+    if channels_last:
+        x, other = x.contiguous(memory_format=torch.channels_last), other.contiguous(memory_format=torch.channels_last)
+    scalars = {"hardtanh": [0.0, 6.0], "leaky_relu": [0.1]}.get(activation, [])
+    conf = ([2, 2], [1, 1], [1, 1], 1)
+    mode = FakeTensorMode()
+    for extra in (None, other):
+        real = conv_pointwise(x, w, b, *conf, extra, activation, scalars, "composite")
+        with mode:
+            fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in (x, w, b, extra)]
+            fake = conv_pointwise(*fake_args[:3], *conf, fake_args[3], activation, scalars, "composite")
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    xl, wl = torch.randn(3, 5, 8), torch.randn(7, 8)
+    real = linear_pointwise(xl, wl, None, activation, scalars, "composite")
+    with mode:
+        fake = linear_pointwise(mode.from_tensor(xl), mode.from_tensor(wl), None, activation, scalars, "composite")
+    assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+
+
 @needs_mkldnn
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_mkldnn_output_keeps_the_layout_the_composite_has(channels_last):

@@ -54,6 +54,10 @@ MIN_REPS, MAX_REPS = 3, 25
 MARGIN = 0.02
 # Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
 DECISIVE = 0.05
+# A fused op's kernels, each warmed up before its first sample, are not timed again when their first samples
+# differ by more than this (about half of ResNet-50's convolutions; a wrong pick here costs that op little,
+# and the whole graph is still timed against the graph before).
+DECISIVE_FIRST = 0.25
 # Layouts in the order they are tried. Channels-last first: its convolutions take the activations as they
 # come (inputs converted once at the entry, outputs back once at the exit), where oneDNN's kernels reorder
 # NCHW activations around every fused op; as captured only when channels-last cannot run the graph or its
@@ -110,7 +114,7 @@ def kernels_for(device: torch.device) -> tuple[str, ...]:
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
-                     decisive: float | None = None) -> dict[str, float]:
+                     decisive: float | None = None, decisive_first: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -119,6 +123,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         warmed: names already run once (their warm-up is skipped).
         decisive: with two calls, stop after two rounds when every sample of one is below every sample of
             the other by this fraction (more rounds would not change the choice).
+        decisive_first: with two calls, stop after the first round already when its two samples differ by
+            this fraction (for calls whose warm-up ran: a cold first sample must not decide).
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
@@ -132,6 +138,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         call()
         samples[name] = [time.perf_counter() - start]
     total = sum(s[0] for s in samples.values()) or 1e-6
+    if decisive_first is not None and len(samples) == 2 and _separated(*samples.values(), decisive_first):
+        return {name: s[0] * 1e3 for name, s in samples.items()}
     reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
         for name, call in calls.items():
@@ -224,7 +232,7 @@ def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_
             fn, args = call
             calls[kernel] = (lambda fn=fn, args=args: fn(*args))
     with torch.no_grad():
-        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE)
+        timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE, decisive_first=DECISIVE_FIRST)
     return timings, "; ".join(f"{k}: {v}" for k, v in reasons.items())
 
 

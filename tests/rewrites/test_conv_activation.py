@@ -283,6 +283,24 @@ def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
     assert counts == {"quick": 2, "slow": 3}
 
 
+def test_kernel_timing_stops_after_one_round_only_when_its_samples_differ_by_a_quarter():
+    counts = {"quick": 0, "slow": 0, "close": 0}
+
+    def call(name, seconds):
+        def run():
+            counts[name] += 1
+            time.sleep(seconds)
+        return run
+
+    timings = autotune.time_interleaved({"quick": call("quick", 0.0), "slow": call("slow", 0.004)}, 1.0,
+                                        decisive=0.05, decisive_first=0.25)
+    assert timings["quick"] < timings["slow"] and counts["quick"] == counts["slow"] == 2  # warm-up, one sample
+    counts.update(quick=0, slow=0)
+    autotune.time_interleaved({"close": call("close", 0.004), "slow": call("slow", 0.0045)}, 0.001,
+                              decisive_first=0.25)
+    assert counts["close"] == counts["slow"] == 1 + autotune.MIN_REPS  # 11 % apart: every round is run
+
+
 def _channels_last(value: torch.Tensor) -> bool:
     return value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous()
 
