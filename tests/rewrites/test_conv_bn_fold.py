@@ -170,3 +170,22 @@ def test_decomposed_aten_forms_fold(dims):
     assert [m.what for m in ctx.matches] == [f"conv{dims}d + batch_norm"]
     assert not any("batch_norm" in str(n.target) for n in gm.graph.nodes)
     torch.testing.assert_close(gm(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def _folded_constants(gm):
+    from fxforge.verify import CONSTANT_BUFFER_PREFIX
+
+    return [t for name, t in gm.named_buffers() if name.startswith(CONSTANT_BUFFER_PREFIX)]
+
+
+def test_folded_weights_are_the_float64_computation_rounded_once():
+    conv, bn = nn.Conv2d(3, 8, 3, bias=True), perturb_norm_stats(nn.BatchNorm2d(8))
+    model = nn.Sequential(conv, bn).eval()
+    new = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 8, 8),)), ["conv_bn_fold"])
+    scale = bn.weight.double() * torch.rsqrt(bn.running_var.double() + bn.eps)
+    weight = (conv.weight.double() * scale.reshape(-1, 1, 1, 1)).float()
+    shift = ((conv.bias.double() - bn.running_mean.double()) * scale + bn.bias.double()).float()
+    folded = _folded_constants(new.graph_module)
+    assert any(torch.equal(t, weight) for t in folded) and any(torch.equal(t, shift) for t in folded)
+    assert all(t.dtype == torch.float32 for t in folded)
+
