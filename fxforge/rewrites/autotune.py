@@ -275,19 +275,6 @@ def to_channels_last(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-def _graph_timer(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> Callable[[], Any]:
-    from fxforge.runtime.lowering import lower
-
-    runnable = lower(gm)
-
-    def run() -> Any:
-        with torch.no_grad():
-            return runnable(*args, **kwargs)
-
-    run.lowered = runnable  # type: ignore[attr-defined]
-    return run
-
-
 _NOT_RUN = object()
 
 
@@ -295,7 +282,7 @@ _NOT_RUN = object()
 class _Candidate:
     """One layout's graph: its fused ops' kernels, their summed times, and its lowered graph's first run.
 
-    ``runner``/``output`` are set once the lowered graph ran on the example inputs (seed 0, buffers
+    ``lowered``/``output`` are set once the lowered graph ran on the example inputs (seed 0, buffers
     restored: the same run :func:`fxforge.verify.check_same` makes of it on the example inputs);
     ``outputs`` holds its outputs on the random verification inputs its timing ran it on, by seed.
     """
@@ -303,17 +290,19 @@ class _Candidate:
     graph: torch.fx.GraphModule
     total: float
     choices: list
-    runner: Callable[[], Any] | None = None
+    lowered: torch.fx.GraphModule | None = None
     output: Any = _NOT_RUN
     outputs: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     def first_run(self, args: tuple, kwargs: dict) -> None:
         """Lower the graph and run it once on the example inputs (its warm-up, and its check output)."""
-        if self.runner is None:
-            self.runner = _graph_timer(self.graph, args, kwargs)
+        from fxforge.runtime.lowering import lower
+
+        if self.lowered is None:
+            self.lowered = lower(self.graph)
         if self.output is _NOT_RUN:
-            with isolated(self.graph, seed=0):
-                self.output = self.runner()
+            with isolated(self.graph, seed=0), torch.no_grad():
+                self.output = self.lowered(*args, **kwargs)
 
 
 def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -373,10 +362,10 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         cache.save()
     if keep == "fused":
         gm.graph = chosen.graph.graph
-        if chosen.runner is not None:
+        if chosen.lowered is not None:
             from fxforge.runtime.lowering import adopt
 
-            adopt(gm, chosen.runner.lowered)
+            adopt(gm, chosen.lowered)
         if chosen.output is not _NOT_RUN:
             remember_output(gm, args, kwargs, 0, chosen.output)
         for seed, output in chosen.outputs.items():
@@ -433,7 +422,7 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
     if not from_cache:
         candidate.first_run(args, kwargs)  # its warm-up (a channels-last candidate's check run already was)
         inputs = [(i, *pair) for i, pair in enumerate(check_inputs or []) if i > 0] or [(0, args, kwargs)]
-        fused = _InputCycle(candidate.runner.lowered, chosen, inputs, candidate.outputs)
+        fused = _InputCycle(candidate.lowered, chosen, inputs, candidate.outputs)
         plain = _InputCycle(lower(before), before, inputs, None)
         # The graph before has the captured graph's kernels on the captured shapes, which capture's check and
         # verification's reference runs warmed up; a cold first sample of it cannot decide (medians, and
