@@ -239,12 +239,15 @@ def plain_onnx_export(model: nn.Module, args: tuple, path: str) -> None:
         raise RuntimeError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}\n{tail}") from exc
 
 
-def ort_session(path: str, device: torch.device) -> Any:
-    """An onnxruntime session for ``path`` with :func:`ort_session_options` and warnings-only logging."""
+def ort_session(path: str, device: torch.device, optimized_model_filepath: str | None = None) -> Any:
+    """An onnxruntime session for ``path`` with :func:`ort_session_options` and warnings-only logging; with
+    ``optimized_model_filepath``, ORT also writes the graph it optimized ``path`` into there."""
     import onnxruntime as ort
 
     options = ort_session_options()
     options.log_severity_level = 3
+    if optimized_model_filepath is not None:
+        options.optimized_model_filepath = optimized_model_filepath
     return ort.InferenceSession(path, sess_options=options, providers=ort_providers(device))
 
 
@@ -290,14 +293,11 @@ def optimized_graph_digest(path: str, device: torch.device) -> str:
         '3f1c...'
     """
     import onnx
-    import onnxruntime as ort
 
     with tempfile.TemporaryDirectory(prefix="fxforge-bench-opt-") as tmp:
-        options = ort_session_options()
-        options.log_severity_level = 3
-        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        ort.InferenceSession(path, sess_options=options, providers=ort_providers(device))
-        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+        optimized_path = os.path.join(tmp, "optimized.onnx")
+        ort_session(path, device, optimized_model_filepath=optimized_path)
+        optimized = onnx.load(optimized_path, load_external_data=False)
     return hashlib.sha256(repr(_graph_structure(optimized.graph)).encode()).hexdigest()[:16]
 
 
