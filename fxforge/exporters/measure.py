@@ -16,7 +16,9 @@ first form's median time to the second's (> 1: the second is faster).
 - attention (a BERT-base attention layer, batch 1): torch.onnx's MatMul/Softmax graph vs
   ``com.microsoft.MultiHeadAttention`` vs ONNX ``Attention`` (opset 23), with a padding mask and with one
   that masks nothing; a causal layer: ``MultiHeadAttention`` (``unidirectional``) vs
-  ``com.microsoft.GroupQueryAttention``.
+  ``com.microsoft.GroupQueryAttention``;
+- residual_norm: a residual ``Add`` + ``LayerNormalization`` (ORT fuses it into
+  ``com.microsoft.SkipLayerNormalization``) vs ``Sum`` + ``LayerNormalization`` (ORT keeps both kernels).
 
 Example:
     >>> rows = main(["--quick", "--only", "linear"], out=None)
@@ -45,6 +47,7 @@ FUSED_CONV_ACTIVATIONS = {"relu": ("Relu", []), "sigmoid": ("Sigmoid", []), "tan
 CONV_SHAPES = [((1, 64, 56, 56), 64, 3), ((4, 128, 28, 28), 128, 3), ((1, 256, 14, 14), 1024, 1)]
 LINEAR_SHAPES = [((64, 768), 3072), ((1, 256, 768), 3072), ((4, 128, 256), 1024)]
 ATTENTION_LENGTHS = [1024, 2048]
+RESIDUAL_NORM_SHAPES = [(1, 128, 768), (1, 1024, 256), (1, 1024, 768), (1, 2048, 256), (8, 128, 1024)]
 
 
 def _session(model_bytes: bytes) -> Any:
@@ -179,6 +182,33 @@ def measure_linear(shapes=LINEAR_SHAPES, activations=("relu", "tanh", "leaky_rel
     return rows
 
 
+def _residual_norm_model(form: str, shape) -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    hidden = shape[-1]
+    inits = [numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "B")]
+    nodes = [helper.make_node("Add" if form == "Add" else "Sum", ["X", "R"], ["S"]),
+             helper.make_node("LayerNormalization", ["S", "W", "B"], ["Y"], axis=-1, epsilon=1e-12)]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(shape)) for n in ("X", "R")]
+    graph = helper.make_graph(nodes, "residual_norm", inputs,
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, list(shape))], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10).SerializeToString()
+
+
+def measure_residual_norm(shapes=RESIDUAL_NORM_SHAPES, rounds: int = 15, reps: int = 10):
+    """Residual ``Add`` + ``LayerNormalization`` (fused by ORT into ``SkipLayerNormalization``) vs ``Sum`` +
+    ``LayerNormalization`` (not fused), per [batch, rows, hidden] shape."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for shape in shapes:
+        feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("X", "R")}
+        sessions = [_session(_residual_norm_model(f, shape)) for f in ("Add", "Sum")]
+        rows.append(_compare(f"residual + layer norm {shape}", ("Add", "Sum"), sessions, feeds, rounds, reps))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- attention
 
 class AttentionLayer(nn.Module):
@@ -281,10 +311,10 @@ def main(argv: list[str] | None = None, out: Any = sys.stdout) -> list[dict]:
     """Run the measurements, print one line per case (unless ``out`` is None), return the rows."""
     parser = argparse.ArgumentParser(prog="python -m fxforge.exporters.measure", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and one round (a smoke test)")
-    parser.add_argument("--only", choices=["conv", "linear", "attention"], action="append",
-                        help="measure only these (repeatable)")
+    kinds = ["conv", "linear", "attention", "residual_norm"]
+    parser.add_argument("--only", choices=kinds, action="append", help="measure only these (repeatable)")
     options = parser.parse_args(argv)
-    only = set(options.only or ["conv", "linear", "attention"])
+    only = set(options.only or kinds)
     rows: list[dict] = []
     if options.quick:
         if "conv" in only:
@@ -293,10 +323,13 @@ def main(argv: list[str] | None = None, out: Any = sys.stdout) -> list[dict]:
             rows += measure_linear([((2, 8), 4)], ("relu",), rounds=1, reps=1)
         if "attention" in only:
             rows += measure_attention([16], hidden=32, heads=2, rounds=1)
+        if "residual_norm" in only:
+            rows += measure_residual_norm([(1, 4, 8)], rounds=1, reps=1)
     else:
         rows += measure_conv() if "conv" in only else []
         rows += measure_linear() if "linear" in only else []
         rows += measure_attention() if "attention" in only else []
+        rows += measure_residual_norm() if "residual_norm" in only else []
     if out is not None:
         print(f"onnxruntime, CPU, {torch.get_num_threads()} threads, allow_spinning=0; ratio = "
               "first form's median / second's (> 1: the second is faster)", file=out)

@@ -48,7 +48,8 @@ from torch.utils import _pytree as pytree
 from fxforge.capture import capture, normalize_inputs
 from fxforge.capture.source import first_line, node_source, user_frame_of
 from fxforge.captured import Captured
-from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule
+from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
+from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 from fxforge.rewrites.autotune import forced
 from fxforge.rewrites.graph_utils import attribute_tensor, copy_graph_module
@@ -363,7 +364,8 @@ def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, 
     scratch = tempfile.mkdtemp(prefix=".fxforge-onnx-", dir=directory)
     try:
         scratch_path = os.path.join(scratch, name)
-        exported = _export(captured, scratch_path, opset, dynamic_batch, dynamic_shapes, attention, external_data)
+        exported = _export(captured, scratch_path, opset, dynamic_batch, dynamic_shapes, attention, external_data,
+                           cpu=runs_on_cpu((module_options or {}).get("providers")))
         check_file(scratch_path)
         module = OnnxRuntimeModule(scratch_path, exported["io"], **(module_options or {}))
         validation = validate(module, captured, exported["other_batch"])
@@ -426,9 +428,23 @@ def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shap
     return program, out_structure, other_batch, dynamic_shapes
 
 
+def runs_on_cpu(providers: Any = None) -> bool:
+    """Whether the first of ``providers`` (default: :func:`default_providers`, those the export is validated
+    with) is ONNX Runtime's CPU provider: the residual-add form (:mod:`fxforge.exporters.residual_norm`)
+    is chosen for it.
+
+    Example:
+        >>> runs_on_cpu(["CPUExecutionProvider"]), runs_on_cpu([("CUDAExecutionProvider", {"device_id": 0})])
+        (True, False)
+    """
+    first = (list(providers) if providers else default_providers())[0]
+    return (first[0] if isinstance(first, (tuple, list)) else first) == "CPUExecutionProvider"
+
+
 def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dynamic_shapes: Any,
-            attention: str, external_data: bool | None = None) -> dict[str, Any]:
-    """torch.export then torch.onnx.export of the captured graph into ``path``."""
+            attention: str, external_data: bool | None = None, *, cpu: bool = True) -> dict[str, Any]:
+    """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
+    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``."""
     program, out_structure, other_batch, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes)
     log = io.StringIO()
     translations = Translations(opset=opset, attention=attention)
@@ -438,6 +454,11 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
                                              custom_translation_table=translations.table())
     except Exception as error:
         raise translation_error(error, type(captured.module).__name__, log.getvalue()) from error
+    if cpu:
+        rewritten, refused = separate_residual_adds(onnx_program.model.graph)
+        if rewritten:
+            translations.used[RESIDUAL_NORM] = rewritten
+        translations.notes.extend(f"residual Add kept before LayerNormalization: {reason}" for reason in refused)
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):
             onnx_program._rename_dynamic_axes(dynamic_shapes)

@@ -43,9 +43,12 @@ multiple of 8)             heads read in place, no past)                mask; GQ
 =========================  ===========================================  ==========================================
 
 Whole models (``python -m benchmarks --suite onnx``, fxforge -> ORT vs plain export -> ORT): attention
-is then where the two differ; the linear layers (``Gemm``/``MatMul``), layer norms and GELU are the same
-ORT kernels in both. Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x
-(ORT 1.31's CPU MultiHeadAttention does not take packed QKV), so it is not done.
+and the layer norms after residual adds are then where the two differ; the linear layers
+(``Gemm``/``MatMul``) and GELU are the same ORT kernels in both. After the translations, a residual
+``Add`` before a ``LayerNormalization`` is written as ``Sum`` for the CPU provider, which ORT does not
+fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporters.residual_norm`).
+Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x (ORT 1.31's CPU
+MultiHeadAttention does not take packed QKV), so it is not done.
 
 Activations (:data:`fxforge.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
 ``leaky_relu`` -> ``LeakyRelu``; ``gelu``/``gelu_tanh`` -> ``Gelu`` (opset >= 20; below, its erf / tanh
