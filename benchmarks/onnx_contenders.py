@@ -38,6 +38,7 @@ from benchmarks.contenders import (
     report_info,
     report_note,
 )
+from fxforge.exporters.residual_norm import RESIDUAL_NORM
 
 # config.model_type (transformers) -> the transformers optimizer's model_type.
 OPTIMIZER_MODEL_TYPES = {
@@ -65,6 +66,8 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
     translations = module.onnx_export.translations if module.onnx_export is not None else []
     note = report_note(module.report)
     note += "".join(f", {kernel}×{count}" for kernel, count in attention_kernels(translations).items())
+    residual = sum(int(line.rpartition(": ")[2]) for line in translations if line.startswith(RESIDUAL_NORM))
+    note += f", Sum+LayerNormalization×{residual}" if residual else ""
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
     return Prepared(module, note=note, info=info,
