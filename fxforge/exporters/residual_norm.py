@@ -55,7 +55,13 @@ def residual_refusal(add: ir.Node) -> str | None:
 
 def separate_residual_adds(graph: Any) -> tuple[int, list[str]]:
     """Rewrite each ``Add`` feeding a ``LayerNormalization``'s input as ``Sum`` (see the module's rule), in
-    ``graph`` and its subgraphs; returns how many were rewritten and the reasons for those left as ``Add``."""
+    ``graph`` and its subgraphs; returns how many were rewritten and the reasons for those left as ``Add``
+    (the module's example rewrites one).
+
+    Example:
+        >>> separate_residual_adds(ir.Graph([], [], nodes=[]))
+        (0, [])
+    """
     rewritten, refused = 0, []
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or not node.inputs:
