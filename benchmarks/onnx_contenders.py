@@ -65,29 +65,34 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
                               session_options=ort_session_options(), providers=ort_providers(device))
     translations = module.onnx_export.translations if module.onnx_export is not None else []
     note = report_note(module.report)
-    note += "".join(f", {kernel}×{count}" for kernel, count in attention_kernels(translations).items())
-    residual = sum(int(line.rpartition(": ")[2]) for line in translations if line.startswith(RESIDUAL_NORM))
-    note += f", Sum+LayerNormalization×{residual}" if residual else ""
+    note += "".join(f", {kernel}×{count}" for kernel, count in ort_kernels(translations).items())
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
     return Prepared(module, note=note, info=info,
                     describe=lambda: {"optimized_graph": optimized_graph_digest(module.path, device)})
 
 
-def attention_kernels(translations: list[str]) -> dict[str, int]:
-    """How many attention calls each ORT kernel carries, from an export's translation lines.
+def ort_kernels(translations: list[str]) -> dict[str, int]:
+    """How many calls each ORT kernel form fxforge chose carries, from an export's translation lines: the
+    attention kernels, and the residual ``Sum`` + ``LayerNormalization`` kept apart from ORT's
+    SkipLayerNormalization.
 
     Example:
-        >>> attention_kernels(["attention -> com.microsoft.GroupQueryAttention (causal): 4",
-        ...                    "attention -> com.microsoft.MultiHeadAttention: 2", "fxforge::linear_pointwise -> Gemm: 1"])
-        {'GroupQueryAttention': 4, 'MultiHeadAttention': 2}
+        >>> ort_kernels(["attention -> com.microsoft.GroupQueryAttention (causal): 4",
+        ...              "attention -> com.microsoft.MultiHeadAttention: 2", "fxforge::linear_pointwise -> Gemm: 1",
+        ...              RESIDUAL_NORM + ": 9"])
+        {'GroupQueryAttention': 4, 'MultiHeadAttention': 2, 'Sum+LayerNormalization': 9}
     """
     counts: dict[str, int] = {}
     for line in translations:
-        if line.startswith("attention -> com.microsoft."):
-            what, _, count = line.rpartition(": ")
+        what, _, count = line.rpartition(": ")
+        if what.startswith("attention -> com.microsoft."):
             kernel = what.removeprefix("attention -> com.microsoft.").split(" ")[0]
-            counts[kernel] = counts.get(kernel, 0) + int(count)
+        elif what == RESIDUAL_NORM:
+            kernel = "Sum+LayerNormalization"
+        else:
+            continue
+        counts[kernel] = counts.get(kernel, 0) + int(count)
     return counts
 
 

@@ -183,13 +183,14 @@ def measure_linear(shapes=LINEAR_SHAPES, activations=("relu", "tanh", "leaky_rel
 
 
 def _residual_norm_model(form: str, shape) -> bytes:
+    """``form`` (``"Add"`` or ``"Sum"``) of two [batch, rows, hidden] inputs, then ``LayerNormalization``."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     hidden = shape[-1]
     inits = [numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "W"),
              numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "B")]
-    nodes = [helper.make_node("Add" if form == "Add" else "Sum", ["X", "R"], ["S"]),
+    nodes = [helper.make_node(form, ["X", "R"], ["S"]),
              helper.make_node("LayerNormalization", ["S", "W", "B"], ["Y"], axis=-1, epsilon=1e-12)]
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(shape)) for n in ("X", "R")]
     graph = helper.make_graph(nodes, "residual_norm", inputs,
