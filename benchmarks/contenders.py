@@ -228,7 +228,7 @@ class OrtCallable:
 def plain_onnx_export(model: nn.Module, args: tuple, path: str) -> None:
     """``torch.onnx.export(model, args, path, dynamo=True)`` with its progress lines kept off the console;
     a failure keeps the exporter's last lines (which say which step failed) in its message."""
-    from fxforge.exporters.onnx import quiet
+    from fxforge.exporters.program import quiet
 
     log = io.StringIO()
     try:

@@ -1,7 +1,7 @@
 """``python -m benchmarks.memory_reorder``: peak activation memory before and after ``memory_reorder``.
 
 For each graph of ``examples.models.branchy.BRANCHY`` (captured with fxforge's default capture): the peak
-in the capture order and in the scheduled order, simulated (``fxforge.runtime.memory.simulate_peak``) and
+in the capture order and in the scheduled order, simulated (``fxforge.core.memory.simulate_peak``) and
 measured (``fxforge.runtime.memory.measure_peak``: a dispatch mode following the storages created during
 one run on CPU, the same accounting as the simulation; ``benchmarks/memory.py``'s profiler-based figure,
 which also sees kernels' scratch buffers, is shown beside it as a cross-check), whether the order is
@@ -34,8 +34,9 @@ import fxforge
 from benchmarks.memory import peak_memory
 from benchmarks.report import cpu_model
 from examples.models.branchy import BRANCHY
+from fxforge.core.memory import simulate_peak
 from fxforge.rewrites.memory_reorder import MAX_STATES, TIME_BUDGET_S, Schedule, apply_order, plan
-from fxforge.runtime.memory import measure_peak, simulate_peak
+from fxforge.runtime.memory import measure_peak
 
 BEGIN = "<!-- harness:memory:begin -->"
 END = "<!-- harness:memory:end -->"

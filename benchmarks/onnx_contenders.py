@@ -118,7 +118,7 @@ def optimizer_model_type(model: nn.Module) -> str:
 def _ort_transformers_optimizer(model: nn.Module, args: tuple) -> Prepared:
     from onnxruntime.transformers import optimizer
 
-    from fxforge.exporters.onnx import quiet
+    from fxforge.exporters.program import quiet
 
     model_type = optimizer_model_type(model)
     config = model.config

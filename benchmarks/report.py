@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fxforge.rewrites.tuning_cache import cpu_model
+from fxforge.core.disk_cache import cpu_model
 
 BEGIN = "<!-- harness:begin -->"
 END = "<!-- harness:end -->"

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fxforge
 from examples.models import EXAMPLES
 from fxforge.cli.summary import compare_latency
-from fxforge.verify import compare_outputs
+from fxforge.core.verify import compare_outputs
 
 
 def main(name: str = "inception") -> None:

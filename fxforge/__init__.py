@@ -1,4 +1,4 @@
-"""fxforge: capture a PyTorch model as a graph, rewrite it with verified rules, run it natively.
+"""fxforge: capture a PyTorch model as a graph, rewrite it with verified rules, run it natively or in ONNX Runtime.
 
 Example:
     >>> import torch, fxforge
@@ -10,14 +10,14 @@ Example:
 
 from fxforge.api import optimize
 from fxforge.capture import CaptureError, capture
-from fxforge.captured import Captured
-from fxforge.exporters import ExportError, OnnxRuntimeModule, export_onnx
+from fxforge.core.captured import Captured
+from fxforge.core.report import Report
+from fxforge.exporters import ExportError, OnnxRuntimeModule
+from fxforge.exporters.pt2 import load
+from fxforge.planner import export_onnx, profile, rewrite
 from fxforge.rewrites.passes import Pass
-from fxforge.rewrites.pipeline import rewrite
-from fxforge.rewrites.report import Report
-from fxforge.runtime.artifact import load
 from fxforge.runtime.native import OptimizedModule
-from fxforge.runtime.profiler import Profile, profile
+from fxforge.runtime.profile import Profile
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report", "capture",
-           "export_onnx", "load", "optimize", "profile", "rewrite"]
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report",
+           "capture", "export_onnx", "load", "optimize", "profile", "rewrite"]

@@ -12,16 +12,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from torch import nn
-
-from fxforge.capture import normalize_inputs
+from fxforge.planner import EXPORT_OPTIONS, optimized
 from fxforge.rewrites.registry import resolve
-from fxforge.runtime.native import OptimizedModule, optimize_class
 
 TARGETS = ("native", "onnxruntime")
-# Options that only the onnxruntime target takes (see OnnxRuntimeModule.from_model).
-ONNXRUNTIME_OPTIONS = ("dynamic_batch", "dynamic_shapes", "opset", "attention", "external_data", "path", "providers",
-                       "session_options", "intra_op_num_threads")
+# Options each target takes besides rewrites, verify and method.
+TARGET_OPTIONS = {
+    "native": ("tuning",),
+    "onnxruntime": tuple(o for o in EXPORT_OPTIONS if o not in ("rewrites", "verify", "method"))
+    + ("path", "providers", "session_options", "intra_op_num_threads"),
+}
 
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
@@ -49,9 +49,11 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
-        target_options: for ``"onnxruntime"`` only: ``dynamic_batch``, ``dynamic_shapes``, ``opset``,
-            ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`), ``path`` (keep the ONNX file there),
-            ``providers``, ``session_options``, ``intra_op_num_threads`` (the session's).
+        target_options: for ``"native"``: ``tuning`` (a :class:`~fxforge.lowering.autotune.TuningPolicy`:
+            choices autotune must not measure). For ``"onnxruntime"``: ``dynamic_batch``,
+            ``dynamic_shapes``, ``opset``, ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`),
+            ``path`` (keep the ONNX file there), ``providers``, ``session_options``,
+            ``intra_op_num_threads`` (the session's).
 
     Raises:
         ValueError: an unknown target or rewrite name (checked before anything runs).
@@ -71,29 +73,12 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")
-    allowed = ONNXRUNTIME_OPTIONS if target == "onnxruntime" else ()
+    allowed = TARGET_OPTIONS[target]
     unknown = sorted(set(target_options) - set(allowed))
     if unknown:
-        raise TypeError(f"target {target!r} does not take {', '.join(unknown)}"
-                        + (f"; it takes {', '.join(allowed)}" if allowed else ""))
+        raise TypeError(f"target {target!r} does not take {', '.join(unknown)}; it takes {', '.join(allowed)}")
     resolve(rewrites)  # fail early on an unknown rewrite name
-    options = {"rewrites": rewrites, "verify": verify, "method": method}
+    options = {"target": target, "rewrites": rewrites, "verify": verify, "method": method, **target_options}
     if model is None:
-        return functools.partial(optimize, example_inputs=example_inputs, target=target, **options, **target_options)
-    if target == "onnxruntime":
-        from fxforge.exporters.target import onnxruntime_class, optimize_onnxruntime
-
-        if isinstance(model, type) and issubclass(model, nn.Module):
-            return onnxruntime_class(model, **options, **target_options)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"fxforge.optimize takes an nn.Module instance or class, got {type(model).__name__}")
-        return optimize_onnxruntime(model, example_inputs, **options, **target_options)
-    if isinstance(model, type) and issubclass(model, nn.Module):
-        return optimize_class(model, **options)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxforge.optimize takes an nn.Module instance or class, got {type(model).__name__}")
-    optimized = OptimizedModule(model, **options)
-    if example_inputs is not None:
-        args, kwargs = normalize_inputs(example_inputs)
-        optimized.prepare(*args, **kwargs)
-    return optimized
+        return functools.partial(optimize, example_inputs=example_inputs, **options)
+    return optimized(model, example_inputs, **options)

@@ -43,7 +43,7 @@ def test_decorated_class_captures_lazily_and_across_shapes():
         expected = block.lin(x).relu()
         torch.testing.assert_close(block(x), expected)
     assert block.report.counts == {"cleanup": 1}
-    assert len(block.__dict__["_fxforge_cache"].graphs) == 2
+    assert len(block.__dict__["_fxforge_cache"].plans) == 2
     assert list(block.state_dict()) == ["lin.weight", "lin.bias"]
 
 

@@ -1,4 +1,4 @@
-"""fxforge.draw.graph_svg: well-formed, self-contained SVG, one element per node, fast on 2,000 nodes."""
+"""fxforge.core.draw.graph_svg: well-formed, self-contained SVG, one element per node, fast on 2,000 nodes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from examples.models.branchy import synthetic_2000
-from fxforge import draw
-from fxforge.draw import graph_svg
+from fxforge.core import draw
+from fxforge.core.draw import graph_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 

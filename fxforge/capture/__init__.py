@@ -1,5 +1,11 @@
 """Capture an ``nn.Module`` as a ``torch.fx`` graph: symbolic tracing, or torch.export.
 
+- :mod:`~fxforge.capture.model`: :func:`capture` tries the methods in turn and checks the graph;
+- :mod:`~fxforge.capture.fx_trace`: symbolic tracing, with submodules that break it kept as opaque leaves;
+- :mod:`~fxforge.capture.export`: torch.export turned back into a callable graph;
+- :mod:`~fxforge.capture.dynamic`: torch.export with dynamic dims (the batch dim, or the user's spec);
+- :mod:`~fxforge.capture.hf`: transformers' cache objects as pytrees.
+
 Example:
     >>> import torch
     >>> from fxforge.capture import capture
@@ -8,171 +14,7 @@ Example:
     'fx'
 """
 
-from __future__ import annotations
-
-import contextlib
-import io
-from typing import Any
-
-import torch
-from torch import nn
-
-from fxforge.capture.export import export_graph_module
-from fxforge.capture.fx_trace import OpaqueModule, TraceFailure, restore_output_type, trace_with_leaves
-from fxforge.capture.hf import register_transformers_pytrees
-from fxforge.capture.meta import MetaInfo, annotate, run_and_annotate
-from fxforge.capture.source import first_line, user_frame_of
-from fxforge.captured import Captured
-from fxforge.rewrites.graph_utils import count_calls
-from fxforge.rewrites.report import Report
-from fxforge.verify import compare_outputs, isolated
+from fxforge.capture.fx_trace import OpaqueModule
+from fxforge.capture.model import CaptureError, capture, normalize_inputs
 
 __all__ = ["CaptureError", "OpaqueModule", "capture", "normalize_inputs"]
-
-METHODS = ("auto", "fx", "export")
-
-
-class CaptureError(RuntimeError):
-    """No capture method could turn the module into a graph that reproduces it.
-
-    The message names, for each method tried, what broke and the user's line where it broke.
-
-    Example:
-        >>> str(CaptureError("Net", {"fx": "TraceError: x at m.py:3"}))
-        'cannot capture Net: fx: TraceError: x at m.py:3'
-    """
-
-    def __init__(self, model_name: str, reasons: dict[str, str]):
-        self.reasons = reasons
-        detail = "; ".join(f"{method}: {why}" for method, why in reasons.items())
-        super().__init__(f"cannot capture {model_name}: {detail}")
-
-
-def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` from what users pass: a tuple/list of positional inputs, one tensor, or a dict
-    of keyword inputs.
-
-    Example:
-        >>> normalize_inputs(torch.ones(1))[0][0].shape
-        torch.Size([1])
-        >>> normalize_inputs({"input_ids": 1})
-        ((), {'input_ids': 1})
-    """
-    if example_inputs is None:
-        return (), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
-def _describe(error: BaseException) -> str:
-    where = getattr(error, "source", None) if isinstance(error, TraceFailure) else user_frame_of(error)
-    reason = error.reason if isinstance(error, TraceFailure) else first_line(error)
-    return f"{reason} at {where}" if where else reason
-
-
-def _check(module: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, reference: Any,
-           *, record: bool = False) -> MetaInfo | None:
-    """Refuse a graph whose outputs differ from the module's; with ``record``, the run also records
-    every node's shape metadata (and the :class:`MetaInfo` saying so is returned)."""
-    # A GraphModule that raises prints its generated code to stderr; the error itself becomes the reason.
-    info = None
-    with isolated(module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-        if record:
-            actual, info = run_and_annotate(graph_module, args, kwargs)
-        else:
-            actual = graph_module(*args, **kwargs)
-    result = compare_outputs(reference, actual)
-    if not result.ok:
-        raise RuntimeError(f"captured graph differs from the module: {result.reason}")
-    return info
-
-
-def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto", *,
-            example_kwargs: dict | None = None, check: bool = True) -> Captured:
-    """Capture ``module`` as a graph that reproduces it on inputs like ``example_inputs``.
-
-    Args:
-        module: the model; its current mode (train/eval) is the one captured.
-        example_inputs: a tuple of positional inputs, one tensor, or a dict of keyword inputs.
-        example_kwargs: keyword inputs in addition to positional ``example_inputs``.
-        method: ``"fx"`` (symbolic trace; submodules in which tracing breaks are kept opaque),
-            ``"export"`` (torch.export, non-strict, ATen ops) or ``"auto"`` (fx when it needs no opaque
-            leaf, else export, else fx with leaves).
-        check: run the graph once against the module on the example inputs and refuse a graph that
-            differs (buffers and RNG state are restored afterwards).
-
-    Returns:
-        A :class:`~fxforge.captured.Captured` with shape metadata on every node.
-
-    Raises:
-        CaptureError: no method captured the module; names the line that broke each method.
-        ValueError: an unknown ``method``.
-
-    Example:
-        >>> cap = capture(torch.nn.Linear(3, 1), (torch.ones(2, 3),), method="export")
-        >>> cap.method, tuple(cap.graph_module(torch.ones(2, 3)).shape)
-        ('export', (2, 1))
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown capture method {method!r}; choose one of {', '.join(METHODS)}")
-    args, kwargs = normalize_inputs(example_inputs)
-    kwargs.update(example_kwargs or {})
-    name = type(module).__name__
-    register_transformers_pytrees(module)  # cache objects in outputs must be pytrees (export, comparison)
-    reference = None
-    if check:
-        try:
-            with isolated(module), torch.no_grad():
-                reference = module(*args, **kwargs)
-        except Exception as error:
-            raise CaptureError(name, {"eager": f"the module raised on the example inputs: {_describe(error)}"}) from error
-
-    reasons: dict[str, str] = {}
-    traced, traced_meta = None, None
-    if method in ("auto", "fx"):
-        try:
-            traced = trace_with_leaves(module, args, kwargs)
-            if isinstance(reference, dict) and type(reference) is not dict:
-                # Tracing records a returned ModelOutput as a plain dict; give the graph the model's type.
-                restore_output_type(traced.graph_module, type(reference))
-            if check:
-                traced_meta = _check(module, traced.graph_module, args, kwargs, reference, record=True)
-        except Exception as error:  # noqa: BLE001
-            reasons["fx"] = _describe(error)
-            traced = None
-        if traced is not None and (method == "fx" or not traced.opaque):
-            return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, info=traced_meta,
-                           reference=reference)
-        if traced is not None:
-            reasons["fx"] = "needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque)
-    if method in ("auto", "export"):
-        try:
-            exported = export_graph_module(module, args, kwargs)
-            if check:
-                _check(module, exported, args, kwargs, reference)
-        except Exception as error:  # noqa: BLE001
-            reasons["export"] = _describe(error)
-        else:
-            notes = [f"symbolic trace not used: {reasons['fx']}"] if "fx" in reasons else []
-            return _finish(module, exported, "export", [], args, kwargs, notes, reference=reference)
-    if traced is not None:
-        notes = [f"torch.export failed ({reasons['export']}); kept the trace with opaque leaves"]
-        return _finish(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes, info=traced_meta,
-                       reference=reference)
-    raise CaptureError(name, reasons)
-
-
-def _finish(module: nn.Module, graph_module: torch.fx.GraphModule, method: str, opaque: list,
-            args: tuple, kwargs: dict, notes: list[str] | None = None, info: MetaInfo | None = None,
-            reference: Any = None) -> Captured:
-    info = info or annotate(graph_module, args, kwargs)
-    nodes = count_calls(graph_module.graph)
-    report = Report(method=method, opaque=list(opaque), meta_source=info.source, nodes_before=nodes, nodes_after=nodes)
-    report.notes.extend(notes or [])
-    if info.reason:
-        report.notes.append(f"shape metadata from a real run: fake propagation failed ({info.reason})")
-    return Captured(graph_module, method, list(opaque), args, kwargs, module, module.training, report,
-                    example_outputs=reference)

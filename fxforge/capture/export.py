@@ -19,6 +19,7 @@ import io
 import logging
 import operator
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,14 +51,15 @@ def quiet_export() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def export_graph_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None
+                        ) -> torch.fx.GraphModule:
     """``torch.export.export(module, args, kwargs, strict=False).module()``, without the per-call checks.
 
     The exported module checks its inputs against the exported shapes on every call (hooks, and in newer
     torch a ``_guards_fn`` submodule called from the graph); fxforge keys its graphs by input signature
     instead, so those are dropped. Python-value inputs (``None``, bools, numbers, strings), which
     torch.export bakes into the graph, are asserted instead, as a symbolic trace does. Parameters and
-    buffers are the module's own objects.
+    buffers are the module's own objects. ``dynamic_shapes`` goes to ``torch.export.export`` as it is.
 
     Raises:
         Exception: whatever ``torch.export`` raises; the caller turns it into a capture reason.
@@ -68,7 +70,8 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.f
         [0.0, 0.0]
     """
     with quiet_export():
-        program = torch.export.export(module, tuple(args), dict(kwargs), strict=False)
+        program = torch.export.export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes,
+                                      strict=False)
     unlifted = _unlift(program)
     graph_module = torch.fx.GraphModule(unlifted, unlifted.graph, module.__class__.__name__)
     _drop_guards(graph_module)

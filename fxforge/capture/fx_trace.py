@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxforge.capture.source import first_line, user_frame_of
+from fxforge.core.source import first_line, user_frame_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_libraries() -> None:
     """torch's export and ONNX loggers print progress and warnings on stderr: errors only."""
-    from fxforge.exporters.onnx import _NOISY_LOGGERS
+    from fxforge.exporters.program import NOISY_LOGGERS
 
-    for name in _NOISY_LOGGERS:
+    for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

@@ -122,7 +122,7 @@ def _import_root(path: Path) -> tuple[Path, str]:
 
 
 def _describe_error(error: BaseException) -> str:
-    from fxforge.capture.source import first_line, user_frame_of
+    from fxforge.core.source import first_line, user_frame_of
 
     where = user_frame_of(error)
     return first_line(error) + (f" at {where}" if where else "")
@@ -240,7 +240,7 @@ def check_eager(model: nn.Module, inputs: tuple, specs: list[tuple[tuple[int, ..
         ...
         fxforge.cli.args.CommandError: Linear raised on example inputs of shape 2x5: RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 8x2)
     """
-    from fxforge.verify import isolated
+    from fxforge.core.verify import isolated
 
     try:
         with isolated(model), torch.no_grad():

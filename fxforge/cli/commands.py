@@ -98,6 +98,7 @@ def _model_and_inputs(args: argparse.Namespace, steps: Steps) -> tuple[torch.nn.
 
 def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps, *, dynamic_batch: bool = False) -> Any:
     import fxforge
+    from fxforge.planner import dynamic_capture
 
     with steps.step("capture") as step:
         try:
@@ -105,29 +106,25 @@ def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps, *, dynamic_bat
         except fxforge.CaptureError as error:
             raise CommandError(str(error)) from error
         if dynamic_batch and captured.method == "export":
-            from fxforge.exporters.onnx import capture_dynamic
-
-            captured = capture_dynamic(model, inputs, {}, reference=captured.example_outputs)
+            captured = dynamic_capture(model, inputs, {}, reference=captured.example_outputs)
         step.note(f"{captured.method}, {captured.report.nodes_before} nodes")
     return captured
 
 
 def _rewrite(captured: Any, rewrites: list[str], steps: Steps, *, verify: bool, for_onnx: bool) -> Any:
-    import fxforge
-    from fxforge.rewrites.autotune import forced
+    from fxforge.lowering.autotune import MEASURE_ALL
+    from fxforge.planner import rewrite
 
     with steps.step("rewrite (verify, autotune)" if verify else "rewrite") as step:
         # ONNX Runtime runs its own kernels: PyTorch's are not timed for an ONNX file (as export_onnx does).
-        context = forced(kernel="composite", layout="as captured", keep="fused") if for_onnx else contextlib.nullcontext()
-        with context:
-            new = fxforge.rewrite(captured, rewrites, verify=verify)
+        new = rewrite(captured, rewrites, verify=verify, tuning=None if for_onnx else MEASURE_ALL)
         counts = ", ".join(f"{k} x{v}" for k, v in sorted(new.report.counts.items())) or "nothing applied"
         step.note(counts)
     return new
 
 
 def _max_error(reference: Any, runner: Any, inputs: tuple) -> float:
-    from fxforge.verify import compare_outputs
+    from fxforge.core.verify import compare_outputs
 
     with torch.no_grad():
         actual = runner(*inputs)
@@ -162,7 +159,7 @@ def check_target(args: argparse.Namespace) -> None:
 
 def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> int:
     """optimize and export: load, capture, rewrite, write (.pt2 / .onnx), measure, summarize, report."""
-    from fxforge.runtime.lowering import lower
+    from fxforge.lowering.lower import make_plan
 
     target = _target_of(args)
     output = args.output
@@ -197,10 +194,10 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
                 notes.extend(f"onnx: {line}" for line in result.translations)
                 errors["ONNX Runtime"] = _max_error(reference, runner, inputs)
             else:
-                runner = lower(new.graph_module)
+                runner = make_plan(new).executable
                 errors["optimized graph"] = _max_error(reference, runner, inputs)
                 if output:
-                    from fxforge.runtime.artifact import save_native
+                    from fxforge.exporters.pt2 import save_native
 
                     with steps.step("export .pt2 (torch.export), load back, check") as step:
                         saved = save_native(new, output, dynamic_batch=args.dynamic_batch)
@@ -224,7 +221,7 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
                     drawn = pictures(captured.graph_module, new.graph_module, type(model).__name__)
                     text = "\n".join(node_lines(new.graph_module, marked_nodes(captured.graph_module, new.graph_module)))
                     outputs.write_text(args.report, render_html(summary, drawn, graph_text=text))
-                    step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.draw is not available)"))
+                    step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.core.draw is not available)"))
         finally:
             if scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -253,7 +250,7 @@ def run_show(args: argparse.Namespace) -> int:
     if output:
         check_output(output, (".svg", ".html", ".htm"))
         if output.lower().endswith(".svg") and not draw_available():
-            raise CommandError("drawing an SVG needs fxforge.draw, which this installation does not have; "
+            raise CommandError("drawing an SVG needs fxforge.core.draw, which this installation does not have; "
                                "use -o graph.html or no -o for a text listing")
     steps = Steps()
     console = _console()
@@ -265,7 +262,7 @@ def run_show(args: argparse.Namespace) -> int:
         marked = marked_nodes(captured.graph_module, new.graph_module)
         name = type(model).__name__
         if output and output.lower().endswith(".svg"):
-            from fxforge.draw import graph_svg
+            from fxforge.core.draw import graph_svg
 
             with steps.step("draw"):
                 svg = graph_svg(new.graph_module, marked=marked,

@@ -2,7 +2,7 @@
 
 A node is *marked* when it is in the rewritten graph but not in the captured one (by name), or when it
 calls one of fxforge's fused ops or ``scaled_dot_product_attention``. Pictures are drawn by
-:func:`fxforge.draw.graph_svg`.
+:func:`fxforge.core.draw.graph_svg`.
 
 Example:
     >>> from torch import nn
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fxforge.rewrites.graph_utils import CALL_OPS
+from fxforge.core.nodes import CALL_OPS
 
 _SDPA = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
@@ -89,14 +89,14 @@ def node_lines(graph_module: torch.fx.GraphModule, marked: list[str] | set[str] 
 
 
 def draw_available() -> bool:
-    """Whether :mod:`fxforge.draw` (graph pictures) is installed in this checkout.
+    """Whether :mod:`fxforge.core.draw` (graph pictures) is installed in this checkout.
 
     Example:
         >>> isinstance(draw_available(), bool)
         True
     """
     try:
-        from fxforge.draw import graph_svg  # noqa: F401
+        from fxforge.core.draw import graph_svg  # noqa: F401
     except ImportError:
         return False
     return True
@@ -105,10 +105,10 @@ def draw_available() -> bool:
 def pictures(before: torch.fx.GraphModule, after: torch.fx.GraphModule | None,
              title: str = "") -> dict[str, str]:
     """SVG pictures of the captured graph and (if given) the rewritten one with its new nodes marked,
-    keyed by caption; empty when :mod:`fxforge.draw` is not available."""
+    keyed by caption; empty when :mod:`fxforge.core.draw` is not available."""
     if not draw_available():
         return {}
-    from fxforge.draw import graph_svg
+    from fxforge.core.draw import graph_svg
 
     result = {}
     label = f"{title}: " if title else ""

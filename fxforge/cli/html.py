@@ -5,7 +5,7 @@ autotune's choices, near misses: :meth:`fxforge.Report._repr_html_`) and the gra
 
 Example:
     >>> from fxforge.cli.summary import Summary
-    >>> from fxforge.rewrites.report import Report
+    >>> from fxforge.core.report import Report
     >>> page = render_html(Summary("Net", "2x8", Report(method="fx")), {"captured": "<svg></svg>"})
     >>> page.startswith("<!DOCTYPE html>"), "<svg></svg>" in page, "http" in page
     (True, True, False)

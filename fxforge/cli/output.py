@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from fxforge.files import atomic_write
+from fxforge.core.files import atomic_write
 
 
 class Outputs:

@@ -1,12 +1,12 @@
 """The final summary of ``fxforge optimize`` / ``export``: what changed, and what it bought, measured.
 
 Rows: rewrites applied, refused (near misses and rolled-back passes, with reasons), nodes before/after,
-simulated peak activation memory before/after (:func:`fxforge.runtime.memory.simulate_peak`), latency of
+simulated peak activation memory before/after (:func:`fxforge.core.memory.simulate_peak`), latency of
 eager and optimized measured in the same run (interleaved repetitions, medians), and the largest
 difference from eager of what was produced.
 
 Example:
-    >>> from fxforge.rewrites.report import Report
+    >>> from fxforge.core.report import Report
     >>> s = Summary(model="Net", inputs="2x8", report=Report(method="fx", nodes_before=5, nodes_after=4))
     >>> dict(s.rows())["nodes"]
     '5 -> 4'
@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from fxforge.rewrites.report import Report
+from fxforge.core.report import Report
 
 
 def format_bytes(n: int | None) -> str:
@@ -50,7 +50,7 @@ def simulated_peak(graph_module: torch.fx.GraphModule) -> int | None:
         >>> simulated_peak(gm)
         64
     """
-    from fxforge.runtime.memory import simulate_peak
+    from fxforge.core.memory import simulate_peak
 
     try:
         return simulate_peak(graph_module).peak_bytes

@@ -1,4 +1,11 @@
-"""Export to ONNX and run in ONNX Runtime: :func:`export_onnx` and :class:`OnnxRuntimeModule`.
+"""Exported forms of a rewritten graph, and running them.
+
+- :mod:`~fxforge.exporters.program`: ``torch.export`` programs of rewritten graphs; validation against PyTorch;
+- :mod:`~fxforge.exporters.onnx`: a checked, validated ONNX file (with :mod:`~fxforge.exporters.translations`
+  of fxforge's ops and :mod:`~fxforge.exporters.residual_norm`);
+- :mod:`~fxforge.exporters.pt2`: a ``.pt2`` artifact and :func:`~fxforge.exporters.pt2.load`;
+- :mod:`~fxforge.exporters.ort_module`: :class:`OnnxRuntimeModule`, the ONNX Runtime runner;
+- :mod:`~fxforge.exporters.target`: decorated classes that run in ONNX Runtime.
 
 Example:
     >>> import os, tempfile
@@ -7,7 +14,8 @@ Example:
     {'example inputs': 0.0}
 """
 
-from fxforge.exporters.onnx import ExportError, OnnxExport, export_onnx
+from fxforge.exporters.onnx import OnnxExport
 from fxforge.exporters.ort_module import InputShapeError, IOSpec, OnnxRuntimeModule
+from fxforge.exporters.program import ExportError
 
-__all__ = ["ExportError", "IOSpec", "InputShapeError", "OnnxExport", "OnnxRuntimeModule", "export_onnx"]
+__all__ = ["ExportError", "IOSpec", "InputShapeError", "OnnxExport", "OnnxRuntimeModule"]

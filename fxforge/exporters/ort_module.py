@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,9 +40,8 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
                  torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
-# What OnnxRuntimeModule.from_model passes on to the export (see fxforge.export_onnx).
-EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes", "opset", "attention",
-                  "external_data")
+# (args, kwargs, path, the session's options) -> (the OnnxExport, the OnnxRuntimeModule that validated it)
+Exporter = Callable[[tuple, dict, str, dict], tuple[Any, "OnnxRuntimeModule"]]
 
 
 class InputShapeError(ValueError):
@@ -279,7 +278,8 @@ class OnnxRuntimeModule(nn.Module):
         self._threads = intra_op_num_threads
         self._options = session_options
         self._session = None
-        self._export_options: dict | None = None
+        self._export: Exporter | None = None
+        self._export_path: str | None = None
         if owned_dir is not None:
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
         self.io = io
@@ -290,72 +290,45 @@ class OnnxRuntimeModule(nn.Module):
                                              len(self._session.get_outputs()))
 
     @classmethod
-    def from_model(cls, model: nn.Module, example_inputs: Any = None, *, path: str | os.PathLike | None = None,
-                   providers: Sequence[Any] | None = None, session_options: Any = None,
-                   intra_op_num_threads: int | None = None, **export_options: Any) -> OnnxRuntimeModule:
-        """Export ``model`` with :func:`fxforge.export_onnx` and run it here (what
-        ``fxforge.optimize(model, example_inputs, target="onnxruntime", ...)`` returns).
+    def deferred(cls, model: nn.Module, export: Exporter, *, path: str | os.PathLike | None = None,
+                 providers: Sequence[Any] | None = None, session_options: Any = None,
+                 intra_op_num_threads: int | None = None) -> OnnxRuntimeModule:
+        """A module that exports ``model`` on its first call (or :meth:`prepare`), with that call's inputs.
 
-        Without ``example_inputs`` the export happens on the first call, with that call's inputs. The
-        file goes to ``path`` if given, else to a temporary folder removed with the module.
-
-        Args:
-            model: the model (eval mode).
-            example_inputs: a tuple of positional inputs, one tensor, a dict of keyword inputs, or None.
-            path: where to keep the ONNX file.
-            providers, session_options, intra_op_num_threads: for the session (see the class).
-            export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
-                ``opset``, ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`).
+        ``export(args, kwargs, path, module_options)`` writes the checked, validated ONNX file at ``path``
+        and returns ``(OnnxExport, the OnnxRuntimeModule that validated it)``
+        (:func:`fxforge.planner.onnxruntime_module` hands in fxforge's export). The file goes to ``path`` if
+        given, else to a temporary folder removed with the module.
 
         Example:
-            >>> m = OnnxRuntimeModule.from_model(torch.nn.Tanh().eval(), intra_op_num_threads=1)
+            >>> from fxforge.planner import onnxruntime_module
+            >>> m = onnxruntime_module(torch.nn.Tanh().eval(), intra_op_num_threads=1)
             >>> m(torch.zeros(2)).tolist(), m.intra_op_num_threads
             ([0.0, 0.0], 1)
         """
-        unknown = sorted(set(export_options) - set(EXPORT_OPTIONS))
-        if unknown:
-            raise TypeError(f"unknown export options {', '.join(unknown)}; they are {', '.join(EXPORT_OPTIONS)}")
         module = cls(None, providers=providers, session_options=session_options,
                      intra_op_num_threads=intra_op_num_threads)
         module.__dict__["original"] = model  # not a submodule: the ONNX file holds the weights
-        module._export_options = dict(export_options, path=os.fspath(path) if path is not None else None)
-        if example_inputs is not None:
-            from fxforge.capture import normalize_inputs
-
-            args, kwargs = normalize_inputs(example_inputs)
-            module.prepare(*args, **kwargs)
+        module._export = export
+        module._export_path = os.fspath(path) if path is not None else None
         return module
 
     def prepare(self, *args: Any, **kwargs: Any) -> OnnxRuntimeModule:
-        """Export the model for these inputs now, if it was not exported yet (see :meth:`from_model`)."""
+        """Export the model for these inputs now, if it was not exported yet (see :meth:`deferred`)."""
         if self._session is not None:
             return self
-        if self._export_options is None:
+        if self._export is None:
             raise RuntimeError("this OnnxRuntimeModule has no ONNX file and no model to export")
-        from fxforge.exporters.onnx import check_options, eval_mode, prepare, write_checked
-
-        options = dict(self._export_options)
-        target = options.pop("path")
-        owned = None
+        target, owned = self._export_path, None
         if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
             raise FileNotFoundError(f"cannot write {target!r}: no folder {os.path.dirname(os.path.abspath(target))!r}")
         if target is None:
             owned = tempfile.mkdtemp(prefix="fxforge-ort-")
             target = os.path.join(owned, f"{type(self.original).__name__}.onnx")
         try:
-            opset = check_options(options.get("opset"), options.get("dynamic_batch", False),
-                                  options.get("dynamic_shapes"), options.get("attention", "MultiHeadAttention"))
-            with eval_mode(self.original):
-                captured = prepare(self.original, tuple(args), example_kwargs=kwargs, **{
-                    k: options[k] for k in ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes")
-                    if k in options})
-                result, validated = write_checked(
-                    captured, target, opset=opset, dynamic_batch=options.get("dynamic_batch", False),
-                    dynamic_shapes=options.get("dynamic_shapes"),
-                    attention=options.get("attention", "MultiHeadAttention"),
-                    external_data=options.get("external_data"),
-                    module_options={"providers": self._providers, "session_options": self._options,
-                                    "intra_op_num_threads": self._threads})
+            result, validated = self._export(tuple(args), dict(kwargs), target, {
+                "providers": self._providers, "session_options": self._options,
+                "intra_op_num_threads": self._threads})
         except BaseException:
             if owned is not None:
                 shutil.rmtree(owned, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The ``onnxruntime`` target of :func:`fxforge.optimize`: modules and classes run in ONNX Runtime.
+"""The ``onnxruntime`` target for decorated classes: instances that run in ONNX Runtime once in eval mode.
 
 Example:
     >>> @fxforge.optimize(target="onnxruntime")
@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -21,27 +22,21 @@ from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.runtime.native import decorated_subclass
 
 
-def optimize_onnxruntime(model: nn.Module, example_inputs: Any = None, **options: Any) -> OnnxRuntimeModule:
-    """``fxforge.optimize(model, example_inputs, target="onnxruntime", ...)``: see
-    :meth:`OnnxRuntimeModule.from_model` (exports now with example inputs, else on the first call).
-
-    Example:
-        >>> m = optimize_onnxruntime(torch.nn.ReLU().eval(), (torch.ones(2),))
-        >>> m.report.method
-        'fx'
-    """
-    return OnnxRuntimeModule.from_model(model, example_inputs, **options)
-
-
-def onnxruntime_class(cls: type[nn.Module], **options: Any) -> type[nn.Module]:
+def onnxruntime_class(cls: type[nn.Module], module_for: Callable[[nn.Module], OnnxRuntimeModule]) -> type[nn.Module]:
     """A subclass of ``cls`` whose instances run in ONNX Runtime once in eval mode.
 
     An instance exports itself on its first call in eval mode (with that call's inputs) and then runs
     the ONNX session (``instance.fxforge_onnxruntime``); in training mode it runs its own forward, since
     the ONNX file is for inference. The subclass keeps the class's name, module and docstring.
 
+    Args:
+        cls: the ``nn.Module`` class.
+        module_for: ``instance -> OnnxRuntimeModule`` that exports on its first call
+            (:meth:`OnnxRuntimeModule.deferred`; :func:`fxforge.planner.onnxruntime_module` makes one).
+
     Example:
-        >>> Fast = onnxruntime_class(torch.nn.Linear)
+        >>> from fxforge.planner import onnxruntime_module
+        >>> Fast = onnxruntime_class(torch.nn.Linear, onnxruntime_module)
         >>> layer = Fast(2, 2).eval()
         >>> isinstance(layer, torch.nn.Linear), layer(torch.ones(1, 2)).shape
         (True, torch.Size([1, 2]))
@@ -56,7 +51,7 @@ def onnxruntime_class(cls: type[nn.Module], **options: Any) -> type[nn.Module]:
         if state["module"] is None:
             state["exporting"] = True
             try:
-                module = OnnxRuntimeModule.from_model(self, **options)
+                module = module_for(self)
                 module.prepare(*args, **kwargs)
             finally:
                 state["exporting"] = False

@@ -50,7 +50,7 @@ fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporte
 Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x (ORT 1.31's CPU
 MultiHeadAttention does not take packed QKV), so it is not done.
 
-Activations (:data:`fxforge.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
+Activations (:data:`fxforge.rewrites.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
 ``leaky_relu`` -> ``LeakyRelu``; ``gelu``/``gelu_tanh`` -> ``Gelu`` (opset >= 20; below, its erf / tanh
 formula, which ORT fuses back into one Gelu); ``silu`` -> ``x * Sigmoid(x)`` (ORT fuses it); ``sigmoid``
 -> ``Sigmoid``; ``tanh`` -> ``Tanh``; ``hardswish`` -> ``HardSwish``.
@@ -84,8 +84,8 @@ import torch
 from onnx.defs import OpSchema
 from onnxscript import ir, values
 
-from fxforge import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
-from fxforge.capture.source import node_source
+from fxforge.core.source import node_source
+from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
 
 MIN_OPSET = 18
 DEFAULT_OPSET = 20  # torch.onnx's default, and the first with Gelu
@@ -157,7 +157,7 @@ def _gelu_formula(op: Any, y: Any, approximate: str) -> Any:
 
 
 def activation(op: Any, opset: int, y: Any, name: str, scalars: Any) -> Any:
-    """``y`` through the activation ``name`` of :data:`fxforge.fused_ops.ACTIVATIONS`, in ONNX ops.
+    """``y`` through the activation ``name`` of :data:`fxforge.rewrites.fused_ops.ACTIVATIONS`, in ONNX ops.
 
     Raises:
         ValueError: an activation without a translation here.

@@ -68,7 +68,7 @@ Example:
     >>> import torch.nn.functional as F
     >>> from fxforge.rewrites.passes import PassContext
     >>> gm = torch.fx.symbolic_trace(lambda q, k, v: F.softmax(q @ k.transpose(-2, -1) / 8, dim=-1) @ v)
-    >>> from fxforge.capture.meta import annotate
+    >>> from fxforge.core.shapes import annotate
     >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
     >>> ctx = PassContext("attention", training=False, method="fx")
     >>> replace_attention(gm, ctx); [m.what for m in ctx.matches]
@@ -87,9 +87,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from fxforge.capture.source import first_line, inherit_origin
-from fxforge.rewrites.cleanup import Refuse, proven_assertion
-from fxforge.rewrites.graph_utils import (
+from fxforge.core.nodes import (
     attribute_tensor,
     fake_value,
     is_effectful,
@@ -98,7 +96,9 @@ from fxforge.rewrites.graph_utils import (
     submodule,
     target_name,
 )
-from fxforge.rewrites.passes import Pass, PassContext
+from fxforge.core.source import first_line, inherit_origin
+from fxforge.rewrites.cleanup import proven_assertion
+from fxforge.rewrites.passes import Pass, PassContext, Refusal
 from fxforge.rewrites.pattern import _call, _propagate_meta, canonicalize
 
 F = nn.functional
@@ -441,7 +441,7 @@ def _perm(letters: list[str], order: list[str]) -> tuple[int, ...] | None:
     return None if perm == tuple(range(len(perm))) else perm
 
 
-def scores_operands(node: Node, gm: torch.fx.GraphModule) -> tuple[Operand, Operand] | Refuse | None:
+def scores_operands(node: Node, gm: torch.fx.GraphModule) -> tuple[Operand, Operand] | Refusal | None:
     """``(q, k)`` with q [.., L, E] and k [.., S, E] when ``node`` is a product giving scores [.., L, S]."""
     op = canonicalize(node, gm)
     if op is not None and op.name == "matmul":
@@ -459,38 +459,38 @@ def scores_operands(node: Node, gm: torch.fx.GraphModule) -> tuple[Operand, Oper
     query, key, batch = out[-2], out[-1], out[:-2]
     contracted = (set(la) & set(lb)) - set(out)
     if len(contracted) != 1:
-        return Refuse(f"the scores einsum '{equation}' contracts over {len(contracted)} dims, not one head dim")
+        return Refusal(f"the scores einsum '{equation}' contracts over {len(contracted)} dims, not one head dim")
     head = contracted.pop()
     for first, second in ((0, 1), (1, 0)):
         lq, lk = (la, lb)[first], (la, lb)[second]
         if sorted(lq) == sorted([*batch, query, head]) and sorted(lk) == sorted([*batch, key, head]):
             return (Operand(operands[first], _perm(lq, [*batch, query, head])),
                     Operand(operands[second], _perm(lk, [*batch, key, head])))
-    return Refuse(f"the scores einsum '{equation}' is not a product of queries and keys over one head dim")
+    return Refusal(f"the scores einsum '{equation}' is not a product of queries and keys over one head dim")
 
 
 def value_operand(node: Node, probs: Node, gm: torch.fx.GraphModule
-                  ) -> tuple[Operand, tuple[int, ...] | None] | Refuse | None:
+                  ) -> tuple[Operand, tuple[int, ...] | None] | Refusal | None:
     """``(v, output permutation)`` when ``node`` multiplies the probabilities ``probs`` [.., L, S] by values;
     v is [.., S, Ev] and the permutation takes SDPA's [.., L, Ev] to ``node``'s layout (None: same)."""
     op = canonicalize(node, gm)
     if op is not None and op.name == "matmul":
         if op.args["input"] is not probs:
-            return Refuse(f"the attention probabilities are the second operand of {node.name}, not the first")
+            return Refusal(f"the attention probabilities are the second operand of {node.name}, not the first")
         return Operand(op.args["other"]), None
     einsum = read_einsum(node)
     if einsum is None:
         return None
     equation, operands, letters, out = einsum
     if operands.count(probs) != 1:
-        return Refuse(f"the value einsum '{equation}' takes the probabilities twice")
+        return Refusal(f"the value einsum '{equation}' takes the probabilities twice")
     index = operands.index(probs)
     lp, lv = letters[index], letters[1 - index]
     key, query, batch = lp[-1], lp[-2], lp[:-2]
     extra = set(lv) - set(lp)
     if (len(extra) != 1 or key in out or query in lv or set(lv) != {*batch, key, *extra}
             or set(out) != {*batch, query, *extra}):
-        return Refuse(f"the value einsum '{equation}' does not contract the values over the softmax (key) dim")
+        return Refusal(f"the value einsum '{equation}' does not contract the values over the softmax (key) dim")
     head = extra.pop()
     canonical = [*batch, query, head]
     return Operand(operands[1 - index], _perm(lv, [*batch, key, head])), _perm(canonical, out)
@@ -726,7 +726,7 @@ class Fill:
 
 
 Step = Cast | Scale | AddMask | Fill
-Reader = Callable[[Node, torch.fx.GraphModule, Constants], "list[Step] | Refuse | None"]
+Reader = Callable[[Node, torch.fx.GraphModule, Constants], "list[Step] | Refusal | None"]
 
 
 def read_cast_step(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | None:
@@ -750,7 +750,7 @@ def _scale_factor(factor: Any, scores_value: torch.Tensor) -> str | None:
     return repr(factor)
 
 
-def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refuse | None:
+def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
     """Scores times or divided by a number, a number from shapes, or a one-element tensor."""
     op = canonicalize(node, gm)
     if op is None or op.name not in ("mul", "div") or (op.name == "div" and op.args["rounding_mode"] is not None):
@@ -764,11 +764,11 @@ def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> li
     if not pairs:
         return None
     scores, factor = pairs[0]
-    return Refuse(f"an element-wise tensor gate ({op.name} by {_scale_factor(factor, _tensor(scores))}) is applied "
+    return Refusal(f"an element-wise tensor gate ({op.name} by {_scale_factor(factor, _tensor(scores))}) is applied "
                   "to the scores before softmax")
 
 
-def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refuse | None:
+def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
     """Scores plus (or minus) a float tensor of a shape that broadcasts to theirs."""
     op = canonicalize(node, gm)
     if op is None or op.name not in ("add", "sub") or not isinstance(op.args["alpha"], (int, float)):
@@ -787,7 +787,7 @@ def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constant
         if s is None or m is None or s.shape != out.shape:
             continue
         if not m.is_floating_point():
-            return Refuse(f"the additive mask {mask.name} is {m.dtype}, not a float tensor")
+            return Refusal(f"the additive mask {mask.name} is {m.dtype}, not a float tensor")
         steps.append(AddMask(node, scores, mask, float(coefficient)))
     return steps or None
 
@@ -797,19 +797,19 @@ _MASKED_FILLS = {torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Te
 _WHERES = {torch.where, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar}
 
 
-def _fill(node: Node, scores: Any, condition: Any, keeps: bool, value: Any, constants: Constants) -> Step | Refuse | None:
+def _fill(node: Node, scores: Any, condition: Any, keeps: bool, value: Any, constants: Constants) -> Step | Refusal | None:
     if _tensor(scores) is None or _tensor(node) is None or _tensor(scores).shape != _tensor(node).shape:
         return None
     if _tensor(condition) is None or _tensor(condition).dtype != torch.bool:
         return None
     number = _number(value, constants)
     if number is None:
-        return Refuse(f"the scores are filled with {getattr(value, 'name', value)}, which is not a constant")
+        return Refusal(f"the scores are filled with {getattr(value, 'name', value)}, which is not a constant")
     number = torch.tensor(number, dtype=torch.float64).to(_tensor(node).dtype).item()  # as the scores hold it
     return Fill(node, scores, condition, keeps, number)
 
 
-def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refuse | None:
+def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
     """``masked_fill(mask, value)`` (also in place) or ``where(keep, scores, value)`` with a bool mask."""
     if _is_call(node, ("masked_fill", "masked_fill_"), _MASKED_FILLS):
         bound = _bound(node, ("input", "mask", "value"))
@@ -824,7 +824,7 @@ def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> lis
     else:
         return None
     steps = [f for f in found if isinstance(f, Fill)]
-    return steps or next((f for f in found if isinstance(f, Refuse)), None)
+    return steps or next((f for f in found if isinstance(f, Refusal)), None)
 
 
 # Read top to bottom: the first reader that recognises a node says what step it is.
@@ -835,11 +835,11 @@ _NONLINEAR = {"relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu
               "log_softmax", "softmax", "sign", "round", "floor", "ceil", "maximum", "minimum", "max", "min"}
 
 
-def _unknown_step(node: Node, gm: torch.fx.GraphModule) -> Refuse:
+def _unknown_step(node: Node, gm: torch.fx.GraphModule) -> Refusal:
     name = describe(node, gm)
     if name.rstrip("_").lower() in _NONLINEAR:
-        return Refuse(f"a non-linear function ({name}) is applied to the scores before softmax")
-    return Refuse(f"{name} between the scores product and softmax is not a scale, a mask or a cast")
+        return Refusal(f"a non-linear function ({name}) is applied to the scores before softmax")
+    return Refusal(f"{name} between the scores product and softmax is not a scale, a mask or a cast")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -853,7 +853,7 @@ class Scores:
 
 
 def _inplace_steps(node: Node, consumer: Node, gm: torch.fx.GraphModule, constants: Constants
-                   ) -> list[Step] | Refuse:
+                   ) -> list[Step] | Refusal:
     """Steps applied to ``node`` in place (``scores.masked_fill_(...)`` as a statement) before ``consumer``
     reads it; their results are unused, so the graph only shows them as extra users of ``node``."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -864,30 +864,30 @@ def _inplace_steps(node: Node, consumer: Node, gm: torch.fx.GraphModule, constan
         found = next((r for r in (reader(user, gm, constants) for reader in SCORE_STEPS) if r is not None), None)
         step = next((s for s in found if s.scores is node), None) if isinstance(found, list) else None
         if step is None:
-            return found if isinstance(found, Refuse) else _unknown_step(user, gm)
+            return found if isinstance(found, Refusal) else _unknown_step(user, gm)
         steps.append(step)
     return steps
 
 
 def walk_scores(node: Node, consumer: Node, gm: torch.fx.GraphModule, constants: Constants,
-                depth: int = 0) -> Scores | Refuse:
+                depth: int = 0) -> Scores | Refusal:
     """Walk back from ``node`` (what ``consumer`` reads) through :data:`SCORE_STEPS` to the scores product."""
     if depth > 32:
-        return Refuse("more than 32 steps between the scores product and softmax")
+        return Refusal("more than 32 steps between the scores product and softmax")
     inplace = _inplace_steps(node, consumer, gm, constants)
-    if isinstance(inplace, Refuse):
+    if isinstance(inplace, Refusal):
         return inplace
     found = scores_operands(node, gm)
-    if isinstance(found, Refuse):
+    if isinstance(found, Refusal):
         return found
     if found is not None:
         return Scores(node, found[0], found[1], tuple(inplace))
     steps = next((r for r in (reader(node, gm, constants) for reader in SCORE_STEPS) if r is not None), None)
     if steps is None:
         return _unknown_step(node, gm)
-    if isinstance(steps, Refuse):
+    if isinstance(steps, Refusal):
         return steps
-    failure: Refuse | None = None
+    failure: Refusal | None = None
     for step in steps:
         result = walk_scores(step.scores, node, gm, constants, depth + 1)
         if isinstance(result, Scores):
@@ -910,7 +910,7 @@ class Values:
     out_perm: tuple[int, ...] | None
 
 
-def walk_probs(softmax: Node, gm: torch.fx.GraphModule) -> Values | Refuse:
+def walk_probs(softmax: Node, gm: torch.fx.GraphModule) -> Values | Refusal:
     """Walk forward from the softmax through casts and dropout to the product with the values."""
     node, between = softmax, []
     while True:
@@ -918,15 +918,15 @@ def walk_probs(softmax: Node, gm: torch.fx.GraphModule) -> Values | Refuse:
         for user in users:
             found = value_operand(user, node, gm)
             if found is not None:
-                return found if isinstance(found, Refuse) else Values(tuple(between), user, *found)
+                return found if isinstance(found, Refusal) else Values(tuple(between), user, *found)
         following = [u for u in users if read_cast(u) is node or (read_dropout(u, gm) or [None])[0] is node]
         if len(following) != 1:
             others = [u for u in users if u not in following]
             name = describe(others[0], gm) if others else "nothing"
-            return Refuse(f"{name} between softmax and the value product (only casts and dropout may be there)")
+            return Refusal(f"{name} between softmax and the value product (only casts and dropout may be there)")
         dropout = read_dropout(following[0], gm)
         if dropout is not None and dropout[2]:
-            return Refuse(f"dropout (p={dropout[1]}) on the attention probabilities is active in training mode: "
+            return Refusal(f"dropout (p={dropout[1]}) on the attention probabilities is active in training mode: "
                           "SDPA's dropout draws different random numbers, so the result could not be verified")
         node = following[0]
         between.append(node)
@@ -1106,7 +1106,7 @@ def _is_masked(value: torch.Tensor) -> torch.Tensor:
     return (value == float("-inf")) | (value <= LARGE_NEGATIVE)
 
 
-def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refuse:
+def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refusal:
     """Check the steps' masks and decide how they become SDPA's (see the module docstring)."""
     steps = attention.scores.steps
     fills = [s for s in steps if isinstance(s, Fill)]
@@ -1120,22 +1120,22 @@ def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refuse:
             if isinstance(later, Scale):
                 factor = _number(later.factor, constants)
                 if later.is_tensor or factor is None or factor <= 0 or additive:
-                    return Refuse(f"the scores are scaled by {getattr(later.factor, 'name', later.factor)} after "
+                    return Refusal(f"the scores are scaled by {getattr(later.factor, 'name', later.factor)} after "
                                   f"the fill at {fill.node.name}")
                 value = value / factor if later.divide else value * factor
         values.append(value)
     if fills and not additive:
         if any(v != values[0] for v in values):
-            return Refuse(f"the masks fill different values ({values[0]} and {next(v for v in values if v != values[0])})")
+            return Refusal(f"the masks fill different values ({values[0]} and {next(v for v in values if v != values[0])})")
         if math.isnan(values[0]) or not (values[0] == -math.inf or values[0] <= LARGE_NEGATIVE):
-            return Refuse(f"the fill value {values[0]} does not mask: only -inf and values <= {LARGE_NEGATIVE:g} hide a key")
+            return Refusal(f"the fill value {values[0]} does not mask: only -inf and values <= {LARGE_NEGATIVE:g} hide a key")
         fix = "nan" if values[0] == -math.inf else "mean"
         return _constant_plan(attention, constants, MaskPlan("bool", fix))
     exact = [-math.inf] + ([] if attention.dtype == torch.float16 else [torch.finfo(attention.dtype).min])
     for fill in fills:
         if fill.value not in exact:
             combine = "-inf" if len(exact) == 1 else f"-inf or finfo({attention.dtype}).min"
-            return Refuse(f"a fill with {fill.value} combined with an additive mask has no exact SDPA mask "
+            return Refusal(f"a fill with {fill.value} combined with an additive mask has no exact SDPA mask "
                           f"(only {combine} combine in {attention.dtype})")
     fix = "nan" if any(f.value == -math.inf for f in fills) else None
     return _constant_plan(attention, constants, MaskPlan("float", fix))
@@ -1415,25 +1415,25 @@ def describe_change(attention: Attention, plan: MaskPlan) -> str:
 
 
 def find_attention(softmax: Softmax, gm: torch.fx.GraphModule, constants: Constants
-                   ) -> tuple[Attention, MaskPlan] | Refuse:
+                   ) -> tuple[Attention, MaskPlan] | Refusal:
     """The attention around ``softmax`` and how its mask reaches SDPA, or why it is not replaced."""
     ndim = _tensor(softmax.node).ndim
     if softmax.dim != ndim - 1:
-        return Refuse(f"softmax over dim {softmax.dim} of {ndim}, not the last (key) dim")
+        return Refusal(f"softmax over dim {softmax.dim} of {ndim}, not the last (key) dim")
     scores = walk_scores(softmax.input, softmax.node, gm, constants)
-    if isinstance(scores, Refuse):
+    if isinstance(scores, Refusal):
         return scores
     values = walk_probs(softmax.node, gm)
-    if isinstance(values, Refuse):
+    if isinstance(values, Refusal):
         return values
     attention = Attention(softmax, scores, values)
     for check in CHECKS:
         reason = check(attention, gm)
         if reason:
-            return Refuse(reason)
+            return Refusal(reason)
     attention.gqa = find_gqa(attention)
     plan = plan_mask(attention, constants)
-    if isinstance(plan, Refuse):
+    if isinstance(plan, Refusal):
         return plan
     return attention, plan
 
@@ -1500,8 +1500,8 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         try:
             found = find_attention(softmax, gm, constants)
         except Exception as error:  # noqa: BLE001 - one unreadable softmax must not stop the others
-            found = Refuse(f"the attention could not be analysed: {first_line(error)}")
-        if isinstance(found, Refuse):
+            found = Refusal(f"the attention could not be analysed: {first_line(error)}")
+        if isinstance(found, Refusal):
             if looks_like_attention(node, gm):
                 ctx.refused(node, str(found))
             continue

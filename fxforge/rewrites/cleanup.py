@@ -31,19 +31,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fxforge.rewrites.graph_utils import CALL_OPS, fake_value, is_effectful, mutated_aliases, submodule
-from fxforge.rewrites.passes import Pass, PassContext
+from fxforge.core.nodes import CALL_OPS, fake_value, is_effectful, mutated_aliases, submodule
+from fxforge.rewrites.passes import Pass, PassContext, Refusal
 
 F = nn.functional
 aten = torch.ops.aten
 
 
-class Refuse(str):
-    """A reason a rule looked at a node and left it alone (recorded as a near miss)."""
-
-
-# A rule's check returns the node that replaces the matched one, a Refuse reason, or None (no match).
-Check = Callable[[torch.fx.Node, torch.fx.GraphModule, PassContext], "torch.fx.Node | Refuse | None"]
+# A rule's check returns the node that replaces the matched one, a Refusal, or None (no match).
+Check = Callable[[torch.fx.Node, torch.fx.GraphModule, PassContext], "torch.fx.Node | Refusal | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +87,7 @@ def dropout_in_eval(node, gm, ctx):
     else:
         return None
     if training and p != 0:
-        return Refuse(f"dropout (p={p}) is active in training mode")
+        return Refusal(f"dropout (p={p}) is active in training mode")
     return _input(node)
 
 
@@ -114,7 +110,7 @@ def contiguous_of_contiguous(node, gm, ctx):
     source = _input(node)
     value = fake_value(source)
     if value is None:
-        return Refuse("no shape metadata for the input")
+        return Refusal("no shape metadata for the input")
     memory_format = _arg(node, 1, "memory_format", torch.contiguous_format)
     if not value.is_contiguous(memory_format=memory_format):
         return None
@@ -135,11 +131,11 @@ def conversion_to_same(node, gm, ctx):
         return None  # an explicit copy, or x.type() returning a type name
     source, value, result = _input(node), fake_value(_input(node)), fake_value(node)
     if value is None or result is None:
-        return Refuse("no shape metadata")
+        return Refusal("no shape metadata")
     if not _same_tensor_layout(value, result):
         return None
     if node.target is aten._to_copy.default and (mutated_aliases(node, gm) or mutated_aliases(source, gm)):
-        return Refuse("the copy or its source is mutated in place later")
+        return Refusal("the copy or its source is mutated in place later")
     return source
 
 
@@ -155,11 +151,11 @@ def reshape_to_same(node, gm, ctx):
         return None
     source, value, result = _input(node), fake_value(_input(node)), fake_value(node)
     if value is None or result is None:
-        return Refuse("no shape metadata")
+        return Refusal("no shape metadata")
     if not _same_tensor_layout(value, result):
         return None
     if node.target is aten._unsafe_view.default and mutated_aliases(node, gm):
-        return Refuse("the result is mutated in place later")
+        return Refusal("the result is mutated in place later")
     return source
 
 
@@ -173,7 +169,7 @@ def proven_assertion(node, gm, ctx):
         return None
     value = fake_value(_input(node))
     if value is None:
-        return Refuse("no shape metadata")
+        return Refusal("no shape metadata")
     expected = {"dtype": value.dtype, "device": value.device, "layout": value.layout}
     for key, actual in expected.items():
         wanted = node.kwargs.get(key)
@@ -208,8 +204,8 @@ def remove_no_ops(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[NoOpRu
             outcome = rule.check(node, gm, ctx)
             if outcome is None:
                 continue
-            if isinstance(outcome, Refuse):
-                ctx.refused(node, str(outcome))
+            if isinstance(outcome, Refusal):
+                ctx.refused(node, outcome)
                 break
             ctx.matched(rule.what, [node])
             node.replace_all_uses_with(outcome)

@@ -12,17 +12,19 @@ relu, relu6/hardtanh, leaky_relu, gelu, silu, sigmoid, tanh and hardswish; see
 It runs after ``conv_bn_fold``, so conv+BN+activation chains end as one op. Each rule refuses, with
 the reason, in training mode (the fused ops are for inference; training keeps eager's ops), when an
 activation's parameter is computed at run time, and when the added tensor's shape or dtype differs from
-the convolution's output (no broadcasting). After fusing, :mod:`fxforge.rewrites.autotune` times the
+the convolution's output (no broadcasting). After fusing, the pass asks its context's tuner
+(:func:`fxforge.lowering.autotune.autotune` when called through :func:`fxforge.rewrite`), which times the
 kernels of each fused op on the real shapes, picks the memory layout, and keeps the fusion only if the
-whole graph got faster; the report lists its choices and timings.
+whole graph got faster; the report lists its choices and timings. Without a tuner (an ONNX export:
+ONNX Runtime picks its own kernels) the fused ops keep their composite kernel, unmeasured.
 
 Example:
     >>> from torch import nn
+    >>> from fxforge.lowering.autotune import TuningPolicy
     >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
     >>> cap = fxforge.capture(model, (torch.randn(1, 3, 8, 8),))
-    >>> from fxforge.rewrites.autotune import forced
-    >>> with forced(keep="fused"):  # a model this small may measure no faster fused
-    ...     new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"])
+    >>> new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"],
+    ...                       tuning=TuningPolicy(keep="fused"))  # a model this small may measure no faster
     >>> new.report.counts
     {'conv_bn_fold': 1, 'conv_activation': 1}
 """
@@ -37,10 +39,9 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from fxforge import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
-from fxforge.rewrites.autotune import autotune
-from fxforge.rewrites.graph_utils import copy_graph_module
-from fxforge.rewrites.passes import Pass, PassContext
+from fxforge.core.nodes import copy_graph_module
+from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
+from fxforge.rewrites.passes import Pass, PassContext, Refusal
 from fxforge.rewrites.pattern import Match, Rule, apply_rules
 
 F = nn.functional
@@ -56,7 +57,7 @@ class Activation:
     Attributes:
         name: how rules and the report name it.
         pattern: ``(y, p, q) -> torch calls``; ``p``/``q`` stand for the activation's parameters.
-        fused: ``(p, q) -> (activation, scalars)`` for the fused op (see :mod:`fxforge.fused_ops`).
+        fused: ``(p, q) -> (activation, scalars)`` for the fused op (see :mod:`fxforge.rewrites.fused_ops`).
 
     Example:
         >>> HARDTANH.fused(0.0, 6.0)
@@ -84,32 +85,33 @@ ACTIVATIONS: list[Activation] = [
 NO_ACTIVATION = Activation("none", lambda y, p, q: y, lambda p, q: ("none", []))
 
 
-def refuse_unfusable(match: Match) -> str | None:
+def refuse_unfusable(match: Match) -> Refusal | None:
     """Why the matched ops cannot become one fused op, or None.
 
     Example:
         >>> g = torch.fx.Graph(); x = g.placeholder("x"); _ = g.output(x)
         >>> gm = torch.fx.GraphModule(torch.nn.Module(), g)
-        >>> refuse_unfusable(Match(gm, {"x": x, "p": x}, [x]))
+        >>> str(refuse_unfusable(Match(gm, {"x": x, "p": x}, [x])))
         'the activation parameter p is computed at run time'
     """
     for name in ("p", "q"):
         if isinstance(match.bindings.get(name), Node):
-            return f"the activation parameter {name} is computed at run time"
+            return Refusal(f"the activation parameter {name} is computed at run time")
     if match.bindings.get("p") not in (None, "none", "tanh") and isinstance(match.bindings.get("p"), str):
-        return f"gelu approximation {match['p']!r} is not one the fused op has"
+        return Refusal(f"gelu approximation {match['p']!r} is not one the fused op has")
     padding = match.bindings.get("padding")
     if isinstance(padding, str):
-        return f"padding={padding!r} that is not a fixed number of elements"
+        return Refusal(f"padding={padding!r} that is not a fixed number of elements")
     result = match.anchor.meta.get("val")
     tensors = [match.tensor(k) for k in ("x", "w", "other") if k in match.bindings]
     if not isinstance(result, torch.Tensor) or any(t is None for t in tensors):
-        return "no shape metadata for the matched values"
+        return Refusal("no shape metadata for the matched values")
     if not all(t.is_floating_point() for t in tensors) or len({t.dtype for t in tensors}) > 1:
-        return "the inputs are not floating point tensors of one dtype"
+        return Refusal("the inputs are not floating point tensors of one dtype")
     other = match.tensor("other") if "other" in match.bindings else None
     if other is not None and (other.shape != result.shape or other.dtype != result.dtype):
-        return f"the added tensor has shape {tuple(other.shape)}, the convolution's output {tuple(result.shape)}"
+        return Refusal(f"the added tensor has shape {tuple(other.shape)}, the convolution's output "
+                       f"{tuple(result.shape)}")
     return None
 
 
@@ -174,16 +176,20 @@ RULES: list[Rule] = [
 
 
 def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
-    """The ``conv_activation`` pass: apply :data:`RULES`, then let autotune keep what is faster."""
+    """The ``conv_activation`` pass: apply :data:`RULES`, then let the context's tuner keep what is faster."""
     if ctx.training:
         for node in graph_module.graph.nodes:
             if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in RULES):
-                ctx.refused(node, "fused ops are for inference; in training mode eager's ops are kept")
+                ctx.refused(node, Refusal("fused ops are for inference; in training mode eager's ops are kept"))
         return
     before = copy_graph_module(graph_module)
     apply_rules(graph_module, ctx, RULES)
-    if ctx.matches:
-        autotune(graph_module, before, ctx)
+    if not ctx.matches or ctx.tuner is None:
+        return
+    tuned = ctx.tuner(graph_module, before, ctx)
+    if not tuned.fused:
+        ctx.matches.clear()
+    ctx.lowered_run = tuned.lowered_run
 
 
 CONV_ACTIVATION = Pass("conv_activation", fuse_and_tune,

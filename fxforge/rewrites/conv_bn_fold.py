@@ -30,34 +30,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxforge.rewrites.passes import Refusal
 from fxforge.rewrites.pattern import Match, Rule, rules_pass
 
 F = nn.functional
 CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def refuse_unfoldable(match: Match) -> str | None:
+def refuse_unfoldable(match: Match) -> Refusal | None:
     """Why the BatchNorm cannot be folded into the convolution, or None.
 
     Example:
         >>> g = torch.fx.Graph(); x = g.placeholder("x"); _ = g.output(x)
         >>> m = Match(torch.fx.GraphModule(torch.nn.Module(), g), {"mean": None, "training": False}, [x])
-        >>> refuse_unfoldable(m)
+        >>> str(refuse_unfoldable(m))
         'BatchNorm has no running statistics (track_running_stats=False)'
     """
     if match["mean"] is None or match["var"] is None:
-        return "BatchNorm has no running statistics (track_running_stats=False)"
+        return Refusal("BatchNorm has no running statistics (track_running_stats=False)")
     if match["training"]:
-        return "BatchNorm uses batch statistics in training mode; folding needs eval mode"
+        return Refusal("BatchNorm uses batch statistics in training mode; folding needs eval mode")
     weight, mean, var = match.tensor("w"), match.tensor("mean"), match.tensor("var")
     if weight is None or mean is None or var is None:
-        return "no shape metadata for the convolution weight or the BatchNorm statistics"
+        return Refusal("no shape metadata for the convolution weight or the BatchNorm statistics")
     channels = weight.shape[0]
     others = [match.tensor(k) for k in ("b", "gamma", "beta") if match[k] is not None]
     if any(t is None or tuple(t.shape) != (channels,) for t in [mean, var, *others]):
-        return f"BatchNorm parameters do not have the convolution's {channels} output channels"
+        return Refusal(f"BatchNorm parameters do not have the convolution's {channels} output channels")
     if any(not t.is_floating_point() for t in [weight, mean, var, *others]):
-        return "non-floating-point convolution or BatchNorm tensors"
+        return Refusal("non-floating-point convolution or BatchNorm tensors")
     return None
 
 

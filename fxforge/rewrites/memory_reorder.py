@@ -2,7 +2,7 @@
 
 The code torch.fx generates frees every value after its last use, so on a branchy graph (randomly wired
 networks, Inception blocks, NAS cells) the order of the nodes decides how much is alive at once. This
-pass chooses the order with the memory model of :mod:`fxforge.runtime.memory` (views and in-place ops
+pass chooses the order with the memory model of :mod:`fxforge.core.memory` (views and in-place ops
 allocate nothing, inputs and parameters are not counted, outputs live to the end, a few ops' scratch
 counts while they run). Select it as ``fxforge.rewrite(cap, [..., MEMORY_REORDER])``, or
 :func:`memory_reorder_pass` for another search budget.
@@ -62,15 +62,15 @@ from collections.abc import Callable, Generator, Sequence
 import torch
 from torch.fx.node import _side_effectful_functions
 
-from fxforge.rewrites.graph_utils import (
-    _is_torch_nn_module,
+from fxforge.core.memory import GraphMemory
+from fxforge.core.nodes import (
     is_effectful,
     is_inplace,
     is_random,
+    is_torch_nn_module,
     submodule,
 )
 from fxforge.rewrites.passes import Pass, PassContext
-from fxforge.runtime.memory import GraphMemory
 
 _ROOTS = ("placeholder", "get_attr")
 
@@ -199,7 +199,7 @@ def effect_kind(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str | None:
         return "global"
     if node.op == "call_module":
         module = submodule(node, gm)
-        if module is None or not _is_torch_nn_module(module) or module.training:
+        if module is None or not is_torch_nn_module(module) or module.training:
             return "global"
     return "mutation"
 

@@ -1,8 +1,13 @@
 """What a rewrite pass is: a named function that edits a GraphModule and says what it did.
 
 A pass is a plain function ``(graph_module, ctx) -> None`` that mutates the graph and tells ``ctx`` each
-change (:meth:`PassContext.matched`) and each refusal (:meth:`PassContext.refused`). The pipeline copies
-the graph before the pass, lints and verifies after it, and rolls it back if results changed.
+change (:meth:`PassContext.matched`) and each refusal (:meth:`PassContext.refused`, with a
+:class:`Refusal`: the one way every check in fxforge says "no, because..."). The pipeline copies the
+graph before the pass, lints and verifies after it, and rolls it back if results changed.
+
+A pass that makes choices only measurement can settle (``conv_activation``: keep a fusion only where it
+is faster) asks ``ctx.tuner``, a function the caller hands in (fxforge's autotune, with the caller's
+tuning policy), and gets a :class:`Tuned` back; without a tuner it keeps its rewrite unmeasured.
 
 Example:
     >>> import torch
@@ -19,8 +24,56 @@ from collections.abc import Callable
 
 import torch
 
-from fxforge.capture.source import node_source
-from fxforge.rewrites.report import Match, NearMiss, Tuning
+from fxforge.core.captured import LoweredRun
+from fxforge.core.report import Applied, NearMiss, Tuning
+from fxforge.core.source import node_source
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a rule looked at a node and left it alone; it lands in the report as a near miss.
+
+    Every check in fxforge returns a ``Refusal`` (or None when nothing is in the way): a rule's
+    ``check``, cleanup's no-op rules, attention's readers.
+
+    Example:
+        >>> str(Refusal("dtypes differ")), Refusal.of("dtypes differ") == Refusal("dtypes differ")
+        ('dtypes differ', True)
+    """
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+    @classmethod
+    def of(cls, value: Refusal | str | None) -> Refusal | None:
+        """``value`` as a Refusal: a user's check may return the reason as a plain string."""
+        if value is None or isinstance(value, Refusal):
+            return value
+        return cls(str(value)) if value else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """What a tuner decided for a rewritten graph (see :func:`fxforge.lowering.autotune.autotune`).
+
+    Attributes:
+        fused: whether the rewrite stays (False: the graph was put back as it was before it).
+        lowered_run: the kept graph lowered and run on the verification inputs, handed on so that
+            neither is done again (None when the tuner did not run it).
+
+    Example:
+        >>> Tuned(fused=False).lowered_run is None
+        True
+    """
+
+    fused: bool
+    lowered_run: LoweredRun | None = None
+
+
+# (graph module after the rewrite, the graph module before it, the pass's context) -> Tuned
+Tuner = Callable[[torch.fx.GraphModule, torch.fx.GraphModule, "PassContext"], Tuned]
 
 
 @dataclasses.dataclass
@@ -35,13 +88,15 @@ class PassContext:
             measure (autotune).
         check_inputs: the inputs verification will compare the rewritten graph on (the example inputs,
             then random ones; None without verification): a pass that runs its graph anyway can run it
-            on these and record the outputs (:func:`fxforge.verify.remember_output`).
+            on these and hand the outputs on (``lowered_run``).
+        tuner: measures choices a pass cannot prove (see the module docstring); None: nothing is timed.
         matches, near_misses, tuning: filled by :meth:`matched`, :meth:`refused` and :meth:`tuned`.
+        lowered_run: the rewritten graph as the tuner lowered and ran it, for verification and lowering.
 
     Example:
         >>> ctx = PassContext("demo", training=False, method="fx")
         >>> g = torch.fx.Graph(); n = g.placeholder("x")
-        >>> ctx.refused(n, "not a tensor"); ctx.near_misses[0].reason
+        >>> ctx.refused(n, Refusal("not a tensor")); ctx.near_misses[0].reason
         'not a tensor'
     """
 
@@ -51,18 +106,20 @@ class PassContext:
     example_args: tuple | None = None
     example_kwargs: dict | None = None
     check_inputs: list[tuple[tuple, dict]] | None = None
-    matches: list[Match] = dataclasses.field(default_factory=list)
+    tuner: Tuner | None = None
+    matches: list[Applied] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     tuning: list[Tuning] = dataclasses.field(default_factory=list)
+    lowered_run: LoweredRun | None = None
 
     def matched(self, what: str, nodes: list[torch.fx.Node]) -> None:
         """Record one application that replaced ``nodes`` (call before erasing them)."""
         source = next((s for s in (node_source(n) for n in nodes) if s), None)
-        self.matches.append(Match(self.rule, what, [n.name for n in nodes], source))
+        self.matches.append(Applied(self.rule, what, [n.name for n in nodes], source))
 
-    def refused(self, node: torch.fx.Node, reason: str) -> None:
+    def refused(self, node: torch.fx.Node, refusal: Refusal | str) -> None:
         """Record that the pass looked at ``node`` and refused, with the reason."""
-        self.near_misses.append(NearMiss(self.rule, node.name, reason, node_source(node)))
+        self.near_misses.append(NearMiss(self.rule, node.name, str(refusal), node_source(node)))
 
     def tuned(self, subject: str, choice: str, timings: dict[str, float], note: str = "", *,
               unit: str = "ms", kind: str = "autotune") -> None:

@@ -43,8 +43,7 @@ import torch
 from torch import nn
 from torch.fx import Node
 
-from fxforge.capture.source import inherit_origin
-from fxforge.rewrites.graph_utils import (
+from fxforge.core.nodes import (
     CALL_OPS,
     attribute_tensor,
     is_effectful,
@@ -52,8 +51,9 @@ from fxforge.rewrites.graph_utils import (
     is_view_op,
     submodule,
 )
-from fxforge.rewrites.passes import Pass, PassContext
-from fxforge.verify import CONSTANT_BUFFER_PREFIX
+from fxforge.core.source import inherit_origin
+from fxforge.core.verify import CONSTANT_BUFFER_PREFIX
+from fxforge.rewrites.passes import Pass, PassContext, Refusal
 
 F = nn.functional
 aten = torch.ops.aten
@@ -454,7 +454,8 @@ class Rule:
         pattern: a function of tensors (and, for attributes such as strides, other values) returning
             the value to replace.
         replacement: a function with the same parameters returning the new value.
-        check: ``check(match) -> reason | None``; a reason refuses the match and lands in the report.
+        check: ``check(match) -> Refusal | None`` (the reason may be a plain string too); a refusal
+            leaves the match alone and lands in the report.
         fold: compute the parameter-only parts of the replacement once, as new tensors (eval only).
         description: one line for ``fxforge rewrites``.
 
@@ -467,7 +468,7 @@ class Rule:
     name: str
     pattern: Callable
     replacement: Callable
-    check: Callable[[Match], str | None] | None = None
+    check: Callable[[Match], Refusal | str | None] | None = None
     fold: bool = False
     description: str = ""
     keeps_meta = True  # the engine gives each node it creates shape metadata (see Pass.keeps_meta)
@@ -488,21 +489,6 @@ def rules_pass(name: str, rules: list[Rule], description: str = "") -> Pass:
         'double'
     """
     return Pass(name, lambda gm, ctx: apply_rules(gm, ctx, rules), description, keeps_meta=True)
-
-
-def register(rule: Rule | Pass) -> Rule | Pass:
-    """Make a rule selectable by name (``rewrites=["default", "my_rule"]``); returns it unchanged.
-
-    Example:
-        >>> from fxforge.rewrites.registry import BUILTIN
-        >>> _ = register(Rule("demo_double", lambda x: x + x, lambda x: x * 2)); "demo_double" in BUILTIN
-        True
-        >>> del BUILTIN["demo_double"]
-    """
-    from fxforge.rewrites.registry import BUILTIN
-
-    BUILTIN[rule.name] = rule
-    return rule
 
 
 def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule]) -> None:
@@ -529,13 +515,13 @@ def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule]) -
                 ctx.refused(node, reason)
 
 
-def _refusal(rule: Rule, match: Match, ctx: PassContext) -> str | None:
+def _refusal(rule: Rule, match: Match, ctx: PassContext) -> Refusal | None:
     """Why this match must not be replaced, or None: the rule's check, then the engine's safety rules."""
-    reason = rule.check(match) if rule.check is not None else None
-    if reason:
-        return reason
+    refusal = Refusal.of(rule.check(match)) if rule.check is not None else None
+    if refusal is not None:
+        return refusal
     if rule.fold and ctx.training:
-        return "folds parameters into constants, which would stop their gradients in training mode"
+        return Refusal("folds parameters into constants, which would stop their gradients in training mode")
     gm, inside = match.graph_module, set(match.nodes)
     for op in match.ops.values():
         inside.update(op.covered)
@@ -543,21 +529,23 @@ def _refusal(rule: Rule, match: Match, ctx: PassContext) -> str | None:
     for node in sorted(inside - {match.anchor}, key=order.__getitem__):
         outside = [u.name for u in node.users if u not in inside]
         if outside:
-            return f"the value of {node.name} is also used outside the match (by {', '.join(outside)})"
+            return Refusal(f"the value of {node.name} is also used outside the match (by {', '.join(outside)})")
     for op in match.ops.values():
         unknown = op.name not in SIGNATURES  # known ops' only state is BatchNorm's (op.effect)
         if op.effect or (unknown and is_effectful(op.node, gm)):
-            return f"{op.node.name} has a side effect the replacement would drop ({op.effect or 'state or mutation'})"
+            return Refusal(f"{op.node.name} has a side effect the replacement would drop "
+                           f"({op.effect or 'state or mutation'})")
         mutated = op.args.get("input") if op.inplace else None
         visible = isinstance(mutated, Node) and (mutated.op in ("placeholder", "get_attr") or is_view_op(mutated)
                                                  or len(mutated.users) > 1)
         if visible and mutated not in inside:
-            return f"{op.node.name} changes {mutated.name} in place, and that change is visible outside the match"
+            return Refusal(f"{op.node.name} changes {mutated.name} in place, and that change is visible outside "
+                           "the match")
     first, last = order[match.nodes[0]], order[match.anchor]
     for value in match.bindings.values():
         for user in value.users if isinstance(value, Node) else ():
             if user not in inside and first < order[user] < last and is_effectful(user, gm):
-                return f"{value.name} is changed in place by {user.name} between the matched ops"
+                return Refusal(f"{value.name} is changed in place by {user.name} between the matched ops")
     return None
 
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from fxforge.capture.meta import annotate
-from fxforge.capture.source import first_line
-from fxforge.captured import Captured
-from fxforge.rewrites.graph_utils import copy_graph_module, count_calls
-from fxforge.rewrites.passes import PassContext
+from fxforge.core.captured import Captured, LoweredRun
+from fxforge.core.nodes import copy_graph_module, count_calls
+from fxforge.core.report import Report, RolledBack
+from fxforge.core.shapes import annotate
+from fxforge.core.source import first_line
+from fxforge.core.verify import check_same, isolated, random_like
+from fxforge.rewrites.passes import PassContext, Tuner
 from fxforge.rewrites.registry import resolve
-from fxforge.rewrites.report import RolledBack
-from fxforge.verify import check_same, isolated, random_like, remembered_outputs
 
 # Example inputs plus this many random inputs of the same shapes and dtypes.
 RANDOM_CHECKS = 2
@@ -50,23 +50,28 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules
     return outputs
 
 
-def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) -> Captured:
+def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,
+            tuner: Tuner | None = None) -> Captured:
     """Apply rewrites to a captured graph and return a new ``Captured`` with a report.
 
     Passes run in order. Each works on a copy of the graph (parameters shared, never modified) and the
     graph is linted after it. With ``verify=True`` the rewritten graph is compared with the captured one
     on the example inputs and on random inputs of the same shapes and dtypes (same RNG seed, buffers
-    restored; a graph a pass already ran on the example inputs, as autotune runs the graph it chose,
-    is not run on them again: its recorded outputs are compared). When they agree, every pass is
-    verified at once; when they do not (or the rewritten graph raises), the passes run again one at a
-    time, each checked against the graph before it, and a pass that raises or changes results beyond
-    tolerance is rolled back and reported with the error it caused.
+    restored; a graph a pass already ran on those inputs, as autotune runs the graph it chose, is not run
+    on them again: its outputs, handed on as a :class:`~fxforge.core.captured.LoweredRun`, are compared).
+    When they agree, every pass is verified at once; when they do not (or the rewritten graph raises),
+    the passes run again one at a time, each checked against the graph before it, and a pass that raises
+    or changes results beyond tolerance is rolled back and reported with the error it caused.
+
+    This is the rewrite stage alone: :func:`fxforge.rewrite` calls it with fxforge's autotune as the tuner.
 
     Args:
         captured: from :func:`fxforge.capture`; left unchanged.
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check the rewrites numerically (recommended; costs one run of the graph per input, more
             only when a pass has to be found and rolled back).
+        tuner: measures what passes cannot prove (see :class:`~fxforge.rewrites.passes.PassContext`); None:
+            fused ops keep their composite kernel, unmeasured.
 
     Example:
         >>> import fxforge
@@ -78,8 +83,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     passes = resolve(rewrites)
     if not verify:
         report = captured.report.copy()
-        current = _apply(passes, captured, report, check=None)
-        return _finish(captured, current, report)
+        current, run = _apply(passes, captured, report, check=None, tuner=tuner)
+        return _finish(captured, current, report, run)
     inputs = verification_inputs(captured)
     modules = [captured.module, captured.graph_module]
     if captured.example_outputs is not None:  # capture ran the model on the example inputs already
@@ -87,11 +92,11 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
     else:
         reference = _outputs(captured.graph_module, inputs, modules)
     report = captured.report.copy()
-    current = _apply(passes, captured, report, check=None, check_inputs=inputs)
+    current, run = _apply(passes, captured, report, check=None, check_inputs=inputs, tuner=tuner)
     if report.matches:
         try:
             result = check_same(captured.graph_module, current, inputs, [captured.module, current],
-                                reference_outputs=reference, candidate_outputs=remembered_outputs(current, inputs))
+                                reference_outputs=reference, candidate_outputs=_ran(run, current, inputs))
         except Exception:  # noqa: BLE001 - found and reported below, pass by pass
             result = None
         if result is not None and result.ok:
@@ -99,27 +104,36 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True) 
             report.verified.append(f"{applied}: verified together, max abs error {result.max_abs_err:.3g}")
         else:
             report = captured.report.copy()
-            current = _apply(passes, captured, report, check=(inputs, reference), check_inputs=inputs)
-    return _finish(captured, current, report)
+            current, run = _apply(passes, captured, report, check=(inputs, reference), check_inputs=inputs,
+                                  tuner=tuner)
+    return _finish(captured, current, report, run)
 
 
-def _finish(captured: Captured, current: torch.fx.GraphModule, report: Any) -> Captured:
+def _ran(run: LoweredRun | None, graph_module: torch.fx.GraphModule, inputs: list) -> dict[int, Any]:
+    """The outputs a tuner recorded for ``graph_module`` on ``inputs`` (empty if it computes another function)."""
+    return run.outputs_for(graph_module, inputs) if run is not None else {}
+
+
+def _finish(captured: Captured, current: torch.fx.GraphModule, report: Report, run: LoweredRun | None) -> Captured:
     report.nodes_after = count_calls(current.graph)
-    return captured.replace(graph_module=current, report=report)
+    run = run if run is not None and run.lowers(current) else None
+    return captured.replace(graph_module=current, report=report, lowered_run=run)
 
 
-def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, list] | None,
-           check_inputs: list | None = None) -> torch.fx.GraphModule:
+def _apply(passes: list, captured: Captured, report: Report, check: tuple[list, list] | None,
+           check_inputs: list | None = None, tuner: Tuner | None = None
+           ) -> tuple[torch.fx.GraphModule, LoweredRun | None]:
     """Run ``passes`` from the captured graph, recording into ``report``; with ``check=(inputs,
     reference outputs)`` verify each pass (its graph against the captured one's outputs, so errors
     cannot drift from pass to pass) and roll back those that differ. ``check_inputs`` (the verification
-    inputs) go to the passes' context."""
-    current = captured.graph_module
+    inputs) and ``tuner`` go to the passes' context. Returns the graph and the latest lowered run a pass
+    handed on (it may no longer match the graph)."""
+    current, run = captured.graph_module, None
     reference = check[1] if check else None
     for rewrite_pass in passes:
         ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method,
                           example_args=captured.example_args, example_kwargs=captured.example_kwargs,
-                          check_inputs=check_inputs)
+                          check_inputs=check_inputs, tuner=tuner)
         candidate = copy_graph_module(current)
         try:
             rewrite_pass.apply(candidate, ctx)
@@ -141,7 +155,7 @@ def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, lis
             modules = [captured.module, candidate]
             try:
                 result = check_same(current, candidate, inputs, modules, reference_outputs=reference,
-                                    candidate_outputs=remembered_outputs(candidate, inputs))
+                                    candidate_outputs=_ran(ctx.lowered_run, candidate, inputs))
             except Exception as error:  # noqa: BLE001 - a rewritten graph that cannot run is rolled back
                 report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches),
                                                      f"the rewritten graph raised {first_line(error)}"))
@@ -151,5 +165,5 @@ def _apply(passes: list, captured: Captured, report: Any, check: tuple[list, lis
                 continue
             report.verified.append(f"{rewrite_pass.name}: max abs error {result.max_abs_err:.3g}")
         report.matches.extend(ctx.matches)
-        current = candidate
-    return current
+        current, run = candidate, ctx.lowered_run or run
+    return current, run

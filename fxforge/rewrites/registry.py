@@ -74,3 +74,16 @@ def resolve(rewrites: str | Iterable[Any] | None) -> list[Any]:
         else:
             raise TypeError(f"rewrites entries must be names or objects with .name and .apply(), got {entry!r}")
     return resolved
+
+
+def register(rule: Any) -> Any:
+    """Make a rule or pass selectable by name (``rewrites=["default", "my_rule"]``); returns it unchanged.
+
+    Example:
+        >>> from fxforge.rewrites.pattern import Rule
+        >>> _ = register(Rule("demo_double", lambda x: x + x, lambda x: x * 2)); "demo_double" in BUILTIN
+        True
+        >>> del BUILTIN["demo_double"]
+    """
+    BUILTIN[rule.name] = rule
+    return rule

@@ -1,9 +1,14 @@
 """``OptimizedModule``: the model, run through its rewritten graphs, with the model's own state.
 
+The module runs plans from a :class:`~fxforge.runtime.plans.PlanCache`; the plans themselves are built
+by the function the orchestrator hands in (:func:`fxforge.planner.plan_builder`), which is what
+:func:`fxforge.optimize` does.
+
 Example:
     >>> import torch
+    >>> from fxforge.planner import plan_builder
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout()).eval()
-    >>> opt = OptimizedModule(model)
+    >>> opt = OptimizedModule(model, plan_builder(model))
     >>> opt(torch.ones(1, 3)).shape, list(opt.state_dict()) == list(model.state_dict())
     (torch.Size([1, 3]), True)
 """
@@ -11,17 +16,19 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from fxforge.captured import Captured
-from fxforge.rewrites.report import Report
-from fxforge.runtime.cache import GraphCache
+from fxforge.core.captured import Captured
+from fxforge.core.plan import Plan
+from fxforge.core.report import Report
+from fxforge.runtime.plans import PlanBuilder, PlanCache
 
 
 def _clear_graphs_after_load(module: nn.Module, incompatible_keys: Any) -> None:
-    """Graphs may hold values derived from the old weights (folded convolutions): drop them."""
+    """Plans may hold values derived from the old weights (folded convolutions): drop them."""
     cache = module.__dict__.get("_fxforge_cache")
     if cache is not None:
         cache.clear()
@@ -32,22 +39,24 @@ class OptimizedModule(nn.Module):
 
     It shares the model's parameters, buffers and submodules (the same objects, under the same names:
     ``state_dict`` keys are the model's, so checkpoints load either way, and ``.to()``/``.train()``
-    act on both). It keeps one graph per input signature (shapes, strides, dtypes, devices,
-    train/eval) and captures again on a new one; when capture fails it runs the model eagerly after one
-    :class:`~fxforge.runtime.cache.FallbackWarning`. Attributes it does not have are looked up on the
+    act on both). It keeps one plan per input signature (shapes, strides, dtypes, devices,
+    train/eval) and builds another on a new one; when capture fails it runs the model eagerly after one
+    :class:`~fxforge.runtime.plans.FallbackWarning`. Attributes it does not have are looked up on the
     model (``opt.config`` for a transformers model).
 
     Args:
         model: the module to run.
-        rewrites, verify, method: see :func:`fxforge.optimize`.
+        build: ``(args, kwargs) -> Plan`` for ``model`` (:func:`fxforge.planner.plan_builder`).
 
     Example:
-        >>> opt = OptimizedModule(torch.nn.ReLU())
+        >>> from fxforge.planner import plan_builder
+        >>> relu = torch.nn.ReLU()
+        >>> opt = OptimizedModule(relu, plan_builder(relu))
         >>> opt(-torch.ones(2)).tolist(), opt.report.method
         ([0.0, 0.0], 'fx')
     """
 
-    def __init__(self, model: nn.Module, *, rewrites: Any = "default", verify: bool = True, method: str = "auto"):
+    def __init__(self, model: nn.Module, build: PlanBuilder):
         super().__init__()
         # Share the model's registries instead of registering it as a child: keys stay un-prefixed.
         self.__dict__["_parameters"] = model._parameters
@@ -55,13 +64,13 @@ class OptimizedModule(nn.Module):
         self.__dict__["_modules"] = model._modules
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         self.__dict__["original"] = model
-        self.__dict__["_fxforge_cache"] = GraphCache(model, eager=model, rewrites=rewrites, verify=verify, method=method)
+        self.__dict__["_fxforge_cache"] = PlanCache(model, build)
         self.training = model.training
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
 
     @property
-    def cache(self) -> GraphCache:
-        """The graphs captured so far, one per input signature."""
+    def cache(self) -> PlanCache:
+        """The plans built so far, one per input signature."""
         return self.__dict__["_fxforge_cache"]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -69,7 +78,12 @@ class OptimizedModule(nn.Module):
 
     def prepare(self, *args: Any, **kwargs: Any) -> Captured | None:
         """Capture and rewrite for these inputs now, without running; returns the ``Captured`` (or None)."""
-        return self.cache.prepare(args, kwargs)
+        plan = self.cache.plan_for(args, kwargs)
+        return plan.captured if plan is not None else None
+
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan | None:
+        """The plan that runs for these inputs (built now if needed), or None where the model runs eagerly."""
+        return self.cache.plan_for(args, kwargs)
 
     def train(self, mode: bool = True) -> OptimizedModule:
         self.original.train(mode)
@@ -79,12 +93,12 @@ class OptimizedModule(nn.Module):
     @property
     def captured(self) -> Captured | None:
         """The most recently prepared graph, with its report."""
-        return self.cache.last
+        return self.cache.captured
 
     @property
     def report(self) -> Report | None:
         """The report of the most recently prepared graph (None before the first call)."""
-        return self.cache.last.report if self.cache.last is not None else None
+        return self.cache.captured.report if self.cache.captured is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -96,18 +110,22 @@ class OptimizedModule(nn.Module):
             return getattr(original, name)
 
     def extra_repr(self) -> str:
-        return f"model={type(self.original).__name__}, graphs={len(self.cache.graphs)}"
+        return f"model={type(self.original).__name__}, plans={len(self.cache.plans)}"
 
 
-def optimize_class(cls: type[nn.Module], *, rewrites: Any = "default", verify: bool = True,
-                   method: str = "auto") -> type[nn.Module]:
+def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], PlanBuilder]) -> type[nn.Module]:
     """A subclass of ``cls`` whose instances capture and rewrite themselves on their first call.
 
     The subclass keeps the class's name, module and docstring; instances are ordinary instances of
-    ``cls`` (same attributes, same ``state_dict``), with a per-instance graph cache and ``report``.
+    ``cls`` (same attributes, same ``state_dict``), with a per-instance plan cache and ``report``.
+
+    Args:
+        cls: the ``nn.Module`` class.
+        builder_for: ``instance -> (args, kwargs) -> Plan`` (:func:`fxforge.planner.plan_builder`).
 
     Example:
-        >>> Fast = optimize_class(torch.nn.Linear)
+        >>> from fxforge.planner import plan_builder
+        >>> Fast = optimize_class(torch.nn.Linear, plan_builder)
         >>> layer = Fast(2, 2)
         >>> isinstance(layer, torch.nn.Linear), layer(torch.ones(1, 2)).shape
         (True, torch.Size([1, 2]))
@@ -119,16 +137,13 @@ def optimize_class(cls: type[nn.Module], *, rewrites: Any = "default", verify: b
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cache = self.__dict__.get("_fxforge_cache")
         if cache is None:
-            cache = GraphCache(self, eager=lambda *a, **k: eager_forward(self, *a, **k), rewrites=rewrites,
-                               verify=verify, method=method)
+            cache = PlanCache(self, builder_for(self), eager=lambda *a, **k: eager_forward(self, *a, **k))
             self.__dict__["_fxforge_cache"] = cache
-        if cache.capturing:
-            return eager_forward(self, *args, **kwargs)
         return cache(args, kwargs)
 
     def fxforge_report(self) -> Report | None:
         cache = self.__dict__.get("_fxforge_cache")
-        return cache.last.report if cache is not None and cache.last is not None else None
+        return cache.captured.report if cache is not None and cache.captured is not None else None
 
     def __getstate__(self):
         state = (super(optimized, self).__getstate__() if hasattr(super(optimized, self), "__getstate__")

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from fxforge.files import atomic_write
-from fxforge.rewrites.tuning_cache import cache_dir, machine_key
+from fxforge.core.disk_cache import cache_dir, machine_key
+from fxforge.core.files import atomic_write
 
 FILE_NAME = "machine.json"
 # The matrix product and the copy, per device type: (GEMM size, copy bytes). Chosen so that one

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 import fxforge
 from fxforge.capture import CaptureError, OpaqueModule
-from fxforge.verify import compare_outputs, isolated
+from fxforge.core.verify import compare_outputs, isolated
 
 THIS_FILE = os.path.basename(__file__)
 

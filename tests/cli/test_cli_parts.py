@@ -12,8 +12,8 @@ from fxforge.cli.graphs import marked_nodes
 from fxforge.cli.html import render_html
 from fxforge.cli.output import Outputs, atomic_write
 from fxforge.cli.summary import Summary, compare_latency
-from fxforge.rewrites.autotune import forced
-from fxforge.rewrites.report import NearMiss, Report, RolledBack
+from fxforge.core.report import NearMiss, Report, RolledBack
+from fxforge.lowering.autotune import TuningPolicy
 
 
 def test_summary_lists_refusals_with_reasons_and_the_html_escapes_them():
@@ -35,8 +35,7 @@ def test_summary_lists_refusals_with_reasons_and_the_html_escapes_them():
 def test_fused_nodes_are_marked():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
     cap = fxforge.capture(model, (torch.randn(1, 3, 8, 8),))
-    with forced(kernel="composite", keep="fused"):
-        new = fxforge.rewrite(cap)
+    new = fxforge.rewrite(cap, tuning=TuningPolicy(kernel="composite", keep="fused"))
     marked = marked_nodes(cap.graph_module, new.graph_module)
     fused = [n.name for n in new.graph_module.graph.nodes if n.target is torch.ops.fxforge.conv_pointwise.default]
     assert fused and set(fused) <= set(marked)

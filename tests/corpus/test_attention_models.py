@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxforge
-from fxforge.verify import compare_outputs, isolated
+from fxforge.core.verify import compare_outputs, isolated
 
 pytestmark = pytest.mark.slow
 

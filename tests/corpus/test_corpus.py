@@ -14,7 +14,7 @@ from models import TRANSFORMERS
 from torch.utils import _pytree as pytree
 
 import fxforge
-from fxforge.verify import compare_outputs, isolated
+from fxforge.core.verify import compare_outputs, isolated
 
 try:
     from examples.models import EXAMPLES

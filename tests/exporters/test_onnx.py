@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxforge
-from fxforge import fused_ops
-from fxforge.exporters import ExportError, OnnxRuntimeModule, export_onnx
+from fxforge import export_onnx
+from fxforge.core.verify import Comparison, compare_outputs
+from fxforge.exporters import ExportError, OnnxRuntimeModule
 from fxforge.exporters.residual_norm import RESIDUAL_NORM
-from fxforge.verify import Comparison, compare_outputs
+from fxforge.rewrites import fused_ops
 
 TOLERANCE = 10.0  # rtol_scale, as export_onnx validates
 
@@ -447,7 +448,7 @@ class Small(nn.Module):
 
 
 def _fail_validation(monkeypatch):
-    monkeypatch.setattr("fxforge.exporters.onnx.compare_outputs",
+    monkeypatch.setattr("fxforge.exporters.program.compare_outputs",
                         lambda *a, **k: Comparison(False, 1.0, "output: simulated mismatch"))
 
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fxforge
+from fxforge.core.verify import compare_outputs
 from fxforge.exporters import InputShapeError, OnnxRuntimeModule
-from fxforge.verify import compare_outputs
 
 
 def assert_same(expected, actual):

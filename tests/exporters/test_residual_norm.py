@@ -12,10 +12,11 @@ from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
 
-from fxforge.exporters import export_onnx
-from fxforge.exporters.onnx import _export, prepare
+from fxforge import export_onnx
+from fxforge.exporters.onnx import _export
 from fxforge.exporters.ort_module import session_options
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, residual_refusal, separate_residual_adds
+from fxforge.planner import captured_for_export
 
 
 class PostNorm(nn.Module):
@@ -104,7 +105,7 @@ def test_bias_add_stays_add_with_reason(tmp_path):
 
 def test_export_for_cuda_keeps_add(tmp_path):
     model = PostNorm().eval()
-    captured = prepare(model, (torch.randn(2, 5, 16),))
+    captured = captured_for_export(model, (torch.randn(2, 5, 16),))
     path = str(tmp_path / "cuda.onnx")
     exported = _export(captured, path, 20, False, None, "MultiHeadAttention", cpu=False)
     assert producers_of_norms(path) == ["Add"]

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import fxforge
-from fxforge.rewrites import autotune
-from fxforge.rewrites.autotune import forced
-from fxforge.runtime.lowering import FUSED_OPS, lower, lowered_kernels
+from fxforge.lowering import autotune
+from fxforge.lowering.autotune import TuningPolicy
+from fxforge.lowering.lower import FUSED_OPS, lower, lowered_kernels, make_plan
 
 F = nn.functional
 CONV = torch.ops.fxforge.conv_pointwise.default
@@ -25,9 +25,8 @@ def fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def optimized(model: nn.Module, x: torch.Tensor, method: str = "auto", rewrites=None, **force):
     force = {"keep": "fused", **force}
-    with forced(**force):
-        cap = fxforge.capture(model.eval(), (x,), method=method)
-        return fxforge.rewrite(cap, rewrites or ["cleanup", "conv_bn_fold", "conv_activation"])
+    cap = fxforge.capture(model.eval(), (x,), method=method)
+    return fxforge.rewrite(cap, rewrites or ["cleanup", "conv_bn_fold", "conv_activation"], tuning=TuningPolicy(**force))
 
 
 ACTIVATIONS = {
@@ -163,8 +162,7 @@ def test_refusals_name_the_reason():
             return torch.relu(self.conv(x) + bias), torch.sigmoid(y), y
 
     model, x, bias = Broadcast().eval(), torch.randn(1, 3, 4, 4), torch.randn(3, 1, 1)
-    with forced(keep="fused"):
-        new = fxforge.rewrite(fxforge.capture(model, (x, bias)), ["conv_activation"])
+    new = fxforge.rewrite(fxforge.capture(model, (x, bias)), ["conv_activation"], tuning=TuningPolicy(keep="fused"))
     reasons = [m.reason for m in new.report.near_misses]
     assert any("the added tensor has shape (3, 1, 1), the convolution's output (1, 3, 4, 4)" in r for r in reasons)
     assert any("is also used outside the match" in r for r in reasons)
@@ -179,8 +177,8 @@ def test_autotune_reverts_when_fused_is_slower(monkeypatch):
         return {name: (2.0 if name in ("fused", "mkldnn") else 1.0) for name in calls}
 
     monkeypatch.setattr(autotune, "time_interleaved", slow_fused)
-    with forced(layout="channels-last"):  # else "all composite, as captured" reverts without timing the graph
-        new = fxforge.rewrite(cap, ["conv_activation"])
+    # channels-last: else "all composite, as captured" reverts without timing the graph
+    new = fxforge.rewrite(cap, ["conv_activation"], tuning=TuningPolicy(layout="channels-last"))
     assert new.report.counts == {} and not fused_nodes(new.graph_module)
     graph = next(t for t in new.report.tuning if t.subject == "graph")
     assert graph.choice == "before" and "not faster, undone" in graph.note
@@ -229,8 +227,7 @@ def test_lowered_graph_computes_exactly_what_was_verified():
 def test_optimized_module_backpropagates_through_fused_ops():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3), nn.Tanh()).eval()
     x = torch.randn(2, 3, 6, 6)
-    with forced(keep="fused", kernel="mkldnn"):
-        opt = fxforge.optimize(model, (x,), rewrites=["conv_activation"])
+    opt = fxforge.optimize(model, (x,), rewrites=["conv_activation"], tuning=TuningPolicy(keep="fused", kernel="mkldnn"))
     assert opt.report.counts == {"conv_activation": 2}
     opt(x).sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
@@ -356,7 +353,6 @@ def test_as_captured_is_tried_when_the_channels_last_graph_is_not_faster(monkeyp
 
 def test_the_chosen_graph_is_handed_on_lowered_and_its_example_run_is_not_repeated(monkeypatch):
     from fxforge.rewrites import pipeline
-    from fxforge.verify import remembered_outputs
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 16, 16)
@@ -369,28 +365,27 @@ def test_the_chosen_graph_is_handed_on_lowered_and_its_example_run_is_not_repeat
 
     monkeypatch.setattr(pipeline, "check_same", spy)
     cap = fxforge.capture(model, (x,))
-    with forced(keep="fused", layout="channels-last", kernel="mkldnn"):
-        new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"])
+    new = fxforge.rewrite(cap, ["conv_bn_fold", "conv_activation"],
+                          tuning=TuningPolicy(keep="fused", layout="channels-last", kernel="mkldnn"))
     assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 2}
     assert checks == [[0]]  # verified together; the example inputs' outputs were autotune's run of the graph
     assert any("verified together" in v for v in new.report.verified)
-    gm = new.graph_module
-    lowered = lower(gm)
-    assert lowered is lower(gm) and lowered_kernels(lowered) == {}  # autotune's lowered graph, not a new one
+    gm, run = new.graph_module, new.lowered_run
+    lowered = make_plan(new).executable
+    assert lowered is run.lowered and lowered_kernels(lowered) == {}  # autotune's lowered graph, not a new one
     with torch.no_grad():
         torch.testing.assert_close(lowered(x), model(x), rtol=1e-4, atol=1e-5)
         inputs = pipeline.verification_inputs(cap)
-        torch.testing.assert_close(remembered_outputs(gm, inputs)[0], gm(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(run.outputs_for(gm, inputs)[0], gm(x), rtol=1e-5, atol=1e-6)
     # Any change to the graph afterwards and both records are dropped.
     node = fused_nodes(gm)[-1]
     node.args = (*node.args[:-3], "sigmoid", [], node.args[-1])
     gm.recompile()
-    assert remembered_outputs(gm, inputs) == {} and lower(gm) is not lowered
+    assert run.outputs_for(gm, inputs) == {} and make_plan(new).executable is not lowered
 
 
 def test_graph_timing_runs_on_the_verification_inputs_so_verification_does_not_run_the_graph_again(monkeypatch):
     from fxforge.rewrites import pipeline
-    from fxforge.verify import remembered_outputs
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 16, 16)
@@ -419,7 +414,7 @@ def test_graph_timing_runs_on_the_verification_inputs_so_verification_does_not_r
     # The example inputs' output is the graph's first run; the random inputs' are its timing runs.
     assert checks == [[0, 1, 2]]
     gm = new.graph_module
-    remembered = remembered_outputs(gm, checked)
+    remembered = new.lowered_run.outputs_for(gm, checked)
     with torch.no_grad():
         for i, (args, kwargs) in enumerate(checked):
             torch.testing.assert_close(remembered[i], gm(*args, **kwargs), rtol=1e-5, atol=1e-6)

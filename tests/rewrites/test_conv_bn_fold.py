@@ -173,7 +173,7 @@ def test_decomposed_aten_forms_fold(dims):
 
 
 def _folded_constants(gm):
-    from fxforge.verify import CONSTANT_BUFFER_PREFIX
+    from fxforge.core.verify import CONSTANT_BUFFER_PREFIX
 
     return [t for name, t in gm.named_buffers() if name.startswith(CONSTANT_BUFFER_PREFIX)]
 

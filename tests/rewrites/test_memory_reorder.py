@@ -14,7 +14,8 @@ from torch import nn
 
 import fxforge
 from examples.models.branchy import BRANCHY, synthetic_2000
-from fxforge.capture.meta import annotate
+from fxforge.core.memory import GraphMemory, simulate_peak
+from fxforge.core.shapes import annotate
 from fxforge.rewrites import memory_reorder
 from fxforge.rewrites.memory_reorder import (
     MEMORY_REORDER,
@@ -26,7 +27,7 @@ from fxforge.rewrites.memory_reorder import (
     run_memory_reorder,
 )
 from fxforge.rewrites.passes import PassContext
-from fxforge.runtime.memory import GraphMemory, measure_peak, simulate_peak
+from fxforge.runtime.memory import measure_peak
 
 # --------------------------------------------------------------------------------------------------
 # small random graphs and brute force

@@ -7,8 +7,8 @@ from torch import nn
 
 import fxforge
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
-from fxforge.rewrites.pattern import Rule, canonicalize, register, rules_pass
-from fxforge.rewrites.registry import BUILTIN
+from fxforge.rewrites.pattern import Rule, canonicalize, rules_pass
+from fxforge.rewrites.registry import BUILTIN, register
 
 
 def _calls(gm):

@@ -189,34 +189,37 @@ def _sigmoid_instead_of_relu(gm, ctx):
 
 @pytest.mark.parametrize("wrong", [_double_folded_weights, _sigmoid_instead_of_relu])
 def test_a_wrong_pass_after_autotune_is_caught_though_autotune_ran_the_graph(wrong):
-    from fxforge.rewrites.autotune import forced
+    from fxforge.lowering.autotune import TuningPolicy
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 16, 16)
-    with forced(keep="fused", layout="channels-last", kernel="mkldnn"):
-        new = fxforge.rewrite(fxforge.capture(model, (x,)),
-                              ["conv_bn_fold", "conv_activation", fxforge.Pass("wrong", wrong)])
+    new = fxforge.rewrite(fxforge.capture(model, (x,)),
+                          ["conv_bn_fold", "conv_activation", fxforge.Pass("wrong", wrong)],
+                          tuning=TuningPolicy(keep="fused", layout="channels-last", kernel="mkldnn"))
     assert [r.rule for r in new.report.rolled_back] == ["wrong"]
     assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 2}
     with torch.no_grad():
         torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
 
 
-def test_a_remembered_output_holds_only_for_the_same_function_and_inputs():
-    from fxforge.verify import remember_output, remembered_outputs
+def test_a_recorded_output_holds_only_for_the_same_function_and_inputs():
+    from fxforge.core.captured import LoweredRun
+
+    def record(gm, x):
+        return LoweredRun.record(gm, gm, {0: ((x,), {}, gm(x))})
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     x = torch.randn(2, 4)
     gm = torch.fx.symbolic_trace(model)
-    remember_output(gm, (x,), {}, 0, gm(x))
-    assert list(remembered_outputs(gm, [((x,), {}), ((x.clone(),), {})])) == [0]
-    assert remembered_outputs(gm, [((x.clone(),), {})]) == {}  # other tensors
+    run = record(gm, x)
+    assert list(run.outputs_for(gm, [((x,), {}), ((x.clone(),), {})])) == [0]
+    assert run.outputs_for(gm, [((x.clone(),), {})]) == {}  # other tensors
     with torch.no_grad():
         model[0].weight.add_(1)  # a parameter changed in place
-    assert remembered_outputs(gm, [((x,), {})]) == {}
-    remember_output(gm, (x,), {}, 0, gm(x))
+    assert run.outputs_for(gm, [((x,), {})]) == {} and not run.lowers(gm)
+    run = record(gm, x)
     gm.register_buffer("extra", torch.ones(1))  # another tensor reached
-    assert remembered_outputs(gm, [((x,), {})]) == {}
-    remember_output(gm, (x,), {}, 0, gm(x))
+    assert run.outputs_for(gm, [((x,), {})]) == {}
+    run = record(gm, x)
     x.add_(1)  # the inputs changed in place
-    assert remembered_outputs(gm, [((x,), {})]) == {}
+    assert run.outputs_for(gm, [((x,), {})]) == {}

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import fxforge
-from fxforge.rewrites import autotune
-from fxforge.rewrites.tuning_cache import NOTE, TuningCache
+from fxforge.core.disk_cache import TuningCache
+from fxforge.lowering import autotune
+from fxforge.lowering.autotune import NOTE
 
 
 def test_round_trip_merges_other_writers_and_leaves_no_temporary(tmp_path):

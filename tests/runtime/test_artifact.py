@@ -10,8 +10,9 @@ from torch import nn
 
 import fxforge
 from fxforge.exporters import ExportError
-from fxforge.rewrites.autotune import forced
-from fxforge.runtime.artifact import fused_op_counts, load, save_native
+from fxforge.exporters.pt2 import fused_op_counts, load, save_native
+from fxforge.lowering.autotune import TuningPolicy
+from fxforge.lowering.kernels import mkldnn_available
 
 
 class ConvHead(nn.Module):
@@ -37,13 +38,12 @@ class Structured(nn.Module):
 
 @pytest.mark.parametrize("kernel, layout", [("mkldnn", "channels-last"), ("composite", "as captured")])
 def test_fused_ops_survive_and_match_the_optimized_module(tmp_path, kernel, layout):
-    if kernel == "mkldnn" and not fxforge.fused_ops.mkldnn_available():
+    if kernel == "mkldnn" and not mkldnn_available():
         pytest.skip("no oneDNN in this torch build")
     torch.manual_seed(0)
     model = ConvHead().eval()
     x = torch.randn(2, 3, 16, 16)
-    with forced(kernel=kernel, layout=layout, keep="fused"):
-        opt = fxforge.optimize(model, (x,))
+    opt = fxforge.optimize(model, (x,), tuning=TuningPolicy(kernel=kernel, layout=layout, keep="fused"))
     assert opt.report.counts["conv_activation"] == 2
     saved = save_native(opt.captured, tmp_path / "m.pt2", dynamic_batch=True)
     assert saved.ops == {"fxforge::conv_pointwise": 1, "fxforge::linear_pointwise": 1}
@@ -59,8 +59,8 @@ def test_fused_ops_survive_and_match_the_optimized_module(tmp_path, kernel, layo
 
 def test_load_in_a_fresh_interpreter(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
-    with forced(kernel="composite", keep="fused"):
-        captured = fxforge.rewrite(fxforge.capture(model, (torch.ones(2, 4),)))
+    captured = fxforge.rewrite(fxforge.capture(model, (torch.ones(2, 4),)),
+                               tuning=TuningPolicy(kernel="composite", keep="fused"))
     save_native(captured, tmp_path / "m.pt2")
     code = ("import torch, fxforge; m = fxforge.load(r'%s'); "
             "print(isinstance(m, torch.nn.Module), m(torch.ones(2, 4)).shape)" % (tmp_path / "m.pt2"))

@@ -10,7 +10,8 @@ from torch import nn
 import fxforge
 from examples.models import EXAMPLES
 from examples.models.branchy import BRANCHY
-from fxforge.runtime.memory import GraphMemory, StorageTracker, measure_peak, simulate_peak
+from fxforge.core.memory import GraphMemory, simulate_peak
+from fxforge.runtime.memory import StorageTracker, measure_peak
 
 F32 = 4
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fxforge
-from fxforge.runtime.cache import FallbackWarning
+from fxforge.runtime.plans import FallbackWarning
 
 
 class ConvNet(nn.Module):
@@ -51,7 +51,7 @@ def test_one_graph_per_signature_and_new_shapes_recapture():
     for batch in (1, 2, 1, 3):
         x = torch.randn(batch, 3, 8, 8)
         torch.testing.assert_close(opt(x), model(x))
-    assert len(opt.cache.graphs) == 3
+    assert len(opt.cache.plans) == 3
     assert {k: v for k, v in opt.report.counts.items() if k != "conv_activation"} == {"cleanup": 1, "conv_bn_fold": 1}
 
 
@@ -84,7 +84,7 @@ def test_train_and_eval_get_their_own_graphs():
     opt.eval()
     assert not model.training and not model.bn.training
     torch.testing.assert_close(opt(x), model(x))
-    assert len(opt.cache.graphs) == 2
+    assert len(opt.cache.plans) == 2
 
 
 def test_capture_failure_falls_back_to_eager_with_one_warning():
@@ -102,7 +102,7 @@ def test_loading_new_weights_clears_graphs():
     opt = fxforge.optimize(model, (torch.randn(1, 3, 8, 8),))
     other = ConvNet().eval()
     opt.load_state_dict(other.state_dict())
-    assert not opt.cache.graphs
+    assert not opt.cache.plans
     x = torch.randn(1, 3, 8, 8)
     torch.testing.assert_close(opt(x), other(x))
 
@@ -134,8 +134,8 @@ def test_eval_graphs_follow_weights_changed_in_place_and_training_steps():
 
 
 def test_the_runtime_runs_the_lowered_graph_autotune_timed():
-    from fxforge.rewrites.autotune import forced
-    from fxforge.runtime import lowering
+    from fxforge.lowering import lower as lowering
+    from fxforge.lowering.autotune import TuningPolicy
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.ReLU()).eval()
     x = torch.randn(1, 3, 12, 12)
@@ -146,11 +146,11 @@ def test_the_runtime_runs_the_lowered_graph_autotune_timed():
         lowered.append(lower(gm))
         return lowered[-1]
 
-    with forced(keep="fused", layout="channels-last", kernel="mkldnn"), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lowering, "lower", spy)  # what autotune lowers and times
-        opt = fxforge.optimize(model, (x,))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("fxforge.lowering.autotune.lower", spy)  # what autotune lowers and times
+        opt = fxforge.optimize(model, (x,), tuning=TuningPolicy(keep="fused", layout="channels-last", kernel="mkldnn"))
     assert opt.report.counts["conv_activation"] == 2
-    executable = next(iter(opt.cache.executables.values()))
+    executable = next(iter(opt.cache.plans.values())).executable
     assert any(executable is timed for timed in lowered)  # the runtime did not lower (and pack) it again
     assert not any(n.target is torch.ops.fxforge.conv_pointwise.default for n in executable.graph.nodes)
     with torch.no_grad():

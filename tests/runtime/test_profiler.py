@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxforge
-from fxforge.rewrites.autotune import forced
+from fxforge.core.memory import simulate_peak
+from fxforge.lowering.autotune import TuningPolicy
 from fxforge.runtime import roofline
-from fxforge.runtime.memory import simulate_peak
-from fxforge.runtime.profiler import FLOP_FORMULAS, Profile, flop_counter, op_type
+from fxforge.runtime.profile import Profile
+from fxforge.runtime.profile.flops import FLOP_FORMULAS, flop_counter
+from fxforge.runtime.profile.op_names import op_type
 
 matplotlib.use("Agg")
 F32 = 4
@@ -26,7 +28,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 def _machine(monkeypatch):
     """A fixed machine (ridge 5 FLOP/byte), so verdicts are known and nothing is measured."""
     machine = roofline.Machine("cpu", 100.0, 20.0, "fixed")
-    monkeypatch.setattr("fxforge.runtime.profiler.measure_machine", lambda device=None, **kw: machine)
+    monkeypatch.setattr("fxforge.runtime.profile.measure.measure_machine", lambda device=None, **kw: machine)
     return machine
 
 
@@ -111,8 +113,7 @@ class ConvBNReLU(nn.Module):
 
 
 def _fused(model, x, kernel=None):
-    with forced(kernel=kernel, keep="fused"):
-        return fxforge.optimize(model, (x,))
+    return fxforge.optimize(model, (x,), tuning=TuningPolicy(kernel=kernel, keep="fused"))
 
 
 def test_fused_ops_keep_their_conv_and_linear_flops():

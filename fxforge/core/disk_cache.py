@@ -1,12 +1,9 @@
-"""Autotune measurements remembered on disk, per machine, so optimizing the same shapes again is quick.
+"""Measurements remembered on disk, per machine: JSON files under ``$FXFORGE_CACHE_DIR`` (``~/.cache/fxforge``).
 
-Autotune times every fused op's kernels and then the whole graph; on two CPU cores that is most of the
-time ``fxforge.optimize`` takes. The results only depend on the op (or graph), its shapes and strides,
-the torch build and the machine, so they are stored under a key made of exactly those, in one JSON file:
-``$FXFORGE_CACHE_DIR/autotune.json`` (default ``~/.cache/fxforge``). A result read back is reported as
-such ("measured earlier on this machine"). A whole-graph timing is only stored when one graph was clearly
-faster (by more than ``autotune.DECISIVE``); a close call, or one a busy machine blurred, is measured again
-next time. ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
+Autotune's timings (``autotune.json``, :mod:`fxforge.lowering.autotune`) and the roofline's machine figures
+(:mod:`fxforge.runtime.roofline`) only depend on what was measured, its shapes, the torch build and the
+machine, so they are stored under keys made of exactly those (:func:`machine_key`), each file read once
+and written atomically, entries other processes wrote meanwhile kept.
 
 Example:
     >>> import tempfile, pathlib
@@ -22,14 +19,14 @@ import json
 import os
 import pathlib
 import platform
+import threading
 from typing import Any
 
 import torch
 
-from fxforge.files import atomic_write
+from fxforge.core.files import atomic_write
 
 VERSION = 1
-NOTE = "measured earlier on this machine (autotune cache)"
 
 
 def machine_key(device: torch.device) -> str:
@@ -74,6 +71,7 @@ class TuningCache:
         self.path = pathlib.Path(path)
         self._data: dict[str, Any] | None = None
         self._new: dict[str, Any] = {}
+        self._lock = threading.Lock()  # one cache object serves every thread that optimizes
 
     def _entries(self) -> dict[str, Any]:
         if self._data is None:
@@ -85,29 +83,30 @@ class TuningCache:
 
     def get(self, key: str) -> Any:
         """The stored measurement, or None."""
-        return self._entries().get(key)
+        with self._lock:
+            return self._entries().get(key)
 
     def put(self, key: str, value: Any) -> None:
         """Store a measurement (written by :meth:`save`)."""
-        self._entries()[key] = value
-        self._new[key] = value
+        with self._lock:
+            self._entries()[key] = value
+            self._new[key] = value
 
     def save(self) -> None:
         """Add what was measured to the file (entries other processes wrote meanwhile are kept); a
         failure to write only costs the next run its time."""
-        if not self._new:
-            return
-        self._data = None  # re-read: another process may have added entries
-        merged = {**self._entries(), **self._new}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(str(self.path), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(merged), encoding="utf-8"))
-        except OSError:
-            return
-        self._data, self._new = merged, {}
-
-
-_OPEN: dict[pathlib.Path, TuningCache] = {}
+        with self._lock:
+            if not self._new:
+                return
+            self._data = None  # re-read: another process may have added entries
+            merged = {**self._entries(), **self._new}
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(str(self.path),
+                             lambda tmp: pathlib.Path(tmp).write_text(json.dumps(merged), encoding="utf-8"))
+            except OSError:
+                return
+            self._data, self._new = merged, {}
 
 
 def cache_dir() -> pathlib.Path:
@@ -120,18 +119,21 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("FXFORGE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "fxforge")
 
 
-def default_cache() -> TuningCache | None:
-    """The cache autotune uses: per ``$FXFORGE_CACHE_DIR`` (default ``~/.cache/fxforge``); None when
-    ``FXFORGE_AUTOTUNE_CACHE=0``.
+# path -> its open cache: every optimize in the process shares one object per file (configuration-like
+# state: which file is open; what it holds is on disk, keyed by what was measured).
+_OPEN: dict[pathlib.Path, TuningCache] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_cache(filename: str) -> TuningCache:
+    """The cache stored in ``cache_dir() / filename``, one object per file in the process.
 
     Example:
-        >>> cache = default_cache()
-        >>> cache is None or cache.path.name == "autotune.json"
+        >>> open_cache("autotune.json") is open_cache("autotune.json")
         True
     """
-    if os.environ.get("FXFORGE_AUTOTUNE_CACHE", "1") == "0":
-        return None
-    path = cache_dir() / "autotune.json"
-    if path not in _OPEN:
-        _OPEN[path] = TuningCache(path)
-    return _OPEN[path]
+    path = cache_dir() / filename
+    with _OPEN_LOCK:
+        if path not in _OPEN:
+            _OPEN[path] = TuningCache(path)
+        return _OPEN[path]

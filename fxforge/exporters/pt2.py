@@ -1,12 +1,12 @@
 """Native artifacts: a rewritten graph saved with ``torch.export`` (``.pt2``) and loaded back as a module.
 
-:func:`save_native` exports a :class:`~fxforge.captured.Captured` (usually rewritten) with
+:func:`save_native` exports a :class:`~fxforge.core.captured.Captured` (usually rewritten) with
 ``torch.export``, keeping fxforge's fused ops (``torch.ops.fxforge.conv_pointwise``,
 ``linear_pointwise``: they are registered with ``torch.library`` and have fake implementations, so
 export records them as single ops, with the kernel autotune chose). The program is written to a
 temporary file beside the target, loaded back, run on the example inputs (and on another batch size
 with ``dynamic_batch``) and compared with the model; only then is it renamed into place. A failure at
-any step raises :class:`~fxforge.exporters.onnx.ExportError` and leaves nothing on disk.
+any step raises :class:`~fxforge.exporters.program.ExportError` and leaves nothing on disk.
 
 :func:`load` (also ``fxforge.load``) registers the fused ops before ``torch.export.load`` and returns
 an ``nn.Module`` that returns what the model returned.
@@ -34,8 +34,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxforge.captured import Captured
-from fxforge.files import atomic_write
+from fxforge.core.captured import Captured
+from fxforge.core.files import atomic_write
+from fxforge.core.source import first_line
+from fxforge.exporters.program import ExportError, export_program, validate
+from fxforge.lowering import kernels  # noqa: F401 - a saved graph's fused ops run the kernels chosen for them
+from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.* before a program is read
 
 _EXTRA = "fxforge.json"  # the extra file of the archive holding the model's output structure
 
@@ -73,8 +77,6 @@ class NativeExport:
 
 def _structure_json(structure: tuple | None) -> str | None:
     """The output structure :func:`~fxforge.exporters.onnx.exportable` returned, as JSON (None: plain)."""
-    from fxforge.exporters.onnx import ExportError
-
     if structure is None:
         return None
     spec, kinds = structure
@@ -125,8 +127,6 @@ def load(path: str | os.PathLike) -> nn.Module:
         >>> load(path)(-torch.ones(2)).tolist()
         [0.0, 0.0]
     """
-    import fxforge.fused_ops  # noqa: F401 - registers torch.ops.fxforge.* before the program is read
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file: {path}")
@@ -181,9 +181,6 @@ def save_native(captured: Captured, path: str | os.PathLike, *, dynamic_batch: b
         >>> sorted(saved.validation), load(saved.path)(torch.ones(7, 3)).shape
         (['batch 5', 'example inputs'], torch.Size([7, 2]))
     """
-    from fxforge.capture.source import first_line
-    from fxforge.exporters.onnx import ExportError, export_program, validate
-
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

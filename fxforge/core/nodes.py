@@ -86,7 +86,13 @@ def submodule(node: torch.fx.Node, gm: torch.fx.GraphModule) -> nn.Module | None
         return None
 
 
-def _is_torch_nn_module(module: nn.Module) -> bool:
+def is_torch_nn_module(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch.nn's own modules (whose effects fxforge knows), not a user's.
+
+    Example:
+        >>> is_torch_nn_module(torch.nn.ReLU()), is_torch_nn_module(torch.fx.symbolic_trace(torch.nn.ReLU()))
+        (True, False)
+    """
     return type(module).__module__.startswith("torch.nn.modules")
 
 
@@ -140,7 +146,7 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     target = node.target
     if node.op == "call_module":
         module = submodule(node, gm)
-        if module is None or not _is_torch_nn_module(module):
+        if module is None or not is_torch_nn_module(module):
             return True
         return is_inplace(node, gm) or module.training
     if node.op == "call_method":

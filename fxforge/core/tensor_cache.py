@@ -2,8 +2,8 @@
 
 Tensors compare element-wise, so they cannot key a dict or a ``WeakKeyDictionary``; this cache keys by
 identity, holds the tensor weakly, and recomputes when the caller's key (which usually includes the
-tensor's ``_version``) changes. Prepacked oneDNN weights (:mod:`fxforge.fused_ops`) and buffer
-snapshots (:func:`fxforge.verify.isolated`) both use it.
+tensor's ``_version``) changes. Prepacked oneDNN weights (:mod:`fxforge.rewrites.fused_ops`) and buffer
+snapshots (:func:`fxforge.core.verify.isolated`) both use it.
 
 Example:
     >>> cache, t = TensorCache(), torch.ones(2)

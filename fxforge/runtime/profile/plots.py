@@ -1,4 +1,4 @@
-"""Plots of a :class:`~fxforge.runtime.profiler.Profile` with matplotlib (imported only when a plot is made).
+"""Plots of a :class:`~fxforge.runtime.profile.table.Profile` with matplotlib (imported only when a plot is made).
 
 Each function takes the profile and an optional matplotlib ``Axes`` to draw into (default: a new figure
 from ``pyplot``, so Jupyter shows it) and returns the Axes.

@@ -10,11 +10,17 @@ After ``conv_activation`` has fused, :func:`autotune`
 3. tries the memory layouts in turn, channels-last first (inputs converted once at the graph's entry,
    outputs back once at its exit, so convolutions never reorder in between), then as captured only if
    channels-last cannot run the graph or is not faster; if no layout's graph is faster, the graph goes
-   back to what it was. The lowered graph it kept goes on to the runtime, and its run on the example
-   inputs to verification.
+   back to what it was. It returns what it chose: whether the fusion stays, and the kept graph lowered
+   with its outputs on the verification inputs (a :class:`~fxforge.core.captured.LoweredRun`), which
+   verification and lowering use instead of running and lowering the same graph again.
 
-Every choice, with the timings behind it, lands in the report (``report.tuning``). Tests and
-experiments can force choices with :func:`forced` (the report then says they were forced).
+Every choice, with the timings behind it, lands in the report (``report.tuning``). A
+:class:`TuningPolicy` can take choices out of its hands (the report then says so); it travels as a value
+(``fxforge.rewrite(..., tuning=TuningPolicy(...))``), so concurrent optimizations never see each other's.
+Measurements are remembered on disk per machine (:func:`autotune_cache`): a result read back is reported
+as "measured earlier on this machine"; a whole-graph timing is only stored when one graph was clearly
+faster (by more than :data:`DECISIVE`), so a close call, or one a busy machine blurred, is measured again
+next time. ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
 
 Example:
     >>> from torch import nn
@@ -26,30 +32,32 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import statistics
-import time
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from fxforge.capture.meta import annotate
-from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
-from fxforge.rewrites.passes import PassContext
-from fxforge.rewrites.tuning_cache import NOTE as CACHED
-from fxforge.rewrites.tuning_cache import default_cache, machine_key
-from fxforge.verify import isolated, remember_output
+from fxforge.core.captured import LoweredRun
+from fxforge.core.disk_cache import TuningCache, machine_key, open_cache
+from fxforge.core.nodes import constant_tensor, copy_graph_module
+from fxforge.core.shapes import annotate
+from fxforge.core.verify import isolated
+from fxforge.lowering.kernels import KERNELS_BY_OP, kernels_for
+from fxforge.lowering.layout import to_channels_last
+from fxforge.lowering.lower import fused_calls, lower
+from fxforge.lowering.timing import MIN_REPS, time_interleaved  # noqa: F401 - MIN_REPS: tests read it here
+from fxforge.rewrites.passes import PassContext, Tuned
 
 aten = torch.ops.aten
-# Seconds of timing spent per measurement, at most, and repetitions at least / at most.
+NOTE = "measured earlier on this machine (autotune cache)"
+# Seconds of timing spent per measurement, at most.
 NODE_BUDGET_S = 0.004
 GRAPH_BUDGET_S = 0.25
-MIN_REPS, MAX_REPS = 3, 25
 # The fused graph must beat the graph before it by this fraction to be kept (timing noise).
 MARGIN = 0.02
 # Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
@@ -65,94 +73,43 @@ DECISIVE_FIRST = 0.25
 LAYOUTS = ("channels-last", "as captured")
 
 
-@dataclasses.dataclass
-class Forced:
+@dataclasses.dataclass(frozen=True)
+class TuningPolicy:
     """Choices taken out of autotune's hands (all None: everything is measured).
 
     Attributes:
         kernel: use this kernel wherever it can run (else the composite).
         layout: ``"as captured"`` or ``"channels-last"``.
         keep: ``"fused"`` or ``"before"``, instead of timing the whole graph.
+
+    Example:
+        >>> TuningPolicy(keep="fused").settled("keep"), TuningPolicy().settled("keep")
+        ('; set by the tuning policy (keep=fused)', '')
     """
 
     kernel: str | None = None
     layout: str | None = None
     keep: str | None = None
 
+    def settled(self, what: str) -> str:
+        """A note for the report when the policy settled ``what`` (else "")."""
+        value = getattr(self, what)
+        return f"; set by the tuning policy ({what}={value})" if value is not None else ""
 
-FORCED = Forced()
+
+MEASURE_ALL = TuningPolicy()  # the default: every choice measured
 
 
-@contextlib.contextmanager
-def forced(kernel: str | None = None, layout: str | None = None, keep: str | None = None) -> Iterator[None]:
-    """Force autotune's choices inside the block (for tests and experiments; the report says so).
+def autotune_cache() -> TuningCache | None:
+    """The on-disk cache of autotune's timings (``$FXFORGE_CACHE_DIR/autotune.json``); None when
+    ``FXFORGE_AUTOTUNE_CACHE=0``.
 
     Example:
-        >>> with forced(keep="fused"):
-        ...     FORCED.keep
-        'fused'
-        >>> FORCED.keep is None
+        >>> cache = autotune_cache()
+        >>> cache is None or cache.path.name == "autotune.json"
         True
     """
-    previous = dataclasses.replace(FORCED)
-    FORCED.kernel, FORCED.layout, FORCED.keep = kernel, layout, keep
-    try:
-        yield
-    finally:
-        FORCED.kernel, FORCED.layout, FORCED.keep = previous.kernel, previous.layout, previous.keep
-
-
-def kernels_for(device: torch.device) -> tuple[str, ...]:
-    """The kernels worth timing on ``device`` (the composite is always a candidate).
-
-    Example:
-        >>> kernels_for(torch.device("cpu"))[0]
-        'composite'
-    """
-    extra = {"cpu": ("mkldnn",), "cuda": ("cudnn",)}.get(device.type, ())
-    return ("composite", *extra)
-
-
-def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
-                     decisive: float | None = None, decisive_first: float | None = None) -> dict[str, float]:
-    """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
-
-    Args:
-        calls: name -> callable to time.
-        budget_s: seconds to spend in total, roughly (at least ``MIN_REPS`` rounds, at most ``MAX_REPS``).
-        warmed: names already run once (their warm-up is skipped).
-        decisive: with two calls, stop after two rounds when every sample of one is below every sample of
-            the other by this fraction (more rounds would not change the choice).
-        decisive_first: with two calls, stop after the first round already when its two samples differ by
-            this fraction (for calls whose warm-up ran: a cold first sample must not decide).
-
-    Example:
-        >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
-        ['a', 'b']
-    """
-    samples: dict[str, list[float]] = {}
-    for name, call in calls.items():
-        if name not in warmed:
-            call()  # warm-up: packing, allocator, caches
-        start = time.perf_counter()
-        call()
-        samples[name] = [time.perf_counter() - start]
-    total = sum(s[0] for s in samples.values()) or 1e-6
-    if decisive_first is not None and len(samples) == 2 and _separated(*samples.values(), decisive_first):
-        return {name: s[0] * 1e3 for name, s in samples.items()}
-    reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
-    for rep in range(1, reps):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - start)
-        if decisive is not None and rep >= 1 and len(samples) == 2 and _separated(*samples.values(), decisive):
-            break
-    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
-
-
-def _separated(a: list[float], b: list[float], fraction: float) -> bool:
-    return max(a) < min(b) * (1 - fraction) or max(b) < min(a) * (1 - fraction)
+    return None if os.environ.get("FXFORGE_AUTOTUNE_CACHE", "1") == "0" else open_cache("autotune.json")
 
 
 def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
@@ -174,8 +131,8 @@ def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
     return pool[key]
 
 
-def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: dict | None = None
-                 ) -> tuple[float, list[tuple]]:
+def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: dict | None = None,
+                 policy: TuningPolicy = MEASURE_ALL) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
 
     Identical calls (same op, shapes, strides and settings) are timed once; random inputs of the same
@@ -185,13 +142,12 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
         gm: the graph whose fused ops get their kernel (``node.args[-1]``) set.
         pool: random inputs by shape and strides, shared between calls.
         memo: measurements by call, shared between calls (an op timed once is not timed again).
+        policy: a kernel it sets is used wherever it can run.
     """
-    from fxforge.runtime.lowering import fused_calls
-
     pool = {} if pool is None else pool
-    cache = default_cache()
+    cache = autotune_cache()
     total, choices, seen = 0.0, [], {} if memo is None else memo
-    for node, kernel_call, weight in fused_calls(gm):
+    for node, op, weight in fused_calls(gm):
         *op_args, _ = node.args
         values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
         key = repr((str(node.target), *((tuple(v.shape), v.stride(), str(v.dtype)) if isinstance(v, torch.Tensor)
@@ -201,14 +157,14 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
             cache_key = f"{machine_key(device)} | {key}"
             stored = cache.get(cache_key) if cache is not None else None
             if stored is not None:
-                timings, note = stored["timings"], "; ".join(filter(None, [stored["note"], CACHED]))
+                timings, note = stored["timings"], "; ".join(filter(None, [stored["note"], NOTE]))
             else:
-                timings, note = _time_kernels(gm, op_args, values, kernel_call, weight, pool)
+                timings, note = _time_kernels(gm, op_args, values, op, weight, pool)
                 if cache is not None:
                     cache.put(cache_key, {"timings": timings, "note": note})
             best = min(timings, key=timings.__getitem__)
-            if FORCED.kernel is not None:
-                best = FORCED.kernel if FORCED.kernel in timings else "composite"
+            if policy.kernel is not None:
+                best = policy.kernel if policy.kernel in timings else "composite"
             seen[key] = (best, timings, note)
         best, timings, note = seen[key]
         node.args = (*op_args, best)
@@ -217,7 +173,7 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
     return total, choices
 
 
-def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_call: Callable, weight: Any,
+def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, op: str, weight: Any,
                   pool: dict) -> tuple[dict[str, float], str]:
     """Milliseconds of each kernel that can run this call, and why the others cannot."""
     bias = constant_tensor(gm, op_args[2])
@@ -225,7 +181,7 @@ def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_
     real = [given[i] if i in given else _random_like_meta(v, pool, i) for i, v in enumerate(values)]
     calls, reasons = {}, {}
     for kernel in kernels_for(real[0].device):
-        call = kernel_call(kernel, *real)
+        call = KERNELS_BY_OP[op](kernel, *real)
         if isinstance(call, str):
             reasons[kernel] = call
         else:
@@ -236,45 +192,6 @@ def _time_kernels(gm: torch.fx.GraphModule, op_args: list, values: list, kernel_
     return timings, "; ".join(f"{k}: {v}" for k, v in reasons.items())
 
 
-def to_channels_last(gm: torch.fx.GraphModule) -> int:
-    """Convert 4-d/5-d floating graph inputs to channels-last at entry, and such outputs back at exit.
-
-    Returns the number of conversions inserted (0: nothing to convert).
-
-    Example:
-        >>> gm = torch.fx.symbolic_trace(torch.nn.Conv2d(3, 3, 1))
-        >>> from fxforge.capture.meta import annotate
-        >>> _ = annotate(gm, (torch.randn(1, 3, 4, 4),), {})
-        >>> to_channels_last(gm)
-        2
-    """
-    graph, count = gm.graph, 0
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    for node in list(graph.nodes):
-        val = node.meta.get("val")
-        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() not in formats:
-            continue
-        if not val.is_floating_point() or not node.users:
-            continue
-        with graph.inserting_after(node):
-            converted = graph.call_function(aten.contiguous.default, (node,), {"memory_format": formats[val.dim()]})
-        node.replace_all_uses_with(converted, delete_user_cb=converted.__ne__)
-        count += 1
-    output = next(n for n in graph.nodes if n.op == "output")
-
-    def back(value: Any) -> Any:
-        nonlocal count
-        val = value.meta.get("val") if isinstance(value, Node) else None
-        if not isinstance(val, torch.Tensor) or val.dim() not in formats or not val.is_contiguous():
-            return value
-        with graph.inserting_before(output):
-            count += 1
-            return graph.call_function(aten.contiguous.default, (value,))
-
-    output.args = torch.fx.node.map_arg(output.args, back)
-    return count
-
-
 _NOT_RUN = object()
 
 
@@ -283,8 +200,9 @@ class _Candidate:
     """One layout's graph: its fused ops' kernels, their summed times, and its lowered graph's first run.
 
     ``lowered``/``output`` are set once the lowered graph ran on the example inputs (seed 0, buffers
-    restored: the same run :func:`fxforge.verify.check_same` makes of it on the example inputs);
-    ``outputs`` holds its outputs on the random verification inputs its timing ran it on, by seed.
+    restored: the same run :func:`fxforge.core.verify.check_same` makes of it on the example inputs);
+    ``outputs`` holds its runs on the random verification inputs its timing ran it on, by seed:
+    ``(args, kwargs, output)``.
     """
 
     graph: torch.fx.GraphModule
@@ -292,12 +210,10 @@ class _Candidate:
     choices: list
     lowered: torch.fx.GraphModule | None = None
     output: Any = _NOT_RUN
-    outputs: dict[int, Any] = dataclasses.field(default_factory=dict)
+    outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
     def first_run(self, args: tuple, kwargs: dict) -> None:
         """Lower the graph and run it once on the example inputs (its warm-up, and its check output)."""
-        from fxforge.runtime.lowering import lower
-
         if self.lowered is None:
             self.lowered = lower(self.graph)
         if self.output is _NOT_RUN:
@@ -305,7 +221,8 @@ class _Candidate:
                 self.output = self.lowered(*args, **kwargs)
 
 
-def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassContext) -> None:
+def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassContext,
+             policy: TuningPolicy = MEASURE_ALL) -> Tuned:
     """Choose kernels and layout for ``gm``'s fused ops, or put back ``before`` if fusing is not faster.
 
     ``gm`` is modified in place (its graph replaced); each choice is recorded with ``ctx.tuned``.
@@ -313,29 +230,31 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
 
     Layouts are tried in the order of :data:`LAYOUTS`: each gets its kernels chosen op by op, then its
     whole lowered graph is timed against the graph before; the first that is faster is kept, and the
-    layouts after it are not timed at all. The kept graph's lowered form, and its outputs on the example
-    inputs, are handed on: the runtime runs that lowered graph (:func:`fxforge.runtime.lowering.adopt`)
-    and verification compares those outputs (:func:`fxforge.verify.remember_output`) instead of running
-    the same graph on the same inputs again.
+    layouts after it are not timed at all.
+
+    Returns:
+        A :class:`~fxforge.rewrites.passes.Tuned`: whether the fusion stays and, when it does, the kept
+        graph's lowered form with its outputs on the verification inputs it ran on (lowering runs that
+        lowered graph, and verification compares those outputs, instead of doing the same work again).
     """
     if ctx.example_args is None:
         ctx.tuned("graph", "composite", {}, "no example inputs to time on; kernels left as the composite")
-        return
+        return Tuned(fused=True)
     args, kwargs = ctx.example_args, ctx.example_kwargs or {}
     pool: dict = {}
     memo: dict = {}
-    forced_layout = FORCED.layout in LAYOUTS
-    order = [FORCED.layout, *(n for n in LAYOUTS if n != FORCED.layout)] if forced_layout else list(LAYOUTS)
+    forced_layout = policy.layout in LAYOUTS
+    order = [policy.layout, *(n for n in LAYOUTS if n != policy.layout)] if forced_layout else list(LAYOUTS)
     sums: dict[str, float] = {}
     events: list[str] = []
     tried: tuple | None = None
     for name in order:
-        candidate = _build(name, gm, args, kwargs, pool, memo, ctx)
+        candidate = _build(name, gm, args, kwargs, pool, memo, ctx, policy)
         if candidate is None:
             continue
         sums[name] = round(candidate.total, 3)
-        if FORCED.keep is not None:
-            verdict = (FORCED.keep, {}, _forced("keep").lstrip("; "))
+        if policy.keep is not None:
+            verdict = (policy.keep, {}, policy.settled("keep").lstrip("; "))
         elif _plain(name, candidate):
             verdict = ("before", {}, "no fused kernel beat the plain ops")
         else:
@@ -343,7 +262,7 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
         if tried is not None and verdict[0] == "fused":
             events.append(f"the {tried[0]} graph was not faster than the graph before, the {name} graph was")
         tried = (name, candidate, *verdict)
-        if verdict[0] == "fused" or forced_layout or FORCED.keep is not None:
+        if verdict[0] == "fused" or forced_layout or policy.keep is not None:
             break
     layout, chosen, keep, timings, note = tried
     skipped = [name for name in order if name not in sums and name != layout]
@@ -352,35 +271,32 @@ def autotune(gm: torch.fx.GraphModule, before: torch.fx.GraphModule, ctx: PassCo
     if keep == "before" and timings:
         note += "; not faster, undone"
     layout_note = (f"sum of the fused ops' best kernel times per layout timed; layouts tried in the order "
-                   f"{', '.join(LAYOUTS)}, the first whose graph beats the graph before kept{_forced('layout')}")
+                   f"{', '.join(LAYOUTS)}, the first whose graph beats the graph before kept{policy.settled('layout')}")
     for name, best, op_timings, op_note in chosen.choices:
         ctx.tuned(name, best, op_timings, op_note)
     ctx.tuned("layout", layout, sums, "; ".join([layout_note, *events]))
     ctx.tuned("graph", keep, timings, note)
-    cache = default_cache()
+    cache = autotune_cache()
     if cache is not None:
         cache.save()
-    if keep == "fused":
-        gm.graph = chosen.graph.graph
-        if chosen.lowered is not None:
-            from fxforge.runtime.lowering import adopt
-
-            adopt(gm, chosen.lowered)
-        if chosen.output is not _NOT_RUN:
-            remember_output(gm, args, kwargs, 0, chosen.output)
-        for seed, output in chosen.outputs.items():
-            remember_output(gm, *ctx.check_inputs[seed], seed, output)
-    else:
+    if keep != "fused":
         gm.graph = before.graph
-        ctx.matches.clear()
+        return Tuned(fused=False)
+    gm.graph = chosen.graph.graph
+    if chosen.lowered is None:
+        return Tuned(fused=True)
+    runs = dict(chosen.outputs)
+    if chosen.output is not _NOT_RUN:
+        runs[0] = (args, kwargs, chosen.output)
+    return Tuned(fused=True, lowered_run=LoweredRun.record(gm, chosen.lowered, runs))
 
 
 def _build(layout: str, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, pool: dict, memo: dict,
-           ctx: PassContext) -> _Candidate | None:
+           ctx: PassContext, policy: TuningPolicy) -> _Candidate | None:
     """``layout``'s graph with its kernels chosen, or None where the layout does not apply (no 4-d or 5-d
     floating input to convert) or cannot run the graph (the reason goes to the report)."""
     if layout == "as captured":  # gm itself: its kernels set in place (the other layouts' graphs are copies)
-        total, choices = tune_kernels(gm, pool, memo=memo)
+        total, choices = tune_kernels(gm, pool, memo=memo, policy=policy)
         return _Candidate(gm, total, choices)
     graph = copy_graph_module(gm)
     if not to_channels_last(graph):
@@ -388,7 +304,7 @@ def _build(layout: str, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, poo
     try:
         with isolated(graph):  # strides changed: propagate them (the rules already gave new nodes shapes)
             annotate(graph, args, kwargs, force=True)
-            total, choices = tune_kernels(graph, pool, memo=memo)
+            total, choices = tune_kernels(graph, pool, memo=memo, policy=policy)
         candidate = _Candidate(graph, total, choices)
         candidate.first_run(args, kwargs)  # fake tensors can miss a .view() that real strides refuse
     except Exception as error:  # noqa: BLE001 - e.g. a .view() that needs contiguous memory
@@ -411,11 +327,9 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
     any (``check_inputs[1:]``, each under its seed, as verification runs them), so the candidate's first
     output on each is recorded in ``candidate.outputs`` and verification need not run it again.
     """
-    from fxforge.runtime.lowering import lower
-
     chosen = candidate.graph
     chosen.recompile()  # its code, in the cache key, must name the kernels just chosen
-    cache = default_cache()
+    cache = autotune_cache()
     cache_key = _graph_key(chosen, before, args, kwargs)
     timings = cache.get(cache_key) if cache is not None else None
     from_cache = timings is not None
@@ -434,13 +348,13 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
             cache.put(cache_key, timings)
     keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
     note = f"{timings['before'] / timings['fused']:.2f}x the speed of the graph before"
-    return keep, timings, note + (f"; {CACHED}" if from_cache else "")
+    return keep, timings, note + (f"; {NOTE}" if from_cache else "")
 
 
 class _InputCycle:
     """A graph run on a list of ``(seed, args, kwargs)`` in turn, one per call, each under ``isolated(graph,
-    seed=seed)`` with gradients off (as verification runs it); the first output on each seed goes to
-    ``record`` when one is given."""
+    seed=seed)`` with gradients off (as verification runs it); the first run on each seed goes to ``record``
+    (``{seed: (args, kwargs, output)}``) when one is given."""
 
     def __init__(self, run: Callable[..., Any], graph: torch.nn.Module, inputs: list[tuple[int, tuple, dict]],
                  record: dict[int, Any] | None):
@@ -452,7 +366,7 @@ class _InputCycle:
         with isolated(self.graph, seed=seed), torch.no_grad():
             output = self.run(*args, **kwargs)
         if self.record is not None and seed not in self.record:
-            self.record[seed] = output
+            self.record[seed] = (args, kwargs, output)
 
 
 def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args: tuple, kwargs: dict) -> str:
@@ -462,7 +376,3 @@ def _graph_key(chosen: torch.fx.GraphModule, before: torch.fx.GraphModule, args:
     device = tensors[0].device if tensors else torch.device("cpu")
     digest = hashlib.sha256(f"{chosen.code}\n{before.code}\n{inputs}".encode()).hexdigest()
     return f"{machine_key(device)} | graph {digest}"
-
-
-def _forced(what: str) -> str:
-    return f"; forced by autotune.forced({what}=...)" if getattr(FORCED, what) is not None else ""

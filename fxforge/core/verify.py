@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from fxforge.tensor_cache import TensorCache
+from fxforge.core.tensor_cache import TensorCache
 
 # (rtol, atol) per dtype; atol is scaled by the magnitude of the reference output.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -225,7 +224,8 @@ def check_same(
 
     Both run under :func:`isolated` with the same seed, so random ops agree and no buffer changes.
     ``reference_outputs`` (one per input) skips re-running the reference; ``candidate_outputs`` (by
-    index, e.g. from :func:`remembered_outputs`) skips running the candidate on those inputs.
+    index, e.g. from :meth:`fxforge.core.captured.LoweredRun.outputs_for`) skips running the candidate on
+    those inputs.
 
     Example:
         >>> f = lambda x: x * 2
@@ -269,54 +269,14 @@ def graph_fingerprint(graph_module: torch.nn.Module) -> tuple:
     return code, modules, tensors
 
 
-def _inputs_key(args: tuple, kwargs: dict) -> tuple:
+def inputs_key(args: tuple, kwargs: dict) -> tuple:
+    """What identifies a call's inputs as unchanged: their structure, and each tensor's identity and version
+    (an in-place change bumps it); other values by their ``repr``.
+
+    Example:
+        >>> x = torch.ones(1); key = inputs_key((x,), {})
+        >>> key == inputs_key((x,), {}), key == inputs_key((x.clone(),), {})
+        (True, False)
+    """
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     return spec, tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
-
-
-# graph module -> (fingerprint, {seed: (inputs key, the inputs (kept alive: ids stay theirs), output)})
-_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def remember_output(graph_module: torch.nn.Module, args: tuple, kwargs: dict, seed: int, output: Any) -> None:
-    """Record what ``graph_module`` returned for ``(args, kwargs)`` run under ``isolated(..., seed=seed)``
-    with gradients off, so that :func:`check_same` need not run it on the same inputs again.
-
-    Autotune runs the graph it chooses on the verification inputs anyway (its warm-up and its timing
-    runs); a record holds only while the graph module computes the same function
-    (:func:`graph_fingerprint`) and the inputs are the same tensors, unchanged. Records of several seeds
-    add up while the function stays the same.
-
-    Example:
-        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); x = torch.ones(1)
-        >>> remember_output(gm, (x,), {}, 0, gm(x))
-        >>> remembered_outputs(gm, [((x,), {})])[0].tolist()
-        [1.0]
-    """
-    fingerprint = graph_fingerprint(graph_module)
-    known = _REMEMBERED.get(graph_module)
-    runs = known[1] if known is not None and known[0] == fingerprint else {}
-    runs[seed] = (_inputs_key(args, kwargs), (args, kwargs), output)
-    _REMEMBERED[graph_module] = (fingerprint, runs)
-
-
-def remembered_outputs(graph_module: Any, inputs: Sequence[tuple[tuple, dict]]) -> dict[int, Any]:
-    """``{i: output}`` for the entries of ``inputs`` (run with seed ``i``, as :func:`check_same` does) whose
-    outputs :func:`remember_output` recorded for this very function; empty when none.
-
-    Example:
-        >>> remembered_outputs(torch.fx.symbolic_trace(torch.nn.ReLU()), [((torch.ones(1),), {})])
-        {}
-    """
-    try:
-        entry = _REMEMBERED.get(graph_module)
-    except TypeError:  # not weakly referenceable (a plain function)
-        return {}
-    if entry is None:
-        return {}
-    fingerprint, runs = entry
-    found = {i: runs[i][2] for i, (args, kwargs) in enumerate(inputs)
-             if i in runs and _inputs_key(args, kwargs) == runs[i][0]}
-    if found and graph_fingerprint(graph_module) != fingerprint:
-        return {}
-    return found

@@ -27,8 +27,8 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
-from fxforge.capture.source import first_line, user_line_of_stack_trace
-from fxforge.verify import isolated
+from fxforge.core.source import first_line, user_line_of_stack_trace
+from fxforge.core.verify import isolated
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
-from fxforge.rewrites.graph_utils import target_name
+from fxforge.core.nodes import target_name
 
 ENGINES = ("auto", "builtin", "dot")
 # "auto" hands graphs up to this many nodes to dot; larger ones (dot takes minutes on thousands of nodes)

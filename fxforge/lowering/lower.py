@@ -1,14 +1,15 @@
-"""Lowering: the graph a ``Captured`` holds, turned into the graph that actually runs.
+"""Lowering: the graph a ``Captured`` holds, turned into the graph that actually runs (a ``Plan``).
 
 Rewrites leave fused ops (``fxforge::conv_pointwise``, ``fxforge::linear_pointwise``) in the graph, each
 with the kernel autotune chose. Calling a custom op from Python costs tens of microseconds of dispatch,
 as much as a small convolution, so :func:`lower` replaces each fused op by a direct call of its kernel:
 oneDNN's fused op on a prepacked weight (packed once, here), cuDNN's fused op, or the plain torch ops
-of the composite. It is the same function the custom op calls (:func:`fxforge.fused_ops.conv_kernel_call`),
-so the lowered graph computes exactly what was verified.
+of the composite. It is the same function the custom op calls (:func:`fxforge.rewrites.fused_ops.kernel_call`
+with the kernels of :mod:`fxforge.lowering.kernels`), so the lowered graph computes exactly what was verified.
 
-Autotune lowers the graph it chooses in order to time it; :func:`adopt` hands that lowered graph on, so
-the runtime does not lower (copy, pack) the same graph again.
+Autotune lowers the graph it chooses in order to time it and hands that lowered graph on with the
+``Captured`` (:class:`~fxforge.core.captured.LoweredRun`); :func:`make_plan` uses it while the graph
+still computes the same function, so the same graph is not lowered (copied, packed) twice.
 
 The lowered graph has no autograd for oneDNN's and cuDNN's fused ops: the runtime uses it only when no
 gradient is needed, and the captured graph (whose custom ops have autograd) otherwise.
@@ -24,24 +25,26 @@ Example:
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.fx import Node
 
-from fxforge import fused_ops
-from fxforge.rewrites.graph_utils import constant_tensor, copy_graph_module
-from fxforge.verify import graph_fingerprint
+from fxforge.core.captured import Captured
+from fxforge.core.nodes import constant_tensor, copy_graph_module
+from fxforge.core.plan import Plan
+from fxforge.lowering import kernels  # noqa: F401 - registers the fused ops' oneDNN and cuDNN kernels
+from fxforge.rewrites import fused_ops
 
+# fused op -> its name in fxforge.rewrites.fused_ops' kernel table
 FUSED_OPS = {
-    torch.ops.fxforge.conv_pointwise.default: fused_ops.conv_kernel_call,
-    torch.ops.fxforge.linear_pointwise.default: fused_ops.linear_kernel_call,
+    torch.ops.fxforge.conv_pointwise.default: "conv_pointwise",
+    torch.ops.fxforge.linear_pointwise.default: "linear_pointwise",
 }
 
 
-def fused_calls(graph_module: torch.fx.GraphModule) -> Iterator[tuple[Node, Callable, torch.Tensor]]:
-    """``(node, its kernel_call, its real weight)`` for each fused op whose weight is a parameter or buffer.
+def fused_calls(graph_module: torch.fx.GraphModule) -> Iterator[tuple[Node, str, torch.Tensor]]:
+    """``(node, its op name, its real weight)`` for each fused op whose weight is a parameter or buffer.
 
     Only these can be lowered or timed: oneDNN packs the weight ahead of the call.
 
@@ -50,29 +53,10 @@ def fused_calls(graph_module: torch.fx.GraphModule) -> Iterator[tuple[Node, Call
         []
     """
     for node in graph_module.graph.nodes:
-        kernel_call = FUSED_OPS.get(node.target) if node.op == "call_function" else None
-        weight = constant_tensor(graph_module, node.args[1]) if kernel_call and not node.kwargs else None
+        op = FUSED_OPS.get(node.target) if node.op == "call_function" else None
+        weight = constant_tensor(graph_module, node.args[1]) if op and not node.kwargs else None
         if weight is not None:
-            yield node, kernel_call, weight
-
-
-# graph module -> (its fingerprint when adopted, the lowered graph): lowered graphs built by autotune.
-_ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def adopt(graph_module: torch.fx.GraphModule, lowered: torch.fx.GraphModule) -> None:
-    """Record ``lowered`` as :func:`lower`'s result for ``graph_module`` (autotune lowers and times the graph
-    it chooses; the runtime then runs that same lowered graph instead of lowering again).
-
-    The record holds while ``graph_module`` computes the same function (same code, submodules and
-    tensors: :func:`fxforge.verify.graph_fingerprint`); after any change, :func:`lower` lowers afresh.
-
-    Example:
-        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); twin = torch.fx.symbolic_trace(torch.nn.ReLU())
-        >>> adopt(gm, twin); lower(gm) is twin
-        True
-    """
-    _ADOPTED[graph_module] = (graph_fingerprint(graph_module), lowered)
+            yield node, op, weight
 
 
 def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -89,17 +73,14 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         >>> lower(gm)(-torch.ones(1)).tolist()
         [0.0]
     """
-    adopted = _ADOPTED.get(graph_module)
-    if adopted is not None and adopted[0] == graph_fingerprint(graph_module):
-        return adopted[1]
     if not lowered_kernels(graph_module):
         return graph_module
     new = copy_graph_module(graph_module)
     graph = new.graph
     packed = 0
-    for node, kernel_call, weight in list(fused_calls(new)):
+    for node, op, weight in list(fused_calls(new)):
         *op_args, kernel = node.args
-        fn, args = fused_ops.kernel_or_composite(kernel_call, kernel, op_args[0], weight, *op_args[2:])
+        fn, args = fused_ops.kernel_or_composite(op, kernel, op_args[0], weight, *op_args[2:])
         with graph.inserting_before(node):
             if fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite):
                 tracer = torch.fx.proxy.GraphAppendingTracer(graph)
@@ -138,3 +119,21 @@ def lowered_kernels(graph_module: torch.fx.GraphModule) -> dict[str, int]:
         if node.op == "call_function" and node.target in FUSED_OPS:
             counts[node.args[-1]] = counts.get(node.args[-1], 0) + 1
     return counts
+
+
+def make_plan(captured: Captured) -> Plan:
+    """The :class:`~fxforge.core.plan.Plan` for a rewritten graph: it and its lowered form.
+
+    The lowered graph autotune built and ran (``captured.lowered_run``) is used while the graph still
+    computes the function it lowered; otherwise the graph is lowered here.
+
+    Example:
+        >>> plan = make_plan(fxforge.capture(torch.nn.ReLU(), (torch.ones(2),)))
+        >>> plan.executable is plan.captured.graph_module  # no fused op: nothing to lower
+        True
+    """
+    run = captured.lowered_run
+    if run is not None and run.lowers(captured.graph_module):
+        return Plan(captured, run.lowered)
+    return Plan(captured, lower(captured.graph_module))
+

@@ -2,7 +2,7 @@
 
 Example:
     >>> r = Report(method="fx")
-    >>> r.matches.append(Match("cleanup", "dropout in eval", ["dropout"], "m.py:3: x = self.drop(x)"))
+    >>> r.matches.append(Applied("cleanup", "dropout in eval", ["dropout"], "m.py:3: x = self.drop(x)"))
     >>> r.counts
     {'cleanup': 1}
 """
@@ -15,8 +15,9 @@ from collections import Counter
 
 
 @dataclasses.dataclass(frozen=True)
-class Match:
-    """One application of a rewrite.
+class Applied:
+    """One application of a rewrite (the pattern engine's :class:`~fxforge.rewrites.pattern.Match` is where a
+    pattern matched; this is what a pass changed).
 
     Attributes:
         rule: the rewrite's name (a key of ``Report.counts``).
@@ -25,7 +26,7 @@ class Match:
         source: the user's source line of the first replaced node, where known.
 
     Example:
-        >>> str(Match("cleanup", "identity removed", ["id_1"], None))
+        >>> str(Applied("cleanup", "identity removed", ["id_1"], None))
         'cleanup: identity removed [id_1]'
     """
 
@@ -125,7 +126,7 @@ class Report:
     method: str = ""
     opaque: list = dataclasses.field(default_factory=list)
     meta_source: str = ""
-    matches: list[Match] = dataclasses.field(default_factory=list)
+    matches: list[Applied] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     rolled_back: list[RolledBack] = dataclasses.field(default_factory=list)
     verified: list[str] = dataclasses.field(default_factory=list)

@@ -1,0 +1,308 @@
+"""One vocabulary of call forms: every way user code and exported graphs reach the ops fxforge reads.
+
+User code reaches one op in many ways: ``nn.ReLU()``, ``F.relu``, ``torch.relu``, ``x.relu()``, ``relu_``,
+operators, and ``aten.*`` ops in exported graphs. :data:`OPS` lists them once per canonical op, read top
+to bottom; every stage asks :func:`calls` ("is this node a softmax?") or :func:`op_name` instead of
+keeping a table of its own, so the rewrites, the memory model and the profiler agree on what a node is.
+
+A function form is a callable (``torch.softmax``, ``F.dropout``, ``operator.add``), an ATen overload
+(``aten.to.dtype``: that overload only) or an ATen packet (``aten.relu``: any of its overloads). A module
+form is an ``nn.Module`` class; a subclass counts only if it keeps the class's ``forward``.
+
+Example:
+    >>> g = torch.fx.Graph(); x = g.placeholder("x")
+    >>> [op_name(g.call_function(f, (x, 0.1, False))) for f in (torch.dropout, torch.nn.functional.dropout)]
+    ['dropout', 'dropout']
+    >>> calls(g.call_method("softmax", (x, -1)), "softmax")
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+F = nn.functional
+aten = torch.ops.aten
+
+
+def _some(owner: Any, *names: str) -> tuple:
+    return tuple(getattr(owner, n) for n in names if hasattr(owner, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallForms:
+    """Every form of one op: functions (callables, ATen overloads or packets), Tensor methods, module classes.
+
+    Example:
+        >>> OPS["relu"].methods
+        frozenset({'relu', 'relu_'})
+    """
+
+    functions: frozenset = frozenset()
+    methods: frozenset = frozenset()
+    modules: tuple[type, ...] = ()
+
+    def called_by(self, node: Node, gm: torch.nn.Module | None = None) -> bool:
+        """Whether ``node`` calls this op (a ``call_module`` node needs ``gm`` to find its module)."""
+        if node.op == "call_method":
+            return node.target in self.methods
+        if node.op == "call_function":
+            target = node.target
+            try:
+                if target in self.functions:
+                    return True
+            except TypeError:  # an unhashable target
+                return False
+            return getattr(target, "overloadpacket", None) in self.functions
+        if node.op == "call_module" and gm is not None and self.modules:
+            return module_form(_submodule(node, gm), self.modules) is not None
+        return False
+
+
+def module_form(module: Any, classes: tuple[type, ...]) -> type | None:
+    """The class among ``classes`` that ``module`` is an instance of without overriding its ``forward``.
+
+    Example:
+        >>> module_form(nn.ReLU6(), (nn.Hardtanh,)) is nn.Hardtanh, module_form(nn.ReLU(), (nn.Hardtanh,))
+        (True, None)
+    """
+    if not isinstance(module, nn.Module):
+        return None
+    for cls in type(module).__mro__:
+        if cls in classes and type(module).forward is cls.forward:
+            return cls
+    return None
+
+
+def _submodule(node: Node, gm: torch.nn.Module) -> Any:
+    try:
+        return gm.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def forms(functions: tuple = (), methods: tuple = (), modules: tuple = ()) -> CallForms:
+    """A :class:`CallForms` from tuples (functions missing from this torch are left out by :func:`_some`).
+
+    Example:
+        >>> forms((torch.relu,), ("relu",)).called_by(torch.fx.Graph().call_method("relu", ()))
+        True
+    """
+    return CallForms(frozenset(functions), frozenset(methods), tuple(modules))
+
+
+_DROPOUT_FUNCTIONS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+                      torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+                      aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
+                      aten.feature_alpha_dropout.default)
+
+# canonical op -> its forms, read top to bottom.
+OPS: dict[str, CallForms] = {
+    # activations
+    "relu": forms((F.relu, F.relu_, torch.relu, torch.relu_, aten.relu, aten.relu_), ("relu", "relu_"), (nn.ReLU,)),
+    "hardtanh": forms((F.hardtanh, F.hardtanh_, F.relu6, aten.hardtanh, aten.hardtanh_, aten.relu6), (),
+                      (nn.Hardtanh,)),  # nn.ReLU6 is a Hardtanh(0, 6)
+    "leaky_relu": forms((F.leaky_relu, F.leaky_relu_, aten.leaky_relu, aten.leaky_relu_), (), (nn.LeakyReLU,)),
+    "gelu": forms((F.gelu, aten.gelu, aten.gelu_), (), (nn.GELU,)),
+    "silu": forms((F.silu, aten.silu, aten.silu_), (), (nn.SiLU,)),
+    "sigmoid": forms((F.sigmoid, torch.sigmoid, torch.sigmoid_, aten.sigmoid, aten.sigmoid_), ("sigmoid", "sigmoid_"),
+                     (nn.Sigmoid,)),
+    "tanh": forms((F.tanh, torch.tanh, torch.tanh_, aten.tanh, aten.tanh_), ("tanh", "tanh_"), (nn.Tanh,)),
+    "hardswish": forms((F.hardswish, aten.hardswish, aten.hardswish_), (), (nn.Hardswish,)),
+    "softmax": forms((F.softmax, torch.softmax, torch.special.softmax, aten.softmax.int, aten._softmax.default),
+                     ("softmax",), (nn.Softmax,)),
+    # arithmetic
+    "add": forms((operator.add, operator.iadd, torch.add, aten.add, aten.add_), ("add", "add_", "__add__", "__iadd__")),
+    "sub": forms((operator.sub, operator.isub, torch.sub, aten.sub, aten.sub_), ("sub", "sub_", "__sub__", "__isub__")),
+    "mul": forms((operator.mul, operator.imul, torch.mul, aten.mul, aten.mul_), ("mul", "mul_", "__mul__", "__imul__")),
+    "div": forms((operator.truediv, operator.itruediv, torch.div, torch.true_divide, aten.div, aten.div_,
+                  aten.true_divide), ("div", "div_", "true_divide", "__truediv__", "__itruediv__")),
+    "matmul": forms((operator.matmul, torch.matmul, torch.bmm, aten.matmul, aten.mm, aten.bmm),
+                    ("matmul", "mm", "bmm", "__matmul__")),  # mm and bmm are matmul on the inputs they accept
+    "einsum": forms((torch.einsum, torch.functional.einsum, aten.einsum.default)),
+    "logical_and": forms((operator.and_, torch.logical_and, torch.bitwise_and, aten.__and__.Tensor,
+                          aten.bitwise_and.Tensor, aten.logical_and.default)),
+    # layers
+    "linear": forms((F.linear, aten.linear), (), (nn.Linear,)),
+    "conv1d": forms((F.conv1d, aten.conv1d), (), (nn.Conv1d,)),
+    "conv2d": forms((F.conv2d, aten.conv2d), (), (nn.Conv2d,)),
+    "conv3d": forms((F.conv3d, aten.conv3d), (), (nn.Conv3d,)),
+    "batch_norm": forms((F.batch_norm, torch.batch_norm, aten.batch_norm), (),
+                        (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)),
+    "layer_norm": forms((F.layer_norm, aten.layer_norm.default), (), (nn.LayerNorm,)),
+    "group_norm": forms((F.group_norm, aten.group_norm.default), (), (nn.GroupNorm,)),
+    "max_pool": forms((F.max_pool2d, F.max_pool3d, torch.max_pool2d, torch.max_pool3d, aten.max_pool2d.default,
+                       aten.max_pool3d.default, F.adaptive_max_pool2d, F.adaptive_max_pool3d), (),
+                      (nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)),
+    "dropout": forms(_DROPOUT_FUNCTIONS, (),
+                     (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)),
+    "identity": forms((aten.alias.default,), (), (nn.Identity,)),
+    # dtype, device and memory-format copies
+    "to": forms((aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.to.other, aten._to_copy.default,
+                 aten.type_as.default),
+                ("to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte",
+                 "char", "cpu", "cuda")),
+    "contiguous": forms((aten.contiguous.default, torch.Tensor.contiguous), ("contiguous",)),
+    "clone": forms((torch.clone, aten.clone.default), ("clone",)),
+    # shapes and layouts
+    "view": forms((aten.view.default, aten._unsafe_view.default), ("view", "view_as")),
+    "reshape": forms((torch.reshape, aten.reshape.default), ("reshape", "reshape_as")),
+    "flatten": forms((torch.flatten, aten.flatten.using_ints), ("flatten",)),
+    "unsqueeze": forms((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
+    "expand": forms((aten.expand.default, torch.broadcast_to), ("expand", "expand_as")),
+    "transpose": forms((torch.transpose, torch.swapaxes, torch.swapdims, aten.transpose.int, aten.swapaxes.default,
+                        aten.swapdims.default), ("transpose", "swapaxes", "swapdims")),
+    "permute": forms((torch.permute, aten.permute.default), ("permute",)),
+    "t": forms((torch.t, aten.t.default), ("t",)),
+    "repeat_interleave": forms((torch.repeat_interleave, aten.repeat_interleave.self_int), ("repeat_interleave",)),
+    # masks
+    "masked_fill": forms((torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
+                          aten.masked_fill_.Tensor), ("masked_fill", "masked_fill_")),
+    "where": forms((torch.where, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar),
+                   ("where",)),
+    # constructors that read only the shape, dtype and device of their first argument, never its values
+    "new_like": forms((torch.zeros_like, torch.ones_like, torch.full_like, aten.new_ones.default, aten.new_zeros.default,
+                       aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default),
+                      ("new_ones", "new_zeros", "new_full")),
+}
+
+# The ops that keep their input's values and only change how they are viewed (one group of OPS).
+RESHAPES = ("view", "reshape", "flatten", "unsqueeze", "expand")
+# dtype, device and memory-format copies that keep shape and values (as far as the dtype holds them).
+CASTS = ("to", "contiguous", "clone")
+
+# What reads only a tensor's metadata, never its values: attributes, methods and ATen ops.
+METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
+METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device"})
+METADATA_FUNCTIONS = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int})
+
+
+def calls(node: Any, *names: str, gm: torch.nn.Module | None = None) -> bool:
+    """Whether ``node`` calls one of the canonical ops ``names`` in any of its forms.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> calls(g.call_function(torch.ops.aten.permute.default, (x, [1, 0])), "transpose", "permute")
+        True
+    """
+    return isinstance(node, Node) and any(OPS[name].called_by(node, gm) for name in names)
+
+
+def op_name(node: Any, gm: torch.nn.Module | None = None) -> str | None:
+    """The canonical op ``node`` calls (the first of :data:`OPS` whose forms it uses), or None.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(nn.Sequential(nn.ReLU6()))
+        >>> [op_name(n, gm) for n in gm.graph.nodes if n.op == "call_module"]
+        ['hardtanh']
+    """
+    if not isinstance(node, Node):
+        return None
+    if node.op == "call_method":
+        return _by_method().get(node.target)
+    if node.op == "call_function":
+        table = _by_function()
+        try:
+            found = table.get(node.target)
+        except TypeError:
+            return None
+        return found if found is not None else table.get(getattr(node.target, "overloadpacket", None))
+    return next((name for name, f in OPS.items() if f.modules and f.called_by(node, gm)), None)
+
+
+@functools.cache
+def _by_function() -> dict[Any, str]:
+    table: dict[Any, str] = {}
+    for name, f in OPS.items():
+        for fn in f.functions:
+            table.setdefault(fn, name)
+    return table
+
+
+@functools.cache
+def _by_method() -> dict[str, str]:
+    table: dict[str, str] = {}
+    for name, f in OPS.items():
+        for method in f.methods:
+            table.setdefault(method, name)
+    return table
+
+
+def argument(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument given by keyword ``name`` or at position ``index``, else ``default``.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> argument(g.call_function(torch.dropout, (x, 0.2), {"train": True}), 2, "train")
+        True
+    """
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """A dropout call read in its canonical form.
+
+    Attributes:
+        input: the value dropped out.
+        p: the drop probability (a number, or a node computing it).
+        drops: whether it drops anything: training on and p not 0.
+    """
+
+    input: Any
+    p: Any
+    drops: bool
+
+
+# function -> (the name of its training flag, where it stands, whether it trains by default)
+_DROPOUT_TRAINING = {fn: ("training", 2, True) for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                                                          F.alpha_dropout, F.feature_alpha_dropout)}
+
+
+def read_dropout(node: Node, gm: torch.nn.Module | None = None) -> Dropout | None:
+    """``node`` as a :class:`Dropout` (any of its forms), or None when it is no dropout.
+
+    Functional forms train by default only where their signature says so (``F.dropout``); ``torch.dropout``
+    and ATen's take the flag as a required argument.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> read_dropout(g.call_function(torch.dropout, (x, 0.1, False)))
+        Dropout(input=x, p=0.1, drops=False)
+    """
+    if not calls(node, "dropout", gm=gm):
+        return None
+    if node.op == "call_module":
+        module = _submodule(node, gm)
+        source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        return Dropout(source, module.p, bool(module.training and module.p != 0))
+    name, index, default = _DROPOUT_TRAINING.get(node.target, ("train", 2, True))
+    training = argument(node, index, name, default)
+    p = argument(node, 1, "p", 0.5)
+    source = argument(node, 0, "input")
+    drops = not (training is False or (isinstance(p, (int, float)) and p == 0))
+    return Dropout(source, p, drops)
+
+
+def reads_metadata(node: Node) -> bool:
+    """Whether ``node`` reads only its input's metadata (``x.shape``, ``x.size(1)``, ``x.dtype``...).
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> reads_metadata(g.call_function(getattr, (x, "shape"))), reads_metadata(g.call_method("sum", (x,)))
+        (True, False)
+    """
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in METADATA_ATTRIBUTES
+    if node.op == "call_method":
+        return node.target in METADATA_METHODS
+    return node.op == "call_function" and node.target in METADATA_FUNCTIONS

@@ -1,0 +1,58 @@
+"""Timing calls against each other: interleaved rounds, medians, and early stops when the winner is clear.
+
+Example:
+    >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
+    ['a', 'b']
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+# Repetitions at least / at most.
+MIN_REPS, MAX_REPS = 3, 25
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
+                     decisive: float | None = None, decisive_first: float | None = None) -> dict[str, float]:
+    """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
+
+    Args:
+        calls: name -> callable to time.
+        budget_s: seconds to spend in total, roughly (at least ``MIN_REPS`` rounds, at most ``MAX_REPS``).
+        warmed: names already run once (their warm-up is skipped).
+        decisive: with two calls, stop after two rounds when every sample of one is below every sample of
+            the other by this fraction (more rounds would not change the choice).
+        decisive_first: with two calls, stop after the first round already when its two samples differ by
+            this fraction (for calls whose warm-up ran: a cold first sample must not decide).
+
+    Example:
+        >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
+        ['a', 'b']
+    """
+    samples: dict[str, list[float]] = {}
+    for name, call in calls.items():
+        if name not in warmed:
+            call()  # warm-up: packing, allocator, caches
+        start = time.perf_counter()
+        call()
+        samples[name] = [time.perf_counter() - start]
+    total = sum(s[0] for s in samples.values()) or 1e-6
+    if decisive_first is not None and len(samples) == 2 and _separated(*samples.values(), decisive_first):
+        return {name: s[0] * 1e3 for name, s in samples.items()}
+    reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
+    for rep in range(1, reps):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append(time.perf_counter() - start)
+        if decisive is not None and rep >= 1 and len(samples) == 2 and _separated(*samples.values(), decisive):
+            break
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+
+
+def _separated(a: list[float], b: list[float], fraction: float) -> bool:
+    return max(a) < min(b) * (1 - fraction) or max(b) < min(a) * (1 - fraction)

@@ -1,0 +1,20 @@
+"""Profiling: a graph's time, FLOPs, bytes and memory, node by node (``fxforge.profile``).
+
+- :mod:`~fxforge.runtime.profile.measure`: :func:`profile_graph`, the measurement itself;
+- :mod:`~fxforge.runtime.profile.runner`: runs the graph node by node (time, FLOPs, bytes, live memory);
+- :mod:`~fxforge.runtime.profile.flops`: FLOP formulas for fxforge's own ops;
+- :mod:`~fxforge.runtime.profile.op_names`: one op name per op type, whatever the call form;
+- :mod:`~fxforge.runtime.profile.modules`: the user's module each node belongs to;
+- :mod:`~fxforge.runtime.profile.table`: :class:`Profile`, the table and its summaries;
+- :mod:`~fxforge.runtime.profile.plots`: matplotlib plots of a profile.
+
+Example:
+    >>> p = fxforge.profile(torch.nn.Linear(8, 8), (torch.randn(2, 8),), warmup=0, repeat=1)
+    >>> type(p).__name__, list(p.table["op"])
+    ('Profile', ['linear'])
+"""
+
+from fxforge.runtime.profile.measure import profile_graph
+from fxforge.runtime.profile.table import Profile
+
+__all__ = ["Profile", "profile_graph"]
