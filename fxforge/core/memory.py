@@ -46,26 +46,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxforge.core.nodes import is_inplace, is_view_op, submodule
+from fxforge.core.vocabulary import argument, calls
 
 _ROOTS = ("placeholder", "get_attr")
-F = torch.nn.functional
-aten = torch.ops.aten
-
-# Ops that create a tensor for an instant and drop it before returning: max pooling computes the argmax
-# (int64, the shape of the result) and returns only the values; layer/group norm compute their mean and
-# rstd (the input's dtype) and return only the normalized tensor.
-_MAX_POOL_FUNCTIONS = {F.max_pool2d, F.max_pool3d, torch.max_pool2d, torch.max_pool3d, aten.max_pool2d.default,
-                       aten.max_pool3d.default, F.adaptive_max_pool2d, F.adaptive_max_pool3d}
-_MAX_POOL_MODULES = (torch.nn.MaxPool2d, torch.nn.MaxPool3d, torch.nn.AdaptiveMaxPool2d, torch.nn.AdaptiveMaxPool3d)
-_LAYER_NORM = {F.layer_norm, aten.layer_norm.default}
-_GROUP_NORM = {F.group_norm, aten.group_norm.default}
-
-
-def _argument(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
-
 
 def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     """Bytes ``node`` allocates and frees again while it runs (0 for ops not known to).
@@ -82,17 +65,19 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or node.op not in ("call_function", "call_module"):
         return 0
+    # Max pooling computes the argmax (int64, the shape of the result) and returns only the values; layer
+    # and group norm compute their mean and rstd (the input's dtype) and return only the normalized tensor.
     module = submodule(node, gm)
-    if isinstance(module, _MAX_POOL_MODULES) or node.op == "call_function" and node.target in _MAX_POOL_FUNCTIONS:
-        indices = module.return_indices if module is not None else _argument(node, 5, "return_indices", False)
+    if calls(node, "max_pool", gm=gm):
+        indices = module.return_indices if module is not None else argument(node, 5, "return_indices", False)
         return 0 if indices else value.numel() * 8
-    if isinstance(module, torch.nn.LayerNorm) or node.op == "call_function" and node.target in _LAYER_NORM:
-        shape = module.normalized_shape if module is not None else _argument(node, 1, "normalized_shape", ())
+    if calls(node, "layer_norm", gm=gm):
+        shape = module.normalized_shape if module is not None else argument(node, 1, "normalized_shape", ())
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         groups = value.numel() // max(1, int(torch.Size(shape).numel()))
         return 2 * groups * value.element_size()
-    if isinstance(module, torch.nn.GroupNorm) or node.op == "call_function" and node.target in _GROUP_NORM:
-        groups = module.num_groups if module is not None else _argument(node, 1, "num_groups", 1)
+    if calls(node, "group_norm", gm=gm):
+        groups = module.num_groups if module is not None else argument(node, 1, "num_groups", 1)
         return 2 * value.shape[0] * int(groups) * value.element_size()
     return 0
 

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.fx.node import _side_effectful_functions
 
+from fxforge.core.vocabulary import read_dropout
+
 _INPLACE_OPERATORS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
@@ -31,12 +33,10 @@ F = nn.functional
 
 # The node kinds that compute something (not inputs, outputs or parameter reads).
 CALL_OPS = ("call_function", "call_method", "call_module")
-# Functions whose result depends on the RNG unless told they are not training.
+# Functions whose result depends on the RNG unless told they are not training (dropout: see is_random).
 _RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
-    torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson,
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, F.rrelu,
-    F.gumbel_softmax, torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+    torch.randperm, torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, F.rrelu, F.gumbel_softmax,
 }
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_", "geometric_"}
 
@@ -178,6 +178,9 @@ def is_random(node: torch.fx.Node) -> bool:
         return False
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
+    dropout = read_dropout(node)
+    if dropout is not None:
+        return dropout.drops
     return target in _RANDOM_FUNCTIONS and _training_flag(node, default=True)
 
 
@@ -300,3 +303,18 @@ def is_view_op(node: torch.fx.Node) -> bool:
                                      for a in target._schema.returns)
     name = getattr(target, "__name__", "")
     return name in _VIEW_METHODS or target is operator.getitem
+
+
+def call_node(node: torch.fx.Node, value_of: Any) -> Any:
+    """Run a ``call_function``/``call_method`` node with each input node replaced by ``value_of(node)``.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); y = g.call_method("add", (x, 1))
+        >>> call_node(y, {x: torch.ones(1)}.__getitem__).tolist()
+        [2.0]
+    """
+    args = torch.fx.node.map_arg(node.args, value_of)
+    kwargs = torch.fx.node.map_arg(node.kwargs, value_of)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)

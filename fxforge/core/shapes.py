@@ -27,6 +27,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
+from fxforge.core.nodes import attribute_tensor, call_node
 from fxforge.core.source import first_line, user_line_of_stack_trace
 from fxforge.core.verify import isolated
 
@@ -176,3 +177,42 @@ def annotate(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, *, f
     with isolated(graph_module), torch.no_grad():
         _RealProp(graph_module, mode).run(*values)
     return MetaInfo("real", reason)
+
+
+def propagate_meta(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node],
+                   result: tuple[torch.fx.Node, Any] | None = None) -> None:
+    """Give nodes a rewrite just made ``meta['val']`` (fake tensors), so later rules in the same pass can check
+    shapes without propagating through the whole graph again.
+
+    ``result`` is ``(the node that replaces the match, the replaced value's val)``: that node computes the
+    same value, so it gets a tensor of the same shape, strides and dtype (its own storage) without running
+    its op on fake tensors (a fake convolution costs a millisecond; a rewrite makes one per match).
+    Metadata is a convenience: a node it cannot be computed for is left without it.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU()); _ = annotate(gm, (torch.ones(2, 3),), {})
+        >>> x = next(iter(gm.graph.nodes))
+        >>> with gm.graph.inserting_after(x):
+        ...     y = gm.graph.call_method("sum", (x, 0))
+        >>> propagate_meta(gm, [y]); tuple(y.meta["val"].shape)
+        (3,)
+    """
+    mode = next((n.meta["val"].fake_mode for n in gm.graph.nodes
+                 if hasattr(n.meta.get("val"), "fake_mode")), None)
+    if mode is None:
+        return
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted(nodes, key=order.__getitem__):
+        try:
+            if result is not None and node is result[0] and isinstance(result[1], torch.Tensor):
+                val = result[1]
+                with mode:
+                    node.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+                continue
+            if node.op == "get_attr":
+                node.meta["val"] = mode.from_tensor(attribute_tensor(gm, node.target), static_shapes=True)
+                continue
+            with mode:
+                node.meta["val"] = call_node(node, lambda n: n.meta.get("val"))
+        except Exception:  # noqa: BLE001 - metadata is a convenience; the pipeline re-annotates after the pass
+            node.meta.pop("val", None)

@@ -89,6 +89,7 @@ from torch.fx import Node
 
 from fxforge.core.nodes import (
     attribute_tensor,
+    call_node,
     fake_value,
     is_effectful,
     is_inplace,
@@ -96,10 +97,11 @@ from fxforge.core.nodes import (
     submodule,
     target_name,
 )
+from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import first_line, inherit_origin
+from fxforge.rewrites.canonical import canonicalize
 from fxforge.rewrites.cleanup import proven_assertion
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
-from fxforge.rewrites.pattern import _call, _propagate_meta, canonicalize
 
 F = nn.functional
 aten = torch.ops.aten
@@ -662,7 +664,7 @@ class Constants:
             return _NOT_CONSTANT
         try:
             with torch.no_grad():
-                return _call(node, value_of)
+                return call_node(node, value_of)
         except Exception:  # noqa: BLE001 - a value that cannot be computed here is not a constant
             return _NOT_CONSTANT
 
@@ -1309,7 +1311,7 @@ class GraphBuilder:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
         self.nodes.append(node)
-        _propagate_meta(self.gm, [node])  # later calls read its shape and whether it is a tensor
+        propagate_meta(self.gm, [node])  # later calls read its shape and whether it is a tensor
         return node
 
     def call(self, name: str, *args, **kwargs) -> Node:

@@ -29,12 +29,11 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from fxforge.core.nodes import CALL_OPS, fake_value, is_effectful, mutated_aliases, submodule
+from fxforge.core.nodes import CALL_OPS, fake_value, is_effectful, mutated_aliases
+from fxforge.core.vocabulary import argument, calls, read_dropout
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
 
-F = nn.functional
 aten = torch.ops.aten
 
 
@@ -55,21 +54,6 @@ class NoOpRule:
     check: Check
 
 
-_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_DROPOUT_FUNCTIONS = {
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
-    aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
-    aten.feature_alpha_dropout.default,
-}
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default=None):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
-
-
 def _input(node: torch.fx.Node) -> torch.fx.Node | None:
     first = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
     return first if isinstance(first, torch.fx.Node) else None
@@ -77,25 +61,17 @@ def _input(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def dropout_in_eval(node, gm, ctx):
     """Dropout that does not drop: eval mode, ``training=False``, or p = 0."""
-    module = submodule(node, gm)
-    if isinstance(module, _DROPOUT_MODULES):
-        training, p = module.training, module.p
-    elif node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS:
-        default_training = node.target in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-                                           F.feature_alpha_dropout)
-        training, p = _arg(node, 2, "training", _arg(node, 2, "train", default_training)), _arg(node, 1, "p", 0.5)
-    else:
+    dropout = read_dropout(node, gm)
+    if dropout is None or not isinstance(dropout.input, torch.fx.Node):
         return None
-    if training and p != 0:
-        return Refusal(f"dropout (p={p}) is active in training mode")
-    return _input(node)
+    if dropout.drops:
+        return Refusal(f"dropout (p={dropout.p}) is active in training mode")
+    return dropout.input
 
 
 def identity(node, gm, ctx):
     """``nn.Identity`` and ``aten.alias``."""
-    if isinstance(submodule(node, gm), nn.Identity) or (node.op == "call_function" and node.target is aten.alias.default):
-        return _input(node)
-    return None
+    return _input(node) if calls(node, "identity", gm=gm) else None
 
 
 def _same_tensor_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -105,27 +81,21 @@ def _same_tensor_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def contiguous_of_contiguous(node, gm, ctx):
     """``x.contiguous()`` where x is already contiguous returns x itself."""
-    if not ((node.op == "call_method" and node.target == "contiguous") or node.target is aten.contiguous.default):
+    if not calls(node, "contiguous"):
         return None
     source = _input(node)
     value = fake_value(source)
     if value is None:
         return Refusal("no shape metadata for the input")
-    memory_format = _arg(node, 1, "memory_format", torch.contiguous_format)
+    memory_format = argument(node, 1, "memory_format", torch.contiguous_format)
     if not value.is_contiguous(memory_format=memory_format):
         return None
     return source
 
 
-_TO_METHODS = {"to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "bool",
-               "byte", "char", "cpu", "cuda"}
-_TO_ATEN = {aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.to.other, aten._to_copy.default}
-
-
 def conversion_to_same(node, gm, ctx):
     """A dtype/device conversion to what the value already is."""
-    is_method = node.op == "call_method" and node.target in _TO_METHODS
-    if not (is_method or (node.op == "call_function" and node.target in _TO_ATEN)):
+    if not calls(node, "to"):
         return None
     if node.kwargs.get("copy") is True or (node.target == "type" and len(node.args) < 2 and not node.kwargs):
         return None  # an explicit copy, or x.type() returning a type name
@@ -139,15 +109,9 @@ def conversion_to_same(node, gm, ctx):
     return source
 
 
-_RESHAPE_METHODS = {"view", "reshape", "view_as", "reshape_as", "flatten", "expand", "expand_as"}
-_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten, aten.view.default, aten.reshape.default,
-                      aten._unsafe_view.default, aten.expand.default, aten.flatten.using_ints}
-
-
 def reshape_to_same(node, gm, ctx):
     """A view/reshape/flatten/expand whose result has the input's shape, dtype and strides."""
-    if not ((node.op == "call_method" and node.target in _RESHAPE_METHODS)
-            or (node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS)):
+    if not calls(node, "view", "reshape", "flatten", "expand"):
         return None
     source, value, result = _input(node), fake_value(_input(node)), fake_value(node)
     if value is None or result is None:

@@ -10,7 +10,7 @@ from torch import nn
 import fxforge
 from examples.models import EXAMPLES
 from examples.models._common import perturb_norm_stats
-from fxforge.rewrites.pattern import canonicalize
+from fxforge.rewrites.canonical import canonicalize
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}

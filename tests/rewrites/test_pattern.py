@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxforge
+from fxforge.rewrites.canonical import canonicalize
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
-from fxforge.rewrites.pattern import Rule, canonicalize, rules_pass
+from fxforge.rewrites.pattern import Rule, rules_pass
 from fxforge.rewrites.registry import BUILTIN, register
 
 

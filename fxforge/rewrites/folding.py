@@ -1,0 +1,85 @@
+"""Folding: the parts of a replacement that depend only on parameters, computed once as new constants.
+
+A rule with ``fold=True`` (``conv_bn_fold``) records its replacement into the graph like any other, then
+:func:`fold_constants` computes the new nodes whose inputs are all parameters or buffers once, in float64,
+rounds the result once to the model's dtype, and registers it as a non-persistent buffer of the
+GraphModule (named with :data:`~fxforge.core.verify.CONSTANT_BUFFER_PREFIX`); the model's own parameters
+are never modified.
+
+Example:
+    >>> g = torch.fx.Graph(); x = g.placeholder("x"); w = g.get_attr("w")
+    >>> doubled = g.call_function(torch.mul, (w, 2)); _ = g.output(g.call_function(torch.add, (x, doubled)))
+    >>> root = torch.nn.Module(); root.register_buffer("w", torch.ones(2))
+    >>> gm = torch.fx.GraphModule(root, g)
+    >>> kept = fold_constants(gm, [w, doubled])
+    >>> [n.op for n in kept], getattr(gm, kept[0].target).tolist()
+    (['get_attr'], [2.0, 2.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fxforge.core.nodes import attribute_tensor, call_node
+from fxforge.core.verify import CONSTANT_BUFFER_PREFIX
+
+
+def fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
+    """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``.
+
+    Values are computed in float64, and in the model's precision for the dtype of the result (on meta
+    tensors that second computation took longer than on real ones).
+    """
+    exact = constant_values(gm, new, lambda t: t.double() if t.is_floating_point() else t)
+    plain = constant_values(gm, new, lambda t: t)
+    kept = []
+    for node in new:
+        value = plain.get(node)
+        if node.op != "get_attr" and isinstance(value, torch.Tensor) and any(u not in plain for u in node.users):
+            name = free_name(gm, CONSTANT_BUFFER_PREFIX)
+            # One conversion into a new tensor: the folded value never aliases a parameter.
+            folded = exact[node].detach().to(dtype=value.dtype, copy=True)
+            gm.register_buffer(name, folded, persistent=False)
+            with gm.graph.inserting_before(node):
+                constant = gm.graph.get_attr(name)
+            node.replace_all_uses_with(constant)
+            kept.append(constant)
+    for node in reversed(new):
+        if node in plain and not node.users:
+            gm.graph.erase_node(node)
+    return [n for n in new if n.graph is gm.graph and n not in plain] + kept
+
+
+def constant_values(gm: torch.fx.GraphModule, new: list[Node], convert: Callable[[torch.Tensor], Any]
+                     ) -> dict[Node, Any]:
+    """The values of the nodes among ``new`` computed from parameters and buffers alone, each tensor
+    taken through ``convert`` first (to float64, or as it is)."""
+    values: dict[Node, Any] = {}
+    for node in new:
+        if node.op == "get_attr":
+            values[node] = convert(attribute_tensor(gm, node.target))
+            continue
+        inputs = node.all_input_nodes
+        if node.op not in ("call_function", "call_method") or not all(n in values or n.op == "get_attr" for n in inputs):
+            continue
+        for n in inputs:
+            if n not in values:
+                values[n] = convert(attribute_tensor(gm, n.target))
+        with torch.no_grad():
+            values[node] = call_node(node, values.__getitem__)
+    return values
+
+
+def free_name(gm: torch.fx.GraphModule, prefix: str) -> str:
+    # The search starts where the last one on this module ended (a hint: the loop still checks), so folding
+    # n convolutions asks for n names, not n * n / 2.
+    hints = gm.__dict__.setdefault("_fxforge_free_names", {})
+    i = hints.get(prefix, 0)
+    while hasattr(gm, f"{prefix}_{i}"):
+        i += 1
+    hints[prefix] = i + 1
+    return f"{prefix}_{i}"
