@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.capture.fx_trace import PYTHON_CONSTANTS
+from fxforge.core.tracing import tracing
 
 # Loggers that narrate a failed export at WARNING level; the failure itself is reported by fxforge.
 _NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
@@ -69,7 +70,7 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
         >>> gm(-torch.ones(2)).tolist()
         [0.0, 0.0]
     """
-    with quiet_export():
+    with tracing(), quiet_export():
         program = torch.export.export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes,
                                       strict=False)
     unlifted = _unlift(program)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fxforge.core.source import first_line, user_frame_of
+from fxforge.core.tracing import ThreadBoundTracer, tracing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def shape_value(node: torch.fx.Node, inputs: dict[str, Any]) -> tuple[bool, Any]
         return False, None
 
 
-class _LeafTracer(torch.fx.Tracer):
+class _LeafTracer(ThreadBoundTracer):
     """A tracer that records stack traces, keeps given submodules opaque, and notes where it broke.
 
     A branch on a value computed from input shapes only (``if x.shape[1] != self.channels: raise``) is
@@ -353,7 +354,8 @@ def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: 
     while True:
         tracer = _LeafTracer(leaves, example_inputs)
         try:
-            graph = tracer.trace(module, concrete_args=concrete or None)
+            with tracing():
+                graph = tracer.trace(module, concrete_args=concrete or None)
         except Exception as error:
             reason, source = first_line(error), user_frame_of(error)
             name = getattr(error, "_fxforge_module", None)

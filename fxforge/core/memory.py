@@ -334,7 +334,7 @@ def simulate_peak(graph_module: torch.fx.GraphModule,
     """Simulated live activation bytes of ``graph_module`` run in ``order`` (default: its own order).
 
     See the module docstring for what is counted. Every node needs ``meta["val"]`` (captured graphs
-    have it; ``fxforge.capture.annotate`` fills it for a hand-made one).
+    have it; ``fxforge.core.shapes.annotate`` fills it for a hand-made one).
 
     Args:
         graph_module: the graph.

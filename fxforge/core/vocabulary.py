@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 from typing import Any
 
@@ -41,8 +42,8 @@ class CallForms:
     """Every form of one op: functions (callables, ATen overloads or packets), Tensor methods, module classes.
 
     Example:
-        >>> OPS["relu"].methods
-        frozenset({'relu', 'relu_'})
+        >>> sorted(OPS["relu"].methods)
+        ['relu', 'relu_']
     """
 
     functions: frozenset = frozenset()
@@ -161,6 +162,7 @@ OPS: dict[str, CallForms] = {
                         aten.swapdims.default), ("transpose", "swapaxes", "swapdims")),
     "permute": forms((torch.permute, aten.permute.default), ("permute",)),
     "t": forms((torch.t, aten.t.default), ("t",)),
+    "mT": forms((aten.mT.default,)),  # the last two dims swapped, at any rank
     "repeat_interleave": forms((torch.repeat_interleave, aten.repeat_interleave.self_int), ("repeat_interleave",)),
     # masks
     "masked_fill": forms((torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
@@ -263,9 +265,11 @@ class Dropout:
     drops: bool
 
 
-# function -> (the name of its training flag, where it stands, whether it trains by default)
-_DROPOUT_TRAINING = {fn: ("training", 2, True) for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
-                                                          F.alpha_dropout, F.feature_alpha_dropout)}
+# function -> (the name of its training flag, where it stands, whether it trains when the flag is left out:
+# F.dropout does, F.alpha_dropout does not; torch.dropout and ATen's take the flag as a required argument)
+_DROPOUT_TRAINING = {fn: ("training", 2, inspect.signature(fn).parameters["training"].default)
+                     for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                                F.feature_alpha_dropout)}
 
 
 def read_dropout(node: Node, gm: torch.nn.Module | None = None) -> Dropout | None:

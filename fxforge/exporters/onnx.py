@@ -43,6 +43,7 @@ import torch
 from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
+from fxforge.core.tracing import tracing
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.program import ExportError, export_program, quiet, validate
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
@@ -159,7 +160,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     log = io.StringIO()
     translations = Translations(opset=opset, attention=attention)
     try:
-        with quiet(log):
+        with tracing(), quiet(log):
             onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset, optimize=True,
                                              custom_translation_table=translations.table())
     except Exception as error:

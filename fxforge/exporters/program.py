@@ -25,6 +25,7 @@ from fxforge.capture.dynamic import batch_dynamic_shapes, batch_size, with_batch
 from fxforge.core.captured import Captured
 from fxforge.core.nodes import attribute_tensor, copy_graph_module
 from fxforge.core.source import first_line, user_frame_of
+from fxforge.core.tracing import tracing
 from fxforge.core.verify import compare_outputs, isolated
 
 # ORT and PyTorch sum in different orders; through a deep model float32 rounding differs by a few 1e-5
@@ -112,7 +113,7 @@ def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shap
         other_batch = (f"batch {other}", *with_batch(captured.example_args, captured.example_kwargs, batch, other))
         dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, 2 if batch == 1 else batch)
     try:
-        with quiet(), torch.no_grad():
+        with tracing(), quiet(), torch.no_grad():
             program = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as error:
         where = user_frame_of(error)

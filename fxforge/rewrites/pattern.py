@@ -43,6 +43,7 @@ from torch.fx import Node
 from fxforge.core.nodes import CALL_OPS, is_effectful, is_view_op
 from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
+from fxforge.core.tracing import symbolic_trace
 from fxforge.rewrites.canonical import (
     COMMUTATIVE,
     SIGNATURES,
@@ -99,7 +100,7 @@ class Pattern:
     """
 
     def __init__(self, fn: Callable):
-        self.graph_module = torch.fx.symbolic_trace(fn)
+        self.graph_module = symbolic_trace(fn)
         nodes = list(self.graph_module.graph.nodes)
         self.arguments = [n.target for n in nodes if n.op == "placeholder"]
         output = nodes[-1].args[0]

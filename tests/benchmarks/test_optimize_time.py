@@ -21,3 +21,12 @@ def test_cold_row_is_a_results_row_of_first_time_optimizes():
     assert row["model"] == "tiny_conv_bn" and row["contender"] == "fxforge (new process)"
     assert row["status"] == "ok" and row["prepare_s"] == row["cold_runs_s"][0] > 0
     assert "median of 1 new processes" in row["note"]
+
+
+def test_against_compares_two_checkouts_in_alternating_processes(capsys):
+    from benchmarks import against
+
+    assert against.main([".", "--models", "tiny_conv_bn", "--reps", "1", "--rounds", "3", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rep 0 this" in out and "rep 0 other" in out
+    assert "| tiny_conv_bn |" in out and "Lowest ratio" in out

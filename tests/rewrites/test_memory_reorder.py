@@ -16,16 +16,16 @@ import fxforge
 from examples.models.branchy import BRANCHY, synthetic_2000
 from fxforge.core.memory import GraphMemory, simulate_peak
 from fxforge.core.shapes import annotate
-from fxforge.rewrites import memory_reorder
 from fxforge.rewrites.memory_reorder import (
     MEMORY_REORDER,
-    _Problem,
     apply_order,
     effect_kind,
     plan,
+    planning,
     reorder_for_memory,
     run_memory_reorder,
 )
+from fxforge.rewrites.memory_reorder.problem import _Problem
 from fxforge.rewrites.passes import PassContext
 from fxforge.runtime.memory import measure_peak
 
@@ -128,7 +128,7 @@ def brute_force_peak(gm: torch.fx.GraphModule, preds: list[list[int]]) -> tuple[
 @pytest.mark.parametrize("seed", range(40))
 def test_exact_search_is_optimal_against_brute_force(seed, heuristics, monkeypatch):
     if not heuristics:  # the search alone has to find the optimum, from the capture order's bound
-        monkeypatch.setattr(memory_reorder, "_HEURISTICS", {"capture order": memory_reorder._HEURISTICS["capture order"]})
+        monkeypatch.setattr(planning, "_HEURISTICS", {"capture order": planning._HEURISTICS["capture order"]})
     gm = random_graph(seed, inplace=seed % 4 == 3)
     problem = _Problem(gm, GraphMemory(gm))
     best, orders = brute_force_peak(gm, problem.preds)

@@ -1,0 +1,234 @@
+"""Building the replacement: the SDPA call and what it needs, as graph nodes, and the report's line for it.
+
+:class:`GraphBuilder` emits torch calls in traced graphs and ATen ops in exported ones (so they stay ATen);
+:func:`build` folds q, k, v, the scale and the mask (:mod:`~.folds`) into one SDPA call, patching rows in
+which every key is masked when the plan says so.
+
+Example:
+    >>> from fxforge.core.shapes import annotate
+    >>> from fxforge.rewrites.attention.checks import read_attention
+    >>> from fxforge.rewrites.attention.readers import read_softmax
+    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v)
+    >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
+    >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+    >>> out = build(attention, MaskPlan("none"), GraphBuilder(gm, attention.values.product, aten_ops=False))
+    >>> out.target is F.scaled_dot_product_attention, out.kwargs["scale"]
+    (True, 0.125)
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Node
+
+from fxforge.core.nodes import fake_value
+from fxforge.core.shapes import propagate_meta
+from fxforge.core.vocabulary import calls
+from fxforge.rewrites.attention.checks import Attention
+from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.folds import fold_keep, fold_mask
+from fxforge.rewrites.attention.masks import MaskPlan
+from fxforge.rewrites.attention.operands import Operand
+from fxforge.rewrites.attention.steps import Scale
+
+F = nn.functional
+aten = torch.ops.aten
+
+# name -> (symbolic-trace target, ATen target)
+_TARGETS: dict[str, tuple[Callable, Any]] = {
+    "transpose": (torch.transpose, aten.transpose.int),
+    "permute": (torch.permute, aten.permute.default),
+    "unsqueeze": (torch.unsqueeze, aten.unsqueeze.default),
+    "squeeze": (torch.squeeze, aten.squeeze.dim),
+    "mul": (torch.mul, aten.mul.Tensor),
+    "div": (torch.div, aten.div.Tensor),
+    "add": (torch.add, aten.add.Tensor),
+    "logical_not": (torch.logical_not, aten.logical_not.default),
+    "logical_and": (torch.logical_and, aten.logical_and.default),
+    "zeros_like": (torch.zeros_like, aten.zeros_like.default),
+    "masked_fill": (torch.masked_fill, aten.masked_fill.Scalar),
+    "any": (torch.any, aten.any.dim),
+    "mean": (torch.mean, aten.mean.dim),
+    "repeat_interleave": (torch.repeat_interleave, aten.repeat_interleave.self_int),
+    "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
+}
+
+
+class GraphBuilder:
+    """Emits the replacement's nodes before ``anchor``: torch calls in traced graphs, ATen ops in exported
+    ones.
+
+    Masks reach SDPA narrowed (:meth:`value`): a condition AND-ed with one that constants prove all-True
+    is dropped, so a ``[B, 1, 1, S]`` padding mask spread over the queries by ``q_idx >= 0``
+    (transformers' mask builders) stays ``[B, 1, 1, S]`` and SDPA broadcasts it, instead of an S x S
+    tensor being built.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.relu()); x, relu = list(gm.graph.nodes)[:2]
+        >>> GraphBuilder(gm, relu, aten_ops=True).call("transpose", x, -2, -1).target
+        <OpOverload(op='aten.transpose', overload='int')>
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, anchor: Node, aten_ops: bool,
+                 constants: Constants | None = None):
+        self.gm, self.graph, self.anchor, self.aten_ops = gm, gm.graph, anchor, aten_ops
+        self.constants = constants
+        self.nodes: list[Node] = []
+
+    def value(self, node: Any) -> Any:
+        """``node`` as SDPA's mask takes it: narrowed when constants are known, else as it is."""
+        return self._narrowed(node) if self.constants is not None else node
+
+    def _narrowed(self, node: Any, depth: int = 0) -> Any:
+        """``node``'s value up to broadcasting, without AND-ed conditions proven all-True."""
+        if not isinstance(node, Node) or node.op != "call_function" or depth > 16:
+            return node
+        is_bool = getattr(fake_value(node), "dtype", None) == torch.bool
+        if calls(node, "logical_and") and is_bool and len(node.args) == 2:
+            a, b = node.args
+            for other, kept in ((a, b), (b, a)):
+                value = self.constants.value(other)
+                if isinstance(value, torch.Tensor) and value.dtype == torch.bool and bool(value.all()):
+                    return self._narrowed(kept, depth + 1)
+            new_a, new_b = self._narrowed(a, depth + 1), self._narrowed(b, depth + 1)
+            return node if (new_a, new_b) == (a, b) else self.call("logical_and", new_a, new_b)
+        if calls(node, "where") and node.args and isinstance(node.args[0], Node):
+            condition = self._narrowed(node.args[0], depth + 1)
+            if condition is node.args[0]:
+                return node
+            return self._emit(node.target, (condition, *node.args[1:]), dict(node.kwargs))
+        return node
+
+    def _emit(self, target: Any, args: tuple, kwargs: dict) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        self.nodes.append(node)
+        propagate_meta(self.gm, [node])  # later calls read its shape and whether it is a tensor
+        return node
+
+    def call(self, name: str, *args, **kwargs) -> Node:
+        """Emit the op ``name`` (numbers multiply and divide in Python, or as ``operator`` nodes)."""
+        if name in ("mul", "div") and not isinstance(args[0], Node) and not isinstance(args[1], Node):
+            return args[0] * args[1] if name == "mul" else args[0] / args[1]
+        if name in ("mul", "div") and not any(isinstance(fake_value(a), torch.Tensor) for a in args):
+            return self._emit(operator.mul if name == "mul" else operator.truediv, args, kwargs)  # numbers
+        if name == "where":
+            return self._where(*args)
+        if name in ("any", "mean") and self.aten_ops:
+            args = (args[0], [args[1]] if name == "mean" else args[1], *args[2:])
+        return self._emit(_TARGETS[name][1 if self.aten_ops else 0], args, kwargs)
+
+    def _where(self, condition: Node, a: Any, b: Any) -> Node:
+        if not self.aten_ops:
+            return self._emit(torch.where, (condition, a, b), {})
+        numbers = (not isinstance(a, Node), not isinstance(b, Node))
+        target = {(False, False): aten.where.self, (True, False): aten.where.ScalarSelf,
+                  (False, True): aten.where.ScalarOther, (True, True): aten.where.Scalar}[numbers]
+        return self._emit(target, (condition, a, b), {})
+
+    def operand(self, operand: Operand) -> Node:
+        """Emit the permute and transpose that bring ``operand`` to SDPA's layout."""
+        node = operand.node
+        if operand.perm is not None:
+            node = self.call("permute", node, list(operand.perm))
+        if operand.swap:
+            node = self.call("transpose", node, -2, -1)
+        return node
+
+
+def _scale(attention: Attention, builder: GraphBuilder) -> Any:
+    """SDPA's ``scale``: the product of the number factors (a float, or a graph value in traced graphs)."""
+    scale: Any = 1.0
+    for step in attention.scores.steps:
+        if isinstance(step, Scale) and not step.is_tensor:
+            scale = builder.call("div" if step.divide else "mul", scale, step.factor)
+    return scale
+
+
+def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
+    """Emit the SDPA call and what it needs; return the node that replaces the value product.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> from fxforge.rewrites.attention.checks import read_attention
+        >>> from fxforge.rewrites.attention.readers import read_softmax
+        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
+        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
+        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> build(attention, MaskPlan("causal"), GraphBuilder(gm, attention.values.product, True)).kwargs
+        {'attn_mask': None, 'dropout_p': 0.0, 'is_causal': True, 'scale': 1.0}
+    """
+    scores, values = attention.scores, attention.values
+    q = builder.operand(scores.q)
+    for step in scores.steps:  # one-element tensor scales multiply q, so their gradients flow
+        if isinstance(step, Scale) and step.is_tensor:
+            q = builder.call("div" if step.divide else "mul", q, step.factor)
+    k_operand, v_operand = (attention.gqa[0], attention.gqa[1]) if attention.gqa else (scores.k, values.v)
+    k, v = builder.operand(k_operand), builder.operand(v_operand)
+    mask, keep = None, None
+    if plan.kind == "float":
+        mask = fold_mask(attention, builder)
+    if plan.kind == "bool" or plan.fix:
+        keep = fold_keep(attention, builder)
+    if plan.kind == "bool":
+        mask = keep
+    while mask is not None and fake_value(mask) is not None and fake_value(mask).ndim < 2:
+        mask = builder.call("unsqueeze", mask, 0)  # SDPA wants [.., L, S]; leading 1s broadcast the same
+    lift = max(0, 4 - len(scores.q.shape))  # SDPA's fast kernels take 4-d inputs
+    for _ in range(lift):
+        q, k, v = (builder.call("unsqueeze", t, 0) for t in (q, k, v))
+    kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": plan.kind == "causal",
+                              "scale": _scale(attention, builder)}
+    if attention.gqa:
+        kwargs["enable_gqa"] = True
+    out = builder.call("sdpa", q, k, v, **kwargs)
+    for _ in range(lift):
+        out = builder.call("squeeze", out, 0)
+    if plan.fix:
+        alive = builder.call("any", keep, -1, True)
+        fallback: Any = math.nan
+        if plan.fix == "mean":
+            fallback = builder.call("mean", builder.operand(v_operand), -2, True)
+            if attention.gqa:
+                fallback = builder.call("repeat_interleave", fallback, attention.gqa[2], 1)
+        out = builder.call("where", alive, out, fallback)
+    if values.out_perm is not None:
+        out = builder.call("permute", out, list(values.out_perm))
+    return out
+
+
+def describe_change(attention: Attention, plan: MaskPlan) -> str:
+    """The report's line for one replacement: the SDPA arguments that differ from plain attention.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> from fxforge.rewrites.attention.checks import read_attention
+        >>> from fxforge.rewrites.attention.readers import read_softmax
+        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT * 0.5, -1) @ v)
+        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
+        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+        >>> describe_change(attention, MaskPlan("causal"))
+        'attention -> scaled_dot_product_attention(scale=0.5, is_causal=True)'
+    """
+    details = []
+    scale = 1.0
+    for step in attention.scores.steps:
+        if isinstance(step, Scale) and not step.is_tensor:
+            factor = step.factor.meta.get("val") if isinstance(step.factor, Node) else step.factor
+            scale = scale / factor if step.divide else scale * factor
+    details.append(f"scale={scale:.4g}" if isinstance(scale, float) else "scale=<from shapes>")
+    if any(isinstance(s, Scale) and s.is_tensor for s in attention.scores.steps):
+        details.append("tensor scale on q")
+    details.extend({"float": ["attn_mask=<float>"], "bool": ["attn_mask=<bool>"],
+                    "causal": ["is_causal=True"]}.get(plan.kind, []))
+    if plan.fix:
+        details.append("rows with every key masked kept as eager")
+    if attention.gqa:
+        details.append(f"enable_gqa=True ({attention.gqa[2]} query heads per kv head)")
+    return f"attention -> scaled_dot_product_attention({', '.join(details)})"

@@ -1,0 +1,141 @@
+"""Mask planning: how the score steps' masks reach SDPA, and which rows need eager's value patched in.
+
+Additive masks become a float mask; fills alone a boolean keep-mask; both one float mask where that is
+exact (see :mod:`fxforge.rewrites.attention`). A mask computed from constants only is computed here: if
+it keeps exactly the lower triangle it becomes ``is_causal=True``, if it keeps every key it is dropped, and
+rows in which every key is masked are patched only if the mask has any.
+
+Example:
+    >>> from fxforge.core.shapes import annotate
+    >>> from fxforge.rewrites.attention.checks import read_attention
+    >>> from fxforge.rewrites.attention.readers import read_softmax
+    >>> causal = lambda q: q.new_ones(q.size(-2), q.size(-2), dtype=torch.bool).tril()
+    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: (q @ k.mT).masked_fill(~causal(q), -1e4).softmax(-1) @ v)
+    >>> _ = annotate(gm, (torch.randn(1, 1, 3, 8),) * 3, {})
+    >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
+    >>> plan_mask(read_attention(softmax, gm, Constants(gm)), Constants(gm))
+    MaskPlan(kind='causal', fix=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from fxforge.core.nodes import fake_value
+from fxforge.rewrites.attention.checks import Attention
+from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.folds import EagerBuilder, fold_keep, fold_mask
+from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
+from fxforge.rewrites.passes import Refusal
+
+# A fill or additive value at or below this hides a key (see :mod:`fxforge.rewrites.attention`).
+LARGE_NEGATIVE = -1e4
+
+
+@dataclasses.dataclass
+class MaskPlan:
+    """How the steps' masks reach SDPA.
+
+    Attributes:
+        kind: ``"none"``, ``"float"`` (additive, or mixed with fills), ``"bool"`` (fills only),
+            ``"causal"`` (proven lower-triangular) or ``"dropped"`` (proven to keep every key).
+        fix: the value of rows in which every key is masked (``"mean"`` of v, ``"nan"``), or None when no
+            such row can occur or SDPA already agrees.
+
+    Example:
+        >>> MaskPlan("bool", fix="mean")
+        MaskPlan(kind='bool', fix='mean')
+    """
+
+    kind: str
+    fix: str | None = None
+
+
+def _is_masked(value: torch.Tensor) -> torch.Tensor:
+    return (value == float("-inf")) | (value <= LARGE_NEGATIVE)
+
+
+def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refusal:
+    """Check the steps' masks and decide how they become SDPA's (see :mod:`fxforge.rewrites.attention`).
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> from fxforge.rewrites.attention.checks import read_attention
+        >>> from fxforge.rewrites.attention.readers import read_softmax
+        >>> attend = lambda q, k, v, keep: (q @ k.mT).masked_fill(~keep, -5).softmax(-1) @ v
+        >>> gm = torch.fx.symbolic_trace(attend)
+        >>> _ = annotate(gm, (*(torch.randn(1, 1, 3, 8),) * 3, torch.ones(3, dtype=torch.bool)), {})
+        >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
+        >>> print(plan_mask(read_attention(softmax, gm, Constants(gm)), Constants(gm)))
+        the fill value -5.0 does not mask: only -inf and values <= -10000 hide a key
+    """
+    steps = attention.scores.steps
+    fills = [s for s in steps if isinstance(s, Fill)]
+    additive = any(isinstance(s, AddMask) for s in steps)
+    if not fills and not additive:
+        return MaskPlan("none")
+    values = []
+    for fill in fills:
+        value = fill.value
+        for later in steps[steps.index(fill) + 1:]:
+            if isinstance(later, Scale):
+                factor = constants.number(later.factor)
+                if later.is_tensor or factor is None or factor <= 0 or additive:
+                    name = getattr(later.factor, "name", later.factor)
+                    return Refusal(f"the scores are scaled by {name} after the fill at {fill.node.name}")
+                value = value / factor if later.divide else value * factor
+        values.append(value)
+    if fills and not additive:
+        if any(v != values[0] for v in values):
+            other = next(v for v in values if v != values[0])
+            return Refusal(f"the masks fill different values ({values[0]} and {other})")
+        if math.isnan(values[0]) or not (values[0] == -math.inf or values[0] <= LARGE_NEGATIVE):
+            return Refusal(f"the fill value {values[0]} does not mask: only -inf and values <= "
+                           f"{LARGE_NEGATIVE:g} hide a key")
+        fix = "nan" if values[0] == -math.inf else "mean"
+        return _constant_plan(attention, constants, MaskPlan("bool", fix))
+    exact = [-math.inf] + ([] if attention.dtype == torch.float16 else [torch.finfo(attention.dtype).min])
+    for fill in fills:
+        if fill.value not in exact:
+            combine = "-inf" if len(exact) == 1 else f"-inf or finfo({attention.dtype}).min"
+            return Refusal(f"a fill with {fill.value} combined with an additive mask has no exact SDPA mask "
+                           f"(only {combine} combine in {attention.dtype})")
+    fix = "nan" if any(f.value == -math.inf for f in fills) else None
+    return _constant_plan(attention, constants, MaskPlan("float", fix))
+
+
+def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -> MaskPlan:
+    """For a mask computed only from constants: causal, dropped, or kept with the row fix only if needed."""
+    keep = fold_keep(attention, EagerBuilder(constants)) if plan.kind == "bool" else None
+    if plan.kind == "float":
+        mask = fold_mask(attention, EagerBuilder(constants))
+        if isinstance(mask, torch.Tensor):
+            kept, masked = mask == 0, _is_masked(mask)
+            keep = kept if bool((kept | masked).all()) else None
+            if plan.fix and keep is not None:
+                dead = ~keep.any(-1)
+                plan = MaskPlan("float", plan.fix if bool(dead.any()) else None)
+            return _keep_plan(attention, keep, plan)
+        return plan
+    if not isinstance(keep, torch.Tensor):
+        return plan
+    return _keep_plan(attention, keep, plan)
+
+
+def _keep_plan(attention: Attention, keep: torch.Tensor | None, plan: MaskPlan) -> MaskPlan:
+    if keep is None:
+        return plan
+    shape = tuple(fake_value(attention.softmax.node).shape)
+    keep = keep.broadcast_to(shape)
+    if bool(keep.all()):
+        return MaskPlan("dropped")
+    length, keys = shape[-2:]
+    causal = torch.ones(length, keys, dtype=torch.bool).tril()
+    if length == keys and torch.equal(keep, causal.broadcast_to(shape)):
+        return MaskPlan("causal")
+    if plan.kind == "bool" and bool(keep.any(-1).all()):
+        return MaskPlan("bool")
+    return plan

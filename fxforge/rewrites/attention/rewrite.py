@@ -1,0 +1,137 @@
+"""The ``attention`` pass: find the attention at each softmax, check it, plan its mask, replace it, report.
+
+Example:
+    >>> from fxforge.rewrites.passes import PassContext
+    >>> gm = torch.fx.symbolic_trace(lambda q, k: torch.softmax(q @ k.mT, 2) @ k)
+    >>> from fxforge.core.shapes import annotate
+    >>> _ = annotate(gm, (torch.randn(1, 2, 4, 4),) * 2, {})
+    >>> ctx = PassContext("attention", training=False, method="fx")
+    >>> replace_attention(gm, ctx); [m.reason for m in ctx.near_misses]
+    ['softmax over dim 2 of 4, not the last (key) dim']
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from fxforge.core.nodes import is_effectful
+from fxforge.core.source import first_line, inherit_origin
+from fxforge.rewrites.attention.builders import GraphBuilder, build, describe_change
+from fxforge.rewrites.attention.checks import CHECKS, Attention, find_gqa, metadata_reads, read_attention
+from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.masks import MaskPlan, plan_mask
+from fxforge.rewrites.attention.operands import looks_like_attention
+from fxforge.rewrites.attention.readers import Softmax, ignorable, read_softmax
+from fxforge.rewrites.passes import Pass, PassContext, Refusal
+
+
+def find_attention(softmax: Softmax, gm: torch.fx.GraphModule, constants: Constants
+                   ) -> tuple[Attention, MaskPlan] | Refusal:
+    """The attention around ``softmax`` and how its mask reaches SDPA, or why it is not replaced.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
+        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
+        >>> find_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))[1]
+        MaskPlan(kind='none', fix=None)
+    """
+    attention = read_attention(softmax, gm, constants)
+    if isinstance(attention, Refusal):
+        return attention
+    for check in CHECKS:
+        refusal = check(attention, gm)
+        if refusal is not None:
+            return refusal
+    attention.gqa = find_gqa(attention)
+    plan = plan_mask(attention, constants)
+    if isinstance(plan, Refusal):
+        return plan
+    return attention, plan
+
+
+def _erase_dead(gm: torch.fx.GraphModule, candidates: list[Node]) -> None:
+    """Erase nodes among ``candidates`` and their inputs that nothing uses any more and that have no
+    effect."""
+    stack = list(candidates)
+    while stack:
+        node = stack.pop()
+        if node.graph is not gm.graph or getattr(node, "_erased", False) or node.users:
+            continue
+        if node.op in ("placeholder", "output") or is_effectful(node, gm):
+            continue
+        inputs = node.all_input_nodes
+        gm.graph.erase_node(node)
+        stack.extend(inputs)
+
+
+def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx: PassContext,
+            constants: Constants | None = None) -> None:
+    """Replace the attention's nodes with the SDPA call and report it (with the user's source line).
+
+    Nothing changes if the replacement cannot be built; the attention is then a near miss with the error.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
+        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
+        >>> found = find_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> ctx = PassContext("attention", False, "fx"); replace(*found, gm, ctx)
+        >>> [n.name for n in gm.graph.nodes]
+        ['q', 'k', 'v', 'scaled_dot_product_attention', 'output']
+    """
+    nodes = attention.nodes
+    anchor = attention.values.product
+    builder = GraphBuilder(gm, anchor, aten_ops=ctx.method == "export", constants=constants)
+    try:
+        result = build(attention, plan, builder)
+    except Exception as error:  # noqa: BLE001 - this attention stays as it is; the others still go
+        for node in reversed(builder.nodes):
+            gm.graph.erase_node(node)
+        ctx.refused(attention.softmax.node, f"the replacement could not be built: {first_line(error)}")
+        return
+    ctx.matched(describe_change(attention, plan), nodes)
+    inherit_origin(builder.nodes, nodes, gm)
+    anchor.replace_all_uses_with(result)
+    inputs = {i for n in nodes for i in n.all_input_nodes} - set(nodes)
+    for node in nodes:
+        for user in metadata_reads(attention, node):
+            user.replace_input_with(node, attention.scores.q.node)
+        for user in [u for u in node.users if ignorable(u, gm)]:
+            gm.graph.erase_node(user)
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
+    _erase_dead(gm, list(inputs))
+
+
+def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """The ``attention`` pass: every softmax that is attention becomes SDPA; near misses get a reason.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.softmax(x, -1))
+        >>> ctx = PassContext("attention", False, "fx"); replace_attention(gm, ctx); ctx.matches
+        []
+    """
+    constants = Constants(gm)
+    for node in list(gm.graph.nodes):
+        if getattr(node, "_erased", False) or node.graph is not gm.graph:
+            continue
+        softmax = read_softmax(node, gm)
+        if softmax is None:
+            continue
+        try:
+            found = find_attention(softmax, gm, constants)
+        except Exception as error:  # noqa: BLE001 - one unreadable softmax must not stop the others
+            found = Refusal(f"the attention could not be analysed: {first_line(error)}")
+        if isinstance(found, Refusal):
+            if looks_like_attention(node, gm):
+                ctx.refused(node, found)
+            continue
+        replace(*found, gm, ctx, constants)
+
+
+# The pass as the registry lists it (see :mod:`fxforge.rewrites.attention` for what it reads and keeps).
+ATTENTION = Pass("attention", replace_attention,
+                 "hand-written softmax(q @ k^T * scale + mask) @ v -> scaled_dot_product_attention with the "
+                 "exact scale and mask (causal proven, grouped kv heads)", keeps_meta=True)

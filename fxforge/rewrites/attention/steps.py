@@ -1,0 +1,249 @@
+"""Steps between the scores product and the softmax: casts, scales, additive masks and fills.
+
+Each reader of :data:`SCORE_STEPS` looks at one node and says which step it is (a list: ``a + b`` may add
+a mask to scores either way round), why it cannot be one (a :class:`~fxforge.rewrites.passes.Refusal`),
+or None when the node is no such step.
+
+Example:
+    >>> from fxforge.core.shapes import annotate
+    >>> gm = torch.fx.symbolic_trace(lambda s, m: s / 8 + m)
+    >>> _ = annotate(gm, (torch.ones(2, 4), torch.zeros(4)), {})
+    >>> s, m, div, add = list(gm.graph.nodes)[:4]
+    >>> read_scale(div, gm, Constants(gm))
+    [Scale(node=truediv, scores=s, factor=8, divide=True)]
+    >>> read_additive_mask(add, gm, Constants(gm))
+    [AddMask(node=add, scores=truediv, mask=m, coefficient=1.0)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fxforge.core.nodes import fake_value
+from fxforge.core.vocabulary import argument, calls
+from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.readers import read_cast
+from fxforge.rewrites.canonical import canonicalize
+from fxforge.rewrites.passes import Refusal
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """``scores`` cast to another floating dtype (or copied).
+
+    Example:
+        >>> g = torch.fx.Graph(); s = g.placeholder("s")
+        >>> Cast(g.call_method("float", (s,)), s).scores is s
+        True
+    """
+
+    node: Node
+    scores: Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """``scores * factor`` or ``scores / factor``: a number, a node computing one, or a one-element tensor.
+
+    Example:
+        >>> g = torch.fx.Graph(); s = g.placeholder("s")
+        >>> Scale(g.call_method("div", (s, 8)), s, 8, divide=True).is_tensor
+        False
+    """
+
+    node: Node
+    scores: Node
+    factor: Any
+    divide: bool
+
+    @property
+    def is_tensor(self) -> bool:
+        """Whether the factor is a tensor (one-element: a learned temperature), not a number."""
+        return fake_value(self.factor) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class AddMask:
+    """``scores + coefficient * mask`` with a float tensor ``mask``.
+
+    Example:
+        >>> g = torch.fx.Graph(); s, m = g.placeholder("s"), g.placeholder("m")
+        >>> AddMask(g.call_method("sub", (s, m)), s, m, -1.0).coefficient
+        -1.0
+    """
+
+    node: Node
+    scores: Node
+    mask: Node
+    coefficient: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """``scores`` with ``value`` where keys are masked: ``condition`` marks kept keys when ``keeps`` (a
+    ``where(condition, scores, value)``), masked ones otherwise (``masked_fill(condition, value)``).
+
+    Example:
+        >>> g = torch.fx.Graph(); s, c = g.placeholder("s"), g.placeholder("c")
+        >>> Fill(g.call_method("masked_fill", (s, c, -1e4)), s, c, keeps=False, value=-1e4).keeps
+        False
+    """
+
+    node: Node
+    scores: Node
+    condition: Node
+    keeps: bool
+    value: float
+
+
+# One step between the scores product and the softmax.
+Step = Cast | Scale | AddMask | Fill
+# A reader of one kind of step: (node, graph module, constants) -> the steps it is, a Refusal, or None.
+Reader = Callable[[Node, torch.fx.GraphModule, Constants], "list[Step] | Refusal | None"]
+
+
+def read_cast_step(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | None:
+    """A cast of the scores (``.float()``, ``.to(dtype)``, ``.type_as(x)``...).
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); x.meta["val"] = torch.ones(2, dtype=torch.half)
+        >>> y = g.call_method("float", (x,)); y.meta["val"] = torch.ones(2)
+        >>> read_cast_step(y, None, None) == [Cast(y, x)]
+        True
+    """
+    source = read_cast(node)
+    return None if source is None else [Cast(node, source)]
+
+
+def _scale_refusal(factor: Any, scores_value: torch.Tensor, op: str) -> Refusal | None:
+    """None when ``factor`` can scale the scores (by ``op``, mul or div); else why it cannot."""
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+        return None
+    what = repr(factor)
+    if isinstance(factor, Node):
+        value = factor.meta.get("val")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None  # a number computed from shapes
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.ndim <= scores_value.ndim:
+            return None
+        if isinstance(value, torch.Tensor):
+            what = f"{factor.name} of shape {tuple(value.shape)}"
+    return Refusal(f"an element-wise tensor gate ({op} by {what}) is applied to the scores before softmax")
+
+
+def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
+    """Scores times or divided by a number, a number from shapes, or a one-element tensor.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda s, gate: (s / 8, s * gate))
+        >>> _ = annotate(gm, (torch.ones(2, 4), torch.ones(2, 4)), {})
+        >>> s, gate, div, mul = list(gm.graph.nodes)[:4]
+        >>> read_scale(div, gm, Constants(gm)) == [Scale(div, s, 8, divide=True)]
+        True
+        >>> print(read_scale(mul, gm, Constants(gm)))
+        an element-wise tensor gate (mul by gate of shape (2, 4)) is applied to the scores before softmax
+    """
+    op = canonicalize(node, gm)
+    if op is None or op.name not in ("mul", "div"):
+        return None
+    if op.name == "div" and op.args["rounding_mode"] is not None:
+        return None
+    a, b, out = op.args["input"], op.args["other"], fake_value(node)
+    pairs = [(a, b), (b, a)] if op.name == "mul" else [(a, b)]
+    pairs = [(s, f) for s, f in pairs
+             if fake_value(s) is not None and out is not None and fake_value(s).shape == out.shape]
+    for scores, factor in pairs:
+        if _scale_refusal(factor, fake_value(scores), op.name) is None:
+            return [Scale(node, scores, factor, op.name == "div")]
+    if not pairs:
+        return None
+    scores, factor = pairs[0]
+    return _scale_refusal(factor, fake_value(scores), op.name)
+
+
+def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constants
+                       ) -> list[Step] | Refusal | None:
+    """Scores plus (or minus) a float tensor of a shape that broadcasts to theirs.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda s, m: s - m)
+        >>> _ = annotate(gm, (torch.ones(2, 4), torch.ones(4)), {})
+        >>> s, m, sub = list(gm.graph.nodes)[:3]
+        >>> read_additive_mask(sub, gm, Constants(gm)) == [AddMask(sub, s, m, -1.0)]
+        True
+    """
+    op = canonicalize(node, gm)
+    if op is None or op.name not in ("add", "sub") or not isinstance(op.args["alpha"], (int, float)):
+        return None
+    a, b, alpha = op.args["input"], op.args["other"], op.args["alpha"]
+    sign = -1.0 if op.name == "sub" else 1.0
+    pairs = [(a, b, sign * alpha)]
+    if op.name == "add" and alpha == 1:
+        pairs.append((b, a, 1.0))
+    out = fake_value(node)
+    if out is None:
+        return None
+    steps: list[Step] = []
+    for scores, mask, coefficient in pairs:
+        s, m = fake_value(scores), fake_value(mask)
+        if s is None or m is None or s.shape != out.shape:
+            continue
+        if not m.is_floating_point():
+            return Refusal(f"the additive mask {mask.name} is {m.dtype}, not a float tensor")
+        steps.append(AddMask(node, scores, mask, float(coefficient)))
+    return steps or None
+
+
+def _fill(node: Node, scores: Any, condition: Any, keeps: bool, value: Any, constants: Constants
+          ) -> Step | Refusal | None:
+    if fake_value(scores) is None or fake_value(node) is None:
+        return None
+    if fake_value(scores).shape != fake_value(node).shape:
+        return None
+    if fake_value(condition) is None or fake_value(condition).dtype != torch.bool:
+        return None
+    number = constants.number(value)
+    if number is None:
+        return Refusal(f"the scores are filled with {getattr(value, 'name', value)}, which is not a constant")
+    # the number as the scores hold it (rounded to their dtype)
+    number = torch.tensor(number, dtype=torch.float64).to(fake_value(node).dtype).item()
+    return Fill(node, scores, condition, keeps, number)
+
+
+def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
+    """``masked_fill(mask, value)`` (also in place) or ``where(keep, scores, value)`` with a bool mask.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda s, keep: torch.where(keep, s, float("-inf")))
+        >>> _ = annotate(gm, (torch.ones(2, 4), torch.ones(4, dtype=torch.bool)), {})
+        >>> s, keep, where = list(gm.graph.nodes)[:3]
+        >>> read_fill(where, gm, Constants(gm)) == [Fill(where, s, keep, keeps=True, value=float("-inf"))]
+        True
+    """
+    if calls(node, "masked_fill"):
+        scores, mask = argument(node, 0, "input"), argument(node, 1, "mask")
+        found = [_fill(node, scores, mask, False, argument(node, 2, "value"), constants)]
+    elif calls(node, "where"):
+        # where(condition, input, other); x.where(condition, y) is where(condition, x, y)
+        method = node.op == "call_method"
+        names = ("input", "condition", "other") if method else ("condition", "input", "other")
+        bound = {name: argument(node, i, name) for i, name in enumerate(names)}
+        condition, a, b = bound["condition"], bound["input"], bound["other"]
+        found = [_fill(node, a, condition, True, b, constants),
+                 _fill(node, b, condition, False, a, constants)]
+    else:
+        return None
+    steps = [f for f in found if isinstance(f, Fill)]
+    return steps or next((f for f in found if isinstance(f, Refusal)), None)
+
+
+# Read top to bottom: the first reader that recognises a node says what step it is.
+SCORE_STEPS: list[Reader] = [read_cast_step, read_scale, read_additive_mask, read_fill]

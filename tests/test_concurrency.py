@@ -1,0 +1,110 @@
+"""Threads: concurrent first calls, concurrent optimizations with their own tuning policies, and optimized
+modules that keep running while another thread captures a model (torch.fx patches nn.Module process-wide
+while it traces)."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.lowering.autotune import TuningPolicy
+
+
+class Block(nn.Module):
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))) + x
+
+
+def convnet(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    with torch.no_grad():
+        for _ in range(2):  # BatchNorm statistics of real activations, not the identity of a fresh layer
+            model.train()(torch.randn(4, 3, 8, 8))
+    return model.eval()
+
+
+def inference(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # grad mode is per thread: each job sets its own
+        return module(x)
+
+
+def run_together(*jobs) -> list:
+    """Run the jobs in threads released at once; re-raise the first error with its traceback."""
+    barrier, results, errors = threading.Barrier(len(jobs)), [None] * len(jobs), []
+
+    def run(i, job):
+        try:
+            barrier.wait()
+            results[i] = job()
+        except BaseException:  # noqa: BLE001 - reported below
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors[0]
+    return results
+
+
+def test_concurrent_first_calls_on_one_module_build_one_plan_and_answer_like_eager():
+    for round in range(4):
+        model = convnet(round)
+        opt = fxforge.optimize(model)
+        xs = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+        outs = run_together(*(lambda x=x, opt=opt: inference(opt, x) for x in xs))
+        for x, out in zip(xs, outs):
+            torch.testing.assert_close(out, inference(model, x), rtol=1e-4, atol=1e-5)
+        assert len(opt.cache.plans) == 1  # one signature: one capture, the other calls waited for it
+
+
+def test_concurrent_optimizations_keep_their_own_tuning_policies():
+    models = [convnet(0), convnet(1)]
+    x = torch.randn(1, 3, 8, 8)
+    policies = [TuningPolicy(keep="fused", kernel="composite", layout="as captured"), TuningPolicy(keep="before")]
+    for _ in range(2):
+        opts = run_together(*(lambda m=m, p=p: fxforge.optimize(m, (x,), tuning=p) for m, p in zip(models, policies)))
+        kept = [next(t for t in o.report.tuning if t.subject == "graph") for o in opts]
+        assert [t.choice for t in kept] == ["fused", "before"]
+        assert all("set by the tuning policy (keep=" in t.note for t in kept)
+        assert opts[0].report.counts.get("conv_activation") and not opts[1].report.counts.get("conv_activation")
+        for model, opt in zip(models, opts):
+            torch.testing.assert_close(inference(opt, x), inference(model, x), rtol=1e-4, atol=1e-5)
+
+
+def test_an_optimized_module_keeps_answering_while_another_thread_captures():
+    serving = convnet(0)
+    opt = fxforge.optimize(serving, (torch.randn(1, 3, 8, 8),))
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        expected = serving(x)
+    stop = threading.Event()
+
+    def serve() -> int:
+        calls = 0
+        with torch.no_grad():
+            while not stop.is_set() or calls < 20:
+                torch.testing.assert_close(opt(x), expected, rtol=1e-4, atol=1e-5)
+                calls += 1
+        return calls
+
+    def capture_others() -> None:
+        try:
+            for seed in range(3):  # each a symbolic trace: nn.Module.__call__ is patched meanwhile
+                fxforge.capture(convnet(seed), (torch.randn(2, 3, 8, 8),), method="fx")
+        finally:
+            stop.set()
+
+    calls, _ = run_together(serve, capture_others)
+    assert calls >= 20
+    assert torch.nn.Module.__call__ is torch.fx._symbolic_trace._orig_module_call  # no tracer left installed
