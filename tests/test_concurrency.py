@@ -108,3 +108,36 @@ def test_an_optimized_module_keeps_answering_while_another_thread_captures():
     calls, _ = run_together(serve, capture_others)
     assert calls >= 20
     assert torch.nn.Module.__call__ is torch.fx._symbolic_trace._orig_module_call  # no tracer left installed
+
+
+def test_concurrent_training_mode_verification_draws_each_threads_own_random_numbers():
+    """Verification compares graphs under one seed; two threads verifying dropout at once must not draw
+    from each other's seeds (which rolls a correct rewrite back)."""
+
+    class Dropping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = nn.Linear(64, 64), nn.Dropout(0.5)
+
+        def forward(self, x):
+            for _ in range(8):  # many draws: a foreign seed shows
+                x = self.drop(torch.relu(self.lin(x))) + nn.functional.dropout(x, 0.2)
+            return x
+
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        models = [Dropping().train(), Dropping().train()]
+        jobs = [lambda m=m: fxforge.rewrite(fxforge.capture(m, (x,)), ["cleanup", fxforge.Pass("copy", _copy_relu)])
+                for m in models]
+        for new in run_together(*jobs):
+            assert new.report.rolled_back == [] and new.report.counts == {"copy": 8}
+
+
+def _copy_relu(gm, ctx):
+    """An exact rewrite that forces a verification run: each relu becomes relu(x.clone())."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.relu:
+            with gm.graph.inserting_before(node):
+                copy = gm.graph.call_method("clone", (node.args[0],))
+            node.replace_input_with(node.args[0], copy)
+            ctx.matched("relu of a copy", [node])

@@ -46,7 +46,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxforge.core.nodes import is_inplace, is_view_op, submodule
-from fxforge.core.vocabulary import argument, calls
+from fxforge.core.vocabulary import argument, module_op_name, op_name
 
 _ROOTS = ("placeholder", "get_attr")
 
@@ -68,15 +68,16 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     # Max pooling computes the argmax (int64, the shape of the result) and returns only the values; layer
     # and group norm compute their mean and rstd (the input's dtype) and return only the normalized tensor.
     module = submodule(node, gm)
-    if calls(node, "max_pool", gm=gm):
+    name = module_op_name(module) if module is not None else op_name(node)
+    if name == "max_pool":
         indices = module.return_indices if module is not None else argument(node, 5, "return_indices", False)
         return 0 if indices else value.numel() * 8
-    if calls(node, "layer_norm", gm=gm):
+    if name == "layer_norm":
         shape = module.normalized_shape if module is not None else argument(node, 1, "normalized_shape", ())
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         groups = value.numel() // max(1, int(torch.Size(shape).numel()))
         return 2 * groups * value.element_size()
-    if calls(node, "group_norm", gm=gm):
+    if name == "group_norm":
         groups = module.num_groups if module is not None else argument(node, 1, "num_groups", 1)
         return 2 * value.shape[0] * int(groups) * value.element_size()
     return 0

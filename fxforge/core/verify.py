@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -147,6 +148,9 @@ class _Snapshots:
 
 
 _SNAPSHOTS = _Snapshots()
+# The RNG is one per process: a thread inside isolated() owns it until it leaves (reentrant, so isolated
+# blocks nest), so two threads verifying at once each draw the numbers of their own seed.
+_RNG_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -154,7 +158,8 @@ def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
     """Run a block with a fixed RNG seed and restore the modules' buffers and the RNG afterwards.
 
     Inside, dropout and other random ops draw the same numbers on every run, so two graphs can be
-    compared in training mode; BatchNorm running statistics updated inside are put back on exit.
+    compared in training mode; BatchNorm running statistics updated inside are put back on exit. The RNG is
+    the process's: other threads entering ``isolated`` wait until this block is done.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3).train()
@@ -165,7 +170,7 @@ def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
     """
     saved = _SNAPSHOTS.take(modules)
     devices = [t.device for t, _, _ in saved if t.device.type == "cuda"]
-    with torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
+    with _RNG_LOCK, torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
         torch.manual_seed(seed)
         try:
             yield

@@ -216,7 +216,22 @@ def op_name(node: Any, gm: torch.nn.Module | None = None) -> str | None:
         except TypeError:
             return None
         return found if found is not None else table.get(getattr(node.target, "overloadpacket", None))
-    return next((name for name, f in OPS.items() if f.modules and f.called_by(node, gm)), None)
+    return module_op_name(_submodule(node, gm)) if node.op == "call_module" and gm is not None else None
+
+
+def module_op_name(module: Any) -> str | None:
+    """The canonical op an ``nn.Module`` instance computes (a subclass counts only if it keeps the
+    ``forward`` of the class :data:`OPS` lists), or None.
+
+    Example:
+        >>> module_op_name(nn.ReLU6()), module_op_name(nn.Sequential())
+        ('hardtanh', None)
+    """
+    if not isinstance(module, nn.Module):
+        return None
+    table = _by_module_class()
+    cls = next((c for c in type(module).__mro__ if c in table), None)
+    return table[cls] if cls is not None and type(module).forward is cls.forward else None
 
 
 @functools.cache
@@ -225,6 +240,15 @@ def _by_function() -> dict[Any, str]:
     for name, f in OPS.items():
         for fn in f.functions:
             table.setdefault(fn, name)
+    return table
+
+
+@functools.cache
+def _by_module_class() -> dict[type, str]:
+    table: dict[type, str] = {}
+    for name, f in OPS.items():
+        for cls in f.modules:
+            table.setdefault(cls, name)
     return table
 
 

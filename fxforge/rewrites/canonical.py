@@ -27,7 +27,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.core.nodes import CALL_OPS, attribute_tensor, is_inplace, submodule
-from fxforge.core.vocabulary import op_name
+from fxforge.core.vocabulary import module_op_name, op_name
 
 F = nn.functional
 aten = torch.ops.aten
@@ -205,8 +205,10 @@ def _canonical(node: Node, gm: torch.fx.GraphModule) -> str | None:
 def _lookup(node: Node, gm: torch.fx.GraphModule) -> tuple[Any, dict | None, tuple[Node, ...]]:
     """(canonical name, arguments by name, covered nodes) for a node, or (None, None, ()) if unknown."""
     if node.op == "call_module":
-        name = _canonical(node, gm)
-        return (name, _bind_module(node, submodule(node, gm), name), ()) if name else (None, None, ())
+        module = submodule(node, gm)
+        name = module_op_name(module)
+        name = name if name in SIGNATURES else None
+        return (name, _bind_module(node, module, name), ()) if name else (None, None, ())
     if node.op == "call_method":
         name = _canonical(node, gm)
         return name, _bind_call(node) if name else None, ()
