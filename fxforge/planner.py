@@ -40,9 +40,9 @@ from fxforge.capture.dynamic import capture_dynamic
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
+from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.exporters.program import ExportError
-from fxforge.exporters.target import onnxruntime_class
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.lower import make_plan
 from fxforge.rewrites import pipeline

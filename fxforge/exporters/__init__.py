@@ -5,7 +5,7 @@
   of fxforge's ops and :mod:`~fxforge.exporters.residual_norm`);
 - :mod:`~fxforge.exporters.pt2`: a ``.pt2`` artifact and :func:`~fxforge.exporters.pt2.load`;
 - :mod:`~fxforge.exporters.ort_module`: :class:`OnnxRuntimeModule`, the ONNX Runtime runner;
-- :mod:`~fxforge.exporters.target`: decorated classes that run in ONNX Runtime.
+- :mod:`~fxforge.exporters.ort_decorator`: decorated classes that run in ONNX Runtime.
 
 Example:
     >>> import os, tempfile
