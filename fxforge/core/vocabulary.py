@@ -234,30 +234,25 @@ def module_op_name(module: Any) -> str | None:
     return table[cls] if cls is not None and type(module).forward is cls.forward else None
 
 
-@functools.cache
 def _by_function() -> dict[Any, str]:
+    return _index("functions")
+
+
+def _by_method() -> dict[str, str]:
+    return _index("methods")
+
+
+def _by_module_class() -> dict[type, str]:
+    return _index("modules")
+
+
+@functools.cache
+def _index(kind: str) -> dict[Any, str]:
+    """Form -> the first canonical op of :data:`OPS` that lists it, for one kind of form."""
     table: dict[Any, str] = {}
     for name, f in OPS.items():
-        for fn in f.functions:
-            table.setdefault(fn, name)
-    return table
-
-
-@functools.cache
-def _by_module_class() -> dict[type, str]:
-    table: dict[type, str] = {}
-    for name, f in OPS.items():
-        for cls in f.modules:
-            table.setdefault(cls, name)
-    return table
-
-
-@functools.cache
-def _by_method() -> dict[str, str]:
-    table: dict[str, str] = {}
-    for name, f in OPS.items():
-        for method in f.methods:
-            table.setdefault(method, name)
+        for form in getattr(f, kind):
+            table.setdefault(form, name)
     return table
 
 

@@ -5,12 +5,9 @@
 which every key is masked when the plan says so.
 
 Example:
-    >>> from fxforge.core.shapes import annotate
-    >>> from fxforge.rewrites.attention.checks import read_attention
-    >>> from fxforge.rewrites.attention.readers import read_softmax
-    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v)
-    >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-    >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+    >>> from fxforge.rewrites.attention.checks import trace_attention
+    >>> attend = lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v
+    >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
     >>> out = build(attention, MaskPlan("none"), GraphBuilder(gm, attention.values.product, aten_ops=False))
     >>> out.target is F.scaled_dot_product_attention, out.kwargs["scale"]
     (True, 0.125)
@@ -155,12 +152,9 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     """Emit the SDPA call and what it needs; return the node that replaces the value product.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.checks import read_attention
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> from fxforge.rewrites.attention.checks import trace_attention
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> build(attention, MaskPlan("causal"), GraphBuilder(gm, attention.values.product, True)).kwargs
         {'attn_mask': None, 'dropout_p': 0.0, 'is_causal': True, 'scale': 1.0}
     """
@@ -207,12 +201,9 @@ def describe_change(attention: Attention, plan: MaskPlan) -> str:
     """The report's line for one replacement: the SDPA arguments that differ from plain attention.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.checks import read_attention
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT * 0.5, -1) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+        >>> from fxforge.rewrites.attention.checks import trace_attention
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT * 0.5, -1) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> describe_change(attention, MaskPlan("causal"))
         'attention -> scaled_dot_product_attention(scale=0.5, is_causal=True)'
     """

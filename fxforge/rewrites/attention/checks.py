@@ -5,11 +5,8 @@ the replacement would not be exact (each returns a :class:`~fxforge.rewrites.pas
 :func:`find_gqa` finds K and V repeated per head, which SDPA takes un-repeated with ``enable_gqa=True``.
 
 Example:
-    >>> from fxforge.core.shapes import annotate
-    >>> from fxforge.rewrites.attention.readers import read_softmax
-    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v)
-    >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-    >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+    >>> attend = lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v
+    >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
     >>> [n.name for n in attention.nodes], [check(attention, gm) for check in CHECKS]
     (['matmul', 'truediv', 'softmax', 'matmul_1'], [None, None, None, None, None])
 """
@@ -18,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.fx import Node
 
 from fxforge.core.nodes import fake_value, mutated_aliases
+from fxforge.core.shapes import annotate
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.operands import Operand, repeated_heads, untransposed
-from fxforge.rewrites.attention.readers import Softmax, ignorable
+from fxforge.rewrites.attention.readers import Softmax, ignorable, read_softmax
 from fxforge.rewrites.attention.steps import AddMask, Cast
 from fxforge.rewrites.attention.walks import Scores, Values, walk_probs, walk_scores
 from fxforge.rewrites.passes import Refusal
@@ -99,16 +98,29 @@ def read_attention(softmax: Softmax, gm: torch.fx.GraphModule, constants: Consta
     return Attention(softmax, scores, values)
 
 
+def trace_attention(fn: Any, *inputs: torch.Tensor) -> tuple[torch.fx.GraphModule, Attention | Refusal]:
+    """``fn`` traced, with shape metadata for ``inputs``, and the attention around its first softmax (for
+    examples and tests; the pass itself reads every softmax of a graph).
+
+    Example:
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
+        >>> attention.dtype, attention.values.product.name
+        (torch.float32, 'matmul_1')
+    """
+    gm = torch.fx.symbolic_trace(fn)
+    annotate(gm, inputs, {})
+    softmax = next(s for s in (read_softmax(n, gm) for n in gm.graph.nodes) if s is not None)
+    return gm, read_attention(softmax, gm, Constants(gm))
+
+
 def metadata_reads(attention: Attention, node: Node) -> list[Node]:
     """Users of ``node`` that only read its dtype or device (``scores.dtype`` in a traced graph), where q has
     the same: they read q's instead, so ``node`` can go.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1).to((q @ k.mT).dtype) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1).to((q @ k.mT).dtype) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> metadata_reads(attention, attention.scores.product)
         []
     """
@@ -132,11 +144,8 @@ def check_metadata(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | 
     """Every value involved has shape metadata, and none of the replacement's inputs is a removed node.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> del attention.scores.q.node.meta["val"]; print(check_metadata(attention, gm))
         no shape metadata for q
     """
@@ -157,11 +166,8 @@ def check_users(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | Non
     """Scores and probabilities must be used only on the way to the value product.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: (lambda p: (p @ v, p))(torch.softmax(q @ k.mT, -1)))
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: (lambda p: (p @ v, p))(torch.softmax(q @ k.mT, -1))
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> print(check_users(attention, gm))
         the attention probabilities (softmax) are also used by output (returned or reused)
     """
@@ -184,11 +190,8 @@ def check_dtypes(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | No
     """q, k, v and the output share one floating dtype; casts never drop below it; float masks have it.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1).half() @ v.half())
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1).half() @ v.half()
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> print(check_dtypes(attention, gm).reason.replace("torch.", ""))
         query, key, value and output dtypes differ (q float32, k float32, v float16, output float16)
     """
@@ -222,11 +225,9 @@ def check_layout(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | No
     """q [.., L, E], k [.., S, E] and v [.., S, Ev] with the same batch dims (SDPA does not broadcast them).
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 2, 4, 8)), {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v
+        >>> q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)  # k: one head, q: two
+        >>> gm, attention = trace_attention(attend, q, k, q)
         >>> print(check_layout(attention, gm))
         query (1, 2, 4, 8), key (1, 1, 4, 8) and value (1, 2, 4, 8) do not line up without broadcasting
     """
@@ -243,12 +244,9 @@ def check_inputs_unchanged(attention: Attention, gm: torch.fx.GraphModule) -> Re
     """The replacement reads its inputs at the value product: none may be changed in place meanwhile.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> attend = lambda p, v: (p @ v, v.mul_(2))  # v changes after the value product reads it
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: attend(torch.softmax(q @ k.mT, -1), v))
-        >>> _ = annotate(gm, (torch.randn(1, 2, 4, 8),) * 3, {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
+        >>> apply = lambda p, v: (p @ v, v.mul_(2))  # v changes after the value product reads it
+        >>> attend = lambda q, k, v: apply(torch.softmax(q @ k.mT, -1), v)
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
         >>> print(check_inputs_unchanged(attention, gm))
         v (or a view of it) is changed in place
     """
@@ -272,12 +270,10 @@ def find_gqa(attention: Attention) -> tuple[Operand, Operand, int] | None:
     """Un-repeated k and v when both repeat each of their heads n times (and SDPA can take them so).
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.readers import read_softmax
         >>> rep = lambda t: t.repeat_interleave(2, dim=1)
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: torch.softmax(q @ rep(k).mT, -1) @ rep(v))
-        >>> _ = annotate(gm, (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)), {})
-        >>> attention = read_attention(read_softmax(list(gm.graph.nodes)[6], gm), gm, Constants(gm))
+        >>> attend = lambda q, k, v: torch.softmax(q @ rep(k).mT, -1) @ rep(v)
+        >>> q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        >>> gm, attention = trace_attention(attend, q, kv, kv)
         >>> find_gqa(attention)[2] if SDPA_HAS_GQA else 2
         2
     """

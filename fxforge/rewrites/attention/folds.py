@@ -5,14 +5,10 @@
 :class:`~.builders.GraphBuilder` emits the same operations as graph nodes for SDPA.
 
 Example:
-    >>> from fxforge.core.shapes import annotate
-    >>> from fxforge.rewrites.attention.checks import read_attention
-    >>> from fxforge.rewrites.attention.readers import read_softmax
     >>> causal = lambda q: q.new_ones(q.size(-2), q.size(-2), dtype=torch.bool).tril()
-    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: (q @ k.mT).masked_fill(~causal(q), -1e4).softmax(-1) @ v)
-    >>> _ = annotate(gm, (torch.randn(1, 1, 2, 8),) * 3, {})
-    >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
-    >>> attention = read_attention(softmax, gm, Constants(gm))
+    >>> from fxforge.rewrites.attention.checks import trace_attention
+    >>> attend = lambda q, k, v: (q @ k.mT).masked_fill(~causal(q), -1e4).softmax(-1) @ v
+    >>> gm, attention = trace_attention(attend, *[torch.randn(1, 1, 2, 8)] * 3)
     >>> builder = EagerBuilder(Constants(gm))
     >>> fold_mask(attention, builder).tolist(), fold_keep(attention, builder).tolist()
     ([[0.0, -10000.0], [0.0, 0.0]], [[True, False], [True, True]])
@@ -68,13 +64,10 @@ def fold_mask(attention: Attention, builder: Any) -> Any:
     """SDPA's float mask: additive masks summed, scaled by later factors, fills as ``where``; None if none.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.checks import read_attention
-        >>> from fxforge.rewrites.attention.readers import read_softmax
-        >>> gm = torch.fx.symbolic_trace(lambda q, k, v: ((q @ k.mT + torch.ones(2)) / 2).softmax(-1) @ v)
-        >>> _ = annotate(gm, (torch.randn(1, 1, 2, 8),) * 3, {})
-        >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
-        >>> fold_mask(read_attention(softmax, gm, Constants(gm)), EagerBuilder(Constants(gm)))
+        >>> from fxforge.rewrites.attention.checks import trace_attention
+        >>> attend = lambda q, k, v: ((q @ k.mT + torch.ones(2)) / 2).softmax(-1) @ v
+        >>> gm, attention = trace_attention(attend, *[torch.randn(1, 1, 2, 8)] * 3)
+        >>> fold_mask(attention, EagerBuilder(Constants(gm)))
         tensor([0.5000, 0.5000])
     """
     try:
@@ -106,14 +99,10 @@ def fold_keep(attention: Attention, builder: Any) -> Any:
     """SDPA's bool mask (True: attend) from the fills: the AND of what each keeps; None if not constant.
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.checks import read_attention
-        >>> from fxforge.rewrites.attention.readers import read_softmax
         >>> attend = lambda q, k, v, keep: (q @ k.mT).masked_fill(~keep, -1e4).softmax(-1) @ v
-        >>> gm = torch.fx.symbolic_trace(attend)
-        >>> _ = annotate(gm, (*(torch.randn(1, 1, 2, 8),) * 3, torch.ones(2, dtype=torch.bool)), {})
-        >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
-        >>> attention = read_attention(softmax, gm, Constants(gm))
+        >>> from fxforge.rewrites.attention.checks import trace_attention
+        >>> q, keep = torch.randn(1, 1, 2, 8), torch.ones(2, dtype=torch.bool)
+        >>> gm, attention = trace_attention(attend, q, q, q, keep)
         >>> fold_keep(attention, EagerBuilder(Constants(gm))) is None  # keep is a graph input
         True
     """

@@ -6,14 +6,11 @@ it keeps exactly the lower triangle it becomes ``is_causal=True``, if it keeps e
 rows in which every key is masked are patched only if the mask has any.
 
 Example:
-    >>> from fxforge.core.shapes import annotate
-    >>> from fxforge.rewrites.attention.checks import read_attention
-    >>> from fxforge.rewrites.attention.readers import read_softmax
     >>> causal = lambda q: q.new_ones(q.size(-2), q.size(-2), dtype=torch.bool).tril()
-    >>> gm = torch.fx.symbolic_trace(lambda q, k, v: (q @ k.mT).masked_fill(~causal(q), -1e4).softmax(-1) @ v)
-    >>> _ = annotate(gm, (torch.randn(1, 1, 3, 8),) * 3, {})
-    >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
-    >>> plan_mask(read_attention(softmax, gm, Constants(gm)), Constants(gm))
+    >>> from fxforge.rewrites.attention.checks import trace_attention
+    >>> attend = lambda q, k, v: (q @ k.mT).masked_fill(~causal(q), -1e4).softmax(-1) @ v
+    >>> gm, attention = trace_attention(attend, *[torch.randn(1, 1, 3, 8)] * 3)
+    >>> plan_mask(attention, Constants(gm))
     MaskPlan(kind='causal', fix=None)
 """
 
@@ -62,14 +59,11 @@ def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refusal:
     """Check the steps' masks and decide how they become SDPA's (see :mod:`fxforge.rewrites.attention`).
 
     Example:
-        >>> from fxforge.core.shapes import annotate
-        >>> from fxforge.rewrites.attention.checks import read_attention
-        >>> from fxforge.rewrites.attention.readers import read_softmax
         >>> attend = lambda q, k, v, keep: (q @ k.mT).masked_fill(~keep, -5).softmax(-1) @ v
-        >>> gm = torch.fx.symbolic_trace(attend)
-        >>> _ = annotate(gm, (*(torch.randn(1, 1, 3, 8),) * 3, torch.ones(3, dtype=torch.bool)), {})
-        >>> softmax = read_softmax(next(n for n in gm.graph.nodes if n.name == "softmax"), gm)
-        >>> print(plan_mask(read_attention(softmax, gm, Constants(gm)), Constants(gm)))
+        >>> from fxforge.rewrites.attention.checks import trace_attention
+        >>> q, keep = torch.randn(1, 1, 3, 8), torch.ones(3, dtype=torch.bool)
+        >>> gm, attention = trace_attention(attend, q, q, q, keep)
+        >>> print(plan_mask(attention, Constants(gm)))
         the fill value -5.0 does not mask: only -inf and values <= -10000 hide a key
     """
     steps = attention.scores.steps
