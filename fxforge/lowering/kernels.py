@@ -8,6 +8,12 @@ reason it refuses a call it cannot run (the op then runs its composite):
   weight prepacked once per weight, version and call configuration (:data:`PACKED`);
 - ``"cudnn"``: cuDNN's fused 2d convolution + bias (+ add) + relu.
 
+A fused activation (a post-op) is used only where it treats NaN and infinities as eager does, which is
+proven on the running machine (:func:`postop_keeps_specials`: special values through an identity
+convolution, once per configuration): oneDNN's relu and hardtanh post-ops turn NaN into 0, and its
+channels-last gelu turns +inf into NaN, so there oneDNN runs the convolution (or linear, or convolution +
+add) alone and torch applies the activation to its fresh output (:func:`conv_then_activation`...).
+
 Lowering (:mod:`fxforge.lowering.lower`) emits these calls straight into the graph; autotune
 (:mod:`fxforge.lowering.autotune`) times them.
 
@@ -19,12 +25,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.fx import Node
+from torch.nn import functional as F
 
 from fxforge.core.tensor_cache import TensorCache
 from fxforge.rewrites import fused_ops
@@ -81,6 +89,8 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
     ops = torch.ops.mkldnn
     value = _value(input)
+    exact = postop_keeps_specials("conv", activation, tuple(scalars), other is not None, _channels_last(value),
+                                  value.dtype)
     # Prepacked weights make oneDNN write channels-last output; the op's output must keep the input's
     # layout (as the composite does), so they are used for channels-last inputs only.
     if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
@@ -89,11 +99,15 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
         weight = PACKED.get(weight, (weight._version, *key), lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))
     conv = (list(padding), list(stride), list(dilation), groups)
-    if other is None:
+    if other is None and exact:
         return ops._convolution_pointwise.default, (input, weight, bias, *conv, attr, list(scalars), algorithm)
-    unary = None if activation == "none" else attr
-    return ops._convolution_pointwise.binary, (input, other, weight, bias, *conv, "add", None, unary, list(scalars),
-                                               algorithm)
+    if other is None:
+        return conv_then_activation, (input, weight, bias, *conv, activation, list(scalars))
+    if exact:
+        unary = None if activation == "none" else attr
+        return ops._convolution_pointwise.binary, (input, other, weight, bias, *conv, "add", None, unary,
+                                                   list(scalars), algorithm)
+    return conv_add_then_activation, (input, other, weight, bias, *conv, activation, list(scalars))
 
 
 def _conv_cudnn(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars):
@@ -148,7 +162,34 @@ def cudnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, ac
         return "cuDNN's fused convolution covers 2d convolution + bias (+ add) + relu only"
     if input.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"cuDNN fused convolution does not take {input.dtype}"
+    if not cudnn_relu_keeps_specials(other is not None, input.dtype, str(input.device)):
+        return "cuDNN's fused relu does not keep NaN and infinities as eager does (probed on this device)"
     return None
+
+
+@functools.cache
+def cudnn_relu_keeps_specials(residual: bool, dtype: torch.dtype, device: str) -> bool:
+    """Whether cuDNN's fused convolution (+ add) + relu gives eager's result on :data:`SPECIAL_VALUES` on
+    ``device`` (probed once, as :func:`postop_keeps_specials` probes oneDNN's post-ops).
+
+    Example:
+        >>> cudnn_relu_keeps_specials(False, torch.float32, "cuda:0") if torch.cuda.is_available() else None
+    """
+    values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
+    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
+    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
+    w = torch.eye(2, dtype=dtype, device=device).view(2, 2, 1, 1)
+    conv = ([1, 1], [0, 0], [1, 1], 1)
+    try:
+        with torch.no_grad():
+            if residual:
+                fused = torch.ops.aten.cudnn_convolution_add_relu.default(x, w, other, 1.0, None, *conv)
+            else:
+                fused = torch.ops.aten.cudnn_convolution_relu.default(x, w, None, *conv)
+            expected = fused_ops.conv_pointwise_composite(x, w, None, [1, 1], [0, 0], [1, 1], 1, other, "relu", [])
+    except RuntimeError:
+        return False
+    return _same_specials(expected.cpu(), fused.cpu())
 
 
 def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activation: str,
@@ -171,7 +212,9 @@ def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activ
         rows = _value(input).numel() // _value(input).shape[-1]
         packed = PACKED.get(weight, (weight._version, "linear", rows),
                             lambda: ops._reorder_linear_weight(weight.detach(), rows))
-        return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)
+        if postop_keeps_specials("linear", activation, tuple(scalars), False, False, _value(input).dtype):
+            return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)
+        return linear_then_activation, (input, packed, bias, activation, list(scalars))
     if kernel != "composite":
         return f"no {kernel} kernel for linear"
     return fused_ops.linear_pointwise_composite, (input, weight, bias, activation, scalars)
@@ -197,6 +240,147 @@ def _mkldnn_refusal(what: str, input: Tensor, weight: Tensor) -> str | None:
         return f"oneDNN fused {what} needs float32 or bfloat16 (got {input.dtype})"
     return None
 
+
+# ---------------------------------------------------------------------------------------------- special values
+
+# What a post-op must treat as eager does: NaN, both infinities, values whose activation overflows or
+# underflows, both zeros, and ordinary values on each side of every activation's knee.
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 0.0, -0.0, 1.5, -2.5, 7.0)
+
+
+def _channels_last(value: Any) -> bool:
+    return (isinstance(value, Tensor) and value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last)
+            and not value.is_contiguous())
+
+
+def _same_specials(expected: Tensor, got: Tensor) -> bool:
+    """NaN where eager has NaN, the same infinities, and the finite values equal up to rounding."""
+    if expected.shape != got.shape or not torch.equal(torch.isnan(expected), torch.isnan(got)):
+        return False
+    finite = torch.isfinite(expected)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(expected[~finite & ~torch.isnan(expected)],
+                                                                       got[~finite & ~torch.isnan(got)]):
+        return False
+    return torch.allclose(expected[finite].double(), got[finite].double(), rtol=1e-2, atol=1e-6)
+
+
+@functools.cache
+def postop_keeps_specials(op: str, activation: str, scalars: tuple, residual: bool, channels_last: bool,
+                          dtype: torch.dtype) -> bool:
+    """Whether oneDNN's fused ``activation`` (after a convolution, + add when ``residual``, or after a linear
+    layer) gives eager's result on :data:`SPECIAL_VALUES`, on this machine; probed once per configuration.
+
+    The probe is an identity convolution or linear layer whose other inputs are zero, so the post-op sees
+    the special values themselves (``v * 1 + 0 * 0``); a configuration whose fused call raises counts as not
+    proven (the convolution then runs alone, and torch applies the activation).
+
+    Example:
+        >>> postop_keeps_specials("conv", "relu", (), False, False, torch.float32)  # NaN -> 0 in oneDNN
+        False
+        >>> postop_keeps_specials("conv", "none", (), False, False, torch.float32)
+        True
+    """
+    if not mkldnn_available():
+        return False
+    try:
+        with torch.no_grad():
+            expected, fused = _probe(op, activation, scalars, residual, channels_last, dtype)
+    except RuntimeError:  # e.g. an add the fused kernel does not take in this dtype
+        return False
+    return _same_specials(expected, fused)
+
+
+def _probe(op: str, activation: str, scalars: tuple, residual: bool, channels_last: bool,
+           dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(composite, fused oneDNN) of ``activation`` on :data:`SPECIAL_VALUES`."""
+    values = torch.tensor(SPECIAL_VALUES, dtype=dtype)
+    attr, algorithm = ONEDNN_ACTIVATIONS[activation]
+    if op == "linear":
+        x, w = torch.stack([values, torch.zeros_like(values)], 1), torch.eye(2, dtype=dtype)
+        fused = torch.ops.mkldnn._linear_pointwise.default(x, w, None, attr, list(scalars), algorithm)
+        return fused_ops.linear_pointwise_composite(x, w, None, activation, scalars), fused
+    # channel 0 holds the values, channel 1 zeros: the identity weight adds only 0 * 0 to each value
+    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
+    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        other = other.contiguous(memory_format=torch.channels_last) if other is not None else None
+    w = torch.eye(2, dtype=dtype).view(2, 2, 1, 1)
+    conv = ([0, 0], [1, 1], [1, 1], 1)
+    if residual:
+        fused = torch.ops.mkldnn._convolution_pointwise.binary(x, other, w, None, *conv, "add", None,
+                                                              None if activation == "none" else attr,
+                                                              list(scalars), algorithm)
+    else:
+        fused = torch.ops.mkldnn._convolution_pointwise.default(x, w, None, *conv, attr, list(scalars), algorithm)
+    expected = fused_ops.conv_pointwise_composite(x, w, None, [1, 1], [0, 0], [1, 1], 1, other, activation, scalars)
+    return expected, fused
+
+
+def _activate(y: Tensor, activation: str, scalars: Sequence[float]) -> Tensor:
+    """``activation`` applied by torch to ``y``, a fresh tensor (in place where torch has the in-place form)."""
+    inplace = _INPLACE.get(activation)
+    return inplace(y, scalars) if inplace is not None else fused_ops.ACTIVATIONS[activation](y, scalars)
+
+
+_INPLACE = {
+    "none": lambda y, s: y,
+    "relu": lambda y, s: torch.relu_(y),
+    "hardtanh": lambda y, s: F.hardtanh_(y, s[0], s[1]),
+    "leaky_relu": lambda y, s: F.leaky_relu_(y, s[0]),
+}
+
+
+def conv_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, padding: list, stride: list,
+                         dilation: list, groups: int, activation: str, scalars: list) -> Tensor:
+    """oneDNN's convolution alone, then torch's ``activation`` (where oneDNN's post-op is not eager's).
+
+    Example:
+        >>> x = torch.tensor([[[[float("nan"), -1.0]]]])
+        >>> conv_then_activation(x, torch.ones(1, 1, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "relu", []).tolist()
+        [[[[nan, 0.0]]]]
+    """
+    y = torch.ops.mkldnn._convolution_pointwise.default(input, weight, bias, padding, stride, dilation, groups,
+                                                         "none", [], None)
+    return _activate(y, activation, scalars)
+
+
+def conv_add_then_activation(input: Tensor, other: Tensor, weight: Tensor, bias: Tensor | None, padding: list,
+                             stride: list, dilation: list, groups: int, activation: str, scalars: list) -> Tensor:
+    """oneDNN's convolution + add (computed as eager does: the convolution, then the sum), then torch's
+    ``activation``.
+
+    Example:
+        >>> x, other = torch.ones(1, 1, 1, 2), torch.tensor([[[[float("-inf"), float("nan")]]]])
+        >>> conv_add_then_activation(x, other, torch.ones(1, 1, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "relu",
+        ...                          []).tolist()
+        [[[[0.0, nan]]]]
+    """
+    y = torch.ops.mkldnn._convolution_pointwise.default(input, weight, bias, padding, stride, dilation, groups,
+                                                         "none", [], None)
+    return _activate(y.add_(other), activation, scalars)
+
+
+def linear_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, activation: str,
+                           scalars: list) -> Tensor:
+    """oneDNN's linear layer alone (``weight`` prepacked), then torch's ``activation``.
+
+    Example:
+        >>> w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 1), 1)
+        >>> linear_then_activation(torch.tensor([[float("nan")]]), w, None, "relu", []).tolist()
+        [[nan]]
+    """
+    y = torch.ops.mkldnn._linear_pointwise.default(input, weight, bias, "none", [], None)
+    return _activate(y, activation, scalars)
+
+
+# What a profile calls each of these kernels' nodes (as it calls oneDNN's fused ops): the fused op they run.
+conv_then_activation.fxforge_op = "fxforge.conv_pointwise"
+conv_add_then_activation.fxforge_op = "fxforge.conv_pointwise"
+linear_then_activation.fxforge_op = "fxforge.linear_pointwise"
+
+
+# ---------------------------------------------------------------------------------------------- registration
 
 KERNELS_BY_OP: dict[str, Callable[..., Any]] = {"conv_pointwise": conv_kernel_call, "linear_pointwise": linear_kernel_call}
 

@@ -135,7 +135,8 @@ def test_lowered_onednn_kernels_keep_their_flops():
     p = fxforge.profile(opt, (x,), warmup=0, repeat=1)
     assert p.what == "lowered graph"
     conv = _row(p, "fxforge.conv_pointwise")
-    assert conv["target"].startswith("mkldnn._convolution_pointwise")
+    # oneDNN's fused op, or oneDNN's convolution then torch's relu where oneDNN's relu post-op loses NaN
+    assert conv["target"].startswith(("mkldnn._convolution_pointwise", "conv_then_activation"))
     assert conv["flops"] == 2 * 2 * 12 * 12 * 9 * 3 * 8
     assert _row(p, "fxforge.linear_pointwise")["flops"] == 2 * 2 * 8 * 5
 

@@ -78,4 +78,5 @@ def op_type(node: torch.fx.Node, graph_module: torch.nn.Module | None = None) ->
         return _FUSED.get(target._qualified_op_name, str(target))
     if target in _OPERATORS:
         return _OPERATORS[target]
-    return _plain(getattr(target, "__name__", str(target)))
+    fused = getattr(target, "fxforge_op", None)  # a kernel function that runs one of fxforge's fused ops
+    return fused or _plain(getattr(target, "__name__", str(target)))
