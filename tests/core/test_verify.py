@@ -1,0 +1,75 @@
+"""Verification inputs keep masks and special values; differences beyond float32 tolerance are judged
+against a float64 run: rounding is kept, error is not."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.core import verify
+from fxforge.core.verify import Float64Reference, random_like, within_rounding
+
+
+def test_random_inputs_keep_additive_masks_and_the_examples_special_values():
+    neg_inf_mask = torch.tensor([[0.0, 0.0, float("-inf")]])
+    finfo_mask = torch.tensor([[0.0, torch.finfo(torch.float32).min, 0.0]])
+    large_negative = torch.tensor([[-1e9, 0.0, 0.0]])
+    data = torch.tensor([1.0, float("nan"), -2.0, float("inf"), 0.5, 3.0])
+    for seed in (1, 2):
+        masks = random_like((neg_inf_mask, finfo_mask, large_negative), seed)
+        assert all(torch.equal(m, e) for m, e in zip(masks, (neg_inf_mask, finfo_mask, large_negative)))
+        drawn = random_like(data, seed)
+        assert torch.isnan(drawn[1]) and torch.isposinf(drawn[3])
+        others = drawn[[0, 2, 4, 5]]
+        assert torch.isfinite(others).all() and not torch.equal(others, data[[0, 2, 4, 5]])
+
+
+def test_within_rounding_keeps_rounding_and_refuses_a_real_error():
+    torch.manual_seed(0)
+    exact = torch.randn(1000, dtype=torch.float64)
+    ref = (exact + torch.randn(1000, dtype=torch.float64) * 1e-6).float()
+    rounding = (exact + torch.randn(1000, dtype=torch.float64) * 3e-6).float()
+    assert within_rounding(ref, rounding, exact).ok
+    assert not within_rounding(ref, (exact * 1.001).float(), exact).ok  # a 0.1 % error
+    assert not within_rounding(ref, rounding, None).ok
+
+
+def test_float64_reference_runs_a_copy_in_float64_and_leaves_the_graph_alone():
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    x = torch.randn(2, 3)
+    exact = Float64Reference(gm, [((x,), {})])
+    assert exact(0).dtype == torch.float64 and exact(0) is exact(0)
+    torch.testing.assert_close(exact(0).float(), gm(x))
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+
+
+def _deep_conv_bn(blocks: int = 54, channels: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(blocks) for m in (nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                                 nn.BatchNorm2d(channels), nn.ReLU())]
+    model = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), *layers)
+    with torch.no_grad():
+        for _ in range(3):  # statistics of real activations
+            model.train()(torch.randn(4, 3, 16, 16))
+    return model.eval()
+
+
+def test_fifty_folds_are_not_rolled_back_for_rounding_and_a_real_error_still_is(monkeypatch):
+    model, x = _deep_conv_bn(), torch.randn(1, 3, 16, 16)
+    # A float32 tolerance so tight that the folds' rounding alone exceeds it: only the float64 judge keeps them.
+    monkeypatch.setitem(verify._TOLERANCES, torch.float32, (1e-9, 1e-9))
+    cap = fxforge.capture(model, (x,))
+    new = fxforge.rewrite(cap, ["conv_bn_fold"])
+    assert new.report.counts == {"conv_bn_fold": 54} and new.report.rolled_back == []
+    assert any("by rounding only" in line for line in new.report.verified)
+
+    def off_by_a_tenth_of_a_percent(gm, ctx):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(output):
+            scaled = gm.graph.call_function(torch.mul, (output.args[0], 1.001))
+        output.args = (scaled,)
+        ctx.matched("output scaled by 1.001", [scaled])
+
+    wrong = fxforge.rewrite(cap, ["conv_bn_fold", fxforge.Pass("wrong", off_by_a_tenth_of_a_percent)])
+    assert [r.rule for r in wrong.report.rolled_back] == ["wrong"] and wrong.report.counts == {"conv_bn_fold": 54}
