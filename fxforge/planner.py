@@ -38,13 +38,13 @@ from torch import nn
 from fxforge.capture import CaptureError, capture, normalize_inputs
 from fxforge.capture.dynamic import capture_dynamic
 from fxforge.core.captured import Captured
-from fxforge.core.plan import Plan
+from fxforge.core.plan import CallConditions, Plan
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.exporters.program import ExportError
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
-from fxforge.lowering.lower import make_plan
+from fxforge.lowering.lower import make_plan, plain_plan
 from fxforge.rewrites import pipeline
 from fxforge.runtime.native import OptimizedModule, optimize_class
 from fxforge.runtime.plans import PlanBuilder
@@ -58,7 +58,7 @@ EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shap
 # ---------------------------------------------------------------------------------------------- native
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,
-            tuning: TuningPolicy | None = MEASURE_ALL) -> Captured:
+            tuning: TuningPolicy | None = MEASURE_ALL, conditions: CallConditions | None = None) -> Captured:
     """Apply rewrites to a captured graph and return a new ``Captured`` with a report.
 
     The rewrite stage (:func:`fxforge.rewrites.pipeline.rewrite`: passes in order, each verified, rolled
@@ -71,6 +71,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
         verify: check the rewrites numerically.
         tuning: autotune's :class:`~fxforge.lowering.autotune.TuningPolicy` (choices it must not measure);
             None: nothing is timed and fused ops keep their composite kernel (what an export wants).
+        conditions: the calls the graph will serve (:class:`~fxforge.core.plan.CallConditions`; default:
+            calls that record no gradients, outside autocast).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout()).eval()
@@ -78,12 +80,19 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
         {'cleanup': 1}
     """
     tuner = functools.partial(autotune, policy=tuning) if tuning is not None else None
-    return pipeline.rewrite(captured, rewrites, verify, tuner=tuner)
+    return pipeline.rewrite(captured, rewrites, verify, tuner=tuner, conditions=conditions)
 
 
-def build_plan(module: nn.Module, args: tuple, kwargs: dict, *, rewrites: Any = "default", verify: bool = True,
-               method: str = "auto", tuning: TuningPolicy = MEASURE_ALL) -> Plan:
-    """Capture ``module`` for these inputs, rewrite it (autotune choosing kernels and layout), lower it.
+def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallConditions | None = None, *,
+               rewrites: Any = "default", verify: bool = True, method: str = "auto",
+               tuning: TuningPolicy = MEASURE_ALL) -> Plan:
+    """Capture ``module`` for these inputs, rewrite it for calls made under ``conditions`` (autotune choosing
+    kernels and layout), lower it.
+
+    A plan for calls that record gradients, or run under autocast, keeps eager's ops where gradients or
+    autocast need them (no folded parameters, no fused kernels) and runs its rewritten graph as it is. Plans
+    are built outside inference mode, so that what they compute once (folded and prepacked weights) is an
+    ordinary tensor whatever mode the first call was made in.
 
     Raises:
         CaptureError: the module could not be captured.
@@ -93,12 +102,19 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, *, rewrites: Any = 
         >>> plan.report.method
         'fx'
     """
-    captured = capture(module, args, method, example_kwargs=kwargs, check=verify)
-    return make_plan(rewrite(captured, rewrites, verify=verify, tuning=tuning))
+    conditions = conditions or CallConditions()
+    with torch.inference_mode(False):
+        captured = capture(module, args, method, example_kwargs=kwargs, check=verify)
+        tuning = tuning if not (conditions.gradients or conditions.autocast) else None
+        rewritten = rewrite(captured, rewrites, verify=verify, tuning=tuning, conditions=conditions)
+        if conditions.gradients or conditions.autocast:
+            return plain_plan(rewritten)
+        return make_plan(rewritten)
 
 
 def plan_builder(module: nn.Module, **options: Any) -> PlanBuilder:
-    """``(args, kwargs) -> Plan`` for ``module``: what an optimized module calls on a new input signature.
+    """``(args, kwargs, conditions) -> Plan`` for ``module``: what an optimized module calls for a call it has
+    no plan for.
 
     Args:
         module: the model.
@@ -106,14 +122,14 @@ def plan_builder(module: nn.Module, **options: Any) -> PlanBuilder:
 
     Example:
         >>> build = plan_builder(torch.nn.ReLU(), rewrites=[])
-        >>> build((torch.ones(1),), {}).report.counts
+        >>> build((torch.ones(1),), {}, CallConditions()).report.counts
         {}
     """
     return functools.partial(_build, module, options)
 
 
-def _build(module: nn.Module, options: dict, args: tuple, kwargs: dict) -> Plan:
-    return build_plan(module, args, kwargs, **options)
+def _build(module: nn.Module, options: dict, args: tuple, kwargs: dict, conditions: CallConditions) -> Plan:
+    return build_plan(module, args, kwargs, conditions, **options)
 
 
 # ---------------------------------------------------------------------------------------------- exports

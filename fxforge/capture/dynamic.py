@@ -61,7 +61,7 @@ def capture_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
         raise CaptureError(name, {"export": "torch.export cannot keep the requested dims dynamic "
                                             f"({first_line(error)})" + (f" at {where}" if where else "")}) from error
     if reference is None:
-        with isolated(model), torch.no_grad():
+        with isolated(model, inputs=(args, kwargs)), torch.no_grad():
             reference = model(*args, **kwargs)
     try:
         check_graph(model, graph_module, args, kwargs, reference)

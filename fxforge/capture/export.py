@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from fxforge.capture.fx_trace import PYTHON_CONSTANTS
 from fxforge.core.tracing import tracing
+from fxforge.core.vocabulary import has_hooks
 
 # Loggers that narrate a failed export at WARNING level; the failure itself is reported by fxforge.
 _NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
@@ -62,7 +63,11 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     torch.export bakes into the graph, are asserted instead, as a symbolic trace does. Parameters and
     buffers are the module's own objects. ``dynamic_shapes`` goes to ``torch.export.export`` as it is.
 
+    A module with forward or backward hooks is refused: torch.export runs a hook once, while tracing, and
+    bakes what it computed into the graph (its side effects, like collecting features, are lost).
+
     Raises:
+        ValueError: the module or a submodule has hooks.
         Exception: whatever ``torch.export`` raises; the caller turns it into a capture reason.
 
     Example:
@@ -70,6 +75,10 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
         >>> gm(-torch.ones(2)).tolist()
         [0.0, 0.0]
     """
+    hooked = [name or "the model" for name, m in module.named_modules() if has_hooks(m)]
+    if hooked:
+        raise ValueError(f"{', '.join(hooked[:3])} {'has' if len(hooked) == 1 else 'have'} hooks, which "
+                         "torch.export would run once while tracing instead of on every call")
     with tracing(), quiet_export():
         program = torch.export.export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes,
                                       strict=False)

@@ -26,6 +26,7 @@ from torch import nn
 
 from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.tracing import ThreadBoundTracer, tracing
+from fxforge.core.vocabulary import has_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,9 @@ class _LeafTracer(ThreadBoundTracer):
         self.create_proxy("call_function", torch._assert, (condition, message), {})
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+        # A submodule with hooks stays a module call, so that its hooks fire on every call of the graph.
+        return (module_qualified_name in self.leaves or bool(module_qualified_name and has_hooks(m))
+                or super().is_leaf_module(m, module_qualified_name))
 
     def call_module(self, m, forward, args, kwargs):
         try:

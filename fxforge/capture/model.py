@@ -88,7 +88,7 @@ def check_graph(module: nn.Module, graph_module: torch.fx.GraphModule, args: tup
     """
     # A GraphModule that raises prints its generated code to stderr; the error itself becomes the reason.
     info = None
-    with isolated(module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+    with isolated(module, inputs=(args, kwargs)), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
         if record:
             actual, info = run_and_annotate(graph_module, args, kwargs)
         else:
@@ -136,8 +136,9 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
     reference = None
     if check:
         try:
-            with isolated(module), torch.no_grad():
-                reference = module(*args, **kwargs)
+            with isolated(module, inputs=(args, kwargs)), torch.no_grad():
+                reference = module.forward(*args, **kwargs)  # the graph is the forward's: the root's hooks
+                # run around it (an optimized module's call runs them)
         except Exception as error:
             raise CaptureError(name, {"eager": f"the module raised on the example inputs: {describe_failure(error)}"}) from error
 

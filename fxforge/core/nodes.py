@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.fx.node import _side_effectful_functions
 
-from fxforge.core.vocabulary import read_dropout
+from fxforge.core.vocabulary import has_hooks, read_dropout
 
 _INPLACE_OPERATORS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -130,7 +130,8 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
 
     Effects: mutation (in-place ops, ``inplace=True``, setitem, ATen ops with mutable schemas), random
     numbers (an unused dropout still advances the RNG in training), and calls into modules whose effects
-    fxforge cannot see (user modules kept opaque, torch.nn modules in training mode, export's guards).
+    fxforge cannot see (user modules kept opaque, torch.nn modules in training mode or with hooks, export's
+    guards).
 
     Example:
         >>> g = torch.fx.Graph(); x = g.placeholder("x")
@@ -146,7 +147,7 @@ def is_effectful(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     target = node.target
     if node.op == "call_module":
         module = submodule(node, gm)
-        if module is None or not is_torch_nn_module(module):
+        if module is None or not is_torch_nn_module(module) or has_hooks(module):
             return True
         return is_inplace(node, gm) or module.training
     if node.op == "call_method":
@@ -249,7 +250,8 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(gm.graph)
     new = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
-    new.meta = dict(getattr(gm, "meta", {}))
+    # A copy of each table in meta (the folds' recipes, ...): what a pass adds to the copy stays in the copy.
+    new.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in getattr(gm, "meta", {}).items()}
     return new
 
 

@@ -10,11 +10,63 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from fxforge.core.captured import Captured
+from fxforge.core.derived import DerivedValues
+
+
+@dataclasses.dataclass(frozen=True)
+class CallConditions:
+    """What about a call, besides its inputs and the modules' modes, decides which plan serves it.
+
+    Attributes:
+        gradients: the call records gradients (grad mode on, and a parameter or an input requires them):
+            its plan keeps every op eager has, so every parameter gets eager's gradient (no folding, no
+            fused kernels; double backward works).
+        autocast: ``(device type, dtype)`` of each autocast region the call runs in: its plan has only ops
+            autocast knows, and is verified under the same autocast.
+
+    Example:
+        >>> CallConditions.now()
+        CallConditions(gradients=False, autocast=())
+        >>> with torch.autocast("cpu", torch.bfloat16):
+        ...     CallConditions.now().autocast
+        (('cpu', torch.bfloat16),)
+    """
+
+    gradients: bool = False
+    autocast: tuple = ()
+
+    # The words a rewrite's refusal ends with when it refused only because the calls record gradients (the
+    # optimized module says once that such calls run without those rewrites).
+    FOR_GRADIENTS = "the calls this graph serves record gradients"
+
+    @classmethod
+    def now(cls, gradients: bool = False) -> CallConditions:
+        """The conditions of a call made here (``gradients`` as the caller found them)."""
+        return cls(gradients, tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
+                                    if torch.is_autocast_enabled(device)))
+
+    def autocast_context(self) -> contextlib.ExitStack:
+        """A context that enters the call's autocast regions (nothing when there are none).
+
+        Example:
+            >>> with CallConditions(autocast=(("cpu", torch.bfloat16),)).autocast_context():
+            ...     torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+            torch.bfloat16
+        """
+        stack = contextlib.ExitStack()
+        for device, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype))
+        return stack
+
+
+# The devices whose autocast state a call can be under.
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass
@@ -26,6 +78,8 @@ class Plan:
             with autograd: it runs when a call records gradients.
         executable: the lowered graph (fused ops as direct calls of their chosen kernels, weights
             prepacked): it runs when no gradient is recorded.
+        derived: the values computed from the model's tensors (folded and prepacked weights), recomputed
+            when those change (:class:`~fxforge.core.derived.DerivedValues`).
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
@@ -37,6 +91,7 @@ class Plan:
 
     captured: Captured
     executable: torch.nn.Module
+    derived: DerivedValues = dataclasses.field(default_factory=lambda: DerivedValues([]))
 
     @property
     def report(self):

@@ -22,6 +22,20 @@ from typing import Any
 import torch
 
 
+def version(tensor: torch.Tensor) -> int:
+    """``tensor._version`` (how many in-place changes PyTorch recorded), or -1 for an inference tensor, which
+    has none: such a tensor can change only inside ``torch.inference_mode()``, where nothing records it.
+
+    Example:
+        >>> t = torch.ones(1); _ = t.add_(1); version(t)
+        1
+        >>> with torch.inference_mode():
+        ...     version(torch.ones(1))
+        -1
+    """
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class TensorCache:
     """One derived value per live tensor, recomputed when its key changes (see the module docstring)."""
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxforge.core.tensor_cache import TensorCache
+from fxforge.core.tensor_cache import version as tensor_version
 
 # (rtol, atol) per dtype; atol is scaled by the magnitude of the reference output.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -144,10 +145,17 @@ class _Snapshots:
                 if buf is None or id(buf) in seen or name.startswith(CONSTANT_BUFFER_PREFIX):
                     continue
                 seen.add(id(buf))
-                version = buf._version
+                version = tensor_version(buf)
                 copy = self._copies.get(buf, version, lambda buf=buf: buf.detach().clone())
                 saved.append((buf, None if owner.training else version, copy))
         return saved
+
+    def take_inputs(self, inputs: Any) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """``(tensor, its version, a copy)`` for each tensor in ``inputs`` (a pytree), restored on exit if the
+        block changed it in place."""
+        tensors = {id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        return [(t, tensor_version(t), self._copies.get(t, tensor_version(t), lambda t=t: t.detach().clone()))
+                for t in tensors.values()]
 
 
 _SNAPSHOTS = _Snapshots()
@@ -157,12 +165,15 @@ _RNG_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
-    """Run a block with a fixed RNG seed and restore the modules' buffers and the RNG afterwards.
+def isolated(*modules: torch.nn.Module, seed: int = 0, inputs: Any = None) -> Iterator[None]:
+    """Run a block with a fixed RNG seed and restore the modules' buffers, the tensors in ``inputs`` and the
+    RNG afterwards.
 
     Inside, dropout and other random ops draw the same numbers on every run, so two graphs can be
-    compared in training mode; BatchNorm running statistics updated inside are put back on exit. The RNG is
-    the process's: other threads entering ``isolated`` wait until this block is done.
+    compared in training mode; BatchNorm running statistics updated inside are put back on exit, and so are
+    inputs a model changes in place (each run sees the inputs as the caller gave them, and the caller's
+    tensors are left as they were). The RNG is the process's: other threads entering ``isolated`` wait
+    until this block is done.
 
     Example:
         >>> bn = torch.nn.BatchNorm1d(3).train()
@@ -171,7 +182,7 @@ def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
         >>> float(bn.running_mean.abs().sum())
         0.0
     """
-    saved = _SNAPSHOTS.take(modules)
+    saved = _SNAPSHOTS.take(modules) + (_SNAPSHOTS.take_inputs(inputs) if inputs is not None else [])
     devices = [t.device for t, _, _ in saved if t.device.type == "cuda"]
     with _RNG_LOCK, torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
         torch.manual_seed(seed)
@@ -180,8 +191,9 @@ def isolated(*modules: torch.nn.Module, seed: int = 0) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for buf, version, copy in saved:
-                    if version is None or buf._version != version:
-                        buf.copy_(copy)
+                    if version is None or tensor_version(buf) != version:
+                        with torch.inference_mode(buf.is_inference()):  # where an inference tensor may change
+                            buf.copy_(copy)
 
 
 # A float value at or below this in a mask hides a key (transformers use -1e4, -1e9 and finfo.min).
@@ -271,12 +283,12 @@ def check_same(
         if reference_outputs is not None:
             ref = reference_outputs[i]
         else:
-            with isolated(*modules, seed=i), torch.no_grad():
+            with isolated(*modules, seed=i, inputs=(args, kwargs)), torch.no_grad():
                 ref = reference(*args, **kwargs)
         if candidate_outputs is not None and i in candidate_outputs:
             out = candidate_outputs[i]
         else:
-            with isolated(*modules, seed=i), torch.no_grad():
+            with isolated(*modules, seed=i, inputs=(args, kwargs)), torch.no_grad():
                 out = candidate(*args, **kwargs)
         result = compare_outputs(ref, out)
         if not result.ok and exact is not None and math.isfinite(result.max_abs_err):
@@ -360,7 +372,7 @@ class Float64Reference:
             if self._copy is None:
                 self._copy = copy.deepcopy(self.graph_module).double()
             args, kwargs = pytree.tree_map(to64, tuple(self.inputs[i]))
-            with isolated(self._copy, seed=i), torch.no_grad():
+            with isolated(self._copy, seed=i, inputs=(args, kwargs)), torch.no_grad():
                 return self._copy(*args, **kwargs)
         except Exception:  # noqa: BLE001 - a graph that cannot run in float64 (a dtype assert) decides nothing
             return None
@@ -377,7 +389,7 @@ def graph_fingerprint(graph_module: torch.nn.Module) -> tuple:
     """
     code = getattr(graph_module, "code", None)
     modules = tuple((name, id(m)) for name, m in graph_module.named_modules(remove_duplicate=False))
-    tensors = tuple((name, id(t), t._version) for name, t in
+    tensors = tuple((name, id(t), tensor_version(t)) for name, t in
                     (*graph_module.named_parameters(remove_duplicate=False),
                      *graph_module.named_buffers(remove_duplicate=False)))
     return code, modules, tensors
@@ -393,4 +405,4 @@ def inputs_key(args: tuple, kwargs: dict) -> tuple:
         (True, False)
     """
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    return spec, tuple((id(x), x._version) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
+    return spec, tuple((id(x), tensor_version(x)) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)

@@ -67,14 +67,33 @@ class CallForms:
         return False
 
 
+# The hook tables of a module that torch's ``__call__`` runs around its forward.
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+              "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def has_hooks(module: Any) -> bool:
+    """Whether calling ``module`` runs forward or backward hooks of its own (calling it does more than its
+    forward: no rewrite may replace the call).
+
+    Example:
+        >>> relu = nn.ReLU(); before = has_hooks(relu)
+        >>> _ = relu.register_forward_hook(lambda m, args, out: None)
+        >>> before, has_hooks(relu)
+        (False, True)
+    """
+    return any(getattr(module, table, None) for table in HOOK_DICTS)
+
+
 def module_form(module: Any, classes: tuple[type, ...]) -> type | None:
-    """The class among ``classes`` that ``module`` is an instance of without overriding its ``forward``.
+    """The class among ``classes`` that ``module`` is an instance of without overriding its ``forward`` (and
+    without hooks: a hooked module is a call of its own, never one of the ops).
 
     Example:
         >>> module_form(nn.ReLU6(), (nn.Hardtanh,)) is nn.Hardtanh, module_form(nn.ReLU(), (nn.Hardtanh,))
         (True, None)
     """
-    if not isinstance(module, nn.Module):
+    if not isinstance(module, nn.Module) or has_hooks(module):
         return None
     for cls in type(module).__mro__:
         if cls in classes and type(module).forward is cls.forward:
@@ -221,13 +240,13 @@ def op_name(node: Any, gm: torch.nn.Module | None = None) -> str | None:
 
 def module_op_name(module: Any) -> str | None:
     """The canonical op an ``nn.Module`` instance computes (a subclass counts only if it keeps the
-    ``forward`` of the class :data:`OPS` lists), or None.
+    ``forward`` of the class :data:`OPS` lists; a module with hooks computes none), or None.
 
     Example:
         >>> module_op_name(nn.ReLU6()), module_op_name(nn.Sequential())
         ('hardtanh', None)
     """
-    if not isinstance(module, nn.Module):
+    if not isinstance(module, nn.Module) or has_hooks(module):
         return None
     table = _by_module_class()
     cls = next((c for c in type(module).__mro__ if c in table), None)

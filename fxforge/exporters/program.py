@@ -244,7 +244,7 @@ def validate(module: Callable[..., Any], captured: Captured, other_batch: tuple 
     errors = {}
     for label, args, kwargs, reference in cases:
         if reference is None:
-            with isolated(captured.module), torch.no_grad():
+            with isolated(captured.module, inputs=(args, kwargs)), torch.no_grad():
                 reference = captured.module(*args, **kwargs)
         try:
             with torch.no_grad():

@@ -217,7 +217,7 @@ class _Candidate:
         if self.lowered is None:
             self.lowered = lower(self.graph)
         if self.output is _NOT_RUN:
-            with isolated(self.graph, seed=0), torch.no_grad():
+            with isolated(self.graph, seed=0, inputs=(args, kwargs)), torch.no_grad():
                 self.output = self.lowered(*args, **kwargs)
 
 
@@ -363,7 +363,7 @@ class _InputCycle:
     def __call__(self) -> None:
         seed, args, kwargs = self.inputs[self.calls % len(self.inputs)]
         self.calls += 1
-        with isolated(self.graph, seed=seed), torch.no_grad():
+        with isolated(self.graph, seed=seed, inputs=(args, kwargs)), torch.no_grad():
             output = self.run(*args, **kwargs)
         if self.record is not None and seed not in self.record:
             self.record[seed] = (args, kwargs, output)

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.fx import Node
 from torch.nn import functional as F
 
-from fxforge.core.tensor_cache import TensorCache
+from fxforge.core.tensor_cache import TensorCache, version
 from fxforge.rewrites import fused_ops
 
 # activation name (fxforge.rewrites.fused_ops.ACTIVATIONS) -> (oneDNN's attribute name, oneDNN's algorithm)
@@ -96,7 +96,7 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
     if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
         shape = list(value.shape)
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
-        weight = PACKED.get(weight, (weight._version, *key), lambda: ops._reorder_convolution_weight(
+        weight = PACKED.get(weight, (version(weight), *key), lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))
     conv = (list(padding), list(stride), list(dilation), groups)
     if other is None and exact:
@@ -210,7 +210,7 @@ def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activ
         attr, algorithm = ONEDNN_ACTIVATIONS[activation]
         ops = torch.ops.mkldnn
         rows = _value(input).numel() // _value(input).shape[-1]
-        packed = PACKED.get(weight, (weight._version, "linear", rows),
+        packed = PACKED.get(weight, (version(weight), "linear", rows),
                             lambda: ops._reorder_linear_weight(weight.detach(), rows))
         if postop_keeps_specials("linear", activation, tuple(scalars), False, False, _value(input).dtype):
             return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)

@@ -15,11 +15,15 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fxforge.core.nodes import mutated_aliases
+
 aten = torch.ops.aten
 
 
 def to_channels_last(gm: torch.fx.GraphModule) -> int:
     """Convert 4-d/5-d floating graph inputs to channels-last at entry, and such outputs back at exit.
+
+    An input the graph changes in place keeps its layout: the change must land in the caller's tensor.
 
     Returns the number of conversions inserted (0: nothing to convert).
 
@@ -36,8 +40,8 @@ def to_channels_last(gm: torch.fx.GraphModule) -> int:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() not in formats:
             continue
-        if not val.is_floating_point() or not node.users:
-            continue
+        if not val.is_floating_point() or not node.users or mutated_aliases(node, gm):
+            continue  # an input the graph changes in place is changed where the caller holds it, not in a copy
         with graph.inserting_after(node):
             converted = graph.call_function(aten.contiguous.default, (node,), {"memory_format": formats[val.dim()]})
         node.replace_all_uses_with(converted, delete_user_cb=converted.__ne__)

@@ -25,12 +25,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch.fx import Node
 
 from fxforge.core.captured import Captured
+from fxforge.core.derived import Derived, DerivedValues
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.plan import Plan
 from fxforge.lowering import kernels  # noqa: F401 - registers the fused ops' oneDNN and cuDNN kernels
@@ -66,7 +69,7 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Fused ops whose weight is not a parameter or buffer of the graph (computed at run time) stay custom
     op calls. Parameters and buffers are shared with ``graph_module``; prepacked weights are new
-    non-persistent buffers of the copy.
+    non-persistent buffers of the copy, each with its :class:`PackRecipe` in ``meta["fxforge_packs"]``.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
@@ -77,6 +80,7 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return graph_module
     new = copy_graph_module(graph_module)
     graph = new.graph
+    packs = new.meta.setdefault("fxforge_packs", {})
     packed = 0
     for node, op, weight in list(fused_calls(new)):
         *op_args, kernel = node.args
@@ -88,7 +92,7 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 result = fn(*proxied).node
             else:
                 call_args = []
-                for arg in args:
+                for position, arg in enumerate(args):
                     if isinstance(arg, torch.Tensor):
                         if arg is weight:
                             arg = node.args[1]
@@ -96,6 +100,7 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
                             name = f"_fxforge_packed_{packed}"
                             packed += 1
                             new.register_buffer(name, arg, persistent=False)
+                            packs[name] = PackRecipe(weight, (op, kernel, tuple(op_args), position))
                             arg = graph.get_attr(name)
                     call_args.append(arg)
                 result = graph.call_function(fn, tuple(call_args))
@@ -121,6 +126,45 @@ def lowered_kernels(graph_module: torch.fx.GraphModule) -> dict[str, int]:
     return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class PackRecipe:
+    """How a prepacked weight is made from the weight it packs, kept so that it can be made again when the
+    weight changes (see :mod:`fxforge.core.derived`).
+
+    Attributes:
+        weight: the weight it packs (a parameter, or a folded constant).
+        call: ``(op, kernel, the op's arguments, where in the kernel's arguments the packed weight stands)``.
+    """
+
+    weight: torch.Tensor
+    call: tuple
+
+    def compute(self) -> torch.Tensor:
+        """The weight packed again, as it is now (the packing cache is keyed on its version)."""
+        op, kernel, op_args, position = self.call
+        return fused_ops.kernel_or_composite(op, kernel, op_args[0], self.weight, *op_args[2:])[1][position]
+
+
+def derived_values(rewritten: torch.fx.GraphModule, executable: torch.fx.GraphModule) -> DerivedValues:
+    """The values a plan computed from the model's tensors: the rewritten graph's folded constants that it
+    still reads, then the executable's prepacked weights (which may pack a folded constant).
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+        >>> new = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 8, 8),)), ["conv_bn_fold"])
+        >>> len(derived_values(new.graph_module, new.graph_module))  # the folded weight and bias
+        2
+    """
+    read = {n.target for n in rewritten.graph.nodes if n.op == "get_attr"}
+    items = [Derived(getattr(rewritten, name), recipe.sources, recipe.compute)
+             for name, recipe in rewritten.meta.get("fxforge_folds", {}).items() if name in read]
+    for name, recipe in executable.meta.get("fxforge_packs", {}).items():
+        replace = functools.partial(executable.register_buffer, name, persistent=False)
+        items.append(Derived(getattr(executable, name), (recipe.weight,), recipe.compute, replace))
+    return DerivedValues(items)
+
+
 def make_plan(captured: Captured) -> Plan:
     """The :class:`~fxforge.core.plan.Plan` for a rewritten graph: it and its lowered form.
 
@@ -133,7 +177,20 @@ def make_plan(captured: Captured) -> Plan:
         True
     """
     run = captured.lowered_run
-    if run is not None and run.lowers(captured.graph_module):
-        return Plan(captured, run.lowered)
-    return Plan(captured, lower(captured.graph_module))
+    lowered = run.lowered if run is not None and run.lowers(captured.graph_module) else lower(captured.graph_module)
+    return Plan(captured, lowered, derived_values(captured.graph_module, lowered))
+
+
+def plain_plan(captured: Captured) -> Plan:
+    """A :class:`~fxforge.core.plan.Plan` that runs the rewritten graph as it is (no lowering): for calls
+    that record gradients or run under autocast, whose graphs hold no fused ops; its folded constants, if
+    any, are still kept in step with their sources.
+
+    Example:
+        >>> plan = plain_plan(fxforge.capture(torch.nn.ReLU(), (torch.ones(2),)))
+        >>> plan.executable is plan.captured.graph_module
+        True
+    """
+    gm = captured.graph_module
+    return Plan(captured, gm, derived_values(gm, gm))
 

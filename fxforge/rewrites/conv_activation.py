@@ -40,6 +40,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.core.nodes import copy_graph_module
+from fxforge.core.plan import CallConditions
 from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
 from fxforge.rewrites.pattern import Match, Rule, apply_rules
@@ -175,12 +176,26 @@ RULES: list[Rule] = [
 ]
 
 
+def _not_for(ctx: PassContext) -> Refusal | None:
+    """Why the fused ops do not serve the calls this graph is for, or None."""
+    if ctx.training:
+        return Refusal("fused ops are for inference; in training mode eager's ops are kept")
+    if ctx.conditions.gradients:
+        return Refusal(f"fused ops have no gradients (eager's ops keep them, double backward included): "
+                       f"{CallConditions.FOR_GRADIENTS}")
+    if ctx.conditions.autocast:
+        return Refusal("under autocast eager's ops are kept: autocast chooses each op's precision, and has no "
+                       "rule for fxforge's fused ops")
+    return None
+
+
 def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
     """The ``conv_activation`` pass: apply :data:`RULES`, then let the context's tuner keep what is faster."""
-    if ctx.training:
+    refusal = _not_for(ctx)
+    if refusal is not None:
         for node in graph_module.graph.nodes:
             if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in RULES):
-                ctx.refused(node, Refusal("fused ops are for inference; in training mode eager's ops are kept"))
+                ctx.refused(node, refusal)
         return
     before = copy_graph_module(graph_module)
     apply_rules(graph_module, ctx, RULES)

@@ -14,10 +14,14 @@ Example:
     >>> kept = fold_constants(gm, [w, doubled])
     >>> [n.op for n in kept], getattr(gm, kept[0].target).tolist()
     (['get_attr'], [2.0, 2.0])
+    >>> recipe = gm.meta["fxforge_folds"][kept[0].target]   # computed again when w changes
+    >>> _ = root.w.fill_(5.0); recipe.compute().tolist()
+    [10.0, 10.0]
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,14 +32,67 @@ from fxforge.core.nodes import attribute_tensor, call_node
 from fxforge.core.verify import CONSTANT_BUFFER_PREFIX
 
 
+@dataclasses.dataclass
+class FoldRecipe:
+    """How one folded constant is computed from the model's tensors, kept so that it can be computed again
+    when they change (see :mod:`fxforge.core.derived`).
+
+    Attributes:
+        graph: the computation: ``get_attr`` nodes ``s0``, ``s1``... for the sources, then the ops.
+        sources: the tensors the ``get_attr`` nodes read, in order.
+        dtype: the folded constant's dtype (the computation runs in float64, then is rounded once to it).
+    """
+
+    graph: torch.fx.Graph
+    sources: tuple[torch.Tensor, ...]
+    dtype: torch.dtype
+
+    def compute(self) -> torch.Tensor:
+        """The folded value from the sources as they are now (float64, rounded once to :attr:`dtype`)."""
+        values: dict[Node, Any] = {}
+        with torch.no_grad():
+            for node in self.graph.nodes:
+                if node.op == "get_attr":
+                    source = self.sources[int(node.target[1:])].detach()
+                    values[node] = source.double() if source.is_floating_point() else source
+                elif node.op == "output":
+                    return values[node.args[0]].to(dtype=self.dtype, copy=True)
+                else:
+                    values[node] = call_node(node, values.__getitem__)
+        raise ValueError("a fold recipe without an output")
+
+
+def _recipe(gm: torch.fx.GraphModule, node: Node, constant: set[Node], dtype: torch.dtype) -> FoldRecipe:
+    """The computation of ``node`` from the parameters and buffers it depends on, as a :class:`FoldRecipe`."""
+    needed, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in needed:
+            needed.add(current)
+            stack.extend(n for n in current.all_input_nodes if n in constant or n.op == "get_attr")
+    graph, copies, sources = torch.fx.Graph(), {}, []
+    for original in gm.graph.nodes:  # graph order is a topological order
+        if original not in needed:
+            continue
+        if original.op == "get_attr":
+            copies[original] = graph.get_attr(f"s{len(sources)}")
+            sources.append(attribute_tensor(gm, original.target))
+        else:
+            copies[original] = graph.node_copy(original, copies.__getitem__)
+    graph.output(copies[node])
+    return FoldRecipe(graph, tuple(sources), dtype)
+
+
 def fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
     """Compute new nodes that depend only on parameters/buffers; register them as tensors on ``gm``.
 
     Values are computed in float64, and in the model's precision for the dtype of the result (on meta
-    tensors that second computation took longer than on real ones).
+    tensors that second computation took longer than on real ones). Each folded tensor's :class:`FoldRecipe`
+    goes to ``gm.meta["fxforge_folds"]`` under its buffer's name.
     """
     exact = constant_values(gm, new, lambda t: t.double() if t.is_floating_point() else t)
     plain = constant_values(gm, new, lambda t: t)
+    recipes = gm.meta.setdefault("fxforge_folds", {})
     kept = []
     for node in new:
         value = plain.get(node)
@@ -44,6 +101,7 @@ def fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:
             # One conversion into a new tensor: the folded value never aliases a parameter.
             folded = exact[node].detach().to(dtype=value.dtype, copy=True)
             gm.register_buffer(name, folded, persistent=False)
+            recipes[name] = _recipe(gm, node, set(plain), value.dtype)
             with gm.graph.inserting_before(node):
                 constant = gm.graph.get_attr(name)
             node.replace_all_uses_with(constant)

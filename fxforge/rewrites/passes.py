@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from fxforge.core.captured import LoweredRun
+from fxforge.core.plan import CallConditions
 from fxforge.core.report import Applied, NearMiss, Tuning
 from fxforge.core.source import node_source
 
@@ -90,6 +91,9 @@ class PassContext:
             then random ones; None without verification): a pass that runs its graph anyway can run it
             on these and hand the outputs on (``lowered_run``).
         tuner: measures choices a pass cannot prove (see the module docstring); None: nothing is timed.
+        conditions: the calls the rewritten graph will serve (:class:`~fxforge.core.plan.CallConditions`):
+            a rewrite that does not hold for them (folding parameters when gradients are recorded, fused
+            ops under autocast) refuses.
         matches, near_misses, tuning: filled by :meth:`matched`, :meth:`refused` and :meth:`tuned`.
         lowered_run: the rewritten graph as the tuner lowered and ran it, for verification and lowering.
 
@@ -107,6 +111,7 @@ class PassContext:
     example_kwargs: dict | None = None
     check_inputs: list[tuple[tuple, dict]] | None = None
     tuner: Tuner | None = None
+    conditions: CallConditions = dataclasses.field(default_factory=CallConditions)
     matches: list[Applied] = dataclasses.field(default_factory=list)
     near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
     tuning: list[Tuning] = dataclasses.field(default_factory=list)

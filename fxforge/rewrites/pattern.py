@@ -41,6 +41,7 @@ import torch
 from torch.fx import Node
 
 from fxforge.core.nodes import CALL_OPS, is_effectful, is_view_op
+from fxforge.core.plan import CallConditions
 from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
 from fxforge.core.tracing import symbolic_trace
@@ -243,6 +244,9 @@ def _refusal(rule: Rule, match: Match, ctx: PassContext) -> Refusal | None:
         return refusal
     if rule.fold and ctx.training:
         return Refusal("folds parameters into constants, which would stop their gradients in training mode")
+    if rule.fold and ctx.conditions.gradients:
+        return Refusal(f"folds parameters into constants, which would stop their gradients: "
+                       f"{CallConditions.FOR_GRADIENTS}")
     gm, inside = match.graph_module, set(match.nodes)
     for op in match.ops.values():
         inside.update(op.covered)

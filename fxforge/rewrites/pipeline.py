@@ -15,6 +15,7 @@ import torch
 
 from fxforge.core.captured import Captured, LoweredRun
 from fxforge.core.nodes import copy_graph_module, count_calls
+from fxforge.core.plan import CallConditions
 from fxforge.core.report import Report, RolledBack
 from fxforge.core.shapes import annotate
 from fxforge.core.source import first_line
@@ -45,13 +46,13 @@ def _outputs(gm: torch.fx.GraphModule, inputs: list[tuple[tuple, dict]], modules
              first_seed: int = 0) -> list[Any]:
     outputs = []
     for i, (args, kwargs) in enumerate(inputs, start=first_seed):
-        with isolated(*modules, seed=i), torch.no_grad():
+        with isolated(*modules, seed=i, inputs=(args, kwargs)), torch.no_grad():
             outputs.append(gm(*args, **kwargs))
     return outputs
 
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,
-            tuner: Tuner | None = None) -> Captured:
+            tuner: Tuner | None = None, conditions: CallConditions | None = None) -> Captured:
     """Apply rewrites to a captured graph and return a new ``Captured`` with a report.
 
     Passes run in order. Each works on a copy of the graph (parameters shared, never modified) and the
@@ -75,6 +76,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
             only when a pass has to be found and rolled back).
         tuner: measures what passes cannot prove (see :class:`~fxforge.rewrites.passes.PassContext`); None:
             fused ops keep their composite kernel, unmeasured.
+        conditions: the calls the graph will serve (:class:`~fxforge.core.plan.CallConditions`): passes
+            refuse what does not hold for them, and verification runs under their autocast.
 
     Example:
         >>> import fxforge
@@ -84,9 +87,16 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
         ({'cleanup': 1}, True)
     """
     passes = resolve(rewrites)
+    conditions = conditions or CallConditions()
+    with conditions.autocast_context():
+        return _rewrite(captured, passes, verify, tuner, conditions)
+
+
+def _rewrite(captured: Captured, passes: list, verify: bool, tuner: Tuner | None,
+             conditions: CallConditions) -> Captured:
     if not verify:
         report = captured.report.copy()
-        current, run = _apply(passes, captured, report, check=None, tuner=tuner)
+        current, run = _apply(passes, captured, report, check=None, tuner=tuner, conditions=conditions)
         return _finish(captured, current, report, run)
     inputs = verification_inputs(captured)
     modules = [captured.module, captured.graph_module]
@@ -96,7 +106,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
         reference = _outputs(captured.graph_module, inputs, modules)
     report = captured.report.copy()
     exact = Float64Reference(captured.graph_module, inputs)  # run only when a difference must be judged
-    current, run = _apply(passes, captured, report, check=None, check_inputs=inputs, tuner=tuner)
+    current, run = _apply(passes, captured, report, check=None, check_inputs=inputs, tuner=tuner,
+                          conditions=conditions)
     if report.matches:
         try:
             result = check_same(captured.graph_module, current, inputs, [captured.module, current],
@@ -111,7 +122,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
         else:
             report = captured.report.copy()
             current, run = _apply(passes, captured, report, check=(inputs, reference, exact), check_inputs=inputs,
-                                  tuner=tuner)
+                                  tuner=tuner, conditions=conditions)
     return _finish(captured, current, report, run)
 
 
@@ -127,8 +138,8 @@ def _finish(captured: Captured, current: torch.fx.GraphModule, report: Report, r
 
 
 def _apply(passes: list, captured: Captured, report: Report, check: tuple[list, list, Any] | None,
-           check_inputs: list | None = None, tuner: Tuner | None = None
-           ) -> tuple[torch.fx.GraphModule, LoweredRun | None]:
+           check_inputs: list | None = None, tuner: Tuner | None = None,
+           conditions: CallConditions | None = None) -> tuple[torch.fx.GraphModule, LoweredRun | None]:
     """Run ``passes`` from the captured graph, recording into ``report``; with ``check=(inputs,
     reference outputs, the float64 reference)`` verify each pass (its graph against the captured one's outputs, so errors
     cannot drift from pass to pass) and roll back those that differ. ``check_inputs`` (the verification
@@ -139,7 +150,7 @@ def _apply(passes: list, captured: Captured, report: Report, check: tuple[list, 
     for rewrite_pass in passes:
         ctx = PassContext(rewrite_pass.name, training=captured.training, method=captured.method,
                           example_args=captured.example_args, example_kwargs=captured.example_kwargs,
-                          check_inputs=check_inputs, tuner=tuner)
+                          check_inputs=check_inputs, tuner=tuner, conditions=conditions or CallConditions())
         candidate = copy_graph_module(current)
         try:
             rewrite_pass.apply(candidate, ctx)

@@ -24,6 +24,7 @@ from torch import nn
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
 from fxforge.core.report import Report
+from fxforge.core.vocabulary import HOOK_DICTS
 from fxforge.runtime.plans import PlanBuilder, PlanCache
 
 
@@ -63,8 +64,14 @@ class OptimizedModule(nn.Module):
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_modules"] = model._modules
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        # ...and its forward and backward hooks: calling this module runs the model's hooks around the plan,
+        # as calling the model would (torch's own __call__ does it, backward hooks included).
+        for name in HOOK_DICTS:
+            self.__dict__[name] = getattr(model, name)
+        del self.__dict__["_is_full_backward_hook"]  # read from the model (through __getattr__)
         self.__dict__["original"] = model
-        self.__dict__["_fxforge_cache"] = PlanCache(model, build)
+        # The hooks ran around this module's forward already: where no plan serves, the model's forward runs.
+        self.__dict__["_fxforge_cache"] = PlanCache(model, build, eager=lambda *a, **k: model.forward(*a, **k))
         self.training = model.training
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
 
@@ -77,12 +84,14 @@ class OptimizedModule(nn.Module):
         return self.cache(args, kwargs)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Captured | None:
-        """Capture and rewrite for these inputs now, without running; returns the ``Captured`` (or None)."""
+        """Capture, rewrite and lower for these inputs now, without running: the plan for calls that record no
+        gradients (under the autocast in force now); returns its ``Captured`` (or None)."""
         plan = self.cache.plan_for(args, kwargs)
         return plan.captured if plan is not None else None
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan | None:
-        """The plan that runs for these inputs (built now if needed), or None where the model runs eagerly."""
+        """The plan that runs for these inputs when no gradient is recorded (built now if needed), or None
+        where the model runs eagerly."""
         return self.cache.plan_for(args, kwargs)
 
     def train(self, mode: bool = True) -> OptimizedModule:
@@ -135,6 +144,10 @@ def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], Plan
     # functools.wraps keeps the user's signature visible (fx reads it through __wrapped__).
     @functools.wraps(eager_forward)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if type(self).forward is not forward:
+            # A subclass with a forward of its own reached this one through super(): the plan would run the
+            # subclass's forward too, so this one runs as written.
+            return eager_forward(self, *args, **kwargs)
         cache = self.__dict__.get("_fxforge_cache")
         if cache is None:
             cache = PlanCache(self, builder_for(self), eager=lambda *a, **k: eager_forward(self, *a, **k))

@@ -1,11 +1,21 @@
-"""One plan per input signature, built on first sight, eager when building fails; run per call.
+"""One plan per kind of call, built on first sight, checked on every call, eager when it cannot be built.
 
-A :class:`PlanCache` is the per-call half of an optimized module: it finds the plan for a call's input
-signature (:func:`~fxforge.runtime.signature.input_signature`), drops plans the model's state has
-outgrown, runs the right graph of the plan (the lowered one without gradients, the rewritten one with
-them), and falls back to the model's own forward, after one warning, when no plan can be built. Building
-a plan (capture -> rewrite -> lower) is the orchestrator's job: :mod:`fxforge.planner` hands its build
-function in, so nothing here imports the stages that make plans.
+A :class:`PlanCache` is the per-call half of an optimized module. For each call it:
+
+1. runs the model eagerly while module hooks registered for every module of the process exist (a plan
+   does not call the modules it replaced), or inside the cache's own build (capture runs the model);
+2. drops every plan when the model's state changed since they were built (a Python value or a submodule
+   set, a parameter or buffer reassigned or registered, a hook added or removed: see
+   :mod:`fxforge.runtime.guards`), and builds again;
+3. finds the plan for the call's key: its input signature
+   (:func:`~fxforge.runtime.signature.input_signature`), every module's ``training`` flag, and its
+   :class:`~fxforge.core.plan.CallConditions` (gradients recorded, autocast); builds it if there is none;
+4. recomputes the plan's derived values (folded and prepacked weights) if one of their sources changed, or
+   after a training-mode call (BatchNorm updates its statistics without telling their version counters);
+5. runs the plan's executable.
+
+Building a plan (capture -> rewrite -> lower) is the orchestrator's job: :mod:`fxforge.planner` hands its
+build function in, so nothing here imports the stages that make plans.
 
 Example:
     >>> import torch
@@ -27,36 +37,54 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fxforge.core.captured import Captured
-from fxforge.core.plan import Plan
+from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
+from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, silenced_hooks
 from fxforge.runtime.signature import describe_signature, input_signature
 
-# (args, kwargs) -> the plan for calls like this one; raises when the module cannot be captured.
-PlanBuilder = Callable[[tuple, dict], Plan]
+# (args, kwargs, conditions) -> the plan for calls like this one; raises when the module cannot be captured.
+PlanBuilder = Callable[[tuple, dict, CallConditions], Plan]
+# After this many rebuilds because the model's state changed, the model runs eagerly (with one warning):
+# something sets its attributes on every call, and each rebuild costs a capture.
+MAX_REBUILDS = 8
 
 
 class FallbackWarning(UserWarning):
     """fxforge could not capture a model for some inputs and runs it eagerly instead."""
 
 
+def _copy_input(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of an input that capture may run the model on (outside inference mode, as the caller's
+    tensor requires gradients or not)."""
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+
+
+class GradientsWarning(UserWarning):
+    """A call recorded gradients, so it runs a plan without the rewrites that would stop them (folding
+    parameters, fused kernels): slower than the inference plan, as exact as eager."""
+
+
 class PlanCache:
-    """Plans for ``module`` per input signature, built by ``build`` on first sight and run for each call.
+    """Plans for ``module`` per kind of call, built by ``build`` on first sight and checked on every call.
 
     Thread-safe: concurrent first calls build one plan (the others wait for it); a call from inside the
     build (a decorated class's forward, run by capture) runs eagerly.
 
     Args:
-        module: the model (its mode at call time is part of the signature).
-        build: ``(args, kwargs) -> Plan`` (see :func:`fxforge.planner.plan_builder`).
+        module: the model.
+        build: ``(args, kwargs, conditions) -> Plan`` (see :func:`fxforge.planner.plan_builder`).
         eager: what runs when no plan can be built (default: the module).
 
     Example:
         >>> from fxforge.planner import plan_builder
         >>> linear = torch.nn.Linear(2, 2)
         >>> cache = PlanCache(linear, plan_builder(linear))
-        >>> _ = cache((torch.ones(1, 2),), {}); cache.last.captured.method
+        >>> with torch.no_grad():
+        ...     _ = cache((torch.ones(1, 2),), {})
+        >>> cache.last.captured.method
         'fx'
     """
 
@@ -66,11 +94,17 @@ class PlanCache:
         self.eager = eager if eager is not None else module
         self.plans: dict[Hashable, Plan | None] = {}
         self.last: Plan | None = None
-        self._state: list[torch.Tensor] | None = None  # parameters and buffers, to watch for changes
-        self._versions: tuple[int, ...] = ()
-        self._eval_keys: set[Hashable] = set()
-        self._trained = False
+        self.notes: list[str] = []
+        self._watch = ModelWatch(module)
+        self._epoch = self._watch.epoch
+        self._rebuilds = 0
+        self._training_calls = 0  # how many calls ran in training mode: BatchNorm statistics moved
+        self._refreshed: dict[Hashable, int] = {}
         self._warned: set[str] = set()
+        self._warned_gradients = False
+        self._set_during_build: list[str] = []
+        self._state_setting_builds = 0
+        self._eager_reason: str | None = None
         self._lock = threading.RLock()
         self._building = threading.local()
 
@@ -79,92 +113,148 @@ class PlanCache:
         """Whether this thread is inside this cache's build (a call made there must run eagerly)."""
         return getattr(self._building, "active", False)
 
-    def plan_for(self, args: tuple, kwargs: dict) -> Plan | None:
-        """The plan for this call's signature, built now if there is none yet.
+    def plan_for(self, args: tuple, kwargs: dict, conditions: CallConditions | None = None) -> Plan | None:
+        """The plan for a call like this one (by default: no gradients, autocast as it is now), built now if
+        there is none yet.
 
-        Returns None, after one warning per distinct reason, when the module cannot be captured.
+        Returns None, after one warning per distinct reason, when the module cannot be captured (or its
+        state keeps changing).
         """
-        training = self.module.training
-        key = input_signature(args, kwargs, training)
+        conditions = conditions or CallConditions.now()
         with self._lock:
-            if training:
-                self._trained = True
-            else:
-                self._drop_stale_eval_plans()
-            if key in self.plans:
-                return self.plans[key]
-            self._building.active = True
-            try:
-                plan = self.build(args, kwargs)
-            except Exception as error:  # noqa: BLE001 - any failure falls back to eager with a warning
-                self._warn(args, kwargs, error)
-                self.plans[key] = None
+            if not self._still_valid():
                 return None
-            finally:
-                self._building.active = False
-            self.plans[key] = plan
-            if not training:
-                self._eval_keys.add(key)
-                self._versions = tuple(t._version for t in self._watched())
-            self.last = plan
+            key = (input_signature(args, kwargs, self.module.training), self._watch.modes(), conditions)
+            if key not in self.plans:
+                plan = self._build(args, kwargs, conditions)
+                if self._forward_set_state():
+                    return None  # this call runs eagerly (and sets the state itself, once, as eager does)
+                self.plans[key] = plan
+                self._refreshed[key] = self._training_calls
+                self._say_what_gradients_cost(plan, conditions)
+            plan = self.plans[key]
+            if plan is not None:
+                self.last = plan
+                if self._refreshed[key] != self._training_calls:
+                    plan.derived.refresh()
+                    self._refreshed[key] = self._training_calls
             return plan
 
-    def _warn(self, args: tuple, kwargs: dict, error: Exception) -> None:
-        reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(
-                f"fxforge: running {type(self.module).__name__} eagerly for inputs "
-                f"{describe_signature(args, kwargs)}: {reason}",
-                FallbackWarning,
-                stacklevel=5,
-            )
+    def _build(self, args: tuple, kwargs: dict, conditions: CallConditions) -> Plan | None:
+        """Build a plan on copies of the inputs (capture and verification run the model several times: the
+        caller's tensors must not see that), noting what the model's forward set on its modules meanwhile."""
+        state = ModuleState(self._watch.watched())
+        plan, error = None, None
+        self._building.active = True
+        try:
+            with torch.inference_mode(False):
+                copies = pytree.tree_map_only(torch.Tensor, _copy_input, (args, kwargs))
+            with silenced_hooks(self._watch.watched()):
+                plan = self.build(*copies, conditions)
+        except Exception as failure:  # noqa: BLE001 - any failure falls back to eager with a warning
+            error = failure
+        finally:
+            self._building.active = False
+        self._set_during_build = state.changes()
+        if self._set_during_build:
+            state.restore()  # (a graph of such a forward differs from it: its failure is no news)
+        elif error is not None:
+            reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
+            self._warn(f"running {type(self.module).__name__} eagerly for inputs "
+                       f"{describe_signature(args, kwargs)}: {reason}")
+        self._watch.rewatch()  # what the build set (and put back) is not a change of the model
+        self._epoch = self._watch.epoch
+        return plan
 
-    def _watched(self) -> list[torch.Tensor]:
-        """The module's parameters and buffers (listed once; ``clear()`` lists them again)."""
-        if self._state is None:
-            self._state = [*self.module.parameters(), *self.module.buffers()]
-        return self._state
+    def _forward_set_state(self) -> bool:
+        """Whether the last build saw the model's forward set its own state (put back since). The first time
+        the call runs eagerly, since a model may fill a cache on its first call only; the second time the
+        model runs eagerly from then on (a graph cannot do what such a forward does)."""
+        if not self._set_during_build:
+            return False
+        self._state_setting_builds += 1
+        names = ", ".join(self._set_during_build[:3])
+        if self._state_setting_builds == 1:
+            self.notes.append(f"forward set {names}: this call ran eagerly; the next one builds again")
+        else:
+            self._eager_reason = f"its forward sets {names} on every call, which a graph cannot repeat"
+            self._warn(f"running {type(self.module).__name__} eagerly from now on: {self._eager_reason}")
+        return True
 
-    def _drop_stale_eval_plans(self) -> None:
-        """Eval plans hold values computed from the weights (folded BatchNorm, prepacked convolutions):
-        drop them when a parameter or buffer changed in place, or after a training-mode call (BatchNorm
-        updates its statistics without marking the tensors changed)."""
-        versions = tuple(t._version for t in self._watched())
-        if (self._trained or versions != self._versions) and self._eval_keys:
-            for key in self._eval_keys:
-                self.plans.pop(key, None)
-            self._eval_keys.clear()
-        self._versions, self._trained = versions, False
+    def _say_what_gradients_cost(self, plan: Plan | None, conditions: CallConditions) -> None:
+        """Warn once when a plan for calls that record gradients had to leave rewrites out for them."""
+        if plan is None or not conditions.gradients:
+            return
+        lost = sorted({m.rule for m in plan.report.near_misses if m.reason.endswith(CallConditions.FOR_GRADIENTS)})
+        if lost and not self._warned_gradients:
+            self._warned_gradients = True
+            warnings.warn(f"fxforge: {type(self.module).__name__} was called with gradients recorded, so "
+                          f"{', '.join(lost)} did not apply (its parameters get eager's gradients); call it under "
+                          "torch.no_grad() or torch.inference_mode() for the inference plan", GradientsWarning,
+                          stacklevel=7)  # the caller's line: past plan_for, __call__, forward and torch's call
+
+    def _still_valid(self) -> bool:
+        """Drop every plan if the model's state changed since they were built; False once it changed too
+        often (the model then runs eagerly)."""
+        if self._eager_reason is not None:
+            return False
+        watch = self._watch
+        if watch.epoch == self._epoch and not watch.hooks_changed():
+            return self._rebuilds <= MAX_REBUILDS
+        reasons = watch.reasons[-1:] if watch.epoch != self._epoch else ["hooks were added or removed"]
+        self.plans.clear()
+        self._refreshed.clear()
+        self.last = None
+        watch.rewatch()
+        self._epoch = watch.epoch
+        self._rebuilds += 1
+        self.notes.append(f"plans built again: {reasons[0] if reasons else 'the model changed'}")
+        if self._rebuilds > MAX_REBUILDS:
+            self._warn(f"running {type(self.module).__name__} eagerly from now on: its state changed "
+                       f"{self._rebuilds} times since it was optimized (last: {reasons[0] if reasons else '?'}), "
+                       "and each change costs a new capture")
+            return False
+        return True
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if self.capturing:
             return self.eager(*args, **kwargs)
-        plan = self.plan_for(args, kwargs)
+        if global_hooks():
+            self._warn(f"running {type(self.module).__name__} eagerly while module hooks registered for every "
+                       "module exist (a plan does not call the modules it replaced)")
+            return self.eager(*args, **kwargs)
+        plan = self.plan_for(args, kwargs, CallConditions.now(self._needs_grad(args, kwargs)))
         if plan is None:
             return self.eager(*args, **kwargs)
-        if self._needs_grad(args, kwargs):
-            return plan.captured.graph_module(*args, **kwargs)  # fused custom ops carry autograd
+        plan.derived.refresh_if_stale()
+        if self._watch.updates_state():
+            self._training_calls += 1
         return plan.executable(*args, **kwargs)
 
     def _needs_grad(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this call records gradients (the lowered graph's fused kernels have no autograd)."""
+        """Whether this call records gradients (its plan must keep every op eager has)."""
         if not torch.is_grad_enabled():
             return False
-        if any(t.requires_grad for t in self._watched()):
+        if any(p.requires_grad for p in self.module.parameters()):
             return True
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
     @property
     def captured(self) -> Captured | None:
-        """The most recently built plan's rewritten graph."""
+        """The most recently used plan's rewritten graph."""
         return self.last.captured if self.last is not None else None
 
     def clear(self) -> None:
         """Forget every plan (after new weights are loaded, or the module changed)."""
         with self._lock:
             self.plans.clear()
-            self._eval_keys.clear()
-            self._state = None
+            self._refreshed.clear()
             self.last = None
+            self._watch.rewatch()
+            self._epoch = self._watch.epoch

@@ -85,7 +85,7 @@ def profile_graph(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict,
     run_device = device_of(graph_module, values)
     judge = torch.device(device) if device is not None else run_device
     runner = NodeRunner(graph_module, run_device)
-    with isolated(graph_module), torch.no_grad():
+    with isolated(graph_module, inputs=(args, kwargs)), torch.no_grad():
         runner.count(values)
         runner.time(values, warmup, repeat)
         graph_ms = _time_graph(graph_module, args, kwargs, run_device, repeat)

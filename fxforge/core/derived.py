@@ -1,0 +1,207 @@
+"""Values a plan computed from the model's tensors (folded and prepacked weights), kept in step with them.
+
+Folding BatchNorm into a convolution (:mod:`fxforge.rewrites.folding`) and prepacking a weight for oneDNN
+(:mod:`fxforge.lowering.lower`) make new tensors from the model's own. Each is a :class:`Derived`: where
+it lives, the tensors it is computed from, and how to compute it again. :class:`DerivedValues` checks the
+sources on every call and recomputes what depends on a source that changed:
+
+- its version (any in-place change PyTorch records: ``p.mul_(2)`` under ``no_grad``, ``copy_``,
+  ``load_state_dict``);
+- its storage (``p.data = ...``, ``vector_to_parameters``, ``.to()``);
+- for a parameter, an access to ``p.data`` (:func:`watch_parameter_data`) followed by a change of its
+  bits (a checksum): ``p.data.mul_(2)`` and ``.data``-style EMA updates bypass the version counter.
+
+Example:
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> doubled = w.detach() * 2
+    >>> values = DerivedValues([Derived(doubled, (w,), lambda: w.detach() * 2)])
+    >>> with torch.no_grad():
+    ...     _ = w.data.mul_(3)          # invisible to w's version counter
+    >>> values.refresh_if_stale(), doubled.tolist()
+    (True, [6.0, 6.0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from fxforge.core.tensor_cache import version
+
+
+@dataclasses.dataclass
+class Derived:
+    """One tensor computed from the model's tensors.
+
+    Attributes:
+        tensor: the derived tensor as the plan holds it; recomputed values are copied into it (so every
+            graph that shares it sees them) unless ``replace`` is given.
+        sources: the tensors it is computed from.
+        compute: computes it again from the sources as they are now.
+        replace: for a value that cannot be updated in place (an opaque prepacked weight):
+            ``replace(new_tensor)`` puts the new one where the plan reads it.
+    """
+
+    tensor: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    compute: Callable[[], torch.Tensor]
+    replace: Callable[[torch.Tensor], None] | None = None
+
+    def recompute(self) -> None:
+        """Compute the value again and put it where the plan reads it."""
+        value = self.compute()
+        if self.replace is not None:
+            self.replace(value)
+            self.tensor = value
+        else:
+            with torch.no_grad():
+                self.tensor.copy_(value)
+
+
+class DerivedValues:
+    """A plan's derived values, in the order they depend on each other, and the state of their sources.
+
+    Example:
+        >>> DerivedValues([]).refresh_if_stale()
+        False
+    """
+
+    def __init__(self, items: Sequence[Derived]):
+        self.items = list(items)
+        self._record()
+
+    def _record(self) -> None:
+        sources = {id(t): t for item in self.items for t in item.sources}
+        self._sources = list(sources.values())
+        self._states = [(version(t), t.data_ptr()) for t in self._sources]
+        watch_data(self._sources)
+        self._touches = DATA_TOUCHES.generation
+        self._checksums: dict[int, int] = {}
+        if self._sources:
+            self._checksums = {id(t): checksum(t) for t in self._sources if isinstance(t, nn.Parameter)}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def stale(self) -> bool:
+        """Whether a source changed since the values were computed (see the module docstring)."""
+        for t, (state, pointer) in zip(self._sources, self._states):
+            if version(t) != state or t.data_ptr() != pointer:
+                return True
+        if DATA_TOUCHES.generation != self._touches:
+            self._touches = DATA_TOUCHES.generation
+            return any(checksum(t) != self._checksums[id(t)] for t in self._sources
+                       if id(t) in self._checksums and DATA_TOUCHES.was_touched(t))
+        return False
+
+    def refresh(self) -> None:
+        """Recompute every derived value (in order) and record the sources' state."""
+        for item in self.items:
+            item.recompute()
+        self._record()
+
+    def refresh_if_stale(self) -> bool:
+        """Recompute the values if a source changed; whether they were recomputed."""
+        if self.items and self.stale():
+            self.refresh()
+            return True
+        return False
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """A checksum of a tensor's bits: its elements read as integers of their width, summed chunk by chunk
+    (a million at a time: no full-size copy) with every other element counted twice. Equal contents give
+    equal checksums; a real edit (a scale, an update of every element, one element set) changes it.
+
+    Example:
+        >>> t = torch.ones(4); before = checksum(t); t[1] = 2.0; checksum(t) != before
+        True
+    """
+    data = tensor.detach().contiguous().view(-1)
+    ints = data.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[data.element_size()])
+    total = 0
+    for chunk in ints.split(1 << 20):
+        total = (total * 1_000_003 + int(chunk.sum(dtype=torch.int64)) + int(chunk[::2].sum(dtype=torch.int64)))
+        total %= 1 << 61
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- .data
+
+
+class _DataTouches:
+    """Watched parameters (by identity, held weakly) whose ``.data`` was read or set, and a generation that
+    moves on each such touch. (Tensors compare element by element, so they are kept by ``id``.)"""
+
+    def __init__(self) -> None:
+        self._watched: dict[int, weakref.ref] = {}
+        self.touched: set[int] = set()
+        self.generation = 0
+
+    def watch(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        entry = self._watched.get(key)
+        if entry is None or entry() is not tensor:
+            self._watched[key] = weakref.ref(tensor, lambda _, key=key: self._forget(key))
+
+    def _forget(self, key: int) -> None:
+        self._watched.pop(key, None)
+        self.touched.discard(key)
+
+    def watching(self, tensor: torch.Tensor) -> bool:
+        entry = self._watched.get(id(tensor))
+        return entry is not None and entry() is tensor
+
+    def was_touched(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.touched and self.watching(tensor)
+
+    def touch(self, tensor: torch.Tensor) -> None:
+        if self.watching(tensor):
+            self.touched.add(id(tensor))
+            self.generation += 1
+
+
+DATA_TOUCHES = _DataTouches()
+_BASE_DATA = torch._C.TensorBase.data
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    DATA_TOUCHES.touch(self)
+    return _BASE_DATA.__get__(self)
+
+
+def _set_data(self: torch.Tensor, value: torch.Tensor) -> None:
+    DATA_TOUCHES.touch(self)
+    _BASE_DATA.__set__(self, value)
+
+
+@functools.cache
+def watch_parameter_data() -> None:
+    """Wrap ``nn.Parameter.data`` once per process so that reading or setting it on a watched parameter is
+    noted (plain tensors, and parameters nobody watches, behave exactly as before: the wrapper calls
+    torch's own getter and setter).
+
+    Example:
+        >>> watch_parameter_data(); p = torch.nn.Parameter(torch.ones(1)); DATA_TOUCHES.watch(p)
+        >>> _ = p.data; DATA_TOUCHES.was_touched(p)
+        True
+    """
+    nn.Parameter.data = property(_get_data, _set_data, doc=_BASE_DATA.__doc__)
+
+
+def watch_data(tensors: Iterable[torch.Tensor]) -> None:
+    """Note ``.data`` accesses on these tensors (parameters; plain tensors are never noted).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(1)); watch_data([p]); DATA_TOUCHES.watching(p)
+        True
+    """
+    watch_parameter_data()
+    for tensor in tensors:
+        if isinstance(tensor, nn.Parameter):
+            DATA_TOUCHES.watch(tensor)

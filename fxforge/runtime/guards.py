@@ -1,0 +1,317 @@
+"""What a plan assumed about the model, checked on every call.
+
+A plan is built for one input signature from the model as it was then. Everything it assumed is watched:
+
+- **modes**: every module's ``training`` flag is part of the plan's key (:meth:`ModelWatch.modes`), so
+  ``dropout.train()`` inside an eval model, or ``bn.train()`` alone, gets a plan of its own;
+- **state**: anything else set on a module the model holds (a Python value its forward reads, like a
+  temperature or ``bn.eps``; a submodule swapped; a parameter or buffer reassigned, as
+  ``load_state_dict(..., assign=True)`` does), a parameter, buffer or submodule registered, and a hook
+  added or removed: every plan is dropped and built again on the next call (:meth:`ModelWatch.epoch`).
+  Module classes are watched as torch's own compiler watches them: their ``__setattr__`` is wrapped once
+  per class, and looks the instance up in a weak table;
+- **derived values** (folded and prepacked weights) are recomputed from their sources when a source
+  changes: its version (an in-place change), its storage (``p.data = ...``, ``vector_to_parameters``), or,
+  for a parameter, an access to ``p.data`` (``p.data.mul_(2)`` and ``.data``-style EMA updates change a
+  tensor without telling its version counter; ``nn.Parameter.data`` is wrapped to see them) followed by a
+  change of its contents (see :mod:`fxforge.core.derived`).
+
+Not seen: an in-place change made through ``.data`` of a *buffer* (a plain tensor: PyTorch records it
+nowhere), and writes straight into a module's ``_parameters``/``_buffers``/``_modules`` dicts.
+
+Example:
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout()).eval()
+    >>> watch = ModelWatch(model)
+    >>> before = watch.epoch, watch.modes()
+    >>> _ = model[1].train(); watch.modes() == before[1]
+    False
+    >>> model[0].extra = 3.0; watch.epoch > before[0]
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from fxforge.core.vocabulary import HOOK_DICTS, has_hooks
+
+# module -> the watches that hold it (weak both ways: a watch dies with its plan cache, a module with its model)
+_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WATCHERS_LOCK = threading.Lock()
+_PATCHED_CLASSES: set[type] = set()
+
+
+_MISSING = object()
+
+
+def _value(module: nn.Module, name: str) -> Any:
+    """What ``module.name`` holds: a parameter, buffer or submodule, else the instance attribute."""
+    state = module.__dict__
+    for table in ("_parameters", "_buffers", "_modules"):
+        values = state.get(table)
+        if values is not None and name in values:
+            return values[name]
+    return state.get(name, _MISSING)
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether setting ``new`` over ``old`` changes nothing: the same object, or an equal plain value
+    (tensors and modules count by identity)."""
+    if old is new:
+        return True
+    if type(old) is not type(new) or isinstance(old, (torch.Tensor, nn.Module)):
+        return False
+    try:
+        return bool(old == new)
+    except Exception:  # noqa: BLE001 - values without a plain equality count as changed
+        return False
+
+
+def _notify(module: nn.Module, name: str) -> None:
+    watches = _WATCHERS.get(module)
+    if watches:
+        for watch in list(watches):
+            watch.changed(module, name)
+
+
+def _watch_class(cls: type) -> None:
+    """Wrap ``cls.__setattr__`` once so that setting an attribute on a watched instance is seen."""
+    if cls in _PATCHED_CLASSES:
+        return
+    _PATCHED_CLASSES.add(cls)
+    original = cls.__setattr__
+
+    @functools.wraps(original)
+    def watched_setattr(self: Any, name: str, value: Any) -> None:
+        if self not in _WATCHERS:
+            original(self, name, value)
+            return
+        old = _value(self, name)
+        original(self, name, value)
+        if not _same(old, _value(self, name)):  # setting what is already there changes nothing
+            _notify(self, name)
+
+    cls.__setattr__ = watched_setattr
+
+
+def _registration_hook(module: nn.Module, name: str, value: Any) -> None:
+    if module in _WATCHERS:
+        _notify(module, name)
+
+
+@functools.cache
+def _install_registration_hooks() -> None:
+    """torch's global hooks for ``register_parameter``/``register_buffer``/``register_module`` (which bypass
+    ``__setattr__``); installed once per process."""
+    torch_module.register_module_parameter_registration_hook(_registration_hook)
+    torch_module.register_module_buffer_registration_hook(_registration_hook)
+    torch_module.register_module_module_registration_hook(_registration_hook)
+
+
+def global_hooks() -> int:
+    """How many module hooks are registered for every module of the process
+    (``torch.nn.modules.module.register_module_forward_hook`` and its kin): a plan cannot call them for the
+    modules it does not call, so while there are any the model runs eagerly.
+
+    Example:
+        >>> global_hooks()
+        0
+    """
+    return (len(torch_module._global_forward_hooks) + len(torch_module._global_forward_pre_hooks)
+            + len(torch_module._global_backward_hooks) + len(torch_module._global_backward_pre_hooks))
+
+
+class ModelWatch:
+    """The watch over one model's modules: its modes, and an epoch that moves when its state changes.
+
+    Args:
+        model: the root module; every module it holds now is watched (a module registered later changes
+            the epoch, and the next plan watches it).
+
+    Example:
+        >>> watch = ModelWatch(torch.nn.Linear(2, 2))
+        >>> watch.epoch, watch.hook_count()
+        (0, 0)
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.epoch = 0
+        self.reasons: list[str] = []
+        self._modes_dirty = True
+        self._modes: tuple[bool, ...] = ()
+        self._modules: list[nn.Module] = []
+        self._hook_dicts: list[dict] = []
+        self.rewatch()
+
+    def rewatch(self) -> None:
+        """Watch the model's modules as they are now (after a re-plan: new submodules, new hooks)."""
+        _install_registration_hooks()
+        modules = list(self.model.modules())
+        with _WATCHERS_LOCK:
+            for module in modules:
+                _watch_class(type(module))
+                _WATCHERS.setdefault(module, weakref.WeakSet()).add(self)
+        self._modules = modules
+        # The root's own hooks run around the plan (torch's __call__ runs them), so they do not change it.
+        self._hook_dicts = [getattr(m, name) for m in modules[1:] for name in HOOK_DICTS if hasattr(m, name)]
+        self._hooks = self.hook_count()
+        self._modes_dirty = True
+
+    def watched(self) -> list[nn.Module]:
+        """The modules watched (the model's modules when they were last watched)."""
+        return list(self._modules)
+
+    def changed(self, module: nn.Module, name: str) -> None:
+        """A watched module's attribute ``name`` was set (or a parameter, buffer or submodule registered)."""
+        if name == "training":
+            self._modes_dirty = True
+            return
+        self.epoch += 1
+        self.reasons.append(f"{type(module).__name__}.{name} was set")
+        del self.reasons[:-3]
+
+    def hook_count(self) -> int:
+        """The number of forward and backward hooks on the watched modules below the root (a change means
+        hooks were added or removed)."""
+        return sum(map(len, self._hook_dicts))
+
+    def hooks_changed(self) -> bool:
+        """Whether hooks were added or removed since the modules were last watched."""
+        return self.hook_count() != self._hooks
+
+    def modes(self) -> tuple[bool, ...]:
+        """Every watched module's ``training`` flag, recomputed only after one was set."""
+        if self._modes_dirty:
+            self._modes = tuple(m.training for m in self._modules)
+            self._updates_state = any(m.training and m._buffers for m in self._modules)
+            self._modes_dirty = False
+        return self._modes
+
+    def updates_state(self) -> bool:
+        """Whether a call now may update buffers behind their version counters: a module in training mode
+        owns buffers (BatchNorm's running statistics).
+
+        Example:
+            >>> ModelWatch(torch.nn.BatchNorm1d(2).train()).updates_state()
+            True
+        """
+        self.modes()
+        return self._updates_state
+
+    def hooked(self) -> list[str]:
+        """The qualified names of the modules below the root that have forward or backward hooks.
+
+        Example:
+            >>> model = torch.nn.Sequential(torch.nn.ReLU())
+            >>> _ = model[0].register_forward_hook(lambda m, i, o: None)
+            >>> ModelWatch(model).hooked()
+            ['0']
+        """
+        return [name for name, m in self.model.named_modules() if name and has_hooks(m)]
+
+
+class ModuleState:
+    """The Python state of some modules (their attributes, parameters, buffers and submodules, by identity),
+    to see what a block set on them and put it back.
+
+    A plan's build runs the model's forward several times (tracing, checking, verifying). A forward that sets
+    the module's state (a call counter, a cache it fills) would do so each time, and the graph does not do it
+    at all: :class:`~fxforge.runtime.plans.PlanCache` puts the state back and runs such a model eagerly.
+
+    Example:
+        >>> linear = torch.nn.Linear(2, 2)
+        >>> state = ModuleState([linear])
+        >>> linear.calls = 1; linear.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> state.changes()
+        ['Linear.calls', 'Linear.weight']
+        >>> state.restore(); hasattr(linear, "calls"), float(linear.weight.abs().sum()) > 0
+        (False, True)
+    """
+
+    _TABLES = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, modules: list[nn.Module]):
+        self._saved = [(m, dict(m.__dict__), *(dict(getattr(m, t)) for t in self._TABLES)) for m in modules]
+
+    @staticmethod
+    def _differ(now: dict, saved: dict) -> list[str]:
+        names = [k for k, v in saved.items() if not _same(v, now.get(k, _MISSING))]
+        return names + [k for k in now if k not in saved]
+
+    def changes(self) -> list[str]:
+        """``Class.attribute`` for each value set, added or removed since the state was taken."""
+        found = []
+        for module, attributes, *tables in self._saved:
+            names = [k for k in self._differ(module.__dict__, attributes) if k not in self._TABLES]
+            for table, saved in zip(self._TABLES, tables):
+                names += self._differ(getattr(module, table), saved)
+            found += [f"{type(module).__name__}.{name}" for name in dict.fromkeys(names)]
+        return found
+
+    def restore(self) -> None:
+        """Put every value back (the tables in place: an optimized module shares them), without notifying
+        watches."""
+        for module, attributes, *tables in self._saved:
+            for table, saved in zip(self._TABLES, tables):
+                values = getattr(module, table)
+                values.clear()
+                values.update(saved)
+            state = module.__dict__
+            for name in [k for k in state if k not in attributes]:
+                del state[name]
+            for name, value in attributes.items():
+                if name not in self._TABLES and state.get(name, _MISSING) is not value:
+                    state[name] = value
+
+
+# The hook tables whose values are the hooks themselves (the others hold flags per hook).
+_CALLABLE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def silenced_hooks(modules: list[nn.Module]) -> Iterator[None]:
+    """Inside, the modules' hooks do nothing when called from this thread (they run as usual from others).
+
+    Building a plan runs the model several times (capture's check, verification); a hook that collects
+    features, or one that changes an output, must fire once per call the user makes, not once per run of
+    fxforge's. The plan keeps each hooked module a module call, so its hooks fire when the plan runs.
+
+    Example:
+        >>> relu, seen = torch.nn.ReLU(), []
+        >>> _ = relu.register_forward_hook(lambda m, args, out: seen.append(1))
+        >>> with silenced_hooks([relu]):
+        ...     _ = relu(torch.ones(1))
+        >>> _ = relu(torch.ones(1)); seen
+        [1]
+    """
+    me = threading.get_ident()
+
+    def quiet(hook: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(hook)
+        def hook_unless_building(*args: Any, **kwargs: Any) -> Any:
+            return None if threading.get_ident() == me else hook(*args, **kwargs)
+        return hook_unless_building
+
+    replaced = []
+    for module in modules:
+        for name in _CALLABLE_HOOK_DICTS:
+            table = getattr(module, name, None)
+            for key, hook in list((table or {}).items()):
+                table[key] = quiet(hook)
+                replaced.append((table, key, hook))
+    try:
+        yield
+    finally:
+        for table, key, hook in replaced:
+            if key in table:  # (a hook removed meanwhile stays removed)
+                table[key] = hook
