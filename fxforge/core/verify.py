@@ -254,6 +254,45 @@ def random_like(example: Any, seed: int) -> Any:
     return pytree.tree_map(draw, example)
 
 
+def with_special_values(example: Any) -> Any:
+    """``example`` (a pytree of tensors) with special values in its first batch element (index 0 of each
+    tensor's first dim): a NaN in the first element of the first floating-point input that is not a mask,
+    and every mask hiding everything (float masks filled with their masking value, boolean ones False, 0/1
+    integer masks 0). What eager does with NaN and with rows in which every key is hidden is then part of
+    what a rewrite is checked against. One NaN, in the leading input, is what a user's NaN looks like by the
+    time it reaches the graph's inner tensors; a NaN planted in every input at once (a key hidden by the mask
+    but not its value) is a case rewrites may treat differently (see ``fxforge.rewrites.attention``).
+
+    Example:
+        >>> x, mask = with_special_values((torch.ones(2, 2), torch.tensor([[0.0, -1e9], [0.0, 0.0]])))
+        >>> x.tolist(), mask.tolist()
+        ([[nan, 1.0], [1.0, 1.0]], [[-1000000000.0, -1000000000.0], [0.0, 0.0]])
+    """
+
+    planted = []  # the NaN goes into one input only
+
+    def special(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.dim() == 0:
+            return t
+        t = t.detach().clone()
+        if t.is_floating_point():
+            data = t.double()
+            finite = torch.isfinite(data)
+            values = data[finite]
+            if _is_additive_mask(values, bool(finite.all())):
+                t[0] = float("-inf") if bool(torch.isneginf(data).any()) else float(values.min())
+            elif not planted:
+                t.view(-1)[0] = float("nan")
+                planted.append(t)
+        elif t.dtype == torch.bool:
+            t[0] = False
+        elif not t.is_complex() and bool(((t == 0) | (t == 1)).all()):
+            t[0] = 0
+        return t
+
+    return pytree.tree_map(special, example)
+
+
 def check_same(
     reference: Callable[..., Any],
     candidate: Callable[..., Any],

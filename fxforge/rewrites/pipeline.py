@@ -19,7 +19,7 @@ from fxforge.core.plan import CallConditions
 from fxforge.core.report import Report, RolledBack
 from fxforge.core.shapes import annotate
 from fxforge.core.source import first_line
-from fxforge.core.verify import Float64Reference, check_same, isolated, random_like
+from fxforge.core.verify import Float64Reference, check_same, isolated, random_like, with_special_values
 from fxforge.rewrites.passes import PassContext, Tuner
 from fxforge.rewrites.registry import resolve
 
@@ -28,17 +28,22 @@ RANDOM_CHECKS = 2
 
 
 def verification_inputs(captured: Captured, count: int = RANDOM_CHECKS) -> list[tuple[tuple, dict]]:
-    """The inputs each pass is checked on: the example inputs, then ``count`` random ones like them.
+    """The inputs each pass is checked on: the example inputs, then ``count`` random ones like them, the last
+    with special values in its first batch element (:func:`~fxforge.core.verify.with_special_values`: a NaN,
+    masks hiding every key).
 
     Example:
         >>> import fxforge
-        >>> cap = fxforge.capture(torch.nn.ReLU(), (torch.ones(3),))
-        >>> len(verification_inputs(cap))
-        3
+        >>> cap = fxforge.capture(torch.nn.ReLU(), (torch.ones(2, 3),))
+        >>> inputs = verification_inputs(cap)
+        >>> len(inputs), bool(inputs[-1][0][0][0, 0].isnan())
+        (3, True)
     """
     inputs = [(captured.example_args, captured.example_kwargs)]
     for seed in range(1, count + 1):
         inputs.append(random_like((captured.example_args, captured.example_kwargs), seed=seed))
+    if count:
+        inputs[-1] = with_special_values(inputs[-1])
     return inputs
 
 
@@ -100,10 +105,15 @@ def _rewrite(captured: Captured, passes: list, verify: bool, tuner: Tuner | None
         return _finish(captured, current, report, run)
     inputs = verification_inputs(captured)
     modules = [captured.module, captured.graph_module]
+    plain, special = inputs[:-1], inputs[-1]  # the last has special values (NaN, masks hiding every key)
     if captured.example_outputs is not None:  # capture ran the model on the example inputs already
-        reference = [captured.example_outputs, *_outputs(captured.graph_module, inputs[1:], modules, first_seed=1)]
+        reference = [captured.example_outputs, *_outputs(captured.graph_module, plain[1:], modules, first_seed=1)]
     else:
-        reference = _outputs(captured.graph_module, inputs, modules)
+        reference = _outputs(captured.graph_module, plain, modules)
+    try:
+        reference += _outputs(captured.graph_module, [special], modules, first_seed=len(plain))
+    except Exception:  # noqa: BLE001 - a model that refuses NaN (an assert) is checked without special values
+        inputs = plain
     report = captured.report.copy()
     exact = Float64Reference(captured.graph_module, inputs)  # run only when a difference must be judged
     current, run = _apply(passes, captured, report, check=None, check_inputs=inputs, tuner=tuner,

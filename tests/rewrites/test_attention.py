@@ -61,6 +61,16 @@ def softmaxes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if "softmax" in str(n.target)]
 
 
+def nan_query_guard(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes after each SDPA call that give NaN in query rows with a NaN, as eager does."""
+    guard = []
+    for sdpa in sdpa_nodes(gm):
+        where = next(n for n in sdpa.users if "where" in str(n.target))
+        condition = where.args[0]
+        guard += [where, condition, condition.args[0]]
+    return guard
+
+
 def assert_replaced(model, new, inputs, count: int = 1) -> list[torch.fx.Node]:
     """``count`` SDPA calls, no softmax left, outputs equal eager's (NaN where eager has NaN)."""
     assert not new.report.rolled_back, new.report.rolled_back
@@ -215,8 +225,8 @@ ACCEPTED = {
     "einsum_any_layout": (einsum_any_layout, {"scale": 0.2}),
     "einsum_ellipsis": (einsum_ellipsis, {"scale": 1.0}),
     "bmm_heads_in_batch": (bmm_heads_in_batch, {"scale": 1 / 3.0}),
-    "additive_after_scale": (additive_after_scale, {"scale": 0.25, "mask": torch.float32}),
-    "additive_before_scale": (additive_before_scale, {"scale": 0.25, "mask": torch.float32}),
+    "additive_after_scale": (additive_after_scale, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "additive_before_scale": (additive_before_scale, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
     "fill_minus_inf": (fill_minus_inf, {"scale": 0.25, "mask": torch.bool, "row_fix": True}),
     "where_finfo_min": (where_finfo_min, {"scale": 1.0, "mask": torch.bool, "row_fix": True}),
     "fill_in_place_large_negative": (fill_in_place_large_negative, {"mask": torch.bool, "row_fix": True}),
@@ -224,7 +234,7 @@ ACCEPTED = {
     "causal_from_shapes": (causal_from_shapes, {"scale": 0.5, "is_causal": True}),
     "sliding_window": (sliding_window, {"mask": torch.bool}),
     "constant_keep_all": (constant_keep_all, {}),
-    "fill_then_additive": (fill_then_additive, {"mask": torch.float32}),
+    "fill_then_additive": (fill_then_additive, {"mask": torch.float32, "row_fix": True}),
     "casts_around_softmax": (casts_around_softmax, {"scale": 1.0}),
     "scale_on_q_and_k": (scale_on_q_and_k, {"scale": 1.0}),
     "tensor_scales": (tensor_scales, {"scale": 1.0}),
@@ -291,6 +301,7 @@ def test_causal_masks_are_not_materialised(method):
     for fn in (causal_buffer, causal_from_shapes):
         _model, new = rewritten(fn, inputs, method)
         calls = [n for n in new.graph_module.graph.nodes if n.op in ("call_function", "call_method")]
+        calls = [n for n in calls if n not in nan_query_guard(new.graph_module)]
         assert calls == sdpa_nodes(new.graph_module), new.graph_module.graph  # nothing left of the mask
         assert "is_causal=True" in new.report.matches[0].what
 
@@ -360,6 +371,94 @@ def test_rows_with_every_key_masked_equal_eager(fn, method):
     with torch.no_grad():
         eager = model(*inputs)
     assert eager[1].isnan().all() if fn is fill_minus_inf else eager.isfinite().all()
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_a_query_row_with_a_nan_gives_eager_nan_rows(name):
+    fn, expected = ACCEPTED[name]
+    inputs = _inputs(kv_heads=H // 2 if expected.get("gqa") else H, dead_row=True)
+    model, new = rewritten(fn, inputs, "fx")
+    q, k, v, keep = _inputs(seed=3, kv_heads=H // 2 if expected.get("gqa") else H, dead_row=True)
+    q[0, 1, 2, 3] = q[1, 0, 0, 0] = float("nan")  # a visible row, and a row every key of which may be hidden
+    with torch.no_grad():
+        eager, got = model(q, k, v, keep), new.graph_module(q, k, v, keep)
+    assert eager.isnan().any()
+    # NaN exactly where eager has it; the values loosely (a row hidden by -1e4 in float32 rounds differently)
+    torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3, equal_nan=True)
+
+
+class MaskInput(nn.Module):
+    """Attention with the additive mask as an input, as transformers' models take it after their mask helpers."""
+
+    def forward(self, q, k, v, mask):
+        return F.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + mask, dim=-1) @ v
+
+
+def _additive(keep: torch.Tensor, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, value)[:, None, None, :]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_additive_mask_padded_only_at_call_time_gives_eager_nan_rows(method):
+    q, k, v, keep = _inputs()
+    example = (q, k, v, _additive(torch.ones_like(keep), float("-inf")))  # nothing padded in the example
+    model = MaskInput()
+    new = fxforge.rewrite(fxforge.capture(model, example, method=method), ["attention"])
+    assert new.report.counts == {"attention": 1}, new.report.rolled_back
+    q, k, v, keep = _inputs(seed=5, dead_row=True)
+    call = (q, k, v, _additive(keep, float("-inf")))
+    with torch.no_grad():
+        eager, got = model(*call), new.graph_module(*call)
+    assert eager[1].isnan().all() and eager[0].isfinite().all()
+    torch.testing.assert_close(got, eager, equal_nan=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("value", [-1e4, torch.finfo(torch.bfloat16).min, float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_a_low_precision_additive_mask_hides_equal_eager(dtype, value, method):
+    value = max(value, torch.finfo(dtype).min) if value != float("-inf") else value  # representable in dtype
+    q, k, v, keep = (t.to(dtype) if t.is_floating_point() else t for t in _inputs())
+    model = MaskInput()
+    new = fxforge.rewrite(fxforge.capture(model, (q, k, v, _additive(keep, value, dtype)), method=method),
+                          ["attention"])
+    assert new.report.counts == {"attention": 1}, new.report.rolled_back
+    q, k, v, keep = (t.to(dtype) if t.is_floating_point() else t for t in _inputs(seed=7, dead_row=True))
+    call = (q, k, v, _additive(keep, value, dtype))
+    with torch.no_grad():
+        eager, got = model(*call), new.graph_module(*call)
+    # eager's hidden row: the scores are absorbed into the mask value, a uniform softmax (NaN with -inf)
+    want = torch.full_like(eager[1], float("nan")) if value == float("-inf") else v[1].float().mean(-2, True)
+    torch.testing.assert_close(eager[1].float(), want.expand_as(eager[1]).float(), equal_nan=True, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, eager, equal_nan=True, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_example_mask_holding_minus_inf_is_rewritten_not_rolled_back(method):
+    q, k, v, keep = _inputs()  # the second sequence is padded in the example
+    model = MaskInput()
+    new = fxforge.rewrite(fxforge.capture(model, (q, k, v, _additive(keep, float("-inf"))), method=method),
+                          ["attention"])
+    assert not new.report.rolled_back and new.report.counts == {"attention": 1}
+    call = _inputs(seed=9)
+    call = (*call[:3], _additive(call[3], float("-inf")))
+    torch.testing.assert_close(new.graph_module(*call), model(*call), equal_nan=True)
+
+
+def test_a_nan_in_a_key_a_fill_hides_gives_nan_rows_never_other_numbers():
+    """A documented difference: eager's fill replaces the NaN score of a hidden key (its row stays finite
+    when that key's value is finite); SDPA adds the mask to the NaN score, so the row is NaN. The row is
+    NaN, never a different finite number."""
+    inputs = _inputs()
+    model, new = rewritten(fill_minus_inf, inputs, "fx")
+    q, k, v, keep = _inputs(seed=11)
+    k[1, 0, L - 1, 0] = float("nan")  # a padded key of the second sequence; its value stays finite
+    with torch.no_grad():
+        eager, got = model(q, k, v, keep), new.graph_module(q, k, v, keep)
+    assert eager.isfinite().all()
+    same = got.isfinite()
+    assert got[1, 0].isnan().all() and same[0].all() and same[1, 1:].all()
+    torch.testing.assert_close(got[same], eager[same])
 
 
 def _gradients(fn, inputs, graph, model):

@@ -40,8 +40,13 @@ How the replacement stays exact:
   is a constant proven to have no such row; outputs and gradients then equal eager's. Fills combined with
   additive masks become one float mask ``where(mask, fill, additive)``; that is exact when the fill is
   ``-inf`` or ``finfo.min`` of float32/bfloat16/float64 (the score it replaces is absorbed by rounding), so
-  other fill values are refused there. Additive masks whose row is all ``-inf`` give NaN in eager and 0 in
-  SDPA (torch's safe softmax): that row differs, as it would with any SDPA user. A condition AND-ed into a
+  other fill values are refused there. A row an additive (or combined) mask hides entirely gives NaN in eager
+  where every key is ``-inf`` and 0 in SDPA (torch's safe softmax), and in float16/bfloat16 where every key
+  is hidden by a finite value eager's scores are absorbed into the mask value by rounding (a uniform
+  softmax: the mean of v) while SDPA adds in float32: both are patched in (``where`` on the mask's rows,
+  which costs a pass over the mask, not over the scores), unless the mask is a constant proven to have no
+  such row. A query row holding a NaN gives NaN in eager and 0 in SDPA's fused CPU kernel: every replacement
+  ends with ``where(isnan(q).any(-1), NaN, out)``. A condition AND-ed into a
   mask that constants prove all-True (transformers' ``q_idx >= 0`` spreading a [B, 1, 1, S] padding mask
   over the queries) is dropped, so SDPA broadcasts the small mask and no S x S tensor is built.
 - **Causal.** A mask whose inputs are only shapes, dtypes, constants and buffers is computed at rewrite time

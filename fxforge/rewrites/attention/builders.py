@@ -2,14 +2,15 @@
 
 :class:`GraphBuilder` emits torch calls in traced graphs and ATen ops in exported ones (so they stay ATen);
 :func:`build` folds q, k, v, the scale and the mask (:mod:`~.folds`) into one SDPA call, patching rows in
-which every key is masked when the plan says so.
+which every key is masked when the plan says so, and query rows with a NaN (eager gives NaN there).
 
 Example:
     >>> from fxforge.rewrites.attention.checks import trace_attention
     >>> attend = lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v
     >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
     >>> out = build(attention, MaskPlan("none"), GraphBuilder(gm, attention.values.product, aten_ops=False))
-    >>> out.target is F.scaled_dot_product_attention, out.kwargs["scale"]
+    >>> sdpa = out.args[2]   # where(a query row has a NaN, NaN, sdpa)
+    >>> sdpa.target is F.scaled_dot_product_attention, sdpa.kwargs["scale"]
     (True, 0.125)
 """
 
@@ -30,7 +31,7 @@ from fxforge.core.vocabulary import calls
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import fold_keep, fold_mask
-from fxforge.rewrites.attention.masks import MaskPlan
+from fxforge.rewrites.attention.masks import LARGE_NEGATIVE, MaskPlan
 from fxforge.rewrites.attention.operands import Operand
 from fxforge.rewrites.attention.steps import Scale
 
@@ -51,6 +52,10 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "zeros_like": (torch.zeros_like, aten.zeros_like.default),
     "masked_fill": (torch.masked_fill, aten.masked_fill.Scalar),
     "any": (torch.any, aten.any.dim),
+    "all": (torch.all, aten.all.dim),
+    "isnan": (torch.isnan, aten.isnan.default),
+    "eq": (torch.eq, aten.eq.Scalar),
+    "le": (torch.le, aten.le.Scalar),
     "mean": (torch.mean, aten.mean.dim),
     "repeat_interleave": (torch.repeat_interleave, aten.repeat_interleave.self_int),
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
@@ -117,7 +122,7 @@ class GraphBuilder:
             return self._emit(operator.mul if name == "mul" else operator.truediv, args, kwargs)  # numbers
         if name == "where":
             return self._where(*args)
-        if name in ("any", "mean") and self.aten_ops:
+        if name in ("any", "all", "mean") and self.aten_ops:
             args = (args[0], [args[1]] if name == "mean" else args[1], *args[2:])
         return self._emit(_TARGETS[name][1 if self.aten_ops else 0], args, kwargs)
 
@@ -155,8 +160,9 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
         >>> from fxforge.rewrites.attention.checks import trace_attention
         >>> attend = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v
         >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
-        >>> build(attention, MaskPlan("causal"), GraphBuilder(gm, attention.values.product, True)).kwargs
-        {'attn_mask': None, 'dropout_p': 0.0, 'is_causal': True, 'scale': 1.0}
+        >>> out = build(attention, MaskPlan("causal"), GraphBuilder(gm, attention.values.product, True))
+        >>> out.target, out.args[2].kwargs
+        (<OpOverload(op='aten.where', overload='ScalarSelf')>, {'attn_mask': None, 'dropout_p': 0.0, 'is_causal': True, 'scale': 1.0})
     """
     scores, values = attention.scores, attention.values
     q = builder.operand(scores.q)
@@ -174,6 +180,8 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
         mask = keep
     while mask is not None and fake_value(mask) is not None and fake_value(mask).ndim < 2:
         mask = builder.call("unsqueeze", mask, 0)  # SDPA wants [.., L, S]; leading 1s broadcast the same
+    row_mask = mask  # before it is lifted: its last dim is the keys of a row
+    q_rows = q
     lift = max(0, 4 - len(scores.q.shape))  # SDPA's fast kernels take 4-d inputs
     for _ in range(lift):
         q, k, v = (builder.call("unsqueeze", t, 0) for t in (q, k, v))
@@ -184,17 +192,38 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     out = builder.call("sdpa", q, k, v, **kwargs)
     for _ in range(lift):
         out = builder.call("squeeze", out, 0)
-    if plan.fix:
-        alive = builder.call("any", keep, -1, True)
-        fallback: Any = math.nan
-        if plan.fix == "mean":
-            fallback = builder.call("mean", builder.operand(v_operand), -2, True)
-            if attention.gqa:
-                fallback = builder.call("repeat_interleave", fallback, attention.gqa[2], 1)
+    if plan.fix == "additive":
+        out = _patch_additive(attention, builder, out, row_mask, v_operand)
+    # A query row with a NaN gives NaN in eager (SDPA's fused CPU kernel gives 0 there) unless fills hide
+    # every key of the row: a fill replaces the NaN scores (an additive mask adds to them).
+    nan_rows = builder.call("any", builder.call("isnan", q_rows), -1, True)
+    alive = builder.call("any", keep, -1, True) if plan.fix and keep is not None else None
+    if alive is not None and plan.fix == "additive":
+        nan_rows = builder.call("logical_and", nan_rows, alive)
+    out = builder.call("where", nan_rows, math.nan, out)
+    if alive is not None and plan.fix != "additive":
+        fallback = _mean_of_v(attention, builder, v_operand) if plan.fix == "mean" else math.nan
         out = builder.call("where", alive, out, fallback)
     if values.out_perm is not None:
         out = builder.call("permute", out, list(values.out_perm))
     return out
+
+
+def _mean_of_v(attention: Attention, builder: GraphBuilder, v_operand: Any) -> Node:
+    """The value of a row whose keys are all hidden by one finite value: softmax is uniform, so the mean of v."""
+    mean = builder.call("mean", builder.operand(v_operand), -2, True)
+    return builder.call("repeat_interleave", mean, attention.gqa[2], 1) if attention.gqa else mean
+
+
+def _patch_additive(attention: Attention, builder: GraphBuilder, out: Node, mask: Node, v_operand: Any) -> Node:
+    """Eager's value in the rows an additive mask hides entirely: NaN where every key is ``-inf`` (SDPA gives
+    0); in float16/bfloat16 also the mean of v where every key is hidden by a finite value (eager's scores
+    are absorbed by rounding into the mask value and the softmax is uniform; SDPA adds in float32)."""
+    if attention.dtype in (torch.float16, torch.bfloat16):
+        hidden = builder.call("all", builder.call("le", mask, LARGE_NEGATIVE), -1, True)
+        out = builder.call("where", hidden, _mean_of_v(attention, builder, v_operand), out)
+    all_inf = builder.call("all", builder.call("eq", mask, -math.inf), -1, True)
+    return builder.call("where", all_inf, math.nan, out)
 
 
 def describe_change(attention: Attention, plan: MaskPlan) -> str:

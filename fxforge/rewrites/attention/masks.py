@@ -39,8 +39,10 @@ class MaskPlan:
     Attributes:
         kind: ``"none"``, ``"float"`` (additive, or mixed with fills), ``"bool"`` (fills only),
             ``"causal"`` (proven lower-triangular) or ``"dropped"`` (proven to keep every key).
-        fix: the value of rows in which every key is masked (``"mean"`` of v, ``"nan"``), or None when no
-            such row can occur or SDPA already agrees.
+        fix: the value of rows in which every key is masked: ``"mean"`` of v or ``"nan"`` (by the fills'
+            keep-mask), ``"additive"`` (by the float mask: NaN where every key is ``-inf``, and in float16 or
+            bfloat16 the mean of v where every key is hidden), or None when no such row can occur or SDPA
+            already agrees.
 
     Example:
         >>> MaskPlan("bool", fix="mean")
@@ -97,8 +99,7 @@ def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refusal:
             combine = "-inf" if len(exact) == 1 else f"-inf or finfo({attention.dtype}).min"
             return Refusal(f"a fill with {fill.value} combined with an additive mask has no exact SDPA mask "
                            f"(only {combine} combine in {attention.dtype})")
-    fix = "nan" if any(f.value == -math.inf for f in fills) else None
-    return _constant_plan(attention, constants, MaskPlan("float", fix))
+    return _constant_plan(attention, constants, MaskPlan("float", "additive"))
 
 
 def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -> MaskPlan:
@@ -109,9 +110,9 @@ def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -
         if isinstance(mask, torch.Tensor):
             kept, masked = mask == 0, _is_masked(mask)
             keep = kept if bool((kept | masked).all()) else None
-            if plan.fix and keep is not None:
-                dead = ~keep.any(-1)
-                plan = MaskPlan("float", plan.fix if bool(dead.any()) else None)
+            hidden = masked if attention.dtype in (torch.float16, torch.bfloat16) else mask == -math.inf
+            if not bool(hidden.all(-1).any()):  # no row the fix would change
+                plan = MaskPlan("float")
             return _keep_plan(attention, keep, plan)
         return plan
     if not isinstance(keep, torch.Tensor):
