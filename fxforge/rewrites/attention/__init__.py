@@ -46,7 +46,10 @@ How the replacement stays exact:
   softmax: the mean of v) while SDPA adds in float32: both are patched in (``where`` on the mask's rows,
   which costs a pass over the mask, not over the scores), unless the mask is a constant proven to have no
   such row. A query row holding a NaN gives NaN in eager and 0 in SDPA's fused CPU kernel: every replacement
-  ends with ``where(isnan(q).any(-1), NaN, out)``. A condition AND-ed into a
+  ends with ``where(isnan(q).any(-1), NaN, out)`` (not in a row every key of which a fill hides: eager's fill
+  replaced the NaN scores there). One difference remains, by design: a NaN in a *key* that a fill hides is
+  replaced by the fill in eager, so its row stays finite when that key's value is finite, while SDPA adds the
+  mask to the NaN score and the row is NaN: NaN, never another number. A condition AND-ed into a
   mask that constants prove all-True (transformers' ``q_idx >= 0`` spreading a [B, 1, 1, S] padding mask
   over the queries) is dropped, so SDPA broadcasts the small mask and no S x S tensor is built.
 - **Causal.** A mask whose inputs are only shapes, dtypes, constants and buffers is computed at rewrite time
