@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The local CPU build of torch is installed first, so the project's open range installs nothing more.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test fuzz lint bench clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q
+
+# The differential fuzz suite at its long profile (250 programs per property; `make test` runs 12).
+fuzz: $(VENV)/.installed-dev
+	FXFORGE_FUZZ=long $(PY) -m pytest -q tests/fuzz
 
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check fxforge tests benchmarks examples

@@ -1,0 +1,251 @@
+"""Random programs for the differential fuzz suite: convolutional and linear models, attention blocks, the
+state changes a user makes after optimize, and the conditions a call is made under.
+
+Every random choice is drawn from hypothesis' ``data`` so a failure shrinks to a small program and prints
+the draws that made it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+ACTIVATIONS = {
+    "relu": nn.ReLU, "relu6": nn.ReLU6, "hardtanh": lambda: nn.Hardtanh(-0.5, 1.5), "gelu": nn.GELU,
+    "silu": nn.SiLU, "hardswish": nn.Hardswish, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh,
+    "leaky_relu": lambda: nn.LeakyReLU(0.1), "relu_inplace": lambda: nn.ReLU(inplace=True),
+}
+
+
+# ---------------------------------------------------------------------------------------------- conv
+
+
+class Block(nn.Module):
+    """conv -> [BatchNorm] -> [activation] [+ residual], by the drawn flags."""
+
+    def __init__(self, channels: int, out: int, kernel: int, stride: int, groups: int, bias: bool, norm: bool,
+                 activation: str | None, residual: bool, functional: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, out, kernel, stride, padding=kernel // 2, groups=groups, bias=bias)
+        self.bn = nn.BatchNorm2d(out) if norm else nn.Identity()
+        self.act = ACTIVATIONS[activation]() if activation and not functional else nn.Identity()
+        self.functional = activation if functional else None
+        self.residual = residual and stride == 1 and channels == out
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x)))
+        if self.functional == "relu":
+            y = F.relu(y)
+        elif self.functional == "gelu":
+            y = F.gelu(y)
+        elif self.functional is not None:
+            y = torch.clamp(y, -1.0, 1.0)
+        return y + x if self.residual else y
+
+
+class ConvNet(nn.Module):
+    def __init__(self, blocks: list[Block], channels: int, head: int | None, dropout: float, mutate_input: bool):
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(channels, head) if head else None
+        self.temperature = 1.0
+        self.mutate_input = mutate_input
+
+    def forward(self, x):
+        if self.mutate_input:
+            x.mul_(0.5)  # an input changed in place: the caller sees it once per call, as in eager
+        y = self.blocks(x)
+        if self.head is not None:
+            y = self.head(self.drop(y.mean((2, 3))))
+        return y / self.temperature
+
+
+@st.composite
+def conv_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
+    """A random :class:`ConvNet` with BatchNorm statistics set by train-mode passes, and its input shape."""
+    channels = draw(st.integers(1, 6))
+    batch, size = draw(st.integers(1, 3)), draw(st.integers(4, 9))
+    blocks, width = [], channels
+    for _ in range(draw(st.integers(1, 3))):
+        out = draw(st.sampled_from([width, draw(st.integers(1, 8))]))
+        depthwise = out == width and draw(st.booleans())
+        blocks.append(Block(width, out, draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 1, 2])),
+                            width if depthwise else 1, draw(st.booleans()), draw(st.booleans()),
+                            draw(st.sampled_from([None, *ACTIVATIONS])), draw(st.booleans()),
+                            draw(st.booleans())))
+        width = out
+    head = draw(st.sampled_from([None, 3]))
+    model = ConvNet(blocks, width, head, draw(st.sampled_from([0.0, 0.3])), draw(st.booleans()))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    for p in model.parameters():
+        nn.init.normal_(p, 0.0, 0.5)
+    with torch.no_grad():
+        for _ in range(2):
+            model.train()(torch.randn(4, channels, size, size))
+    return model.eval(), (batch, channels, size, size)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Hand-written attention in one of the drawn forms."""
+
+    def __init__(self, dim: int, heads: int, scale_form: str, mask_form: str, softmax_form: str,
+                 fill: float, causal: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.scale_form, self.mask_form, self.softmax_form = scale_form, mask_form, softmax_form
+        self.fill, self.causal = fill, causal
+        self.softmax = nn.Softmax(-1)
+        self.drop = nn.Dropout(0.1)
+
+    def split(self, t):
+        b, s, _ = t.shape
+        return t.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, mask):
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        if self.scale_form == "div":
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        elif self.scale_form == "mul":
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5
+        else:
+            scores = q @ k.mT
+        if self.mask_form == "additive":
+            scores = scores + mask[:, None, None, :]
+        elif self.mask_form == "fill":
+            scores = scores.masked_fill(~mask[:, None, None, :], self.fill)
+        if self.causal:
+            length = q.size(-2)
+            keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if self.softmax_form == "module":
+            probs = self.softmax(scores)
+        elif self.softmax_form == "method":
+            probs = scores.softmax(dim=-1)
+        else:
+            probs = F.softmax(scores, dim=-1)
+        out = self.drop(probs) @ v
+        return self.o(out.transpose(1, 2).reshape(x.shape))
+
+
+@st.composite
+def attentions(draw) -> tuple[nn.Module, dict]:
+    """A random :class:`Attention` and how its inputs are made (see :func:`attention_inputs`)."""
+    heads = draw(st.sampled_from([1, 2, 4]))
+    dim = heads * draw(st.sampled_from([4, 8]))
+    mask_form = draw(st.sampled_from(["none", "additive", "fill"]))
+    fill = draw(st.sampled_from([float("-inf"), torch.finfo(torch.float32).min, -1e4, -1e9]))
+    model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none"])), mask_form,
+                      draw(st.sampled_from(["module", "method", "function"])), fill, draw(st.booleans()))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    shape = {"batch": draw(st.integers(1, 3)), "length": draw(st.integers(1, 7)), "dim": dim,
+             "mask_form": mask_form, "fill": fill}
+    return model.eval(), shape
+
+
+def attention_inputs(shape: dict, lengths: list[int], seed: int, nan: bool = False) -> tuple:
+    """``(x, mask)`` for an attention: padding masks from ``lengths`` (0 hides every key of that row)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape["batch"], shape["length"], shape["dim"], generator=gen)
+    if nan:
+        x[0, 0, 0] = float("nan")
+    keep = torch.arange(shape["length"])[None, :] < torch.tensor(lengths)[:, None]
+    if shape["mask_form"] == "additive":
+        return x, torch.zeros(keep.shape).masked_fill(~keep, shape["fill"])
+    return x, keep
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+def _first(model: nn.Module, kind: type) -> nn.Module | None:
+    return next((m for m in model.modules() if isinstance(m, kind)), None)
+
+
+def _scale_data(model, rng):
+    p = list(model.parameters())[rng % len(list(model.parameters()))]
+    p.data.mul_(1.5)
+
+
+def _assign_data(model, rng):
+    p = list(model.parameters())[rng % len(list(model.parameters()))]
+    p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(rng)) * 0.5
+
+
+def _reassign_parameter(model, rng):
+    conv = _first(model, nn.Conv2d) or _first(model, nn.Linear)
+    conv.weight = nn.Parameter(conv.weight.detach() * -1.0)
+
+
+def _load_assign(model, rng):
+    state = {k: v.clone() * (0.9 if v.is_floating_point() else 1) for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def _vector(model, rng):
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 0.8 + 0.01, model.parameters())
+
+
+def _ema(model, rng):
+    gen = torch.Generator().manual_seed(rng)
+    for p in model.parameters():
+        p.data.mul_(0.9).add_(torch.randn(p.shape, generator=gen), alpha=0.1)
+
+
+def _bn_statistics(model, rng):
+    bn = _first(model, nn.BatchNorm2d)
+    if bn is not None:
+        bn.running_var = bn.running_var * 2.0 + 0.1
+        bn.eps = 0.25
+
+
+def _swap_activation(model, rng):
+    for block in model.modules():
+        if isinstance(block, Block) and isinstance(block.act, nn.Identity):
+            block.act = nn.Tanh()
+            return
+
+
+def _temperature(model, rng):
+    if hasattr(model, "temperature"):
+        model.temperature = 2.5
+
+
+def _dropout_train(model, rng):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.train()
+
+
+def _bn_train(model, rng):
+    bn = _first(model, nn.BatchNorm2d)
+    if bn is not None:
+        bn.train()
+
+
+# name -> change(model, rng): each applied to the model (after optimize) and its twin alike
+STATE_CHANGES = {
+    "none": lambda model, rng: None, "scale .data": _scale_data, "assign .data": _assign_data,
+    "reassign parameter": _reassign_parameter, "load_state_dict(assign=True)": _load_assign,
+    "vector_to_parameters": _vector, "EMA through .data": _ema, "BatchNorm statistics and eps": _bn_statistics,
+    "swap a submodule": _swap_activation, "a float attribute": _temperature, "dropout.train()": _dropout_train,
+    "bn.train()": _bn_train,
+}
+
+
+def twins(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The model and an independent copy: the optimized module wraps the first, eager runs the second."""
+    return model, copy.deepcopy(model)
+
+
+CONDITIONS = ["no_grad", "grad", "inference_mode", "autocast", "threads"]

@@ -1,0 +1,224 @@
+"""The differential fuzz suite (issue 18): random programs optimized by fxforge answer as eager does on fresh
+inputs, after random state changes, under random call conditions.
+
+Property, for every drawn program: outputs (NaN where eager has NaN), input gradients and parameter
+gradients, buffers (BatchNorm statistics in train mode), what hooks saw, and the caller's inputs after the
+call (a model that changes its input in place) equal eager's. The model runs optimized and its deep copy
+runs eagerly; each state change is made to both.
+
+``make test`` runs the ``short`` profile; ``make fuzz`` runs ``long`` (``FXFORGE_FUZZ=long``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+from torch import nn
+
+import fxforge
+from fxforge.lowering.autotune import TuningPolicy
+from tests.fuzz.programs import CONDITIONS, STATE_CHANGES, attention_inputs, attentions, conv_nets, twins
+
+# ---------------------------------------------------------------------------------------------- one call
+
+
+def _condition(name: str):
+    if name == "no_grad":
+        return torch.no_grad()
+    if name == "inference_mode":
+        return torch.inference_mode()
+    if name == "autocast":
+        return torch.autocast("cpu", torch.bfloat16)
+    return contextlib.nullcontext()  # "grad", "threads", "hooks", "train"
+
+
+def _call(module: nn.Module, inputs: tuple, condition: str, seed: int) -> dict:
+    """One call of ``module`` as a user makes it: what comes out, and what the call left behind."""
+    inputs = tuple(t.clone() for t in inputs)
+    leaves = []
+    if condition in ("grad", "train"):  # gradients reach the caller's leaves through a non-leaf input
+        leaves = [t.requires_grad_() if t.is_floating_point() else None for t in inputs]
+        inputs = tuple(t * 1.0 if t.is_floating_point() else t for t in inputs)
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # dropout in train mode draws the same masks in both
+    with _condition(condition):
+        out = module(*inputs)
+    result = {"out": out.detach().clone(), "inputs": [t.detach().clone() for t in inputs]}
+    if leaves and out.requires_grad:
+        weights = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
+        (torch.nan_to_num(out) * weights).sum().backward()
+        result["input grads"] = [None if t is None else t.grad for t in leaves]
+        result["grads"] = {name: p.grad for name, p in module.named_parameters()}
+    result["buffers"] = {name: b.detach().clone() for name, b in module.named_buffers()}
+    return result
+
+
+def _threaded(module: nn.Module, calls: list[tuple]) -> list[torch.Tensor]:
+    """Every call at once from its own thread (first calls included), under no_grad."""
+    results: list = [None] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        start.wait()
+        with torch.no_grad():
+            results[i] = module(*(t.clone() for t in calls[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- comparing
+
+
+def _close(actual, expected, what: str, low_precision: bool = False) -> None:
+    if expected is None or actual is None:
+        assert actual is None and expected is None, f"{what}: {actual} against eager's {expected}"
+        return
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    scale = float(torch.nan_to_num(expected.double(), 0, 0, 0).abs().max()) if expected.numel() else 0.0
+    tolerance = (5e-2 if low_precision else 1e-4) * max(scale, 1.0)  # folds round differently than eager
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=5e-2 if low_precision else 1e-4,
+                               atol=tolerance, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def _same_call(actual: dict, expected: dict, low_precision: bool) -> None:
+    _close(actual["out"], expected["out"], "output", low_precision)
+    for i, (a, e) in enumerate(zip(actual["inputs"], expected["inputs"])):
+        _close(a, e, f"input {i} after the call")
+    assert actual["buffers"].keys() == expected["buffers"].keys()
+    for name, buffer in expected["buffers"].items():
+        _close(actual["buffers"][name], buffer, f"buffer {name}")
+    assert ("grads" in actual) == ("grads" in expected)
+    if not bool(expected["out"].isfinite().all()):
+        return  # documented (README): NaN outputs' gradients are NaN in eager, 0 in a replaced attention's rows
+    for name, grad in expected.get("grads", {}).items():
+        _close(actual["grads"][name], grad, f"gradient of {name}")
+    for i, (a, e) in enumerate(zip(actual.get("input grads", []), expected.get("input grads", []))):
+        _close(a, e, f"gradient of input {i}")
+
+
+def _same_outcome(opt: nn.Module, eager: nn.Module, inputs: tuple, condition: str, seed: int) -> None:
+    """The optimized call answers as the eager one, or raises as it does (a fill of finfo(float32).min
+    into bfloat16 scores under autocast overflows in eager too)."""
+    try:
+        expected = _call(eager, inputs, condition, seed)
+    except Exception as error:  # noqa: BLE001 - whatever eager raises, the optimized module must raise
+        with pytest.raises(type(error)):
+            _call(opt, inputs, condition, seed)
+        return
+    _same_call(_call(opt, inputs, condition, seed), expected, condition == "autocast")
+
+
+def _hook_all(model: nn.Module, log: list) -> list:
+    """A forward hook on every submodule that records what it saw (Grad-CAM and feature extraction do this)."""
+    return [m.register_forward_hook(lambda mod, args, out, name=name: log.append((name, out.detach().clone())))
+            for name, m in model.named_modules() if name]
+
+
+# ---------------------------------------------------------------------------------------------- the property
+
+
+def _check(data, model: nn.Module, make_inputs, fresh_inputs) -> None:
+    """Optimize ``model``, then: a first call, a state change, a call under a condition, one more call."""
+    model, eager = twins(model)
+    example = make_inputs(0)
+    before = [t.clone() for t in example]
+    tuning = TuningPolicy(kernel=data.draw(st.sampled_from(["composite", "mkldnn"]), label="kernel"),
+                          layout=data.draw(st.sampled_from(["as captured", "channels-last"]), label="layout"),
+                          keep="fused")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a gradients plan or an eager fallback warns; results are what count
+        opt = fxforge.optimize(model, example, tuning=tuning)
+        for a, b in zip(example, before):  # optimizing does not run the caller's inputs through the model
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+        _same_outcome(opt, eager, fresh_inputs(1), "no_grad", 1)
+
+        change = data.draw(st.sampled_from(sorted(STATE_CHANGES)), label="state change")
+        rng = data.draw(st.integers(0, 1000), label="rng")
+        STATE_CHANGES[change](model, rng)
+        STATE_CHANGES[change](eager, rng)
+
+        condition = data.draw(st.sampled_from([*CONDITIONS, "hooks", "train"]), label="condition")
+        note(f"optimized: {opt.report.counts}")
+        if condition == "threads":
+            calls = [fresh_inputs(10 + i) for i in range(3)]
+            for got, inputs in zip(_threaded(opt, calls), calls):
+                with torch.no_grad():
+                    _close(got, eager(*(t.clone() for t in inputs)), "output of a threaded call")
+            return
+        if condition == "train":
+            model.train()
+            eager.train()
+        logs: tuple[list, list] = ([], [])
+        handles = _hook_all(model, logs[0]) + _hook_all(eager, logs[1]) if condition == "hooks" else []
+        _same_outcome(opt, eager, fresh_inputs(2), condition, 2)
+        assert [name for name, _ in logs[0]] == [name for name, _ in logs[1]], "hooks fired differently"
+        for (name, a), (_, e) in zip(*logs):
+            _close(a, e, f"what the hook on {name} saw", condition == "autocast")
+        for handle in handles:
+            handle.remove()
+        # nothing stale after the condition is gone
+        _same_outcome(opt, eager, fresh_inputs(3), "no_grad", 3)
+
+
+@given(st.data())
+def test_random_conv_nets_answer_as_eager(data):
+    model, shape = data.draw(conv_nets(), label="conv net")
+    nan = data.draw(st.booleans(), label="NaN in the fresh inputs")
+
+    def make(seed: int) -> tuple:
+        return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)),)
+
+    def fresh(seed: int) -> tuple:
+        (x,) = make(seed)
+        if nan:
+            x[0, 0, 0, 0] = float("nan")
+        return (x,)
+
+    note(repr(model))
+    _check(data, model, make, fresh)
+
+
+@given(st.data())
+def test_random_attentions_answer_as_eager(data):
+    model, shape = data.draw(attentions(), label="attention")
+    lengths = st.lists(st.integers(0, shape["length"]), min_size=shape["batch"], max_size=shape["batch"])
+    example_lengths = data.draw(lengths, label="example lengths")
+    call_lengths = data.draw(lengths, label="call lengths")  # 0: every key of that sequence hidden
+    nan = data.draw(st.booleans(), label="NaN in the fresh inputs")
+    note(f"{model.scale_form=} {model.mask_form=} {model.softmax_form=} {model.fill=} {model.causal=} {shape=}")
+    _check(data, model, lambda seed: attention_inputs(shape, example_lengths, seed),
+           lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan))
+
+
+def test_the_fuzz_suite_would_see_a_wrong_answer(monkeypatch):
+    """The property itself fails when the optimized module answers differently (here: a plan that doubles
+    its output), so a green fuzz run means something."""
+    from fxforge.runtime import native
+
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU()).eval()
+    x = (torch.randn(1, 2, 6, 6),)
+    real = native.OptimizedModule.forward
+
+    def wrong(self, *args, **kwargs):
+        return real(self, *args, **kwargs) * 2
+
+    monkeypatch.setattr(native.OptimizedModule, "forward", wrong)
+    opt, eager = fxforge.optimize(model, x), copy.deepcopy(model)
+    try:
+        _same_call(_call(opt, x, "no_grad", 0), _call(eager, x, "no_grad", 0), False)
+    except AssertionError:
+        return
+    raise AssertionError("the comparison did not see a doubled output")
