@@ -179,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxforge: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as error:  # the model's code called sys.exit (fxforge's own code never does)
+        if args.debug:
+            raise
+        print(f"fxforge: error: the model called sys.exit({error.code!r})", file=sys.stderr)
+        return 1
     except Exception as error:
         if args.debug:
             raise

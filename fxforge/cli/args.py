@@ -136,8 +136,8 @@ def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module
     model is used.
 
     Raises:
-        CommandError: a missing file, a module that fails to import, a name not in it, a call that
-            raises, or something that is not an ``nn.Module``.
+        CommandError: a missing file, a module that fails to import (or calls ``sys.exit``), a name not
+            in it, a call that raises (or calls ``sys.exit``), or something that is not an ``nn.Module``.
 
     Example:
         >>> type(load_model("torch.nn:ReLU")).__name__
@@ -155,11 +155,15 @@ def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module
         sys.path.insert(0, str(root))
         try:
             module = importlib.import_module(dotted)
+        except SystemExit as error:
+            raise CommandError(f"{location} called sys.exit({error.code!r}) while being imported") from None
         except Exception as error:
             raise CommandError(f"{location} failed to import: {_describe_error(error)}") from error
     else:
         try:
             module = importlib.import_module(location)
+        except SystemExit as error:
+            raise CommandError(f"{location} called sys.exit({error.code!r}) while being imported") from None
         except ImportError as error:
             raise CommandError(f"cannot import {location}: {error}") from error
         except Exception as error:
@@ -172,6 +176,8 @@ def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module
     call = f"{name}({', '.join(f'{k}={v!r}' for k, v in model_args.items())})"
     try:
         model = factory(**model_args)
+    except SystemExit as error:
+        raise CommandError(f"{call} called sys.exit({error.code!r})") from None
     except Exception as error:
         raise CommandError(f"{call} raised {_describe_error(error)}") from error
     if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):

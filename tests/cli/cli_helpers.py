@@ -34,6 +34,13 @@ USER_MODEL = textwrap.dedent('''
     class Mystery(torch.nn.Module):
         def forward(self, x):
             return torch.ops.fxclitest.mystery(x) + 1
+    def exits():
+        import sys
+        sys.exit(3)
+    class ExitsInForward(torch.nn.Module):
+        def forward(self, x):
+            import sys
+            sys.exit(4)
 ''')
 
 

@@ -1,8 +1,11 @@
 """Every failure the fxforge command knows: exit 1 with one line naming the cause (exit 2 with usage for
 bad arguments), no traceback, and no output file or temporary file left behind."""
 
+import os
+import textwrap
+
 import pytest
-from cli_helpers import USER_MODEL, run_cli
+from cli_helpers import REPO, USER_MODEL, run_cli
 
 from fxforge.cli import main
 
@@ -27,6 +30,9 @@ FAILURES = {
                               ["cannot write no/r.html: no folder"]),
     "weights missing": (["{model}:Net", "--input", "2x4", "--weights", "w.pt", "-o", "m.pt2"],
                         ["no such weights file: w.pt"]),
+    "factory calls sys.exit": (["{model}:exits", "--input", "2x4", "-o", "m.pt2"], ["exits() called sys.exit(3)"]),
+    "forward calls sys.exit": (["{model}:ExitsInForward", "--input", "2x4", "-o", "m.onnx"],
+                               ["the model called sys.exit(4)"]),
 }
 
 
@@ -92,3 +98,72 @@ def test_usage_errors_exit_2(capsys, args, message, command):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"usage: fxforge {command}") and message in err
+
+
+def test_a_model_file_that_calls_sys_exit_on_import_is_one_line_and_exit_1(tmp_path, out):
+    model = tmp_path / "exits_on_import.py"
+    model.write_text("import sys\nsys.exit(5)\n")
+    result = run_cli("export", f"{model}:Net", "--input", "2x4", "-o", "m.onnx", cwd=out)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == f"fxforge: error: {model} called sys.exit(5) while being imported"
+    assert list(out.iterdir()) == []
+
+
+# Each stage of an export that can take long: Ctrl-C there is "interrupted", exit 130, and no file.
+INTERRUPTED_STAGES = {
+    "capture": ("fxforge.capture.model", "trace_with_leaves"),
+    "torch.export": ("torch.export", "export"),
+    "torch.onnx": ("torch.onnx", "export"),
+    "onnx checker": ("onnx.checker", "check_model"),
+    "ONNX Runtime session": ("onnxruntime", "InferenceSession"),
+}
+
+
+@pytest.mark.parametrize("stage", list(INTERRUPTED_STAGES))
+def test_ctrl_c_during_export_exits_130_and_leaves_no_file(user_model, out, monkeypatch, capsys, stage):
+    import importlib
+
+    module, name = INTERRUPTED_STAGES[stage]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), name, interrupted)
+    monkeypatch.chdir(out)
+    assert main(["export", f"{user_model}:Net", "--input", "2x4", "-o", "m.onnx", "--report", "r.html"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "fxforge: interrupted"
+    assert list(out.iterdir()) == []
+
+
+def test_a_real_sigint_while_the_model_runs_exits_130(tmp_path, out):
+    """SIGINT (Ctrl-C) sent to the command while it runs the model: exit 130, one line, no file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "running"
+    model = tmp_path / "slow_model.py"
+    model.write_text(textwrap.dedent(f"""
+        import pathlib, time, torch
+        class Slow(torch.nn.Module):
+            def forward(self, x):
+                pathlib.Path({str(marker)!r}).touch()
+                time.sleep(60)
+                return x + 1
+    """))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # as from a terminal: Ctrl-C raises KeyboardInterrupt (a background job of a script would ignore SIGINT)
+    command = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from fxforge.cli import main; sys.exit(main())")
+    process = subprocess.Popen([sys.executable, "-c", command, "export", f"{model}:Slow", "--input", "2x4",
+                                "-o", "m.onnx"], cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "fxforge: interrupted"
+    assert list(out.iterdir()) == []

@@ -445,3 +445,41 @@ def test_a_subclass_of_a_decorated_class_applies_its_forward_once():
         torch.testing.assert_close(child(x), child.linear(x) + 1)
         base = Base().eval()
         torch.testing.assert_close(base(x), base.linear(x))
+
+
+# ------------------------------------------------------------------------------------- inputs changed in place
+
+
+class HalvesItsInput(nn.Module):
+    """Changes its input in place before a conv -> BatchNorm -> relu (folded, fused) reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("tuning", [TuningPolicy(), TuningPolicy(keep="fused", layout="channels-last", kernel="mkldnn")],
+                         ids=["measured", "channels-last"])
+@pytest.mark.parametrize("example", [True, False], ids=["example inputs", "first call"])
+def test_an_input_changed_in_place_is_changed_once_where_eager_changes_it(example, tuning):
+    torch.manual_seed(0)
+    model = HalvesItsInput()
+    with torch.no_grad():
+        model.train()(fresh(4))
+    model.eval()
+    x = fresh()
+    original = x.clone()
+    opt = fxforge.optimize(model, (x,) if example else None, tuning=tuning)
+    torch.testing.assert_close(x, original, rtol=0, atol=0)  # optimizing never runs the caller's tensor
+    for _ in range(2):  # the first call (capturing when there was no example) and a planned one
+        y = fresh()
+        mine = y.clone()
+        with torch.no_grad():
+            out = opt(y)
+            expected = model(mine)
+        torch.testing.assert_close(y, mine, rtol=0, atol=0)  # halved once, in the caller's tensor
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
