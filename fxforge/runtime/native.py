@@ -121,6 +121,20 @@ class OptimizedModule(nn.Module):
     def extra_repr(self) -> str:
         return f"model={type(self.original).__name__}, plans={len(self.cache.plans)}"
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) are a new optimized module over a copy of the
+        model, with the same options and no plans: plans hold prepacked kernels and locks, and a copy's plans
+        are built from the copy's own weights on its first call.
+
+        Example:
+            >>> import copy
+            >>> model = torch.nn.Linear(2, 2)
+            >>> twin = copy.deepcopy(fxforge.optimize(model))
+            >>> twin.original is not model, twin.weight is twin.original.weight
+            (True, True)
+        """
+        return OptimizedModule, (self.original, self.cache.build)
+
 
 def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], PlanBuilder]) -> type[nn.Module]:
     """A subclass of ``cls`` whose instances capture and rewrite themselves on their first call.

@@ -483,3 +483,49 @@ def test_an_input_changed_in_place_is_changed_once_where_eager_changes_it(exampl
             expected = model(mine)
         torch.testing.assert_close(y, mine, rtol=0, atol=0)  # halved once, in the caller's tensor
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- copies
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_an_optimized_module_is_an_independent_optimized_model(how, tmp_path):
+    import pickle
+
+    model = trained_net()
+    opt = fxforge.optimize(model, (fresh(),))
+    same(opt, model)
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    elif how == "pickle":
+        twin = pickle.loads(pickle.dumps(opt))
+    else:
+        torch.save(opt, tmp_path / "opt.pt")
+        twin = torch.load(tmp_path / "opt.pt", weights_only=False)
+    assert twin.original is not model and twin.conv.weight is twin.original.conv.weight
+    same(twin, twin.original)
+    with torch.no_grad():
+        twin.original.conv.weight.mul_(-1.0)  # the copy's weights are its own
+    same(twin, twin.original)
+    same(opt, model)
+    assert twin.report.counts.get("conv_bn_fold") == 1  # the copy is optimized too, on its first call
+
+
+def test_a_copy_of_a_decorated_instance_plans_for_its_own_weights():
+    @fxforge.optimize
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = Small().eval()
+    x = fresh()
+    with torch.no_grad():
+        model(x)
+        twin = copy.deepcopy(model)
+        twin.body[0].weight.mul_(2.0)
+        torch.testing.assert_close(twin(x), twin.body(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), model.body(x), rtol=1e-5, atol=1e-5)
