@@ -222,19 +222,32 @@ class PlanCache:
             warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        plan = self.checked_plan(args, kwargs)
+        return self.eager(*args, **kwargs) if plan is None else plan.executable(*args, **kwargs)
+
+    def checked_plan(self, args: tuple, kwargs: dict) -> Plan | None:
+        """Every guard a call passes before its plan runs (the per-call cost that
+        ``benchmarks/guard_overhead.py`` measures): the model's state and hooks, the call's signature, modes,
+        gradients and autocast, and derived weights brought up to date. None: this call runs eagerly.
+
+        Example:
+            >>> cache = PlanCache(torch.nn.ReLU(), lambda *a: None)
+            >>> cache.checked_plan((torch.ones(1),), {}) is None   # a builder that gives no plan: eager
+            True
+        """
         if self.capturing:
-            return self.eager(*args, **kwargs)
+            return None
         if global_hooks():
             self._warn(f"running {type(self.module).__name__} eagerly while module hooks registered for every "
                        "module exist (a plan does not call the modules it replaced)")
-            return self.eager(*args, **kwargs)
+            return None
         plan = self.plan_for(args, kwargs, CallConditions.now(self._needs_grad(args, kwargs)))
         if plan is None:
-            return self.eager(*args, **kwargs)
+            return None
         plan.derived.refresh_if_stale()
         if self._watch.updates_state():
             self._training_calls += 1
-        return plan.executable(*args, **kwargs)
+        return plan
 
     def _needs_grad(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call records gradients (its plan must keep every op eager has)."""

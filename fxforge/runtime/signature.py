@@ -35,6 +35,10 @@ def input_signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
         >>> input_signature((1,), {}, True) != input_signature((2,), {}, True)
         True
     """
+    if all(type(v) is torch.Tensor for v in args) and all(type(v) is torch.Tensor for v in kwargs.values()):
+        # tensors only, no nesting (most calls): the structure is the count and the keywords, no pytree walk
+        structure: Hashable = (len(args), tuple(kwargs))
+        return (structure, tuple(_leaf_key(v) for v in (*args, *kwargs.values())), bool(training))
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (str(spec), tuple(_leaf_key(v) for v in leaves), bool(training))
 
