@@ -7,9 +7,10 @@ sources on every call and recomputes what depends on a source that changed:
 
 - its version (any in-place change PyTorch records: ``p.mul_(2)`` under ``no_grad``, ``copy_``,
   ``load_state_dict``);
-- its storage (``p.data = ...``, ``vector_to_parameters``, ``.to()``);
-- for a parameter, an access to ``p.data`` (:func:`watch_parameter_data`) followed by a change of its
-  bits (a checksum): ``p.data.mul_(2)`` and ``.data``-style EMA updates bypass the version counter.
+- for a buffer, its storage (``b.data = ...``);
+- for a parameter, an access to ``p.data`` (:func:`watch_parameter_data`: reading it, or setting it as
+  ``p.data = ...``, ``vector_to_parameters`` and ``.to()`` do) followed by a change of its bits (a
+  checksum): ``p.data.mul_(2)`` and ``.data``-style EMA updates bypass the version counter.
 
 Example:
     >>> w = torch.nn.Parameter(torch.ones(2))
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -32,6 +34,8 @@ import torch
 from torch import nn
 
 from fxforge.core.tensor_cache import version
+
+_VERSION = operator.attrgetter("_version")
 
 
 @dataclasses.dataclass
@@ -78,7 +82,11 @@ class DerivedValues:
     def _record(self) -> None:
         sources = {id(t): t for item in self.items for t in item.sources}
         self._sources = list(sources.values())
-        self._states = [(version(t), t.data_ptr()) for t in self._sources]
+        self._versions = [version(t) for t in self._sources]
+        # A parameter's storage is swapped through its .data setter (p.data = ..., vector_to_parameters,
+        # .to()), which is watched; a buffer's only by its pointer.
+        self._buffers = [t for t in self._sources if not isinstance(t, nn.Parameter)]
+        self._pointers = [t.data_ptr() for t in self._buffers]
         watch_data(self._sources)
         self._touches = DATA_TOUCHES.generation
         self._checksums: dict[int, int] = {}
@@ -89,10 +97,14 @@ class DerivedValues:
         return len(self.items)
 
     def stale(self) -> bool:
-        """Whether a source changed since the values were computed (see the module docstring)."""
-        for t, (state, pointer) in zip(self._sources, self._states):
-            if version(t) != state or t.data_ptr() != pointer:
-                return True
+        """Whether a source changed since the values were computed (see the module docstring). Runs on every
+        call of a plan, so it compares whole lists (one pass each over a few hundred tensors)."""
+        try:
+            versions = list(map(_VERSION, self._sources))
+        except RuntimeError:  # an inference tensor (no version counter) among the sources
+            versions = [version(t) for t in self._sources]
+        if versions != self._versions or list(map(torch.Tensor.data_ptr, self._buffers)) != self._pointers:
+            return True
         if DATA_TOUCHES.generation != self._touches:
             self._touches = DATA_TOUCHES.generation
             return any(checksum(t) != self._checksums[id(t)] for t in self._sources

@@ -48,6 +48,8 @@ class CallConditions:
     @classmethod
     def now(cls, gradients: bool = False) -> CallConditions:
         """The conditions of a call made here (``gradients`` as the caller found them)."""
+        if not any(map(torch.is_autocast_enabled, AUTOCAST_DEVICES)):  # most calls: one of two constants
+            return _WITH_GRADIENTS if gradients else _PLAIN
         return cls(gradients, tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST_DEVICES
                                     if torch.is_autocast_enabled(device)))
 
@@ -67,6 +69,7 @@ class CallConditions:
 
 # The devices whose autocast state a call can be under.
 AUTOCAST_DEVICES = ("cpu", "cuda")
+_PLAIN, _WITH_GRADIENTS = CallConditions(), CallConditions(gradients=True)
 
 
 @dataclasses.dataclass

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 from fxforge.core.vocabulary import HOOK_DICTS, has_hooks
 
@@ -117,6 +118,38 @@ def _install_registration_hooks() -> None:
     torch_module.register_module_module_registration_hook(_registration_hook)
 
 
+_HOOK_REMOVALS = [0]
+
+
+@functools.cache
+def _count_hook_removals() -> None:
+    """Wrap ``RemovableHandle.remove`` once per process so that removing a hook is counted (making one is
+    counted by torch itself: ``RemovableHandle.next_id``)."""
+    original = RemovableHandle.remove
+
+    @functools.wraps(original)
+    def remove(self: RemovableHandle) -> None:
+        _HOOK_REMOVALS[0] += 1
+        original(self)
+
+    RemovableHandle.remove = remove
+
+
+def hook_generation() -> tuple[int, int]:
+    """Moves whenever a hook handle is made or removed anywhere in the process (module hooks, and others:
+    a change tells a watch to count its modules' hooks again, not that they changed).
+
+    Example:
+        >>> before = hook_generation()
+        >>> handle = torch.nn.ReLU().register_forward_hook(lambda *a: None)
+        >>> after_adding = hook_generation(); handle.remove()
+        >>> before != after_adding != hook_generation()
+        True
+    """
+    _count_hook_removals()
+    return RemovableHandle.next_id, _HOOK_REMOVALS[0]
+
+
 def global_hooks() -> int:
     """How many module hooks are registered for every module of the process
     (``torch.nn.modules.module.register_module_forward_hook`` and its kin): a plan cannot call them for the
@@ -145,6 +178,7 @@ class ModelWatch:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self._mode_numbers: dict[tuple[bool, ...], int] = {}
         self.epoch = 0
         self.reasons: list[str] = []
         self._modes_dirty = True
@@ -164,6 +198,7 @@ class ModelWatch:
         self._modules = modules
         # The root's own hooks run around the plan (torch's __call__ runs them), so they do not change it.
         self._hook_dicts = [getattr(m, name) for m in modules[1:] for name in HOOK_DICTS if hasattr(m, name)]
+        self._hook_generation = hook_generation()
         self._hooks = self.hook_count()
         self._modes_dirty = True
 
@@ -180,19 +215,30 @@ class ModelWatch:
         self.reasons.append(f"{type(module).__name__}.{name} was set")
         del self.reasons[:-3]
 
+    def hooks_changed(self) -> bool:
+        """Whether hooks were added or removed since the modules were last watched. Counted again only when
+        a hook handle was made or removed anywhere in the process since the last count (a few hundred
+        dictionaries on a large model: not on every call)."""
+        generation = hook_generation()
+        if generation == self._hook_generation:
+            return False
+        if self.hook_count() != self._hooks:
+            return True
+        self._hook_generation = generation
+        return False
+
     def hook_count(self) -> int:
         """The number of forward and backward hooks on the watched modules below the root (a change means
         hooks were added or removed)."""
         return sum(map(len, self._hook_dicts))
 
-    def hooks_changed(self) -> bool:
-        """Whether hooks were added or removed since the modules were last watched."""
-        return self.hook_count() != self._hooks
-
-    def modes(self) -> tuple[bool, ...]:
-        """Every watched module's ``training`` flag, recomputed only after one was set."""
+    def modes(self) -> int:
+        """Every watched module's ``training`` flag, recomputed only after one was set, as a small number:
+        one per distinct combination seen (a plan key holds it; hashing hundreds of flags on every call
+        would cost more than the rest of the key)."""
         if self._modes_dirty:
-            self._modes = tuple(m.training for m in self._modules)
+            flags = tuple(m.training for m in self._modules)
+            self._modes = self._mode_numbers.setdefault(flags, len(self._mode_numbers))
             self._updates_state = any(m.training and m._buffers for m in self._modules)
             self._modes_dirty = False
         return self._modes
