@@ -71,9 +71,7 @@ def _recipe(gm: torch.fx.GraphModule, node: Node, constant: set[Node], dtype: to
             needed.add(current)
             stack.extend(n for n in current.all_input_nodes if n in constant or n.op == "get_attr")
     graph, copies, sources = torch.fx.Graph(), {}, []
-    for original in gm.graph.nodes:  # graph order is a topological order
-        if original not in needed:
-            continue
+    for original in sorted(needed):  # nodes sort in graph order, a topological order
         if original.op == "get_attr":
             copies[original] = graph.get_attr(f"s{len(sources)}")
             sources.append(attribute_tensor(gm, original.target))
