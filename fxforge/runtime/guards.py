@@ -17,7 +17,8 @@ A plan is built for one input signature from the model as it was then. Everythin
   change of its contents (see :mod:`fxforge.core.derived`).
 
 Not seen: an in-place change made through ``.data`` of a *buffer* (a plain tensor: PyTorch records it
-nowhere), and writes straight into a module's ``_parameters``/``_buffers``/``_modules`` dicts.
+nowhere), writes straight into a module's ``_parameters``/``_buffers``/``_modules`` dicts, and parameters
+swapped by ``torch.utils.swap_tensors`` (the README lists these, with ``opt.cache.clear()`` as the remedy).
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout()).eval()
