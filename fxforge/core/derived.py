@@ -153,6 +153,7 @@ class _DataTouches:
     def __init__(self) -> None:
         self._watched: dict[int, weakref.ref] = {}
         self.touched: set[int] = set()
+        self._counts: dict[int, int] = {}
         self.generation = 0
 
     def watch(self, tensor: torch.Tensor) -> None:
@@ -164,6 +165,7 @@ class _DataTouches:
     def _forget(self, key: int) -> None:
         self._watched.pop(key, None)
         self.touched.discard(key)
+        self._counts.pop(key, None)
 
     def watching(self, tensor: torch.Tensor) -> bool:
         entry = self._watched.get(id(tensor))
@@ -175,7 +177,13 @@ class _DataTouches:
     def touch(self, tensor: torch.Tensor) -> None:
         if self.watching(tensor):
             self.touched.add(id(tensor))
+            self._counts[id(tensor)] = self._counts.get(id(tensor), 0) + 1
             self.generation += 1
+
+    def touches(self, tensor: torch.Tensor) -> int:
+        """How many times ``tensor``'s ``.data`` was touched: with its version, the key of a value made from
+        it (a prepacked weight), since a ``.data`` edit leaves the version as it was."""
+        return self._counts.get(id(tensor), 0) if self.watching(tensor) else 0
 
 
 DATA_TOUCHES = _DataTouches()

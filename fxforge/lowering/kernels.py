@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.fx import Node
 from torch.nn import functional as F
 
+from fxforge.core.derived import DATA_TOUCHES
 from fxforge.core.tensor_cache import TensorCache, version
 from fxforge.rewrites import fused_ops
 
@@ -53,6 +54,20 @@ ONEDNN_ACTIVATIONS: dict[str, tuple[str, str | None]] = {
 
 # oneDNN-prepacked copies of weights, per weight, its version and the call's configuration.
 PACKED = TensorCache()
+
+
+def packing_key(weight: Tensor) -> tuple[int, int]:
+    """What a packed copy of ``weight`` must be made again for: an in-place change (its version), or a touch
+    of its ``.data`` (``p.data.mul_(2)`` changes it without a new version).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2)); before = packing_key(w)
+        >>> with torch.no_grad():
+        ...     _ = w.mul_(2)
+        >>> packing_key(w) != before
+        True
+    """
+    return version(weight), DATA_TOUCHES.touches(weight)
 
 
 def mkldnn_available() -> bool:
@@ -96,7 +111,7 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
     if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
         shape = list(value.shape)
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
-        weight = PACKED.get(weight, (version(weight), *key), lambda: ops._reorder_convolution_weight(
+        weight = PACKED.get(weight, (*packing_key(weight), *key), lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))
     conv = (list(padding), list(stride), list(dilation), groups)
     if other is None and exact:
@@ -210,7 +225,7 @@ def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activ
         attr, algorithm = ONEDNN_ACTIVATIONS[activation]
         ops = torch.ops.mkldnn
         rows = _value(input).numel() // _value(input).shape[-1]
-        packed = PACKED.get(weight, (version(weight), "linear", rows),
+        packed = PACKED.get(weight, (*packing_key(weight), "linear", rows),
                             lambda: ops._reorder_linear_weight(weight.detach(), rows))
         if postop_keeps_specials("linear", activation, tuple(scalars), False, False, _value(input).dtype):
             return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)

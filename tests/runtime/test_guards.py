@@ -529,3 +529,20 @@ def test_a_copy_of_a_decorated_instance_plans_for_its_own_weights():
         twin.body[0].weight.mul_(2.0)
         torch.testing.assert_close(twin(x), twin.body(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model(x), model.body(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("edit", ["ema through .data", "scale through .data"])
+def test_a_data_edit_reaches_a_prepacked_weight_that_is_not_folded(edit):
+    """oneDNN's prepacked copy of a plain (unfolded) weight is remade after a ``.data`` edit, which leaves the
+    weight's version as it was (found by the fuzz suite: channels-last, mkldnn, EMA)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.ReLU(), nn.Conv2d(4, 2, 1, bias=False)).eval()
+    policy = TuningPolicy(keep="fused", layout="channels-last", kernel="mkldnn")
+    opt = fxforge.optimize(model, (fresh(),), tuning=policy)
+    same(opt, model)
+    for p in model.parameters():
+        if edit == "ema through .data":
+            p.data.mul_(0.9).add_(torch.randn(p.shape), alpha=0.1)
+        else:
+            p.data.mul_(-2.0)
+    same(opt, model)
