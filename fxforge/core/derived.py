@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -77,6 +78,9 @@ class DerivedValues:
 
     def __init__(self, items: Sequence[Derived]):
         self.items = list(items)
+        # Concurrent calls: one checks and recomputes while the others wait, so none runs on values half
+        # recomputed, or on old ones after the first has taken note of a change.
+        self._lock = threading.RLock()
         self._record()
 
     def _record(self) -> None:
@@ -113,15 +117,19 @@ class DerivedValues:
 
     def refresh(self) -> None:
         """Recompute every derived value (in order) and record the sources' state."""
-        for item in self.items:
-            item.recompute()
-        self._record()
+        with self._lock:
+            for item in self.items:
+                item.recompute()
+            self._record()
 
     def refresh_if_stale(self) -> bool:
         """Recompute the values if a source changed; whether they were recomputed."""
-        if self.items and self.stale():
-            self.refresh()
-            return True
+        if not self.items:
+            return False
+        with self._lock:
+            if self.stale():
+                self.refresh()
+                return True
         return False
 
 

@@ -546,3 +546,31 @@ def test_a_data_edit_reaches_a_prepacked_weight_that_is_not_folded(edit):
         else:
             p.data.mul_(-2.0)
     same(opt, model)
+
+
+def test_threads_calling_right_after_a_data_edit_all_see_it():
+    """One thread notices a ``.data`` edit and recomputes the folded weights; the others wait for it instead
+    of running the old ones (found by the fuzz suite's long profile: a threaded call after ``p.data.mul_``)."""
+    import threading
+
+    model = trained_net()
+    opt = fxforge.optimize(model, (fresh(),))
+    x = fresh()
+    for round_ in range(12):
+        with torch.no_grad():
+            model.conv.weight.data.mul_(1.5 if round_ % 2 else 1 / 1.5)
+            expected = model(x)
+        start, results = threading.Barrier(4), [None] * 4
+
+        def call(i: int, start: threading.Barrier = start, results: list = results) -> None:
+            start.wait()
+            with torch.no_grad():
+                results[i] = opt(x)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for got in results:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
