@@ -38,6 +38,7 @@ from torch import nn
 from fxforge.capture import CaptureError, capture, normalize_inputs
 from fxforge.capture.dynamic import capture_dynamic
 from fxforge.core.captured import Captured
+from fxforge.core.gc_pause import no_collection
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
@@ -103,7 +104,7 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
         'fx'
     """
     conditions = conditions or CallConditions()
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), no_collection():
         captured = capture(module, args, method, example_kwargs=kwargs, check=verify)
         tuning = tuning if not (conditions.gradients or conditions.autocast) else None
         rewritten = rewrite(captured, rewrites, verify=verify, tuning=tuning, conditions=conditions)

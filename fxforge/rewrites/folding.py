@@ -77,6 +77,7 @@ def _recipe(gm: torch.fx.GraphModule, node: Node, constant: set[Node], dtype: to
             sources.append(attribute_tensor(gm, original.target))
         else:
             copies[original] = graph.node_copy(original, copies.__getitem__)
+            copies[original].meta = {}  # a recipe needs the op and its arguments, not the fake values
     graph.output(copies[node])
     return FoldRecipe(graph, tuple(sources), dtype)
 
