@@ -149,7 +149,10 @@ class PlanCache:
         try:
             with torch.inference_mode(False):
                 copies = pytree.tree_map_only(torch.Tensor, _copy_input, (args, kwargs))
-            with silenced_hooks(self._watch.watched()):
+            # Building draws random numbers (random inputs, models with dropout run during capture and checks):
+            # the caller's generators are left as eager would leave them, so its dropout masks stay eager's.
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            with silenced_hooks(self._watch.watched()), torch.random.fork_rng(devices=None if cuda else []):
                 plan = self.build(*copies, conditions)
         except Exception as failure:  # noqa: BLE001 - any failure falls back to eager with a warning
             error = failure

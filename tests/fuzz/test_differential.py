@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import assume, given, note
 from hypothesis import strategies as st
 from torch import nn
 
@@ -153,6 +153,8 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs) -> None:
         condition = data.draw(st.sampled_from([*CONDITIONS, "hooks", "train"]), label="condition")
         note(f"optimized: {opt.report.counts}")
         if condition == "threads":
+            # Active dropout in threads draws from one generator in an order nobody fixes: no eager answer.
+            assume(not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in model.modules()))
             calls = [fresh_inputs(10 + i) for i in range(3)]
             for got, inputs in zip(_threaded(opt, calls), calls):
                 with torch.no_grad():

@@ -574,3 +574,55 @@ def test_threads_calling_right_after_a_data_edit_all_see_it():
             t.join()
         for got in results:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tuning", [TuningPolicy(), TuningPolicy(kernel="composite", keep="fused")],
+                         ids=["measured", "composite"])
+@pytest.mark.parametrize("example", [True, False], ids=["example inputs", "first call"])
+def test_building_a_plan_leaves_the_callers_random_numbers_alone(example, tuning):
+    """The call that builds a plan (here the first one after ``dropout.train()``) draws the dropout mask eager
+    draws: capture and verification run the model with its dropout, and must not move the caller's RNG
+    (found by the fuzz suite's long profile)."""
+    model = trained_net()
+    twin = copy.deepcopy(model)
+    opt = fxforge.optimize(model, (fresh(),) if example else None, tuning=tuning)
+    x = fresh()
+    for module in (model, twin):
+        module.drop.train()  # MC-dropout: a new plan, built by the next call
+    with torch.no_grad():
+        torch.manual_seed(5)
+        got = opt(x)
+        after_optimized = torch.get_rng_state()
+        torch.manual_seed(5)
+        expected = twin(x)
+        after_eager = torch.get_rng_state()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after_optimized, after_eager)
+
+
+def test_a_build_that_draws_random_numbers_leaves_the_callers_generator_alone():
+    """Whatever a build draws (capture and checks run models with dropout; the fuzz suite found a model whose
+    build moved the generator, so that call's dropout mask differed from eager's), the caller's generator
+    is where eager would leave it."""
+    from fxforge.planner import plan_builder
+    from fxforge.runtime.native import OptimizedModule
+
+    model = trained_net()
+    model.drop.train()
+    real = plan_builder(model)
+
+    def drawing_build(*args):
+        torch.rand(100)
+        return real(*args)
+
+    opt = OptimizedModule(model, drawing_build)
+    x = fresh()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        got = opt(x)
+        after_optimized = torch.get_rng_state()
+        torch.manual_seed(5)
+        expected = model(x)
+        after_eager = torch.get_rng_state()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after_optimized, after_eager)
