@@ -576,6 +576,19 @@ def test_threads_calling_right_after_a_data_edit_all_see_it():
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def same_draws(opt: nn.Module, eager: nn.Module, x: torch.Tensor) -> None:
+    """From one seed, the optimized call gives eager's output (dropout masks included) and leaves the
+    generator where eager's call leaves it."""
+    results = []
+    for module in (opt, eager):
+        with torch.no_grad():
+            torch.manual_seed(5)
+            results.append((module(x), torch.get_rng_state()))
+    (got, after_optimized), (expected, after_eager) = results
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after_optimized, after_eager)
+
+
 @pytest.mark.parametrize("tuning", [TuningPolicy(), TuningPolicy(kernel="composite", keep="fused")],
                          ids=["measured", "composite"])
 @pytest.mark.parametrize("example", [True, False], ids=["example inputs", "first call"])
@@ -589,15 +602,7 @@ def test_building_a_plan_leaves_the_callers_random_numbers_alone(example, tuning
     x = fresh()
     for module in (model, twin):
         module.drop.train()  # MC-dropout: a new plan, built by the next call
-    with torch.no_grad():
-        torch.manual_seed(5)
-        got = opt(x)
-        after_optimized = torch.get_rng_state()
-        torch.manual_seed(5)
-        expected = twin(x)
-        after_eager = torch.get_rng_state()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(after_optimized, after_eager)
+    same_draws(opt, twin, x)
 
 
 def test_a_build_that_draws_random_numbers_leaves_the_callers_generator_alone():
@@ -617,12 +622,4 @@ def test_a_build_that_draws_random_numbers_leaves_the_callers_generator_alone():
 
     opt = OptimizedModule(model, drawing_build)
     x = fresh()
-    with torch.no_grad():
-        torch.manual_seed(5)
-        got = opt(x)
-        after_optimized = torch.get_rng_state()
-        torch.manual_seed(5)
-        expected = model(x)
-        after_eager = torch.get_rng_state()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(after_optimized, after_eager)
+    same_draws(opt, model, x)
