@@ -106,11 +106,10 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
     conditions = conditions or CallConditions()
     with torch.inference_mode(False), no_collection():
         captured = capture(module, args, method, example_kwargs=kwargs, check=verify)
-        tuning = tuning if not (conditions.gradients or conditions.autocast) else None
-        rewritten = rewrite(captured, rewrites, verify=verify, tuning=tuning, conditions=conditions)
-        if conditions.gradients or conditions.autocast:
-            return plain_plan(rewritten)
-        return make_plan(rewritten)
+        eager_ops = conditions.gradients or bool(conditions.autocast)  # no fused ops: nothing to time or lower
+        rewritten = rewrite(captured, rewrites, verify=verify, tuning=None if eager_ops else tuning,
+                            conditions=conditions)
+        return plain_plan(rewritten) if eager_ops else make_plan(rewritten)
 
 
 def plan_builder(module: nn.Module, **options: Any) -> PlanBuilder:

@@ -93,9 +93,7 @@ class DerivedValues:
         self._pointers = [t.data_ptr() for t in self._buffers]
         watch_data(self._sources)
         self._touches = DATA_TOUCHES.generation
-        self._checksums: dict[int, int] = {}
-        if self._sources:
-            self._checksums = {id(t): checksum(t) for t in self._sources if isinstance(t, nn.Parameter)}
+        self._checksums = {id(t): checksum(t) for t in self._sources if isinstance(t, nn.Parameter)}
 
     def __len__(self) -> int:
         return len(self.items)
@@ -160,8 +158,7 @@ class _DataTouches:
 
     def __init__(self) -> None:
         self._watched: dict[int, weakref.ref] = {}
-        self.touched: set[int] = set()
-        self._counts: dict[int, int] = {}
+        self._counts: dict[int, int] = {}  # id -> touches so far (a touched tensor has a count)
         self.generation = 0
 
     def watch(self, tensor: torch.Tensor) -> None:
@@ -172,7 +169,6 @@ class _DataTouches:
 
     def _forget(self, key: int) -> None:
         self._watched.pop(key, None)
-        self.touched.discard(key)
         self._counts.pop(key, None)
 
     def watching(self, tensor: torch.Tensor) -> bool:
@@ -180,11 +176,10 @@ class _DataTouches:
         return entry is not None and entry() is tensor
 
     def was_touched(self, tensor: torch.Tensor) -> bool:
-        return id(tensor) in self.touched and self.watching(tensor)
+        return self.touches(tensor) > 0
 
     def touch(self, tensor: torch.Tensor) -> None:
         if self.watching(tensor):
-            self.touched.add(id(tensor))
             self._counts[id(tensor)] = self._counts.get(id(tensor), 0) + 1
             self.generation += 1
 

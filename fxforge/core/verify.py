@@ -210,6 +210,15 @@ def _is_additive_mask(values: torch.Tensor, all_finite: bool) -> bool:
     return not all_finite or bool((distinct <= MASKED).any())
 
 
+def _finite_values(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``(t in float64, where it is finite, its finite values, whether it is an additive mask)`` of a
+    floating-point tensor."""
+    data = t.detach().double()
+    finite = torch.isfinite(data)
+    values = data[finite]
+    return data, finite, values, _is_additive_mask(values, bool(finite.all()))
+
+
 def random_like(example: Any, seed: int) -> Any:
     """Random inputs with the shapes, dtypes and devices of ``example`` (a pytree of tensors).
 
@@ -235,10 +244,8 @@ def random_like(example: Any, seed: int) -> Any:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
         if t.is_floating_point():
-            data = t.detach().double()
-            finite = torch.isfinite(data)
-            values = data[finite]
-            if _is_additive_mask(values, bool(finite.all())):
+            data, finite, values, is_mask = _finite_values(t)
+            if is_mask:
                 return t.clone()
             std = float(values.std()) if values.numel() > 1 else 1.0
             std = std if std > 0 else 1.0
@@ -278,10 +285,8 @@ def with_special_values(example: Any) -> Any:
             return t
         t = t.detach().clone()
         if t.is_floating_point():
-            data = t.double()
-            finite = torch.isfinite(data)
-            values = data[finite]
-            if _is_additive_mask(values, bool(finite.all())):
+            data, _, values, is_mask = _finite_values(t)
+            if is_mask:
                 t[0] = float("-inf") if bool(torch.isneginf(data).any()) else float(values.min())
             elif not planted:
                 t.view(-1)[0] = float("nan")

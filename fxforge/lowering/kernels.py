@@ -108,7 +108,7 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
                                   value.dtype)
     # Prepacked weights make oneDNN write channels-last output; the op's output must keep the input's
     # layout (as the composite does), so they are used for channels-last inputs only.
-    if weight.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last) and not value.is_contiguous():
+    if _channels_last(value):
         shape = list(value.shape)
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
         weight = PACKED.get(weight, (*packing_key(weight), *key), lambda: ops._reorder_convolution_weight(
@@ -190,10 +190,7 @@ def cudnn_relu_keeps_specials(residual: bool, dtype: torch.dtype, device: str) -
     Example:
         >>> cudnn_relu_keeps_specials(False, torch.float32, "cuda:0") if torch.cuda.is_available() else None
     """
-    values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
-    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
-    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
-    w = torch.eye(2, dtype=dtype, device=device).view(2, 2, 1, 1)
+    x, other, w = _identity_conv_probe(dtype, device, residual, channels_last=False)
     conv = ([1, 1], [0, 0], [1, 1], 1)
     try:
         with torch.no_grad():
@@ -308,19 +305,13 @@ def postop_keeps_specials(op: str, activation: str, scalars: tuple, residual: bo
 def _probe(op: str, activation: str, scalars: tuple, residual: bool, channels_last: bool,
            dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(composite, fused oneDNN) of ``activation`` on :data:`SPECIAL_VALUES`."""
-    values = torch.tensor(SPECIAL_VALUES, dtype=dtype)
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
     if op == "linear":
+        values = torch.tensor(SPECIAL_VALUES, dtype=dtype)
         x, w = torch.stack([values, torch.zeros_like(values)], 1), torch.eye(2, dtype=dtype)
         fused = torch.ops.mkldnn._linear_pointwise.default(x, w, None, attr, list(scalars), algorithm)
         return fused_ops.linear_pointwise_composite(x, w, None, activation, scalars), fused
-    # channel 0 holds the values, channel 1 zeros: the identity weight adds only 0 * 0 to each value
-    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
-    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-        other = other.contiguous(memory_format=torch.channels_last) if other is not None else None
-    w = torch.eye(2, dtype=dtype).view(2, 2, 1, 1)
+    x, other, w = _identity_conv_probe(dtype, "cpu", residual, channels_last)
     conv = ([0, 0], [1, 1], [1, 1], 1)
     if residual:
         fused = torch.ops.mkldnn._convolution_pointwise.binary(x, other, w, None, *conv, "add", None,
@@ -330,6 +321,20 @@ def _probe(op: str, activation: str, scalars: tuple, residual: bool, channels_la
         fused = torch.ops.mkldnn._convolution_pointwise.default(x, w, None, *conv, attr, list(scalars), algorithm)
     expected = fused_ops.conv_pointwise_composite(x, w, None, [1, 1], [0, 0], [1, 1], 1, other, activation, scalars)
     return expected, fused
+
+
+def _identity_conv_probe(dtype: torch.dtype, device: str, residual: bool, channels_last: bool
+                         ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(input, added tensor or None, weight)`` of a 1x1 identity convolution over :data:`SPECIAL_VALUES`:
+    channel 0 holds the values, channel 1 zeros, so the identity weight adds only ``0 * 0`` to each value and
+    a post-op sees the special values themselves (the added tensor holds them reversed)."""
+    values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
+    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
+    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        other = other.contiguous(memory_format=torch.channels_last) if other is not None else None
+    return x, other, torch.eye(2, dtype=dtype, device=device).view(2, 2, 1, 1)
 
 
 def _activate(y: Tensor, activation: str, scalars: Sequence[float]) -> Tensor:

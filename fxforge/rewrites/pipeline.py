@@ -19,7 +19,14 @@ from fxforge.core.plan import CallConditions
 from fxforge.core.report import Report, RolledBack
 from fxforge.core.shapes import annotate
 from fxforge.core.source import first_line
-from fxforge.core.verify import Float64Reference, check_same, isolated, random_like, with_special_values
+from fxforge.core.verify import (
+    Comparison,
+    Float64Reference,
+    check_same,
+    isolated,
+    random_like,
+    with_special_values,
+)
 from fxforge.rewrites.passes import PassContext, Tuner
 from fxforge.rewrites.registry import resolve
 
@@ -127,8 +134,7 @@ def _rewrite(captured: Captured, passes: list, verify: bool, tuner: Tuner | None
             result = None
         if result is not None and result.ok:
             applied = ", ".join(dict.fromkeys(m.rule for m in report.matches))
-            report.verified.append(f"{applied}: verified together, max abs error {result.max_abs_err:.3g}"
-                                   + (f" ({result.note})" if result.note else ""))
+            report.verified.append(_verified(f"{applied}: verified together, ", result))
         else:
             report = captured.report.copy()
             current, run = _apply(passes, captured, report, check=(inputs, reference, exact), check_inputs=inputs,
@@ -139,6 +145,12 @@ def _rewrite(captured: Captured, passes: list, verify: bool, tuner: Tuner | None
 def _ran(run: LoweredRun | None, graph_module: torch.fx.GraphModule, inputs: list) -> dict[int, Any]:
     """The outputs a tuner recorded for ``graph_module`` on ``inputs`` (empty if it computes another function)."""
     return run.outputs_for(graph_module, inputs) if run is not None else {}
+
+
+def _verified(head: str, result: Comparison) -> str:
+    """The report's line for a verified rewrite: ``head``, its error, and the note of a difference judged
+    rounding."""
+    return f"{head}max abs error {result.max_abs_err:.3g}" + (f" ({result.note})" if result.note else "")
 
 
 def _finish(captured: Captured, current: torch.fx.GraphModule, report: Report, run: LoweredRun | None) -> Captured:
@@ -190,8 +202,7 @@ def _apply(passes: list, captured: Captured, report: Report, check: tuple[list, 
             if not result.ok:
                 report.rolled_back.append(RolledBack(rewrite_pass.name, len(ctx.matches), result.reason))
                 continue
-            report.verified.append(f"{rewrite_pass.name}: max abs error {result.max_abs_err:.3g}"
-                                   + (f" ({result.note})" if result.note else ""))
+            report.verified.append(_verified(f"{rewrite_pass.name}: ", result))
         report.matches.extend(ctx.matches)
         current, run = candidate, ctx.lowered_run or run
     return current, run

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
-from fxforge.core.vocabulary import HOOK_DICTS, has_hooks
+from fxforge.core.vocabulary import HOOK_DICTS
 
 # module -> the watches that hold it (weak both ways: a watch dies with its plan cache, a module with its model)
 _WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -254,17 +254,6 @@ class ModelWatch:
         """
         self.modes()
         return self._updates_state
-
-    def hooked(self) -> list[str]:
-        """The qualified names of the modules below the root that have forward or backward hooks.
-
-        Example:
-            >>> model = torch.nn.Sequential(torch.nn.ReLU())
-            >>> _ = model[0].register_forward_hook(lambda m, i, o: None)
-            >>> ModelWatch(model).hooked()
-            ['0']
-        """
-        return [name for name, m in self.model.named_modules() if name and has_hooks(m)]
 
 
 class ModuleState:

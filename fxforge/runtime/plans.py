@@ -204,17 +204,16 @@ class PlanCache:
         watch = self._watch
         if watch.epoch == self._epoch and not watch.hooks_changed():
             return self._rebuilds <= MAX_REBUILDS
-        reasons = watch.reasons[-1:] if watch.epoch != self._epoch else ["hooks were added or removed"]
-        self.plans.clear()
-        self._refreshed.clear()
-        self.last = None
-        watch.rewatch()
-        self._epoch = watch.epoch
+        if watch.epoch == self._epoch:
+            reason = "hooks were added or removed"
+        else:
+            reason = watch.reasons[-1] if watch.reasons else "the model changed"
+        self.clear()
         self._rebuilds += 1
-        self.notes.append(f"plans built again: {reasons[0] if reasons else 'the model changed'}")
+        self.notes.append(f"plans built again: {reason}")
         if self._rebuilds > MAX_REBUILDS:
             self._warn(f"running {type(self.module).__name__} eagerly from now on: its state changed "
-                       f"{self._rebuilds} times since it was optimized (last: {reasons[0] if reasons else '?'}), "
+                       f"{self._rebuilds} times since it was optimized (last: {reason}), "
                        "and each change costs a new capture")
             return False
         return True
