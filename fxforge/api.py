@@ -18,14 +18,14 @@ from fxforge.rewrites.registry import resolve
 TARGETS = ("native", "onnxruntime")
 # Options each target takes besides rewrites, verify and method.
 TARGET_OPTIONS = {
-    "native": ("tuning",),
+    "native": ("tuning", "dynamic_shapes", "max_plans"),
     "onnxruntime": tuple(o for o in EXPORT_OPTIONS if o not in ("rewrites", "verify", "method"))
     + ("path", "providers", "session_options", "intra_op_num_threads"),
 }
 
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
-             verify: bool = True, method: str = "auto", **target_options: Any) -> Any:
+             verify: bool = True, method: str = "auto", dynamic: bool | None = None, **target_options: Any) -> Any:
     """Capture, rewrite and run a model through fxforge.
 
     Three forms:
@@ -78,7 +78,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     if unknown:
         raise TypeError(f"target {target!r} does not take {', '.join(unknown)}; it takes {', '.join(allowed)}")
     resolve(rewrites)  # fail early on an unknown rewrite name
-    options = {"target": target, "rewrites": rewrites, "verify": verify, "method": method, **target_options}
+    if dynamic not in (None, True, False):
+        raise TypeError(f"dynamic takes None, True or False, got {dynamic!r}")
+    options = {"target": target, "rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
+               **target_options}
     if model is None:
         return functools.partial(optimize, example_inputs=example_inputs, **options)
     return optimized(model, example_inputs, **options)

@@ -84,6 +84,7 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
                                       strict=False)
     unlifted = _unlift(program)
     graph_module = torch.fx.GraphModule(unlifted, unlifted.graph, module.__class__.__name__)
+    graph_module.meta["fxforge_ranges"] = dict(program.range_constraints)  # the dynamic dims' ranges
     _drop_guards(graph_module)
     _assert_constants(graph_module, args, kwargs)
     _share_state(graph_module, module)

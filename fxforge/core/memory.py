@@ -46,6 +46,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxforge.core.nodes import is_inplace, is_view_op, submodule
+from fxforge.core.symbolic import hint
 from fxforge.core.vocabulary import argument, module_op_name, op_name
 
 _ROOTS = ("placeholder", "get_attr")
@@ -71,15 +72,15 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     name = module_op_name(module) if module is not None else op_name(node)
     if name == "max_pool":
         indices = module.return_indices if module is not None else argument(node, 5, "return_indices", False)
-        return 0 if indices else value.numel() * 8
+        return 0 if indices else hint(value.numel()) * 8
     if name == "layer_norm":
         shape = module.normalized_shape if module is not None else argument(node, 1, "normalized_shape", ())
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        groups = value.numel() // max(1, int(torch.Size(shape).numel()))
+        groups = hint(value.numel()) // max(1, hint(torch.Size(shape).numel()))
         return 2 * groups * value.element_size()
     if name == "group_norm":
         groups = module.num_groups if module is not None else argument(node, 1, "num_groups", 1)
-        return 2 * value.shape[0] * int(groups) * value.element_size()
+        return 2 * hint(value.shape[0]) * int(groups) * value.element_size()
     return 0
 
 
@@ -105,7 +106,7 @@ def _storage_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(identity, bytes)`` of a tensor's storage, or None where it has none we can read."""
     try:
         storage = tensor.untyped_storage()
-        return storage._cdata, int(storage.nbytes())
+        return storage._cdata, hint(storage.nbytes())  # symbolic sizes: the example's (no guard)
     except Exception:  # noqa: BLE001 - sparse, nested, symbolic sizes: no storage to account
         return None
 

@@ -17,6 +17,7 @@ import torch
 
 from fxforge.core.captured import Captured
 from fxforge.core.derived import DerivedValues
+from fxforge.core.symbolic import ShapeGuard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ class Plan:
             prepacked): it runs when no gradient is recorded.
         derived: the values computed from the model's tensors (folded and prepacked weights), recomputed
             when those change (:class:`~fxforge.core.derived.DerivedValues`).
+        shapes: for a graph with symbolic sizes, the calls it serves (a
+            :class:`~fxforge.core.symbolic.ShapeGuard`); None: the example's input signature only.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.ReLU())
@@ -95,6 +98,7 @@ class Plan:
     captured: Captured
     executable: torch.nn.Module
     derived: DerivedValues = dataclasses.field(default_factory=lambda: DerivedValues([]))
+    shapes: ShapeGuard | None = None
 
     @property
     def report(self):

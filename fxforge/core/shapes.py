@@ -163,6 +163,12 @@ def annotate(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, *, f
             if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" not in node.meta:
                 node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
         return MetaInfo("export")
+    symbolic = _symbolic_placeholders(graph_module)
+    if symbolic is not None:  # a shape-generic graph stays one: propagate its own symbolic input values
+        mode = next(v.fake_mode for v in symbolic if isinstance(v, torch.Tensor))
+        with isolated(graph_module), mode:
+            _FakeProp(graph_module, mode).run(*symbolic)
+        return MetaInfo("fake")
     values = placeholder_values(graph_module, args, kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_values = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in values]
@@ -177,6 +183,14 @@ def annotate(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, *, f
     with isolated(graph_module), torch.no_grad():
         _RealProp(graph_module, mode).run(*values)
     return MetaInfo("real", reason)
+
+
+def _symbolic_placeholders(graph_module: torch.fx.GraphModule) -> list[Any] | None:
+    """The placeholders' fake values when one has a symbolic size (the graph serves many shapes), else None."""
+    values = [n.meta.get("val") for n in graph_module.graph.find_nodes(op="placeholder")]
+    if any(isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape) for v in values):
+        return values
+    return None
 
 
 def propagate_meta(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node],

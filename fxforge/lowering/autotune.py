@@ -46,6 +46,7 @@ from fxforge.core.captured import LoweredRun
 from fxforge.core.disk_cache import TuningCache, machine_key, open_cache
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.shapes import annotate
+from fxforge.core.symbolic import hint
 from fxforge.core.verify import isolated
 from fxforge.lowering.kernels import KERNELS_BY_OP, kernels_for
 from fxforge.lowering.layout import to_channels_last
@@ -131,6 +132,15 @@ def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
     return pool[key]
 
 
+def _concrete(value: Any) -> Any:
+    """A fake value with symbolic sizes as an (uninitialised) tensor of the example's sizes, which kernels
+    are timed on; anything else as it is."""
+    if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+        return torch.empty_strided([hint(s) for s in value.shape], [hint(s) for s in value.stride()],
+                                   dtype=value.dtype, device=value.device)
+    return value
+
+
 def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: dict | None = None,
                  policy: TuningPolicy = MEASURE_ALL) -> tuple[float, list[tuple]]:
     """Time each fused op's kernels on its real shapes; set the fastest. Returns (total ms, choices).
@@ -149,7 +159,7 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
     total, choices, seen = 0.0, [], {} if memo is None else memo
     for node, op, weight in fused_calls(gm):
         *op_args, _ = node.args
-        values = [a.meta.get("val") if isinstance(a, Node) else a for a in op_args]
+        values = [_concrete(a.meta.get("val")) if isinstance(a, Node) else a for a in op_args]
         key = repr((str(node.target), *((tuple(v.shape), v.stride(), str(v.dtype)) if isinstance(v, torch.Tensor)
                                         else str(v) for v in values)))
         if key not in seen:

@@ -35,6 +35,7 @@ from torch.fx import Node
 from torch.nn import functional as F
 
 from fxforge.core.derived import DATA_TOUCHES
+from fxforge.core.symbolic import hint
 from fxforge.core.tensor_cache import TensorCache, version
 from fxforge.rewrites import fused_ops
 
@@ -109,7 +110,7 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
     # Prepacked weights make oneDNN write channels-last output; the op's output must keep the input's
     # layout (as the composite does), so they are used for channels-last inputs only.
     if _channels_last(value):
-        shape = list(value.shape)
+        shape = [hint(size) for size in value.shape]  # a shape-generic graph's: packed for the example's sizes
         key = (tuple(padding), tuple(stride), tuple(dilation), groups, tuple(shape))
         weight = PACKED.get(weight, (*packing_key(weight), *key), lambda: ops._reorder_convolution_weight(
             weight.detach(), padding, stride, dilation, groups, shape))
@@ -221,7 +222,7 @@ def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activ
             return reason
         attr, algorithm = ONEDNN_ACTIVATIONS[activation]
         ops = torch.ops.mkldnn
-        rows = _value(input).numel() // _value(input).shape[-1]
+        rows = hint(_value(input).numel()) // hint(_value(input).shape[-1])  # a packing hint: any rows run
         packed = PACKED.get(weight, (*packing_key(weight), "linear", rows),
                             lambda: ops._reorder_linear_weight(weight.detach(), rows))
         if postop_keeps_specials("linear", activation, tuple(scalars), False, False, _value(input).dtype):

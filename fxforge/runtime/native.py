@@ -25,7 +25,7 @@ from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
 from fxforge.core.report import Report
 from fxforge.core.vocabulary import HOOK_DICTS
-from fxforge.runtime.plans import PlanBuilder, PlanCache
+from fxforge.runtime.plans import PlanBuilder, PlanCache, ShapePolicy
 
 
 def _clear_graphs_after_load(module: nn.Module, incompatible_keys: Any) -> None:
@@ -57,7 +57,7 @@ class OptimizedModule(nn.Module):
         ([0.0, 0.0], 'fx')
     """
 
-    def __init__(self, model: nn.Module, build: PlanBuilder):
+    def __init__(self, model: nn.Module, build: PlanBuilder, policy: ShapePolicy | None = None):
         super().__init__()
         # Share the model's registries instead of registering it as a child: keys stay un-prefixed.
         self.__dict__["_parameters"] = model._parameters
@@ -71,7 +71,8 @@ class OptimizedModule(nn.Module):
         del self.__dict__["_is_full_backward_hook"]  # read from the model (through __getattr__)
         self.__dict__["original"] = model
         # The hooks ran around this module's forward already: where no plan serves, the model's forward runs.
-        self.__dict__["_fxforge_cache"] = PlanCache(model, build, eager=lambda *a, **k: model.forward(*a, **k))
+        self.__dict__["_fxforge_cache"] = PlanCache(model, build, eager=lambda *a, **k: model.forward(*a, **k),
+                                                    policy=policy)
         self.training = model.training
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
 
@@ -98,6 +99,20 @@ class OptimizedModule(nn.Module):
         self.original.train(mode)
         self.training = mode
         return self
+
+    @property
+    def plans_built(self) -> int:
+        """How many plans were built (captures made) so far: one per input signature with ``dynamic=False``;
+        with dynamic sizes, one more per dim that became dynamic, not one per size.
+
+        Example:
+            >>> opt = fxforge.optimize(torch.nn.Linear(2, 2))
+            >>> with torch.no_grad():
+            ...     _ = [opt(torch.ones(n, 2)) for n in (2, 3, 4, 5)]
+            >>> opt.plans_built   # sizes 2 (static), then one plan for every batch size
+            2
+        """
+        return self.cache.plans_built
 
     @property
     def captured(self) -> Captured | None:
@@ -133,10 +148,11 @@ class OptimizedModule(nn.Module):
             >>> twin.original is not model, twin.weight is twin.original.weight
             (True, True)
         """
-        return OptimizedModule, (self.original, self.cache.build)
+        return OptimizedModule, (self.original, self.cache.build, self.cache.policy)
 
 
-def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], PlanBuilder]) -> type[nn.Module]:
+def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], PlanBuilder],
+                   policy: ShapePolicy | None = None) -> type[nn.Module]:
     """A subclass of ``cls`` whose instances capture and rewrite themselves on their first call.
 
     The subclass keeps the class's name, module and docstring; instances are ordinary instances of
@@ -145,6 +161,7 @@ def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], Plan
     Args:
         cls: the ``nn.Module`` class.
         builder_for: ``instance -> (args, kwargs) -> Plan`` (:func:`fxforge.planner.plan_builder`).
+        policy: how the instances' plans treat input sizes (:class:`~fxforge.runtime.plans.ShapePolicy`).
 
     Example:
         >>> from fxforge.planner import plan_builder
@@ -164,7 +181,8 @@ def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], Plan
             return eager_forward(self, *args, **kwargs)
         cache = self.__dict__.get("_fxforge_cache")
         if cache is None:
-            cache = PlanCache(self, builder_for(self), eager=lambda *a, **k: eager_forward(self, *a, **k))
+            cache = PlanCache(self, builder_for(self), eager=lambda *a, **k: eager_forward(self, *a, **k),
+                              policy=policy)
             self.__dict__["_fxforge_cache"] = cache
         return cache(args, kwargs)
 

@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Hashable
@@ -43,13 +45,52 @@ from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, silenced_hooks
-from fxforge.runtime.signature import describe_signature, input_signature
+from fxforge.runtime.signature import (
+    describe_signature,
+    differing_dims,
+    family_of,
+    input_signature,
+    sizes_of,
+)
 
-# (args, kwargs, conditions) -> the plan for calls like this one; raises when the module cannot be captured.
-PlanBuilder = Callable[[tuple, dict, CallConditions], Plan]
+# (args, kwargs, conditions, dynamic) -> the plan for calls like this one (dynamic: None for the input signature
+# only, else the input dims to keep symbolic or a torch.export dynamic_shapes spec); raises when the module
+# cannot be captured.
+PlanBuilder = Callable[..., Plan]
 # After this many rebuilds because the model's state changed, the model runs eagerly (with one warning):
 # something sets its attributes on every call, and each rebuild costs a capture.
 MAX_REBUILDS = 8
+# Plans one module holds at most (torch.compile's recompile limit is 8 too); calls no plan serves past it run
+# eagerly, after one warning.
+MAX_PLANS = 8
+# Input signatures remembered as served by a shape-generic plan (the first call of a signature checks the
+# plan's shape guard; later ones find it here): the oldest are forgotten past this many.
+MAX_SERVED = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePolicy:
+    """How an optimized module's plans treat input sizes.
+
+    Attributes:
+        dynamic: None (as ``torch.compile``): the first call's sizes are static; when a later call differs
+            from earlier ones only in sizes, those dims become dynamic and one shape-generic plan serves
+            all their sizes. True: the first plan is shape-generic in every input dim already. False: one
+            plan per input signature.
+        dynamic_shapes: torch.export's ``dynamic_shapes`` for the first plan (the user knows the ranges).
+        max_plans: plans held at most; calls that no plan serves past it run eagerly, after one warning.
+
+    Example:
+        >>> ShapePolicy().max_plans
+        8
+    """
+
+    dynamic: bool | None = None
+    dynamic_shapes: Any = None
+    max_plans: int = MAX_PLANS
+
+
+_MISSING = object()
 
 
 class FallbackWarning(UserWarning):
@@ -75,8 +116,9 @@ class PlanCache:
 
     Args:
         module: the model.
-        build: ``(args, kwargs, conditions) -> Plan`` (see :func:`fxforge.planner.plan_builder`).
+        build: ``(args, kwargs, conditions, dynamic=None) -> Plan`` (see :func:`fxforge.planner.plan_builder`).
         eager: what runs when no plan can be built (default: the module).
+        policy: how plans treat input sizes (a :class:`ShapePolicy`).
 
     Example:
         >>> from fxforge.planner import plan_builder
@@ -88,18 +130,26 @@ class PlanCache:
         'fx'
     """
 
-    def __init__(self, module: nn.Module, build: PlanBuilder, eager: Callable[..., Any] | None = None):
+    def __init__(self, module: nn.Module, build: PlanBuilder, eager: Callable[..., Any] | None = None,
+                 policy: ShapePolicy | None = None):
         self.module = module
         self.build = build
         self.eager = eager if eager is not None else module
+        self.policy = policy or ShapePolicy()
         self.plans: dict[Hashable, Plan | None] = {}
+        self.plans_built = 0  # builds made (captures), for reports and benchmarks
+        self._served: collections.OrderedDict[Hashable, Plan] = collections.OrderedDict()
+        self._families: dict[Hashable, list[Hashable]] = {}  # family -> signatures built for, in order
+        self._dynamic_dims: dict[Hashable, set] = {}  # family -> input dims made dynamic so far
+        self._static_only: set[Hashable] = set()  # families torch.export could not make dynamic
         self.last: Plan | None = None
         self.notes: list[str] = []
         self._watch = ModelWatch(module)
         self._epoch = self._watch.epoch
         self._rebuilds = 0
         self._training_calls = 0  # how many calls ran in training mode: BatchNorm statistics moved
-        self._refreshed: dict[Hashable, int] = {}
+        self._refreshed: dict[int, int] = {}  # id(plan) -> training calls when its derived values were computed
+        self._generic: dict[Hashable, list[Plan]] = {}  # family -> its shape-generic plans, newest first
         self._warned: set[str] = set()
         self._warned_gradients = False
         self._set_during_build: list[str] = []
@@ -117,32 +167,126 @@ class PlanCache:
         """The plan for a call like this one (by default: no gradients, autocast as it is now), built now if
         there is none yet.
 
+        A call whose input signature has no plan of its own is first offered to the shape-generic plans of
+        its family (calls that differ only in sizes): the first one whose shape guard accepts it serves it,
+        and serves that signature from then on without asking again.
+
         Returns None, after one warning per distinct reason, when the module cannot be captured (or its
-        state keeps changing).
+        state keeps changing, or it holds ``max_plans`` plans already).
         """
         conditions = conditions or CallConditions.now()
         with self._lock:
             if not self._still_valid():
                 return None
-            key = (input_signature(args, kwargs, self.module.training), self._watch.modes(), conditions)
-            if key not in self.plans:
-                plan = self._build(args, kwargs, conditions)
-                if self._forward_set_state():
-                    return None  # this call runs eagerly (and sets the state itself, once, as eager does)
-                self.plans[key] = plan
-                self._refreshed[key] = self._training_calls
-                self._say_what_gradients_cost(plan, conditions)
-            plan = self.plans[key]
+            signature = input_signature(args, kwargs, self.module.training)
+            key = (signature, self._watch.modes(), conditions)
+            plan = self.plans.get(key, _MISSING)
+            if plan is _MISSING:
+                plan = self._served.get(key)
+                if plan is not None:
+                    self._served.move_to_end(key)
+                else:
+                    plan = self._shape_generic_plan(key, signature)
+                if plan is None:
+                    plan = self._new_plan(key, signature, args, kwargs, conditions)
+                    if plan is _MISSING:
+                        return None  # this call runs eagerly (and sets the state itself, once, as eager does)
             if plan is not None:
                 self.last = plan
-                if self._refreshed[key] != self._training_calls:
+                if self._refreshed.setdefault(id(plan), self._training_calls) != self._training_calls:
                     plan.derived.refresh()
-                    self._refreshed[key] = self._training_calls
+                    self._refreshed[id(plan)] = self._training_calls
             return plan
 
-    def _build(self, args: tuple, kwargs: dict, conditions: CallConditions) -> Plan | None:
+    def _shape_generic_plan(self, key: Hashable, signature: Hashable) -> Plan | None:
+        """A shape-generic plan of the call's family that serves it (remembered for its signature), or None."""
+        family = (family_of(signature), *key[1:])
+        sizes = sizes_of(signature)
+        for plan in self._generic.get(family, ()):
+            if plan.shapes.check_sizes(sizes) is None:
+                self._served[key] = plan
+                if len(self._served) > MAX_SERVED:
+                    self._served.popitem(last=False)
+                return plan
+        return None
+
+    def _new_plan(self, key: Hashable, signature: Hashable, args: tuple, kwargs: dict,
+                  conditions: CallConditions) -> Any:
+        """Build the plan for a call no plan serves: shape-generic where the policy says so (falling back to
+        one for this signature only when torch.export cannot keep the dims dynamic), none past ``max_plans``.
+        ``_MISSING``: the build saw the forward set the model's state, and this call runs eagerly."""
+        family = (family_of(signature), *key[1:])
+        held = len({id(p) for p in self.plans.values() if p is not None})
+        if held >= self.policy.max_plans:
+            self._warn(f"running {type(self.module).__name__} eagerly for inputs {describe_signature(args, kwargs)}: "
+                       f"it holds {held} plans already (max_plans={self.policy.max_plans}); no plan serves these "
+                       "sizes. Pass dynamic_shapes= (or dynamic=True) so that one plan serves them, or a larger "
+                       "max_plans=")
+            self.plans[key] = None
+            return None
+        dynamic = self._dynamic_for(family, signature)
+        plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None)
+        if self._forward_set_state():
+            return _MISSING
+        if dynamic is not None:
+            reason = ("torch.export could not capture it" if plan is None else "torch.export kept no dim dynamic"
+                      if plan.shapes is None else plan.shapes.check_sizes(sizes_of(signature)))
+            if reason is not None:
+                self.notes.append(f"one plan per input signature for {describe_signature(args, kwargs)}: a "
+                                  f"shape-generic plan could not be built ({reason})")
+                if plan is None:
+                    self._static_only.add(family)  # (no more tries: each costs a capture)
+                plan = self._build(args, kwargs, conditions, None)
+                if self._forward_set_state():
+                    return _MISSING
+        self.plans[key] = plan
+        self._families.setdefault(family, []).append(signature)
+        if plan is not None and plan.shapes is not None:
+            self._adopt(family, plan, dynamic)
+        self._say_what_gradients_cost(plan, conditions)
+        return plan
+
+    def _dynamic_for(self, family: Hashable, signature: Hashable) -> Any:
+        """What a new plan for this signature keeps dynamic: None (its sizes only), a set of input dims, or
+        the user's ``dynamic_shapes``."""
+        if self.policy.dynamic is False or family in self._static_only:
+            return None
+        if self.policy.dynamic_shapes is not None:
+            return self.policy.dynamic_shapes
+        if self.policy.dynamic is True:
+            return frozenset((leaf, dim) for leaf, sizes in enumerate(sizes_of(signature)) if sizes is not None
+                             for dim in range(len(sizes[0])))
+        dims = set(self._dynamic_dims.get(family, ()))
+        for other in self._families.get(family, ()):
+            dims |= differing_dims(signature, other)
+        sizes = sizes_of(signature)
+        dims = {(leaf, dim) for leaf, dim in dims if sizes[leaf][0][dim] > 1}  # sizes 0 and 1 stay specialised
+        return frozenset(dims) or None
+
+    def _adopt(self, family: Hashable, plan: Plan, dynamic: Any) -> None:
+        """Make a new shape-generic plan the one its family's calls find, and retire the plans it makes
+        redundant (those built for signatures it serves): their graphs and weights are freed."""
+        self._generic.setdefault(family, []).insert(0, plan)
+        if isinstance(dynamic, frozenset):
+            self._dynamic_dims[family] = set(dynamic)
+        for other in [k for k, p in self.plans.items() if p is not None and p is not plan]:
+            if (family_of(other[0]), *other[1:]) == family and plan.shapes.check_sizes(sizes_of(other[0])) is None:
+                retired = self.plans.pop(other)
+                self._refreshed.pop(id(retired), None)
+                if retired in self._generic[family]:
+                    self._generic[family].remove(retired)
+                self._served[other] = plan
+        for other, served in list(self._served.items()):
+            if served is not plan and all(served is not p for p in self.plans.values()):
+                self._served[other] = plan if plan.shapes.check_sizes(sizes_of(other[0])) is None else None
+                if self._served[other] is None:
+                    del self._served[other]
+
+    def _build(self, args: tuple, kwargs: dict, conditions: CallConditions, dynamic: Any = None, *,
+               quiet: bool = False) -> Plan | None:
         """Build a plan on copies of the inputs (capture and verification run the model several times: the
-        caller's tensors must not see that), noting what the model's forward set on its modules meanwhile."""
+        caller's tensors must not see that), noting what the model's forward set on its modules meanwhile.
+        A failure warns (unless ``quiet``: the caller tries again otherwise) and gives None."""
         state = ModuleState(self._watch.watched())
         plan, error = None, None
         self._building.active = True
@@ -152,8 +296,10 @@ class PlanCache:
             # Building draws random numbers (random inputs, models with dropout run during capture and checks):
             # the caller's generators are left as eager would leave them, so its dropout masks stay eager's.
             cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self.plans_built += 1
             with silenced_hooks(self._watch.watched()), torch.random.fork_rng(devices=None if cuda else []):
-                plan = self.build(*copies, conditions)
+                # (a builder that knows nothing of dynamic dims is called as before)
+                plan = self.build(*copies, conditions, *(() if dynamic is None else (dynamic,)))
         except Exception as failure:  # noqa: BLE001 - any failure falls back to eager with a warning
             error = failure
         finally:
@@ -161,7 +307,7 @@ class PlanCache:
         self._set_during_build = state.changes()
         if self._set_during_build:
             state.restore()  # (a graph of such a forward differs from it: its failure is no news)
-        elif error is not None:
+        elif error is not None and not quiet:
             reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
             self._warn(f"running {type(self.module).__name__} eagerly for inputs "
                        f"{describe_signature(args, kwargs)}: {reason}")
@@ -269,6 +415,8 @@ class PlanCache:
         """Forget every plan (after new weights are loaded, or the module changed)."""
         with self._lock:
             self.plans.clear()
+            self._served.clear()
+            self._generic.clear()
             self._refreshed.clear()
             self.last = None
             self._watch.rewatch()

@@ -58,3 +58,40 @@ def describe_signature(args: tuple, kwargs: dict) -> str:
         else:
             parts.append(repr(value))
     return "(" + ", ".join(parts) + ")"
+
+
+def family_of(signature: Hashable) -> Hashable:
+    """A signature with its tensors' sizes and strides left out: calls of one family differ only in sizes
+    (same structure, ranks, dtypes, devices, Python values and mode), so one shape-generic plan can serve them.
+
+    Example:
+        >>> a = input_signature((torch.ones(2, 3),), {}, training=False)
+        >>> family_of(a) == family_of(input_signature((torch.ones(5, 7),), {}, training=False))
+        True
+    """
+    structure, leaves, training = signature
+    return (structure, tuple(("tensor", len(k[1]), *k[3:]) if k[0] == "tensor" else k for k in leaves), training)
+
+
+def sizes_of(signature: Hashable) -> list[tuple[tuple, tuple] | None]:
+    """Each input leaf's ``(shape, strides)`` in a signature (None for a leaf that is not a tensor).
+
+    Example:
+        >>> sizes_of(input_signature((torch.ones(2, 3), 1), {}, training=False))
+        [((2, 3), (3, 1)), None]
+    """
+    return [(k[1], k[2]) if k[0] == "tensor" else None for k in signature[1]]
+
+
+def differing_dims(a: Hashable, b: Hashable) -> set[tuple[int, int]]:
+    """``(leaf, dim)`` of every size two signatures of one family disagree on.
+
+    Example:
+        >>> differing_dims(input_signature((torch.ones(2, 3),), {}, False), input_signature((torch.ones(2, 5),), {}, False))
+        {(0, 1)}
+    """
+    dims = set()
+    for leaf, (x, y) in enumerate(zip(sizes_of(a), sizes_of(b))):
+        if x is not None and y is not None:
+            dims.update((leaf, d) for d, (m, n) in enumerate(zip(x[0], y[0])) if m != n)
+    return dims

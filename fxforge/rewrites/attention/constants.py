@@ -155,8 +155,8 @@ class Constants:
         stand_in = {}
         if _reads_metadata_only(node):  # any tensor of that shape, dtype and device gives the same result
             like = fake_value(node.args[0])
-            if like is None:
-                return _NOT_CONSTANT
+            if like is None or not all(isinstance(size, int) for size in like.shape):
+                return _NOT_CONSTANT  # a symbolic size: the value differs from call to call
             stand_in[node.args[0]] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
         def value_of(n: Node) -> Any:
