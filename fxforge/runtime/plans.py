@@ -218,10 +218,10 @@ class PlanCache:
         family = (family_of(signature), *key[1:])
         held = len({id(p) for p in self.plans.values() if p is not None})
         if held >= self.policy.max_plans:
-            self._warn(f"running {type(self.module).__name__} eagerly for inputs {describe_signature(args, kwargs)}: "
-                       f"it holds {held} plans already (max_plans={self.policy.max_plans}); no plan serves these "
-                       "sizes. Pass dynamic_shapes= (or dynamic=True) so that one plan serves them, or a larger "
-                       "max_plans=")
+            self._warn(f"running {type(self.module).__name__} eagerly for inputs no plan serves (first: "
+                       f"{describe_signature(args, kwargs)}): it holds {held} plans already (max_plans="
+                       f"{self.policy.max_plans}). Pass dynamic_shapes= (or dynamic=True) so that one plan serves "
+                       "many sizes, or a larger max_plans=", once="max_plans")
             self.plans[key] = None
             return None
         dynamic = self._dynamic_for(family, signature)
@@ -251,8 +251,8 @@ class PlanCache:
         the user's ``dynamic_shapes``."""
         if self.policy.dynamic is False or family in self._static_only:
             return None
-        if self.policy.dynamic_shapes is not None:
-            return self.policy.dynamic_shapes
+        if self.policy.dynamic_shapes is not None and not self._families.get(family):
+            return self.policy.dynamic_shapes  # the user's ranges, for the first plan; calls outside them as below
         if self.policy.dynamic is True:
             return frozenset((leaf, dim) for leaf, sizes in enumerate(sizes_of(signature)) if sizes is not None
                              for dim in range(len(sizes[0])))
@@ -364,9 +364,10 @@ class PlanCache:
             return False
         return True
 
-    def _warn(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
+    def _warn(self, message: str, once: str | None = None) -> None:
+        """Warn once per message (or once per ``once`` key)."""
+        if (once or message) not in self._warned:
+            self._warned.add(once or message)
             warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:

@@ -205,6 +205,27 @@ def test_random_attentions_answer_as_eager(data):
            lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan))
 
 
+@given(st.data())
+def test_random_attentions_at_new_sizes_answer_as_eager(data):
+    """Issue 19: optimized on one (batch, length), called at others, the sizes that change become dynamic
+    and a shape-generic plan (with its rewrites) serves them: every output is eager's."""
+    model, shape = data.draw(attentions(), label="attention")
+    shapes = [shape] + [dict(shape, batch=data.draw(st.integers(1, 4), label="batch"),
+                             length=data.draw(st.integers(1, 9), label="length")) for _ in range(3)]
+    note(f"{model.scale_form=} {model.mask_form=} {model.softmax_form=} {model.fill=} {model.causal=} {shapes=}")
+
+    def inputs(at: dict, seed: int) -> tuple:
+        lengths = data.draw(st.lists(st.integers(0, at["length"]), min_size=at["batch"], max_size=at["batch"]),
+                            label="lengths")
+        return attention_inputs(at, lengths, seed)
+
+    opt = fxforge.optimize(model, inputs(shapes[0], 0))
+    for seed, at in enumerate(shapes, 1):
+        x = inputs(at, seed)
+        with torch.no_grad():
+            _close(opt(*x), model(*x), f"the output at {at['batch']}x{at['length']}", False)
+
+
 def test_the_fuzz_suite_would_see_a_wrong_answer(monkeypatch):
     """The property itself fails when the optimized module answers differently (here: a plan that doubles
     its output), so a green fuzz run means something."""

@@ -45,14 +45,16 @@ def test_state_dict_keys_and_objects_are_the_models():
     opt.load_state_dict(fresh.state_dict())
 
 
-def test_one_graph_per_signature_and_new_shapes_recapture():
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_new_batch_sizes_share_one_plan_or_recapture_with_dynamic_false(dynamic):
     model = ConvNet().eval()
-    opt = fxforge.optimize(model)
+    opt = fxforge.optimize(model, dynamic=dynamic)
     for batch in (1, 2, 1, 3):
         x = torch.randn(batch, 3, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
-    assert len(opt.cache.plans) == 3
+    # None: batch 1 (static), then one shape-generic plan for batch >= 2; False: one plan per batch size
+    assert opt.plans_built == len(opt.cache.plans) == (2 if dynamic is None else 3)
     assert {k: v for k, v in opt.report.counts.items() if k != "conv_activation"} == {"cleanup": 1, "conv_bn_fold": 1}
 
 

@@ -1,0 +1,167 @@
+"""Dynamic shapes: one plan serves every size of a dim that changed, checked against eager on fresh inputs.
+
+Models optimized on one example are called at other batch sizes and lengths (padded masks, causal
+decoders, grouped kv heads, a fused convolution); every output must equal eager's, and the number of
+captures must grow with the dims that became dynamic, not with the sizes seen.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.core.symbolic import ShapeGuard, bucket_of
+from fxforge.runtime.plans import FallbackWarning
+
+transformers = pytest.importorskip("transformers")
+
+
+def _text(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 100, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1 and length > 2:
+        mask[-1, length // 2:] = 0  # the last row is padded
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
+    return transformers.BertModel(config).eval()
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                     attn_implementation="eager")
+    return transformers.GPT2Model(config).eval()
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                                      attn_implementation="eager")
+    return transformers.LlamaModel(config).eval()
+
+
+def _same_as_eager(model: nn.Module, opt: nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    with torch.inference_mode():
+        expected = model(**inputs)[0]
+        got = opt(**inputs)[0]
+    valid = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-5)
+
+
+SIZES = [(2, 16), (2, 23), (3, 40), (4, 9), (1, 31), (5, 64), (3, 17)]
+
+
+@pytest.mark.parametrize("factory", [_bert, _gpt2, _llama], ids=["bert", "gpt2", "llama"])
+def test_new_lengths_and_batches_capture_once_per_dynamic_dim(factory):
+    model = factory()
+    opt = fxforge.optimize(model, _text(2, 16))
+    assert opt.plans_built == 1
+    for seed, (batch, length) in enumerate(SIZES[1:], 1):
+        _same_as_eager(model, opt, _text(batch, length, seed))
+    # static (2, 16); the length became dynamic at (2, 23), the batch at (3, 40); a batch of one stays
+    # specialised (torch.export's 0/1 rule): one plan for every length at batch 1. Not one per size.
+    assert opt.plans_built == 4
+    assert opt.report.counts.get("attention", 0) >= 2, opt.report
+    shapes = opt.cache.last.shapes
+    assert shapes is not None and len(shapes.symbols) >= 1 and not shapes.assumptions
+    # the plan for batch >= 2 serves sizes never seen, without building
+    _same_as_eager(model, opt, _text(6, 50, 99))
+    assert opt.plans_built == 4
+
+
+def test_retired_plans_are_freed_and_held_plans_are_bounded():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 8),))
+    static = weakref.ref(opt.cache.last)
+    with torch.no_grad():
+        for n in (3, 4, 5, 9):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(opt(x), model(x))
+    gc.collect()
+    assert static() is None  # the plan for batch 2 was retired when the shape-generic one took over
+    assert opt.plans_built == 2 and len({id(p) for p in opt.cache.plans.values()}) == 1
+
+
+def test_max_plans_then_eager_with_one_warning():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), dynamic=False, max_plans=3)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 4, 5, 6, 7):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt.plans_built == 3
+    fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(fallbacks) == 1 and "max_plans=3" in str(fallbacks[0].message)
+
+
+def test_dynamic_false_keeps_one_plan_per_signature():
+    model = nn.Linear(4, 2).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), dynamic=False)
+    with torch.no_grad():
+        for n in (3, 4):
+            opt(torch.randn(n, 4))
+    assert opt.plans_built == 3 and all(p.shapes is None for p in opt.cache.plans.values())
+
+
+def test_dynamic_true_serves_every_size_from_the_first_plan():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.ReLU()).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 16, 16),), dynamic=True)
+    with torch.no_grad():
+        for shape in [(3, 3, 16, 16), (2, 3, 20, 12), (5, 3, 9, 31)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert opt.plans_built == 1
+    assert opt.report.counts.get("conv_activation") == 2
+
+
+def test_explicit_dynamic_shapes_and_calls_outside_their_range():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU()).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), dynamic_shapes={"input": {0: batch}})
+    with torch.no_grad():
+        for n in (1, 5, 8):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(opt(x), model(x))
+        assert opt.plans_built == 1
+        x = torch.randn(12, 4)  # outside [1, 8]: another plan, still eager's result
+        torch.testing.assert_close(opt(x), model(x))
+    assert opt.plans_built == 2
+
+
+def test_changed_weights_reach_the_shape_generic_plan():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), dynamic=True)
+    with torch.no_grad():
+        opt(torch.randn(3, 4))
+        model[0].weight.mul_(-2)
+        x = torch.randn(7, 4)
+        torch.testing.assert_close(opt(x), model(x))
+    assert opt.plans_built == 1
+
+
+def test_shape_guard_checks_ranges_relations_strides_and_assumptions():
+    s0, s1 = sympy.Symbol("s0"), sympy.Symbol("s1")
+    guard = ShapeGuard([((s0, s1), (s1, 1)), ((s0, s1), (s1, 1)), None], {s0: (2, math.inf), s1: (2, 64)},
+                       [sympy.Le(s0 * s1, 1000)])
+    assert guard.check([torch.ones(3, 5), torch.ones(3, 5), 1]) is None
+    assert "outside" in guard.check([torch.ones(3, 65), torch.ones(3, 65), 1])
+    assert "elsewhere" in guard.check([torch.ones(3, 5), torch.ones(3, 6), 1])
+    assert "strides" in guard.check([torch.ones(5, 3).t(), torch.ones(3, 5), 1])
+    assert "assumed" in guard.check([torch.ones(40, 30), torch.ones(40, 30), 1])
+    assert bucket_of(guard.bind([torch.ones(3, 5), torch.ones(3, 5), 1])) == (("s0", 4), ("s1", 8))
