@@ -22,6 +22,7 @@ Example:
     python -m benchmarks --models hf_bert,resnet_cnn --contenders eager,ort,fxforge --rounds 5 --reps 10
     python -m benchmarks --suite conv
     python -m benchmarks --suite attention
+    python -m benchmarks --suite dynamic    # a runner of its own, :mod:`benchmarks.dynamic` (RUNNER_SECTIONS)
 """
 
 from __future__ import annotations
@@ -113,6 +114,28 @@ SECTIONS: dict[str, Section] = {
         report.onnx_summary,
     ),
 }
+
+
+# Sections with a runner of their own (not the suite's entries timed in rounds): ``--suite NAME`` hands the
+# other arguments to ``main(argv, prog=...)`` of the module, which writes its own block of ``RESULTS.md``.
+RUNNER_SECTIONS: dict[str, tuple[str, str]] = {
+    "dynamic": ("benchmarks.dynamic", ("a 200-request trace of changing batch and sequence length on BERT, "
+                "GPT-2 and LLaMA, every call timed, first-time work included (issue 19; --calls, --models, "
+                "--contenders: see python -m benchmarks.dynamic --help)")),
+}
+
+
+def runner_section(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(name, the other arguments)`` when ``argv`` asks for ``--suite NAME`` of :data:`RUNNER_SECTIONS`."""
+    for i, arg in enumerate(argv):
+        if arg == "--suite" and i + 1 < len(argv):
+            name, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        elif arg.startswith("--suite="):
+            name, rest = arg.partition("=")[2], argv[:i] + argv[i + 1:]
+        else:
+            continue
+        return (name, rest) if name in RUNNER_SECTIONS else None
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -423,11 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare eager, torch.compile, ONNX Runtime and fxforge on the model suite, "
         "interleaved, in one run.",
     )
-    p.add_argument("--suite", choices=list(SECTIONS), default=None,
+    p.add_argument("--suite", choices=[*SECTIONS, *RUNNER_SECTIONS], default=None,
                    help="run a section: its tagged models, its contenders, its own block of the markdown "
                    "file and results-SUITE.json (" + "; ".join(
                        f"{s.name}: {s.title}, contenders {','.join(s.contenders)}" for s in SECTIONS.values()
-                   ) + ")")
+                   ) + "; " + "; ".join(f"{n}: {what}" for n, (_, what) in RUNNER_SECTIONS.items()) + ")")
     p.add_argument("--models", type=_csv, default=None, help="comma-separated suite entries (default: all "
                    "default entries, or the section's with --suite; see --list)")
     p.add_argument("--contenders", type=_csv, default=None,
@@ -475,6 +498,11 @@ def main(argv: list[str] | None = None, *, suite: list[suite_mod.SuiteEntry] | N
         suite: the entries to choose from (default :data:`benchmarks.suite.SUITE`); tests pass their own.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    runner = runner_section(argv)
+    if runner is not None:
+        name, rest = runner
+        module = importlib.import_module(RUNNER_SECTIONS[name][0])
+        return module.main(rest, prog=f"python -m benchmarks --suite {name}")
     parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.list:
