@@ -35,12 +35,18 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     - ``@fxforge.optimize`` on an ``nn.Module`` class: instances capture themselves on their first call.
     - ``@fxforge.optimize(target=..., rewrites=...)``: the same, with options.
 
-    With ``target="onnxruntime"`` the model is exported with :func:`fxforge.export_onnx` (once, for the
-    example inputs or the first call's) and runs in an ONNX Runtime session: an
+    With ``target="onnxruntime"`` the model is exported with :func:`fxforge.export_onnx` (for the example
+    inputs or the first call's) and runs in an ONNX Runtime session: an
     :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule` (CUDA provider when torch sees a GPU, CPU
-    otherwise; outputs in the model's own structure; inputs of shapes the file does not take raise
-    :class:`~fxforge.exporters.ort_module.InputShapeError`). Decorated classes run eagerly in training
-    mode and export on their first call in eval mode.
+    otherwise; outputs in the model's own structure; inputs the file does not take raise
+    :class:`~fxforge.exporters.ort_module.InputShapeError`). ``dynamic`` decides how it meets other sizes:
+    True exports once with the batch and sequence dims dynamic (``export_onnx(..., dynamic=True)``), and
+    that one session serves every batch size and length; None (the default) exports the example's shapes,
+    then, on the first call that differs from them only in sizes, exports once more with the dims that
+    changed (and the batch and sequence dims) dynamic and serves every later size with that session; False
+    exports once, static. ``dynamic_batch`` / ``dynamic_shapes`` choose the dims themselves (one export).
+    The module's ``exports`` counts the exports made. Decorated classes run eagerly in training mode and
+    export on their first call in eval mode.
 
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).

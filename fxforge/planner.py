@@ -36,10 +36,19 @@ import torch
 from torch import nn
 
 from fxforge.capture import CaptureError, capture, normalize_inputs
-from fxforge.capture.dynamic import capture_dynamic
+from fxforge.capture.dynamic import (
+    batch_size,
+    capture_dynamic,
+    capture_refined,
+    capture_with_dims,
+    changed_dynamic_shapes,
+    sequence_dynamic_shapes,
+    sequence_length,
+)
 from fxforge.core.captured import Captured
 from fxforge.core.gc_pause import no_collection
 from fxforge.core.plan import CallConditions, Plan
+from fxforge.core.symbolic import ShapeGuard
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule
@@ -48,11 +57,11 @@ from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.lower import make_plan, plain_plan
 from fxforge.rewrites import pipeline
 from fxforge.runtime.native import OptimizedModule, optimize_class
-from fxforge.runtime.plans import PlanBuilder
+from fxforge.runtime.plans import MAX_PLANS, PlanBuilder, ShapePolicy
 from fxforge.runtime.profile import Profile, profile_graph
 
 # What export_onnx takes besides the model, the path and the inputs; the onnxruntime target passes these on.
-EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes", "opset", "attention",
+EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "dynamic_shapes", "opset", "attention",
                   "external_data")
 
 
@@ -84,8 +93,8 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
     return pipeline.rewrite(captured, rewrites, verify, tuner=tuner, conditions=conditions)
 
 
-def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallConditions | None = None, *,
-               rewrites: Any = "default", verify: bool = True, method: str = "auto",
+def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallConditions | None = None,
+               dynamic: Any = None, *, rewrites: Any = "default", verify: bool = True, method: str = "auto",
                tuning: TuningPolicy = MEASURE_ALL) -> Plan:
     """Capture ``module`` for these inputs, rewrite it for calls made under ``conditions`` (autotune choosing
     kernels and layout), lower it.
@@ -95,8 +104,14 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
     are built outside inference mode, so that what they compute once (folded and prepacked weights) is an
     ordinary tensor whatever mode the first call was made in.
 
+    ``dynamic`` makes the plan serve many sizes: a set of input dims ``(leaf, dim)`` of the flattened
+    ``(args, kwargs)`` (captured by :func:`~fxforge.capture.dynamic.capture_with_dims`), or a
+    ``dynamic_shapes`` spec in torch.export's format. The graph then has symbolic sizes; the plan's
+    ``shapes`` (a :class:`~fxforge.core.symbolic.ShapeGuard`) says which calls it serves, including the size
+    relations rewrites assumed (listed in the report's notes).
+
     Raises:
-        CaptureError: the module could not be captured.
+        CaptureError: the module could not be captured (with those dims dynamic).
 
     Example:
         >>> plan = build_plan(torch.nn.ReLU(), (torch.ones(2),), {})
@@ -105,11 +120,24 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
     """
     conditions = conditions or CallConditions()
     with torch.inference_mode(False), no_collection():
-        captured = capture(module, args, method, example_kwargs=kwargs, check=verify)
+        if dynamic is None:
+            captured, guard = capture(module, args, method, example_kwargs=kwargs, check=verify), None
+        else:
+            if isinstance(dynamic, (set, frozenset)):
+                captured = capture_with_dims(module, args, kwargs, dynamic)
+            else:
+                captured = capture_dynamic(module, args, kwargs, dynamic)
+            guard = ShapeGuard.of(captured.graph_module, captured.graph_module.meta.get("fxforge_ranges"))
         eager_ops = conditions.gradients or bool(conditions.autocast)  # no fused ops: nothing to time or lower
         rewritten = rewrite(captured, rewrites, verify=verify, tuning=None if eager_ops else tuning,
                             conditions=conditions)
-        return plain_plan(rewritten) if eager_ops else make_plan(rewritten)
+        plan = plain_plan(rewritten) if eager_ops else make_plan(rewritten)
+    if guard is not None and guard.symbols:
+        plan.shapes = guard
+        assumed = guard.take_assumptions()
+        plan.report.notes.append(f"dynamic sizes: {guard.describe()}" + (
+            f"; rewrites assumed {', '.join(assumed)} (checked per input signature)" if assumed else ""))
+    return plan
 
 
 def plan_builder(module: nn.Module, **options: Any) -> PlanBuilder:
@@ -128,8 +156,9 @@ def plan_builder(module: nn.Module, **options: Any) -> PlanBuilder:
     return functools.partial(_build, module, options)
 
 
-def _build(module: nn.Module, options: dict, args: tuple, kwargs: dict, conditions: CallConditions) -> Plan:
-    return build_plan(module, args, kwargs, conditions, **options)
+def _build(module: nn.Module, options: dict, args: tuple, kwargs: dict, conditions: CallConditions,
+           dynamic: Any = None) -> Plan:
+    return build_plan(module, args, kwargs, conditions, dynamic, **options)
 
 
 # ---------------------------------------------------------------------------------------------- exports
@@ -160,13 +189,14 @@ def eval_mode(model: Any) -> Iterator[None]:
 
 def captured_for_export(model: nn.Module | Captured, example_inputs: Any, *, example_kwargs: dict | None = None,
                         rewrites: Any = "default", verify: bool = True, method: str = "auto",
-                        dynamic_batch: bool = False, dynamic_shapes: Any = None) -> Captured:
+                        dynamic_batch: bool = False, dynamic_shapes: Any = None, dynamic: bool = False) -> Captured:
     """The rewritten ``Captured`` to export: ``model`` itself when it is one, else captured and rewritten.
 
     The conv+activation fusion is kept without timing PyTorch kernels for it (the ONNX translation is
     the same either way, and ONNX Runtime picks its own kernels); the report notes it. With dynamic dims
-    (``dynamic_batch``, ``dynamic_shapes``), a model that only ``torch.export`` captures is captured again
-    with those dims dynamic, so that its graph computes shapes instead of holding the example's.
+    (``dynamic=True``: the batch and sequence dims, ``dynamic_batch``, ``dynamic_shapes``), a model that only
+    ``torch.export`` captures is captured again with those dims dynamic, so that its graph computes shapes
+    instead of holding the example's.
 
     Raises:
         ExportError: a ``Captured`` in training mode (export is for inference), or dims torch.export
@@ -177,8 +207,24 @@ def captured_for_export(model: nn.Module | Captured, example_inputs: Any, *, exa
         >>> cap.method
         'fx'
     """
+    return _for_export(model, example_inputs, example_kwargs=example_kwargs, rewrites=rewrites, verify=verify,
+                       method=method, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, dynamic=dynamic)[0]
+
+
+def _for_export(model: nn.Module | Captured, example_inputs: Any, *, example_kwargs: dict | None = None,
+                rewrites: Any = "default", verify: bool = True, method: str = "auto", dynamic_batch: bool = False,
+                dynamic_shapes: Any = None, dynamic: bool = False,
+                before: tuple | None = None) -> tuple[Captured, Any, Any]:
+    """:func:`captured_for_export`, with the ``dynamic_shapes`` to export it with and how they may be refined
+    (see :func:`fxforge.capture.dynamic.export_refining`): the user's as given, or those fxforge chose for
+    ``dynamic=True`` (batch and sequence dims) or, with ``before`` (the inputs of an earlier export that
+    do not fit these), for the dims that changed (:func:`fxforge.capture.dynamic.changed_dynamic_shapes`)."""
+    refine: Any = False
     if isinstance(model, Captured):
         captured = model
+        if dynamic or before is not None:
+            dynamic_shapes, refine = _chosen_dims(captured.graph_module, captured.example_args,
+                                                  captured.example_kwargs, before)
     else:
         if not isinstance(model, nn.Module):
             raise TypeError(f"export_onnx takes an nn.Module or a Captured, got {type(model).__name__}")
@@ -187,7 +233,15 @@ def captured_for_export(model: nn.Module | Captured, example_inputs: Any, *, exa
         args, kwargs = normalize_inputs(example_inputs)
         kwargs.update(example_kwargs or {})
         captured = capture(model, args, method, example_kwargs=kwargs, check=verify)
-        if captured.method == "export" and (dynamic_batch or dynamic_shapes is not None):
+        if dynamic or before is not None:
+            dynamic_shapes, refine = _chosen_dims(model, args, kwargs, before)
+        if captured.method == "export" and refine is not False:
+            try:
+                captured, dynamic_shapes = capture_refined(model, args, kwargs, dynamic_shapes,
+                                                           reference=captured.example_outputs, refine=refine)
+            except CaptureError as error:
+                raise ExportError(error.reasons.get("export", str(error)), stage="torch.export") from error
+        elif captured.method == "export" and (dynamic_batch or dynamic_shapes is not None):
             captured = dynamic_capture(model, args, kwargs, dynamic_shapes, reference=captured.example_outputs)
         captured = rewrite(captured, rewrites, verify=verify, tuning=None)
         if captured.report.counts.get("conv_activation"):
@@ -196,7 +250,22 @@ def captured_for_export(model: nn.Module | Captured, example_inputs: Any, *, exa
     if captured.training:
         raise ExportError("the graph was captured in training mode; ONNX export is for inference: capture the model "
                           "after model.eval()", stage="input")
-    return captured
+    return captured, dynamic_shapes, refine
+
+
+def _chosen_dims(forward: nn.Module, args: tuple, kwargs: dict, before: tuple | None) -> tuple[Any, Any]:
+    """``(dynamic_shapes, refine)`` fxforge chooses: the batch and sequence dims (``dynamic=True``; every dim
+    must stay dynamic), or the dims that changed since ``before`` (only those must)."""
+    if before is not None:
+        found = changed_dynamic_shapes(forward, before, (args, kwargs))
+        if found is None:
+            raise ExportError("the inputs differ from those of the earlier export in more than their sizes",
+                              stage="input")
+        return found
+    batch = batch_size(args, kwargs)
+    if batch is None:
+        raise ExportError("dynamic=True, but no input tensor has a dim 0", stage="input")
+    return sequence_dynamic_shapes(forward, args, kwargs, batch, sequence_length(args, kwargs)), True
 
 
 def dynamic_capture(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None, *,
@@ -216,9 +285,13 @@ def dynamic_capture(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
 
 def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_inputs: Any = None,
                 dynamic_batch: bool = False, rewrites: Any = "default", opset: int | None = None,
-                dynamic_shapes: Any = None, *, verify: bool = True, method: str = "auto",
+                dynamic_shapes: Any = None, *, dynamic: bool = False, verify: bool = True, method: str = "auto",
                 attention: str = "MultiHeadAttention", external_data: bool | None = None) -> OnnxExport:
     """Capture, rewrite and export ``model`` to an ONNX file that ONNX Runtime runs like the model.
+
+    A file with dynamic dims (``dynamic``, ``dynamic_batch``, ``dynamic_shapes``) is validated in ONNX
+    Runtime against the model at three sizes: the example inputs, and two other sizes of every dynamic dim
+    (one larger, one smaller where the dim's range allows; ``result.validation`` lists them).
 
     Args:
         model: an ``nn.Module`` (exported as in eval mode, whatever its mode; its modes are put back
@@ -229,11 +302,23 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
         example_inputs: a tuple of positional inputs, one tensor, or a dict of keyword inputs (not needed
             with a ``Captured``).
         dynamic_batch: make dim 0 of every input whose dim 0 is the batch size dynamic (one shared
-            ``torch.export.Dim("batch")``); validated on the example inputs and on another batch size.
+            ``torch.export.Dim("batch")``).
         rewrites: ``"default"``, a list of rewrite names, or pass objects (see :func:`fxforge.rewrite`).
         opset: the ONNX opset (default 20; at least 18).
-        dynamic_shapes: passed to ``torch.export.export`` as it is (keyed by the forward's argument names);
-            not together with ``dynamic_batch``.
+        dynamic_shapes: passed to ``torch.export.export`` as it is (keyed by the forward's argument names;
+            a dim it makes dynamic that is 1 in the example is traced grown to 2); not together with
+            ``dynamic_batch``.
+        dynamic: make the batch and the sequence dims dynamic, for one file that serves every batch size and
+            sequence length: dim 0 as ``dynamic_batch`` does, and dim 1 of every input of rank >= 2 whose
+            dim 1 is the sequence length (token ids, attention masks, position ids, ``[batch, seq, hidden]``
+            floats; the length is read from integer inputs first) as one shared ``Dim("seq")``; an image
+            ``[batch, channels, height, width]`` gets only the batch dim (see
+            :func:`fxforge.capture.dynamic.sequence_dynamic_shapes`). A batch or sequence of 1 in the example
+            is traced grown to 2 (its row or position repeated). Where torch.export finds the model limits a
+            dim (64 positions: ``Dim("seq", max=64)``), its suggested range is taken; a model that needs one
+            of those dims at one size is refused (ExportError). Fused attention stays fused
+            (``MultiHeadAttention``; ``GroupQueryAttention`` computes its lengths from the inputs' shapes).
+            Not together with ``dynamic_batch`` or ``dynamic_shapes``.
         verify: verify each rewrite numerically (see :func:`fxforge.rewrite`).
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
         attention: ``"MultiHeadAttention"`` (attention -> ONNX Runtime's attention kernels where they carry
@@ -259,25 +344,30 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
         >>> r = export_onnx(torch.nn.Linear(4, 2).eval(), path, (torch.ones(3, 4),))
         >>> r.opset, list(r.validation)
         (20, ['example inputs'])
+        >>> ids = torch.randint(0, 10, (2, 6))
+        >>> r = export_onnx(torch.nn.Embedding(10, 4).eval(), path, (ids,), dynamic=True)
+        >>> r.dynamic, list(r.validation)
+        ({'input': {0: 'batch', 1: 'seq'}}, ['example inputs', 'batch 3, seq 7', 'batch 1, seq 3'])
     """
-    opset = check_options(opset, dynamic_batch, dynamic_shapes, attention)
+    opset = check_options(opset, dynamic_batch, dynamic_shapes, attention, dynamic)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
     with eval_mode(model):
-        captured = captured_for_export(model, example_inputs, rewrites=rewrites, verify=verify, method=method,
-                                       dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes)
+        captured, dims, refine = _for_export(model, example_inputs, rewrites=rewrites, verify=verify, method=method,
+                                             dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
+                                             dynamic=dynamic)
         result, module = write_checked(captured, path, opset=opset, dynamic_batch=dynamic_batch,
-                                       dynamic_shapes=dynamic_shapes, attention=attention,
-                                       external_data=external_data)
+                                       dynamic_shapes=dims, attention=attention, external_data=external_data,
+                                       refine=refine)
     del module  # its session was only for validation
     return result
 
 
 def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: str | os.PathLike | None = None,
                        providers: Any = None, session_options: Any = None, intra_op_num_threads: int | None = None,
-                       **export_options: Any) -> OnnxRuntimeModule:
+                       dynamic: bool | None = None, **export_options: Any) -> OnnxRuntimeModule:
     """``model`` exported with :func:`export_onnx` and run in ONNX Runtime (the ``onnxruntime`` target).
 
     Without ``example_inputs`` the export happens on the first call, with that call's inputs. The file goes
@@ -288,20 +378,40 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
         example_inputs: a tuple of positional inputs, one tensor, a dict of keyword inputs, or None.
         path: where to keep the ONNX file.
         providers, session_options, intra_op_num_threads: for the session (see :class:`OnnxRuntimeModule`).
+        dynamic: True: one export with the batch and sequence dims dynamic (:func:`export_onnx`'s
+            ``dynamic=True``), whose session serves every batch size and length. None (as
+            ``torch.compile``): the first export is static; the first call that differs from it only in
+            sizes exports the model once more, with the dims that changed and the batch and sequence dims
+            dynamic, and that session (the old one freed) serves every later size. False: one static
+            export (other sizes raise :class:`~fxforge.exporters.ort_module.InputShapeError`). With
+            ``dynamic_batch`` or ``dynamic_shapes``, None exports once, with those dims.
+            ``module.exports`` counts the exports made.
         export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
             ``opset``, ``attention``, ``external_data`` (see :func:`export_onnx`).
+
+    Raises:
+        TypeError, ValueError: unknown or conflicting options.
 
     Example:
         >>> m = onnxruntime_module(torch.nn.Tanh().eval(), intra_op_num_threads=1)
         >>> m(torch.zeros(2)).tolist(), m.intra_op_num_threads
         ([0.0, 0.0], 1)
+        >>> m(torch.zeros(3)).tolist(), m(torch.zeros(5)).shape, m.exports   # a size changed: exported again
+        ([0.0, 0.0, 0.0], torch.Size([5]), 2)
     """
     unknown = sorted(set(export_options) - set(EXPORT_OPTIONS))
     if unknown:
         raise TypeError(f"unknown export options {', '.join(unknown)}; they are {', '.join(EXPORT_OPTIONS)}")
-    export = functools.partial(_export_for_session, model, export_options)
+    if dynamic not in (None, True, False):
+        raise TypeError(f"dynamic takes None, True or False, got {dynamic!r}")
+    check_options(export_options.get("opset"), export_options.get("dynamic_batch", False),
+                  export_options.get("dynamic_shapes"), export_options.get("attention", "MultiHeadAttention"),
+                  bool(dynamic))
+    explicit = bool(export_options.get("dynamic_batch")) or export_options.get("dynamic_shapes") is not None
+    export = functools.partial(_export_for_session, model, {**export_options, "dynamic": bool(dynamic)})
     module = OnnxRuntimeModule.deferred(model, export, path=path, providers=providers,
-                                        session_options=session_options, intra_op_num_threads=intra_op_num_threads)
+                                        session_options=session_options, intra_op_num_threads=intra_op_num_threads,
+                                        dynamic=bool(dynamic) if dynamic is not None or explicit else None)
     if example_inputs is not None:
         args, kwargs = normalize_inputs(example_inputs)
         module.prepare(*args, **kwargs)
@@ -309,23 +419,25 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
 
 
 def _export_for_session(model: nn.Module, options: dict, args: tuple, kwargs: dict, path: str,
-                        module_options: dict) -> tuple[OnnxExport, OnnxRuntimeModule]:
-    """Export ``model`` for these inputs to ``path`` and validate it in a session with ``module_options``."""
+                        module_options: dict, before: tuple | None = None) -> tuple[OnnxExport, OnnxRuntimeModule]:
+    """Export ``model`` for these inputs to ``path`` and validate it in a session with ``module_options``;
+    with ``before`` (the inputs of the export this one replaces), the dims that changed since are dynamic."""
+    dynamic = bool(options.get("dynamic", False))
     opset = check_options(options.get("opset"), options.get("dynamic_batch", False), options.get("dynamic_shapes"),
-                          options.get("attention", "MultiHeadAttention"))
+                          options.get("attention", "MultiHeadAttention"), dynamic)
     with eval_mode(model):
-        captured = captured_for_export(model, args, example_kwargs=kwargs, **{
+        captured, dims, refine = _for_export(model, args, example_kwargs=kwargs, dynamic=dynamic, before=before, **{
             k: options[k] for k in ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes") if k in options})
         return write_checked(captured, path, opset=opset, dynamic_batch=options.get("dynamic_batch", False),
-                             dynamic_shapes=options.get("dynamic_shapes"),
-                             attention=options.get("attention", "MultiHeadAttention"),
-                             external_data=options.get("external_data"), module_options=module_options)
+                             dynamic_shapes=dims, attention=options.get("attention", "MultiHeadAttention"),
+                             external_data=options.get("external_data"), module_options=module_options,
+                             refine=refine)
 
 
 # ---------------------------------------------------------------------------------------------- targets
 
 def optimized(model: Any, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
-              verify: bool = True, method: str = "auto", **target_options: Any) -> Any:
+              verify: bool = True, method: str = "auto", dynamic: bool | None = None, **target_options: Any) -> Any:
     """What :func:`fxforge.optimize` returns for an ``nn.Module`` instance or class (options checked there).
 
     - native, an instance: an :class:`~fxforge.runtime.native.OptimizedModule`, prepared now when
@@ -344,11 +456,14 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
         raise TypeError(f"fxforge.optimize takes an nn.Module instance or class, got {type(model).__name__}")
     if target == "onnxruntime":
         if is_class:
-            return onnxruntime_class(model, functools.partial(onnxruntime_module, **options, **target_options))
-        return onnxruntime_module(model, example_inputs, **options, **target_options)
+            return onnxruntime_class(model, functools.partial(onnxruntime_module, **options, dynamic=dynamic,
+                                                              **target_options))
+        return onnxruntime_module(model, example_inputs, **options, dynamic=dynamic, **target_options)
+    policy = ShapePolicy(dynamic, target_options.pop("dynamic_shapes", None),
+                         target_options.pop("max_plans", MAX_PLANS))
     if is_class:
-        return optimize_class(model, functools.partial(plan_builder, **options, **target_options))
-    module = OptimizedModule(model, plan_builder(model, **options, **target_options))
+        return optimize_class(model, functools.partial(plan_builder, **options, **target_options), policy)
+    module = OptimizedModule(model, plan_builder(model, **options, **target_options), policy)
     if example_inputs is not None:
         args, kwargs = normalize_inputs(example_inputs)
         module.prepare(*args, **kwargs)

@@ -5,6 +5,12 @@ dynamic batch needs a graph that computes them. :func:`capture_dynamic` captures
 the user's ``dynamic_shapes``, or dim 0 of every input whose dim 0 is the batch size (torch.export
 specialises a size-1 dim, so a batch of 1 is traced as a batch of 2 made from the example rows).
 
+For exports that serve every batch size and sequence length (``export_onnx(..., dynamic=True)``, the
+``onnxruntime`` target), :func:`sequence_dynamic_shapes` chooses the batch and sequence dims,
+:func:`changed_dynamic_shapes` the dims that changed between two calls, :func:`trace_inputs` grows the
+size-1 dims to trace on, and :func:`capture_refined` / :func:`export_refining` take torch.export's suggested
+fixes (a model with 64 positions: ``Dim("seq", max=64)``) instead of failing.
+
 Example:
     >>> cap = capture_dynamic(torch.nn.Linear(2, 3), (torch.ones(4, 2),), {})
     >>> cap.method, cap.graph_module(torch.ones(5, 2)).shape
@@ -541,9 +547,11 @@ def capture_refined(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
             graph_module, dynamic_shapes = export_refining(
                 lambda spec: export_graph_module(model, trace_args, trace_kwargs, spec), dynamic_shapes, refine)
     except Exception as error:
-        where = user_frame_of(error)
+        where, fixes = user_frame_of(error), suggested_fixes(error)
         raise CaptureError(name, {"export": "torch.export cannot keep the requested dims dynamic "
-                                            f"({first_line(error)})" + (f" at {where}" if where else "")}) from error
+                                            f"({first_line(error)})" + (f" at {where}" if where else "")
+                                  + (f"; torch.export's suggested fixes: {', '.join(fixes)}" if fixes else "")}
+                           ) from error
     if reference is None:
         with isolated(model, inputs=(args, kwargs)), torch.no_grad():
             reference = model(*args, **kwargs)

@@ -3,14 +3,16 @@
 :func:`write_checked` takes a ``Captured`` (captured and rewritten: :func:`fxforge.export_onnx` does that
 first) through these steps, each of which either succeeds or leaves nothing behind:
 
-1. ``torch.export`` of the rewritten graph (dims made dynamic here: ``dynamic_batch``, ``dynamic_shapes``;
+1. ``torch.export`` of the rewritten graph (dims made dynamic here: ``dynamic_batch``, ``dynamic_shapes``,
+   which :func:`fxforge.export_onnx` also builds for ``dynamic=True``: the batch and sequence dims;
    :func:`fxforge.exporters.program.export_program`);
 2. ``torch.onnx.export`` with fxforge's translations of its fused ops and of attention
    (:mod:`fxforge.exporters.translations`), into a temporary folder next to the target; for ONNX Runtime's
    CPU provider, residual adds before a LayerNormalization become ``Sum`` (:mod:`~fxforge.exporters.residual_norm`);
 3. ``onnx.checker.check_model(full_check=True)``;
-4. the file run in ONNX Runtime on the example inputs (and on another batch size when the batch is
-   dynamic) and compared with the PyTorch model;
+4. the file run in ONNX Runtime on the example inputs and compared with the PyTorch model; a file with
+   dynamic dims also on two other sizes of every dynamic dim (one larger, one smaller where the dim's range
+   allows; :func:`fxforge.exporters.program.validation_inputs`), so three sizes in all;
 5. only then, renamed to the target path (external-data files first, the ``.onnx`` last).
 
 An op that cannot be translated raises :class:`~fxforge.exporters.program.ExportError` naming the op and
@@ -24,7 +26,7 @@ Example:
     >>> os.path.exists(path), result.translations
     (True, ['fxforge::conv_pointwise -> Conv + relu: 1'])
     >>> sorted(result.validation)
-    ['batch 3', 'example inputs']
+    ['batch 1', 'batch 3', 'example inputs']
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
-from fxforge.exporters.program import ExportError, export_program, quiet, validate
+from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 
@@ -88,18 +90,33 @@ class OnnxExport:
         return "\n".join(lines)
 
 
-def check_options(opset: int | None, dynamic_batch: bool, dynamic_shapes: Any, attention: str) -> int:
+def check_options(opset: int | None, dynamic_batch: bool, dynamic_shapes: Any, attention: str,
+                  dynamic: bool = False) -> int:
     """Validate the export options before any work; returns the opset to use.
+
+    Raises:
+        ValueError: an opset torch.onnx does not export, dims asked for in two ways (``dynamic``,
+            ``dynamic_batch``, ``dynamic_shapes``: one of them), an unknown ``attention``.
 
     Example:
         >>> check_options(None, False, None, "plain")
         20
+        >>> check_options(None, True, None, "plain", dynamic=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: give one of dynamic=True, dynamic_batch=True, dynamic_shapes=...: dynamic=True makes the batch and sequence dims dynamic, dynamic_batch=True the batch dim, dynamic_shapes the dims it names
     """
     from torch.onnx import _constants
 
     opset = DEFAULT_OPSET if opset is None else int(opset)
     if not MIN_OPSET <= opset <= _constants.ONNX_MAX_OPSET:
         raise ValueError(f"opset {opset} is outside what torch.onnx exports ({MIN_OPSET}..{_constants.ONNX_MAX_OPSET})")
+    if dynamic not in (True, False):
+        raise TypeError(f"dynamic takes True or False, got {dynamic!r}")
+    if dynamic and (dynamic_batch or dynamic_shapes is not None):
+        raise ValueError("give one of dynamic=True, dynamic_batch=True, dynamic_shapes=...: dynamic=True makes the "
+                         "batch and sequence dims dynamic, dynamic_batch=True the batch dim, dynamic_shapes the dims "
+                         "it names")
     if dynamic_batch and dynamic_shapes is not None:
         raise ValueError("give dynamic_batch=True or dynamic_shapes=..., not both (dynamic_shapes can name the batch dim)")
     if attention not in ("MultiHeadAttention", "plain"):
@@ -109,9 +126,13 @@ def check_options(opset: int | None, dynamic_batch: bool, dynamic_shapes: Any, a
 
 def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False,
                   dynamic_shapes: Any = None, attention: str = "MultiHeadAttention",
-                  external_data: bool | None = None,
-                  module_options: dict | None = None) -> tuple[OnnxExport, OnnxRuntimeModule]:
+                  external_data: bool | None = None, module_options: dict | None = None,
+                  refine: Any = False) -> tuple[OnnxExport, OnnxRuntimeModule]:
     """Export ``captured`` to ``path``, check and validate it, and rename it into place.
+
+    A file with dynamic dims is validated on the example inputs and on two other sizes of every dynamic
+    dim. ``refine`` (True, or the names of the dims that must stay dynamic) lets torch.export's suggested
+    fixes narrow ``dynamic_shapes`` fxforge chose (see :func:`fxforge.exporters.program.export_program`).
 
     Returns the result and the :class:`OnnxRuntimeModule` that validated it (its session is open on the
     file now at ``path``; ``module_options`` go to its constructor). On any failure nothing is left:
@@ -122,10 +143,10 @@ def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, 
     try:
         scratch_path = os.path.join(scratch, name)
         exported = _export(captured, scratch_path, opset, dynamic_batch, dynamic_shapes, attention, external_data,
-                           cpu=runs_on_cpu((module_options or {}).get("providers")))
+                           cpu=runs_on_cpu((module_options or {}).get("providers")), refine=refine)
         check_file(scratch_path)
         module = OnnxRuntimeModule(scratch_path, exported["io"], **(module_options or {}))
-        validation = validate(module, captured, exported["other_batch"])
+        validation = validate(module, captured, exported["other_sizes"])
         report = captured.report.copy()
         report.notes.extend(f"onnx: {line}" for line in exported["translations"].summary())
         report.notes.extend(f"onnx: validated in ONNX Runtime on {k}: max abs error {v:.3g}" for k, v in validation.items())
@@ -153,10 +174,13 @@ def runs_on_cpu(providers: Any = None) -> bool:
 
 
 def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dynamic_shapes: Any,
-            attention: str, external_data: bool | None = None, *, cpu: bool = True) -> dict[str, Any]:
+            attention: str, external_data: bool | None = None, *, cpu: bool = True,
+            refine: Any = False) -> dict[str, Any]:
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
-    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``."""
-    program, out_structure, other_batch, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes)
+    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``. Also returns the inputs of
+    other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
+    program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
+                                                               refine=refine)
     log = io.StringIO()
     translations = Translations(opset=opset, attention=attention)
     try:
@@ -187,7 +211,9 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
                           stage="translation") from error
     dynamic = {value.name: {axis: str(dim) for axis, dim in enumerate(value.shape or [])
                             if not isinstance(dim, int)} for value in graph.inputs}
-    return {"io": io_spec, "translations": translations, "other_batch": other_batch,
+    other_sizes = validation_inputs(program, captured, lambda index, axis: dynamic.get(
+        input_names[index], {}).get(axis) if index < len(input_names) else None)
+    return {"io": io_spec, "translations": translations, "other_sizes": other_sizes,
             "dynamic": {k: v for k, v in dynamic.items() if v}}
 
 

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -40,8 +41,9 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
                  torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
-# (args, kwargs, path, the session's options) -> (the OnnxExport, the OnnxRuntimeModule that validated it)
-Exporter = Callable[[tuple, dict, str, dict], tuple[Any, "OnnxRuntimeModule"]]
+# (args, kwargs, path, the session's options[, before=]) -> (the OnnxExport, the OnnxRuntimeModule that validated
+# it); ``before``: the inputs of the export this one replaces (the dims that changed since become dynamic).
+Exporter = Callable[..., tuple[Any, "OnnxRuntimeModule"]]
 
 
 class InputShapeError(ValueError):
@@ -241,6 +243,9 @@ class OnnxRuntimeModule(nn.Module):
     straight into torch tensors on the device when their shapes follow from the inputs'. Outputs come back
     on the device of the inputs, in the model's own structure.
 
+    A module that exports the model itself (:meth:`deferred`) counts its exports in :attr:`exports`; with
+    ``dynamic=None`` it exports once more when a call differs from the exported sizes (see :meth:`deferred`).
+
     Args:
         path: the ``.onnx`` file.
         io: how the model's inputs and outputs map to the ONNX graph's (see :class:`IOSpec`); by default
@@ -264,7 +269,7 @@ class OnnxRuntimeModule(nn.Module):
         >>> module(torch.ones(4, 3))
         Traceback (most recent call last):
         ...
-        fxforge.exporters.ort_module.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic_batch=True or dynamic_shapes= for other sizes)
+        fxforge.exporters.ort_module.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic=True, dynamic_batch=True or dynamic_shapes= for other sizes)
     """
 
     def __init__(self, path: str | os.PathLike | None, io: IOSpec | None = None, *,
@@ -280,6 +285,11 @@ class OnnxRuntimeModule(nn.Module):
         self._session = None
         self._export: Exporter | None = None
         self._export_path: str | None = None
+        self._dynamic: bool | None = False  # None: export again once when only sizes change
+        self._exports = 0
+        self._exported_for: Any = None  # the last export's inputs, as meta tensors (shapes and dtypes only)
+        self._owned_dir: str | None = None
+        self._grown = False  # the export again (dynamic=None) was tried
         if owned_dir is not None:
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
         self.io = io
@@ -292,13 +302,21 @@ class OnnxRuntimeModule(nn.Module):
     @classmethod
     def deferred(cls, model: nn.Module, export: Exporter, *, path: str | os.PathLike | None = None,
                  providers: Sequence[Any] | None = None, session_options: Any = None,
-                 intra_op_num_threads: int | None = None) -> OnnxRuntimeModule:
+                 intra_op_num_threads: int | None = None, dynamic: bool | None = False) -> OnnxRuntimeModule:
         """A module that exports ``model`` on its first call (or :meth:`prepare`), with that call's inputs.
 
         ``export(args, kwargs, path, module_options)`` writes the checked, validated ONNX file at ``path``
         and returns ``(OnnxExport, the OnnxRuntimeModule that validated it)``
         (:func:`fxforge.planner.onnxruntime_module` hands in fxforge's export). The file goes to ``path`` if
         given, else to a temporary folder removed with the module.
+
+        ``dynamic=None`` (``torch.compile``'s automatic dynamic): when a later call differs from the exported
+        inputs only in sizes (same structure, dtypes, ranks) and the file does not take it, the model is
+        exported once more, ``export(args, kwargs, path, module_options, before=exported inputs)``, which
+        makes the dims that changed dynamic; its session replaces the old one (freed) and serves every
+        later call. That happens once: a call the second file does not take raises
+        :class:`InputShapeError`. True or False: the file of the first export serves every call (the
+        exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
         Example:
             >>> from fxforge.planner import onnxruntime_module
@@ -311,7 +329,22 @@ class OnnxRuntimeModule(nn.Module):
         module.__dict__["original"] = model  # not a submodule: the ONNX file holds the weights
         module._export = export
         module._export_path = os.fspath(path) if path is not None else None
+        module._dynamic = dynamic
         return module
+
+    @property
+    def exports(self) -> int:
+        """How many times this module exported the model (each export made a new ONNX file and session): 0
+        for a module made from a file or not exported yet, 1 after the first call, 2 once ``dynamic=None``
+        exported again for other sizes. Read-only.
+
+        Example:
+            >>> from fxforge.planner import onnxruntime_module
+            >>> m = onnxruntime_module(torch.nn.ReLU().eval(), (torch.ones(2, 3),), dynamic=True)
+            >>> _ = m(torch.ones(5, 3)); m.exports
+            1
+        """
+        return self._exports
 
     def prepare(self, *args: Any, **kwargs: Any) -> OnnxRuntimeModule:
         """Export the model for these inputs now, if it was not exported yet (see :meth:`deferred`)."""
@@ -319,26 +352,52 @@ class OnnxRuntimeModule(nn.Module):
             return self
         if self._export is None:
             raise RuntimeError("this OnnxRuntimeModule has no ONNX file and no model to export")
+        self._export_now(tuple(args), dict(kwargs))
+        return self
+
+    def _export_now(self, args: tuple, kwargs: dict, before: Any = None) -> None:
+        """Export for these inputs (``before``: the inputs of the export this one replaces) and take over the
+        validating module's session; the old session, if any, is dropped only once the new one works."""
         target, owned = self._export_path, None
         if target is not None and not os.path.isdir(os.path.dirname(os.path.abspath(target))):
             raise FileNotFoundError(f"cannot write {target!r}: no folder {os.path.dirname(os.path.abspath(target))!r}")
         if target is None:
-            owned = tempfile.mkdtemp(prefix="fxforge-ort-")
-            target = os.path.join(owned, f"{type(self.original).__name__}.onnx")
+            if self._owned_dir is None:
+                owned = tempfile.mkdtemp(prefix="fxforge-ort-")
+            target = os.path.join(owned or self._owned_dir, f"{type(self.original).__name__}.onnx")
+        options = {"providers": self._providers, "session_options": self._options,
+                   "intra_op_num_threads": self._threads}
         try:
-            result, validated = self._export(tuple(args), dict(kwargs), target, {
-                "providers": self._providers, "session_options": self._options,
-                "intra_op_num_threads": self._threads})
+            with _runs_its_own_forward(self.original):
+                if before is None:
+                    result, validated = self._export(args, kwargs, target, options)
+                else:
+                    result, validated = self._export(args, kwargs, target, options, before=before)
         except BaseException:
             if owned is not None:
                 shutil.rmtree(owned, ignore_errors=True)
             raise
         if owned is not None:
+            self._owned_dir = owned
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned, True)
+        self._session = None  # the old session goes now (the new one is open)
         for name in ("path", "io", "report", "_session", "_input_meta", "_output_meta", "_on_cuda"):
             setattr(self, name, getattr(validated, name))
+        validated._session = None
         self.onnx_export = result
-        return self
+        self._exports += 1
+        self._exported_for = pytree.tree_map(
+            lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
+
+    def _sizes_only(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Whether these inputs differ from what the ONNX model takes in sizes only (dtypes and ranks match)."""
+        for name, tensor in feeds:
+            meta = self._input_meta[name]
+            want = _ORT_DTYPES.get(meta.type)
+            if (want is not None and tensor.dtype != want) or len(meta.shape) != tensor.dim():
+                return False
+        return True
 
     # ------------------------------------------------------------------------------------------ session
 
@@ -433,7 +492,8 @@ class OnnxRuntimeModule(nn.Module):
                 if isinstance(dim, int) and dim != size:
                     raise InputShapeError(
                         f"input {name!r} has shape {_dims_text(tensor.shape)}; the ONNX model takes "
-                        f"{_dims_text(shape)} (export with dynamic_batch=True or dynamic_shapes= for other sizes)")
+                        f"{_dims_text(shape)} (export with dynamic=True, dynamic_batch=True or dynamic_shapes= for "
+                        "other sizes)")
                 if isinstance(dim, str) and symbols.setdefault(dim, size) != size:
                     raise InputShapeError(
                         f"input {name!r} has size {size} in dim {axis} ({dim!r}); another input has "
@@ -444,7 +504,21 @@ class OnnxRuntimeModule(nn.Module):
         if self._session is None:
             self.prepare(*args, **kwargs)
         feeds = self.io.feeds(args, kwargs)
-        symbols = self.check_inputs(feeds)
+        try:
+            symbols = self.check_inputs(feeds)
+        except InputShapeError as error:
+            if not (self._dynamic is None and self._export is not None and not self._grown
+                    and self._sizes_only(feeds)):
+                raise
+            self._grown = True  # once: a second file that does not take a call says so
+            try:
+                self._export_now(tuple(args), dict(kwargs), before=self._exported_for)
+            except Exception as failure:
+                raise InputShapeError(f"{error}; exporting again with the dims that changed dynamic failed: "
+                                      f"{str(failure).splitlines()[0] if str(failure) else type(failure).__name__}"
+                                      ) from failure
+            feeds = self.io.feeds(args, kwargs)
+            symbols = self.check_inputs(feeds)
         devices = [t.device for _, t in feeds]
         out_device = devices[0] if devices else (self.device if self._on_cuda else torch.device("cpu"))
         if self._on_cuda:
@@ -495,6 +569,22 @@ class OnnxRuntimeModule(nn.Module):
         if self._session is None:
             return "not exported yet"
         return f"path={self.path!r}, providers={self.providers}, intra_op_num_threads={self.intra_op_num_threads}"
+
+
+@contextlib.contextmanager
+def _runs_its_own_forward(model: Any) -> Any:
+    """While the block runs, an instance of a class decorated for this target
+    (:mod:`fxforge.exporters.ort_decorator`) runs its own forward: exporting it calls it, and its decorated
+    forward would call this module again (an export for other sizes starts from a call of that module)."""
+    state = getattr(model, "__dict__", {}).get("_fxforge_ort")
+    if not isinstance(state, dict):
+        yield
+        return
+    before, state["exporting"] = state.get("exporting", False), True
+    try:
+        yield
+    finally:
+        state["exporting"] = before
 
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:

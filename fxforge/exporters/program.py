@@ -20,7 +20,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxforge.capture.dynamic import batch_dynamic_shapes, batch_size, with_batch
+from fxforge.capture.dynamic import (
+    batch_dynamic_shapes,
+    batch_size,
+    export_refining,
+    resized,
+    suggested_fixes,
+    trace_inputs,
+    with_batch,
+)
 from fxforge.core.captured import Captured
 from fxforge.core.nodes import attribute_tensor, copy_graph_module
 from fxforge.core.source import first_line, user_frame_of
@@ -80,14 +88,17 @@ def quiet(log: io.StringIO | None = None) -> Iterator[io.StringIO]:
             lg.setLevel(level)
 
 
-def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shapes: Any = None
-                   ) -> tuple[torch.export.ExportedProgram, Any, tuple | None, Any]:
+def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shapes: Any = None, *,
+                   refine: Any = False) -> tuple[torch.export.ExportedProgram, Any, tuple | None, Any]:
     """``torch.export`` of a captured (rewritten) graph, the step before writing ONNX or a ``.pt2`` file.
 
     Returns the program, the model's output structure (see :func:`exportable`), the other batch's
     ``(label, args, kwargs)`` to validate on when the batch is dynamic (else None), and the dynamic shapes
-    used. With ``dynamic_batch`` the leading dim of every batched input is dynamic; a batch of 1 is traced
-    as a batch of 2 made from the example rows, since torch.export specialises a size-1 dim.
+    used. With ``dynamic_batch`` the leading dim of every batched input is dynamic. A dim that
+    ``dynamic_shapes`` (or ``dynamic_batch``) makes dynamic and that is 1 in the example is traced at 2 (made
+    from the example's entries), since torch.export specialises a size-1 dim. With ``refine`` (True, or the
+    names of the dims that must stay dynamic), a constraint violation is answered with torch.export's
+    suggested fixes (see :func:`fxforge.capture.dynamic.export_refining`); ``dynamic_batch`` refines.
 
     Raises:
         ExportError: no input has a batch dim, or torch.export failed (with the user's line where known).
@@ -106,22 +117,110 @@ def export_program(captured: Captured, dynamic_batch: bool = False, dynamic_shap
         batch = batch_size(args, kwargs)
         if batch is None:
             raise ExportError("dynamic_batch=True, but no input tensor has a dim 0", stage="input")
-        if batch == 1:
-            args, kwargs = with_batch(args, kwargs, batch, 2)
         other = batch + 1
         other_batch = (f"batch {other}", *with_batch(captured.example_args, captured.example_kwargs, batch, other))
-        dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, 2 if batch == 1 else batch)
-    try:
+        dynamic_shapes = batch_dynamic_shapes(gm, args, kwargs, batch)
+        refine = True
+    if dynamic_shapes is not None:
+        args, kwargs = trace_inputs(gm, args, kwargs, dynamic_shapes)
+
+    def export(spec: Any) -> torch.export.ExportedProgram:
         with tracing(), quiet(), torch.no_grad():
-            program = torch.export.export(gm, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.export.export(gm, args, kwargs, dynamic_shapes=spec, strict=False)
+
+    try:
+        program, dynamic_shapes = export_refining(export, dynamic_shapes, refine)
     except Exception as error:
         where = user_frame_of(error)
-        what = "with a dynamic batch dim " if dynamic_batch else ""
-        hint = ("; the graph holds the example's batch size somewhere (TORCH_LOGS=+dynamic shows where)"
-                if dynamic_batch and "Constraints violated" in str(error) else "")
+        dynamic = dynamic_batch or dynamic_shapes is not None
+        what = "with a dynamic batch dim " if dynamic_batch else "with dynamic dims " if dynamic else ""
+        fixes = suggested_fixes(error)
+        hint = ("; the graph holds the example's size somewhere (TORCH_LOGS=+dynamic shows where)"
+                if dynamic and "Constraints violated" in str(error) else "")
+        hint += f"; torch.export's suggested fixes: {', '.join(fixes)}" if fixes else ""
         raise ExportError(f"torch.export could not export the rewritten graph {what}({first_line(error)})"
                           + (f" at {where}" if where else "") + hint, stage="torch.export", source=where) from error
     return program, out_structure, other_batch, dynamic_shapes
+
+
+def validation_inputs(program: torch.export.ExportedProgram, captured: Captured,
+                      name: Callable[[int, int], str | None] | None = None,
+                      count: int = 2) -> list[tuple[str, tuple, dict]]:
+    """Inputs of other sizes to validate an exported model with dynamic dims on: ``count`` sets (or fewer
+    where the dims' ranges leave no room), each changing every dynamic dim of ``program`` (first one larger,
+    then one smaller where the range allows: ``size + 1``, then ``size // 2``), within the ranges torch.export
+    recorded. Each is ``(label, args, kwargs)``, made from ``captured``'s example inputs by repeating their
+    entries (:func:`fxforge.capture.dynamic.resized`); dims derived from others (``2 * seq``) follow them.
+
+    ``name(input, dim)`` names a dynamic dim of the ``input``-th tensor input in the labels (default: the
+    symbol, ``s0``). A program without dynamic dims has none.
+
+    Example:
+        >>> import fxforge
+        >>> cap = fxforge.capture(torch.nn.Linear(3, 2), (torch.ones(2, 3),))
+        >>> program, _, _, _ = export_program(cap, dynamic_batch=True)
+        >>> [(label, args[0].shape[0]) for label, args, _ in validation_inputs(program, cap, lambda i, d: "batch")]
+        [('batch 3', 3), ('batch 1', 1)]
+    """
+    import sympy
+    from torch.export._tree_utils import reorder_kwargs
+    from torch.export.graph_signature import InputKind, TensorArgument
+
+    kwargs = dict(captured.example_kwargs)
+    with contextlib.suppress(Exception):  # the program's keyword order, as ONNX Runtime's inputs are fed
+        kwargs = reorder_kwargs(kwargs, program.call_spec.in_spec)
+    leaves, structure = pytree.tree_flatten((tuple(captured.example_args), kwargs))
+    user = [spec for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    if len(user) != len(leaves):
+        return []
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    dims, example, labels, tensors = [], {}, {}, 0  # dims: (leaf position, axis, size expression)
+    for position, (spec, leaf) in enumerate(zip(user, leaves)):
+        if not isinstance(spec.arg, TensorArgument) or not isinstance(leaf, torch.Tensor):
+            continue
+        value = placeholders[spec.arg.name].meta.get("val") if spec.arg.name in placeholders else None
+        for axis, size in enumerate(getattr(value, "shape", ())):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                dims.append((position, axis, expr))
+                if isinstance(expr, sympy.Symbol) and expr not in example:
+                    example[expr] = int(leaf.shape[axis])
+                    labels[expr] = (name(tensors, axis) if name is not None else None) or str(expr)
+        tensors += 1
+    if any(not expr.free_symbols <= set(example) for _, _, expr in dims):
+        return []  # a size this cannot set (a dim only ever derived from another)
+    choices = {symbol: _other_sizes(size, program.range_constraints.get(symbol)) for symbol, size in example.items()}
+    choices = {symbol: sizes for symbol, sizes in choices.items() if sizes}
+    cases = []
+    for case in range(min(count, max((len(sizes) for sizes in choices.values()), default=0))):
+        sizes = {symbol: choices[symbol][min(case, len(choices[symbol]) - 1)] if symbol in choices else size
+                 for symbol, size in example.items()}
+        new = list(leaves)
+        for position, axis, expr in dims:
+            target = int(expr.xreplace(sizes))
+            if new[position].shape[axis] != target:
+                new[position] = resized(new[position], axis, target)
+        args, kwargs = pytree.tree_unflatten(new, structure)
+        label = ", ".join(f"{labels[symbol]} {sizes[symbol]}" for symbol in choices)
+        cases.append((label, tuple(args), dict(kwargs)))
+    return cases
+
+
+def _other_sizes(size: int, bounds: Any) -> list[int]:
+    """Two sizes other than ``size`` within ``bounds`` (a torch ``ValueRanges``, or None): larger first."""
+    def bound(value: Any, default: int) -> int:
+        try:
+            return int(value)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            return default
+
+    low = max(1, bound(getattr(bounds, "lower", 1), 1))
+    high = bound(getattr(bounds, "upper", None), 2**62)
+    found = []
+    for candidate in (size + 1, size // 2, size - 1, size + 2, size + 3):
+        if low <= candidate <= high and candidate != size and candidate not in found:
+            found.append(candidate)
+    return found[:2]
 
 
 _CONTIGUOUS = (torch.ops.aten.contiguous.default, torch.Tensor.contiguous)
@@ -228,10 +327,11 @@ def exportable(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, tuple | 
     return copy, structure
 
 
-def validate(module: Callable[..., Any], captured: Captured, other_batch: tuple | None, *,
+def validate(module: Callable[..., Any], captured: Captured, others: Any, *,
              name: str = "ONNX Runtime") -> dict[str, float]:
     """Run an exported model (``module``, called like the model) and the PyTorch model on the example
-    inputs (and another batch) and compare. ``name`` says what ran the exported model, in errors.
+    inputs and on ``others`` (one ``(label, args, kwargs)``, a list of them, or None: inputs of other
+    sizes, see :func:`validation_inputs`) and compare. ``name`` says what ran the exported model, in errors.
 
     Returns the largest absolute difference per input set.
 
@@ -239,8 +339,9 @@ def validate(module: Callable[..., Any], captured: Captured, other_batch: tuple 
         ExportError: outputs differ beyond tolerance, or the exported model failed to run.
     """
     cases = [("example inputs", captured.example_args, captured.example_kwargs, captured.example_outputs)]
-    if other_batch is not None:
-        cases.append((*other_batch, None))
+    if isinstance(others, tuple):
+        others = [others]
+    cases.extend((*other, None) for other in others or [])
     errors = {}
     for label, args, kwargs, reference in cases:
         if reference is None:
