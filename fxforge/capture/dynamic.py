@@ -66,13 +66,20 @@ def capture_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
         where = user_frame_of(error)
         raise CaptureError(name, {"export": "torch.export cannot keep the requested dims dynamic "
                                             f"({first_line(error)})" + (f" at {where}" if where else "")}) from error
+    return _checked(model, graph_module, args, kwargs, reference)
+
+
+def _checked(model: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict,
+             reference: Any) -> Captured:
+    """The dynamic capture as a ``Captured``, once its graph answered as the model does on the example inputs
+    (``reference``: the model's output there, computed now when None)."""
     if reference is None:
         with isolated(model, inputs=(args, kwargs)), torch.no_grad():
             reference = model(*args, **kwargs)
     try:
         check_graph(model, graph_module, args, kwargs, reference)
     except Exception as error:
-        raise CaptureError(name, {"export": first_line(error)}) from error
+        raise CaptureError(type(model).__name__, {"export": first_line(error)}) from error
     return captured_from(model, graph_module, "export", [], args, kwargs,
                          ["captured with torch.export and dynamic dims"], reference=reference)
 
@@ -552,13 +559,4 @@ def capture_refined(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
                                             f"({first_line(error)})" + (f" at {where}" if where else "")
                                   + (f"; torch.export's suggested fixes: {', '.join(fixes)}" if fixes else "")}
                            ) from error
-    if reference is None:
-        with isolated(model, inputs=(args, kwargs)), torch.no_grad():
-            reference = model(*args, **kwargs)
-    try:
-        check_graph(model, graph_module, args, kwargs, reference)
-    except Exception as error:
-        raise CaptureError(name, {"export": first_line(error)}) from error
-    captured = captured_from(model, graph_module, "export", [], args, kwargs,
-                             ["captured with torch.export and dynamic dims"], reference=reference)
-    return captured, dynamic_shapes
+    return _checked(model, graph_module, args, kwargs, reference), dynamic_shapes
