@@ -703,18 +703,11 @@ def summary(rows: list[dict[str, Any]], *, contender: str = "fxforge", onnx: str
 
 def markdown_block(result: dict[str, Any]) -> str:
     meta, m = result["meta"], result["meta"]["machine"]
-    cores = f"{m['cores']} logical cores"
-    if m.get("affinity") and m["affinity"] != m["cores"]:
-        cores += f" ({m['affinity']} usable)"
-    versions = f"torch {m['torch']}, onnxruntime {m.get('onnxruntime') or 'n/a'}"
-    if m.get("transformers"):
-        versions += f", transformers {m['transformers']}"
     t = meta["trace"]
     lines = [
         f"## {meta['title']}",
         "",
-        f"- Machine: {m['cpu']}, {cores}",
-        f"- Software: Python {m['python']}, {versions}",
+        *report.machine_lines(m, with_gpu=False),
         f"- Threads: torch.set_num_threads({m['threads']})" + (
             "; ONNX Runtime intra-op threads = the same, one inter-op thread, no spinning"
             if any(c in meta["contenders"] for c in ("ort", "fxforge_ort")) else ""),

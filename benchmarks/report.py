@@ -553,6 +553,23 @@ MEMORY_LINE = (
 )
 
 
+def machine_lines(m: dict[str, Any], *, with_gpu: bool) -> list[str]:
+    """The "- Machine:" and "- Software:" lines of a results block, from a run's ``machine`` record.
+
+    Example:
+        >>> machine_lines({"cpu": "x86", "cores": 2, "python": "3.11", "torch": "2.13"}, with_gpu=False)
+        ['- Machine: x86, 2 logical cores', '- Software: Python 3.11, torch 2.13, onnxruntime n/a']
+    """
+    cores = f"{m['cores']} logical cores"
+    if m.get("affinity") and m["affinity"] != m["cores"]:
+        cores += f" ({m['affinity']} usable)"
+    versions = f"torch {m['torch']}, onnxruntime {m.get('onnxruntime') or 'n/a'}"
+    if m.get("transformers"):
+        versions += f", transformers {m['transformers']}"
+    gpu = f", GPU {m['cuda']}" if with_gpu and m.get("cuda") else ""
+    return [f"- Machine: {m['cpu']}, {cores}{gpu}", f"- Software: Python {m['python']}, {versions}"]
+
+
 def markdown_block(result: dict[str, Any]) -> str:
     """The text between the harness markers for one run (without the markers).
 
@@ -562,17 +579,10 @@ def markdown_block(result: dict[str, Any]) -> str:
     meta = result["meta"]
     m = meta["machine"]
     t = meta["timing"]
-    cores = f"{m['cores']} logical cores"
-    if m.get("affinity") and m["affinity"] != m["cores"]:
-        cores += f" ({m['affinity']} usable)"
-    versions = f"torch {m['torch']}, onnxruntime {m.get('onnxruntime') or 'n/a'}"
-    if m.get("transformers"):
-        versions += f", transformers {m['transformers']}"
     lines = [
         f"## {meta.get('title') or 'Harness run'}",
         "",
-        f"- Machine: {m['cpu']}, {cores}" + (f", GPU {m['cuda']}" if m.get("cuda") else ""),
-        f"- Software: Python {m['python']}, {versions}",
+        *machine_lines(m, with_gpu=True),
         threads_line(m, meta),
         load_line(m, meta),
         f"- Date: {meta['date']}" + (f", commit {meta['commit']}" if meta.get("commit") else ""),

@@ -276,10 +276,12 @@ class PlanCache:
                 if retired in self._generic[family]:
                     self._generic[family].remove(retired)
                 self._served[other] = plan
+        held = {id(p) for p in self.plans.values()}
         for other, served in list(self._served.items()):
-            if served is not plan and all(served is not p for p in self.plans.values()):
-                self._served[other] = plan if plan.shapes.check_sizes(sizes_of(other[0])) is None else None
-                if self._served[other] is None:
+            if id(served) not in held:  # served by a plan just retired: the new one, or none
+                if plan.shapes.check_sizes(sizes_of(other[0])) is None:
+                    self._served[other] = plan
+                else:
                     del self._served[other]
 
     def _build(self, args: tuple, kwargs: dict, conditions: CallConditions, dynamic: Any = None, *,

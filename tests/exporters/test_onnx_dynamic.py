@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections import Counter
 
 import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from test_onnx import all_onnx_ops
 from torch import nn
 
 import fxforge
@@ -34,20 +34,6 @@ ATOL = 1e-4
 MHA, GQA = "com.microsoft:MultiHeadAttention", "com.microsoft:GroupQueryAttention"
 # (batch, length) the files are run at besides the sizes export_onnx validated them on
 SIZES = [(1, 3), (4, 13), (3, 1), (2, 40)]
-
-
-def all_onnx_ops(path: str) -> Counter:
-    """``Counter`` of every op in the file, subgraphs (``If`` branches) included; ``domain:Op`` outside the
-    default domain."""
-
-    def walk(graph):
-        for node in graph.node:
-            yield f"{node.domain}:{node.op_type}" if node.domain else node.op_type
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(attribute.g)
-
-    return Counter(walk(onnx.load(path, load_external_data=False).graph))
 
 
 def text_inputs(batch: int, length: int, vocab: int = 128, seed: int = 0) -> dict[str, torch.Tensor]:
