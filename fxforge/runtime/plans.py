@@ -93,6 +93,16 @@ class ShapePolicy:
 _MISSING = object()
 
 
+def _numel(sizes: list) -> int:
+    """The elements of a call's tensors, from :func:`~fxforge.runtime.signature.sizes_of`."""
+    return sum(int(torch.Size(leaf[0]).numel()) for leaf in sizes if leaf is not None)
+
+
+def _describe_sizes(signature: Hashable) -> str:
+    """A signature's tensor sizes as ``([2, 64], [2, 64])``."""
+    return "(" + ", ".join(f"[{', '.join(map(str, leaf[0]))}]" for leaf in sizes_of(signature) if leaf is not None) + ")"
+
+
 class FallbackWarning(UserWarning):
     """fxforge could not capture a model for some inputs and runs it eagerly instead."""
 
@@ -142,6 +152,10 @@ class PlanCache:
         self._families: dict[Hashable, list[Hashable]] = {}  # family -> signatures built for, in order
         self._dynamic_dims: dict[Hashable, set] = {}  # family -> input dims made dynamic so far
         self._static_only: set[Hashable] = set()  # families torch.export could not make dynamic
+        # family -> (signature, args, kwargs): copies of the smallest inputs a plan of the family was built on,
+        # which a later shape-generic plan of the family is built on (capture, verification and autotune then
+        # run the model at those sizes, not at the size of the call that needed the plan)
+        self._examples: dict[Hashable, tuple[Hashable, tuple, dict]] = {}
         self.last: Plan | None = None
         self.notes: list[str] = []
         self._watch = ModelWatch(module)
@@ -225,7 +239,18 @@ class PlanCache:
             self.plans[key] = None
             return None
         dynamic = self._dynamic_for(family, signature)
-        plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None)
+        example = self._smaller_example(family, signature, dynamic)
+        if example is not None:
+            plan = self._build(example[1], example[2], conditions, dynamic, quiet=True)
+            if self._forward_set_state():
+                return _MISSING
+            if plan is not None and plan.shapes is not None and plan.shapes.check_sizes(sizes_of(signature)) is None:
+                plan.report.notes.append(f"built on an earlier call's inputs {_describe_sizes(example[0])} (the "
+                                         f"smallest of its kind seen), for the call {describe_signature(args, kwargs)}")
+            else:  # the plan does not serve the call that needed it: build at the call's own sizes
+                example = None
+        if example is None:
+            plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None, family=family)
         if self._forward_set_state():
             return _MISSING
         if dynamic is not None:
@@ -236,7 +261,7 @@ class PlanCache:
                                   f"shape-generic plan could not be built ({reason})")
                 if plan is None:
                     self._static_only.add(family)  # (no more tries: each costs a capture)
-                plan = self._build(args, kwargs, conditions, None)
+                plan = self._build(args, kwargs, conditions, None, family=family)
                 if self._forward_set_state():
                     return _MISSING
         self.plans[key] = plan
@@ -263,6 +288,27 @@ class PlanCache:
         dims = {(leaf, dim) for leaf, dim in dims if sizes[leaf][0][dim] > 1}  # sizes 0 and 1 stay specialised
         return frozenset(dims) or None
 
+    def _smaller_example(self, family: Hashable, signature: Hashable, dynamic: Any) -> tuple | None:
+        """The remembered inputs of ``family`` to build a plan keeping the input dims ``dynamic`` on, instead of
+        the call's own: where they are smaller, differ from the call only in those dims, and are over 1 in each
+        of them (a size of 0 or 1 would be specialised). None otherwise."""
+        example = self._examples.get(family)
+        if not isinstance(dynamic, frozenset) or example is None:
+            return None
+        theirs, ours = sizes_of(example[0]), sizes_of(signature)
+        if not differing_dims(example[0], signature) <= dynamic:
+            return None
+        if any(theirs[leaf][0][dim] <= 1 for leaf, dim in dynamic):
+            return None
+        return example if _numel(theirs) < _numel(ours) else None
+
+    def _remember_example(self, family: Hashable, args: tuple, kwargs: dict) -> None:
+        """Keep copies of a build's inputs as ``family``'s example when they are its smallest so far."""
+        signature = input_signature(args, kwargs, self.module.training)
+        held = self._examples.get(family)
+        if held is None or _numel(sizes_of(signature)) < _numel(sizes_of(held[0])):
+            self._examples[family] = (signature, args, kwargs)
+
     def _adopt(self, family: Hashable, plan: Plan, dynamic: Any) -> None:
         """Make a new shape-generic plan the one its family's calls find, and retire the plans it makes
         redundant (those built for signatures it serves): their graphs and weights are freed."""
@@ -285,10 +331,11 @@ class PlanCache:
                     del self._served[other]
 
     def _build(self, args: tuple, kwargs: dict, conditions: CallConditions, dynamic: Any = None, *,
-               quiet: bool = False) -> Plan | None:
+               quiet: bool = False, family: Hashable | None = None) -> Plan | None:
         """Build a plan on copies of the inputs (capture and verification run the model several times: the
         caller's tensors must not see that), noting what the model's forward set on its modules meanwhile.
-        A failure warns (unless ``quiet``: the caller tries again otherwise) and gives None."""
+        A failure warns (unless ``quiet``: the caller tries again otherwise) and gives None. With ``family``,
+        the copies of a successful build's inputs may become that family's example (see ``_examples``)."""
         state = ModuleState(self._watch.watched())
         plan, error = None, None
         self._building.active = True
@@ -306,6 +353,8 @@ class PlanCache:
             error = failure
         finally:
             self._building.active = False
+        if plan is not None and family is not None:
+            self._remember_example(family, *copies)
         self._set_during_build = state.changes()
         if self._set_during_build:
             state.restore()  # (a graph of such a forward differs from it: its failure is no news)
