@@ -1,4 +1,4 @@
-"""Symbolic sizes: which calls a shape-generic graph serves, and the shape bucket a call falls in.
+"""Symbolic sizes: which calls a shape-generic graph serves.
 
 A graph captured with dynamic dims (``torch.export`` with ``Dim.AUTO``) holds sympy expressions where the
 example had sizes: its placeholders' fake values have shapes like ``[s0, s1]`` and strides like
@@ -9,8 +9,7 @@ assumption a rewrite made after capture (the guards it added to the graph's ``Sh
 ``Eq(s1, 64)`` when a rewrite read a size as a number) true for the call's sizes. The answer is made once
 per input signature; the plan cache remembers it.
 
-:func:`bucket_of` names the bucket a call's symbol values fall in (powers of two), which kernel choices are
-made per.
+Kernel choices per shape bucket are made where the kernels run (:mod:`fxforge.lowering.buckets`).
 
 Example:
     >>> import torch
@@ -19,8 +18,6 @@ Example:
     >>> guard = ShapeGuard.of(ep.module())
     >>> guard.check(guard.leaves((torch.ones(7, 4),), {})) is None, guard.check([torch.ones(7, 5)])
     (True, 'input 0 dim 1 is 5; the graph takes 4')
-    >>> [size for _, size in bucket_of(guard.bind([torch.ones(7, 4)]))]   # 7 rows: the bucket of 8
-    [8]
 """
 
 from __future__ import annotations
@@ -262,26 +259,6 @@ def evaluate(expr: Any, binding: dict[Any, int]) -> int:
     if isinstance(expr, int):
         return expr
     return int(expr.xreplace({s: sympy.Integer(v) for s, v in binding.items()}))
-
-
-def bucket(value: int) -> int:
-    """The power of two at or above ``value`` (the bucket of a size).
-
-    Example:
-        >>> [bucket(v) for v in (1, 2, 3, 17, 64)]
-        [1, 2, 4, 32, 64]
-    """
-    return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()
-
-
-def bucket_of(binding: dict[Any, int]) -> tuple[tuple[str, int], ...]:
-    """The shape bucket of a call: each symbol's value rounded up to a power of two.
-
-    Example:
-        >>> bucket_of({sympy.Symbol("s1"): 100, sympy.Symbol("s0"): 3})
-        (('s0', 4), ('s1', 128))
-    """
-    return tuple(sorted((str(s), bucket(v)) for s, v in binding.items()))
 
 
 def concrete(values: Sequence[Any], binding: dict[Any, int]) -> tuple[int, ...]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,15 +42,15 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from fxforge.core.captured import LoweredRun
-from fxforge.core.disk_cache import TuningCache, machine_key, open_cache
+from fxforge.core.disk_cache import machine_key
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.shapes import annotate
 from fxforge.core.symbolic import hint
 from fxforge.core.verify import isolated
 from fxforge.lowering.kernels import KERNELS_BY_OP, kernels_for
 from fxforge.lowering.layout import to_channels_last
-from fxforge.lowering.lower import fused_calls, lower
-from fxforge.lowering.timing import MIN_REPS, time_interleaved  # noqa: F401 - MIN_REPS: tests read it here
+from fxforge.lowering.lower import KERNEL_SET, fused_calls, lower
+from fxforge.lowering.timing import MIN_REPS, autotune_cache, time_interleaved  # noqa: F401 - tests read MIN_REPS here
 from fxforge.rewrites.passes import PassContext, Tuned
 
 aten = torch.ops.aten
@@ -99,18 +98,6 @@ class TuningPolicy:
 
 
 MEASURE_ALL = TuningPolicy()  # the default: every choice measured
-
-
-def autotune_cache() -> TuningCache | None:
-    """The on-disk cache of autotune's timings (``$FXFORGE_CACHE_DIR/autotune.json``); None when
-    ``FXFORGE_AUTOTUNE_CACHE=0``.
-
-    Example:
-        >>> cache = autotune_cache()
-        >>> cache is None or cache.path.name == "autotune.json"
-        True
-    """
-    return None if os.environ.get("FXFORGE_AUTOTUNE_CACHE", "1") == "0" else open_cache("autotune.json")
 
 
 def _random_like_meta(value: Any, pool: dict, position: int) -> Any:
@@ -178,6 +165,8 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
             seen[key] = (best, timings, note)
         best, timings, note = seen[key]
         node.args = (*op_args, best)
+        if policy.kernel is not None:
+            node.meta[KERNEL_SET] = True  # (lowering then keeps it at every size: no choice per shape bucket)
         total += timings[best]
         choices.append((node.name, best, timings, note))
     return total, choices

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -36,9 +37,15 @@ from fxforge.core.captured import Captured
 from fxforge.core.derived import Derived, DerivedValues
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.plan import Plan
+from fxforge.core.symbolic import hint
 from fxforge.lowering import kernels  # noqa: F401 - registers the fused ops' oneDNN and cuDNN kernels
+from fxforge.lowering.buckets import BucketedKernel, BucketTable, bucket_key, tables_of
+from fxforge.lowering.kernels import kernels_for
 from fxforge.rewrites import fused_ops
 
+# A fused op's node meta key: its kernel was set by the user's tuning policy, not measured, so a graph with
+# symbolic sizes runs that kernel at every size instead of choosing one per shape bucket.
+KERNEL_SET = "fxforge_kernel_set"
 # fused op -> its name in fxforge.rewrites.fused_ops' kernel table
 FUSED_OPS = {
     torch.ops.fxforge.conv_pointwise.default: "conv_pointwise",
@@ -68,7 +75,9 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     A graph without fused ops is returned as it is.
 
     Fused ops whose weight is not a parameter or buffer of the graph (computed at run time) stay custom
-    op calls. Parameters and buffers are shared with ``graph_module``; prepacked weights are new
+    op calls. A fused op whose input has symbolic sizes (a shape-generic graph) becomes a
+    :class:`~fxforge.lowering.buckets.BucketedKernel` instead, which runs the kernel chosen per shape bucket
+    (unless the tuning policy set its kernel). Parameters and buffers are shared with ``graph_module``; prepacked weights are new
     non-persistent buffers of the copy, each with its :class:`PackRecipe` in ``meta["fxforge_packs"]``.
 
     Example:
@@ -81,35 +90,84 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new = copy_graph_module(graph_module)
     graph = new.graph
     packs = new.meta.setdefault("fxforge_packs", {})
-    packed = 0
+    tables: dict[str, BucketTable] = {}
+
+    def graph_args(node: Node, op: str, kernel: str, weight: torch.Tensor, args: tuple) -> list:
+        """A kernel call's arguments as graph values: the op's weight as the op reads it, each prepacked
+        weight as a new buffer (with the recipe that packs it again)."""
+        *op_args, _ = node.args
+        call_args = []
+        for position, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                if arg is weight:
+                    arg = node.args[1]
+                else:
+                    name = f"_fxforge_packed_{len(packs)}"
+                    new.register_buffer(name, arg, persistent=False)
+                    packs[name] = PackRecipe(weight, (op, kernel, tuple(op_args), position))
+                    arg = graph.get_attr(name)
+            call_args.append(arg)
+        return call_args
+
     for node, op, weight in list(fused_calls(new)):
         *op_args, kernel = node.args
         fn, args = fused_ops.kernel_or_composite(op, kernel, op_args[0], weight, *op_args[2:])
+        dims = () if node.meta.get(KERNEL_SET) else _dynamic_dims(op_args[0])
         with graph.inserting_before(node):
-            if fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite):
+            result = _bucketed(node, op, kernel, weight, dims, tables, graph_args) if dims else None
+            composite = fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite)
+            if result is None and composite:  # inlined: plain ops, no custom-op dispatch
                 tracer = torch.fx.proxy.GraphAppendingTracer(graph)
                 proxied = [torch.fx.Proxy(a, tracer) if isinstance(a, Node) else a for a in op_args]
                 result = fn(*proxied).node
-            else:
-                call_args = []
-                for position, arg in enumerate(args):
-                    if isinstance(arg, torch.Tensor):
-                        if arg is weight:
-                            arg = node.args[1]
-                        else:
-                            name = f"_fxforge_packed_{packed}"
-                            packed += 1
-                            new.register_buffer(name, arg, persistent=False)
-                            packs[name] = PackRecipe(weight, (op, kernel, tuple(op_args), position))
-                            arg = graph.get_attr(name)
-                    call_args.append(arg)
-                result = graph.call_function(fn, tuple(call_args))
+            elif result is None:
+                result = graph.call_function(fn, tuple(graph_args(node, op, kernel, weight, args)))
         result.meta.update(node.meta)
         node.replace_all_uses_with(result)
         graph.erase_node(node)
     graph.lint()
     new.recompile()
     return new
+
+
+def _dynamic_dims(input: Any) -> tuple[int, ...]:
+    """The dims of a fused op's input whose size is symbolic (none in a graph captured for one shape)."""
+    value = input.meta.get("val") if isinstance(input, Node) else None
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(d for d, size in enumerate(value.shape) if isinstance(size, torch.SymInt) and not size.node.expr.is_number)
+
+
+def _bucketed(node: Node, op: str, kernel: str, weight: torch.Tensor, dims: tuple[int, ...],
+              tables: dict[str, BucketTable], graph_args: Callable[..., list]) -> Node | None:
+    """A :class:`~fxforge.lowering.buckets.BucketedKernel` call for a fused op with symbolic input sizes: every
+    kernel that can run it, the one autotune chose at the example's sizes seeding the example's bucket.
+    None where only one kernel can run it (nothing to choose)."""
+    graph = node.graph
+    *op_args, _ = node.args
+    value = op_args[0].meta["val"]
+    runnable = {}
+    for candidate in kernels_for(value.device):
+        call = fused_ops.kernel_call(op, candidate, op_args[0], weight, *op_args[2:])
+        if not isinstance(call, str):
+            runnable[candidate] = call
+    if len(runnable) < 2:
+        return None
+    flat: list = []
+    calls: dict[str, tuple[Callable, int, int]] = {}
+    for candidate, (fn, args) in runnable.items():
+        start = len(flat)
+        flat.extend(graph_args(node, op, candidate, weight, args))
+        calls[candidate] = (fn, start, len(flat))
+    shape = tuple(None if d in dims else hint(size) for d, size in enumerate(value.shape))
+    config = repr((op, shape, tuple(weight.shape), str(weight.dtype), str(value.dtype),
+                   [a for a in op_args[2:] if not isinstance(a, Node)],
+                   [i for i, a in enumerate(op_args) if isinstance(a, Node)]))
+    table = tables.get(config)
+    if table is None:
+        table = tables[config] = BucketTable(op, dims, shape, node.name, kernel, config)
+        table.seed(bucket_key([hint(s) for s in value.shape], dims), kernel if kernel in calls else "composite")
+    return graph.call_function(BucketedKernel(table, calls, op), (op_args[0], *flat))
 
 
 def lowered_kernels(graph_module: torch.fx.GraphModule) -> dict[str, int]:
@@ -178,6 +236,8 @@ def make_plan(captured: Captured) -> Plan:
     """
     run = captured.lowered_run
     lowered = run.lowered if run is not None and run.lowers(captured.graph_module) else lower(captured.graph_module)
+    for table in tables_of(lowered):  # each bucket's choice, as it is made, goes to this plan's report
+        table.report = captured.report
     return Plan(captured, lowered, derived_values(captured.graph_module, lowered))
 
 

@@ -1,4 +1,5 @@
-"""Timing calls against each other: interleaved rounds, medians, and early stops when the winner is clear.
+"""Timing calls against each other: interleaved rounds, medians, and early stops when the winner is clear;
+the on-disk cache the timings are remembered in.
 
 Example:
     >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
@@ -7,17 +8,21 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+from fxforge.core.disk_cache import TuningCache, open_cache
 
 # Repetitions at least / at most.
 MIN_REPS, MAX_REPS = 3, 25
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
-                     decisive: float | None = None, decisive_first: float | None = None) -> dict[str, float]:
+                     decisive: float | None = None, decisive_first: float | None = None,
+                     limit_s: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -28,11 +33,14 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
             the other by this fraction (more rounds would not change the choice).
         decisive_first: with two calls, stop after the first round already when its two samples differ by
             this fraction (for calls whose warm-up ran: a cold first sample must not decide).
+        limit_s: no round starts once this many seconds went by since the first call (warm-ups included), so
+            a caller that times inside a user's call is not held up by large inputs (at least one round runs).
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
+    began = time.perf_counter()
     samples: dict[str, list[float]] = {}
     for name, call in calls.items():
         if name not in warmed:
@@ -45,6 +53,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         return {name: s[0] * 1e3 for name, s in samples.items()}
     reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
+        if limit_s is not None and time.perf_counter() - began > limit_s:
+            break
         for name, call in calls.items():
             start = time.perf_counter()
             call()
@@ -56,3 +66,15 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
 
 def _separated(a: list[float], b: list[float], fraction: float) -> bool:
     return max(a) < min(b) * (1 - fraction) or max(b) < min(a) * (1 - fraction)
+
+
+def autotune_cache() -> TuningCache | None:
+    """The on-disk cache of autotune's timings (``$FXFORGE_CACHE_DIR/autotune.json``); None when
+    ``FXFORGE_AUTOTUNE_CACHE=0``.
+
+    Example:
+        >>> cache = autotune_cache()
+        >>> cache is None or cache.path.name == "autotune.json"
+        True
+    """
+    return None if os.environ.get("FXFORGE_AUTOTUNE_CACHE", "1") == "0" else open_cache("autotune.json")

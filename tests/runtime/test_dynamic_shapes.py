@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import fxforge
-from fxforge.core.symbolic import ShapeGuard, bucket_of
+from fxforge.core.symbolic import ShapeGuard
+from fxforge.lowering.autotune import TuningPolicy
 from fxforge.runtime.plans import FallbackWarning
 
 transformers = pytest.importorskip("transformers")
@@ -97,6 +98,26 @@ def test_retired_plans_are_freed_and_held_plans_are_bounded():
     assert opt.plans_built == 2 and len({id(p) for p in opt.cache.plans.values()}) == 1
 
 
+def test_a_shape_generic_plan_is_built_on_the_smallest_earlier_inputs_that_fit():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
+
+    def built_on() -> list[str]:
+        return [n for n in opt.report.notes if "built on an earlier call" in n]
+
+    with torch.no_grad():
+        x = torch.randn(6, 40, 8)  # both dims became dynamic: capture, checks and timing run at (2, 5, 8)
+        torch.testing.assert_close(opt(x), model(x))
+        assert len(built_on()) == 1 and "[2, 5, 8]" in built_on()[0] and "[6, 40, 8]" in built_on()[0]
+        for shape in [(3, 7, 8), (9, 2, 8)]:  # served by that plan, at sizes no build saw
+            x = torch.randn(shape)
+            torch.testing.assert_close(opt(x), model(x))
+        x = torch.randn(1, 30, 8)  # a batch of one stays specialised: no earlier input has it, built at its size
+        torch.testing.assert_close(opt(x), model(x))
+        assert built_on() == [] and opt.report is opt.cache.last.report
+    assert opt.plans_built == 3
+
+
 def test_max_plans_then_eager_with_one_warning():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval()
     opt = fxforge.optimize(model, (torch.randn(2, 4),), dynamic=False, max_plans=3)
@@ -121,7 +142,8 @@ def test_dynamic_false_keeps_one_plan_per_signature():
 
 def test_dynamic_true_serves_every_size_from_the_first_plan():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.ReLU()).eval()
-    opt = fxforge.optimize(model, (torch.randn(2, 3, 16, 16),), dynamic=True)
+    # (the fusion kept whatever the timing: this test is about one plan serving every size)
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 16, 16),), dynamic=True, tuning=TuningPolicy(keep="fused"))
     with torch.no_grad():
         for shape in [(3, 3, 16, 16), (2, 3, 20, 12), (5, 3, 9, 31)]:
             x = torch.randn(shape)
@@ -164,4 +186,3 @@ def test_shape_guard_checks_ranges_relations_strides_and_assumptions():
     assert "elsewhere" in guard.check([torch.ones(3, 5), torch.ones(3, 6), 1])
     assert "strides" in guard.check([torch.ones(5, 3).t(), torch.ones(3, 5), 1])
     assert "assumed" in guard.check([torch.ones(40, 30), torch.ones(40, 30), 1])
-    assert bucket_of(guard.bind([torch.ones(3, 5), torch.ones(3, 5), 1])) == (("s0", 4), ("s1", 8))
