@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.capture.export import export_graph_module
+from fxforge.capture.hf import register_transformers_pytrees
 from fxforge.capture.model import CaptureError, captured_from, check_graph
 from fxforge.core.captured import Captured
 from fxforge.core.source import first_line, user_frame_of
@@ -59,6 +60,7 @@ def capture_dynamic(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
             batch = 2
         dynamic_shapes = batch_dynamic_shapes(model, trace_args, trace_kwargs, batch)
     name = type(model).__name__
+    register_transformers_pytrees(model)  # a decoder's cache object in its output must be a pytree for export
     try:
         with torch.no_grad():
             graph_module = export_graph_module(model, trace_args, trace_kwargs, dynamic_shapes)

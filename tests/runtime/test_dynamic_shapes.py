@@ -85,6 +85,20 @@ def test_new_lengths_and_batches_capture_once_per_dynamic_dim(factory):
     assert opt.plans_built == 4
 
 
+def test_a_decoder_returning_its_cache_is_shape_generic_from_the_first_plan():
+    # GPT-2 returns a DynamicCache by default: torch.export needs it registered as a pytree, which the first
+    # (dynamic) capture must do itself (a static capture used to have done it earlier in the process)
+    from torch.utils import _pytree as pytree
+    from transformers.cache_utils import DynamicCache
+    if DynamicCache in pytree.SUPPORTED_NODES:
+        pytree._deregister_pytree_node(DynamicCache)
+    model = _gpt2()
+    opt = fxforge.optimize(model, _text(2, 16), dynamic=True)
+    for seed, (batch, length) in enumerate([(3, 40), (5, 9)], 1):
+        _same_as_eager(model, opt, _text(batch, length, seed))
+    assert opt.plans_built == 1 and opt.cache.last.shapes is not None
+
+
 def test_retired_plans_are_freed_and_held_plans_are_bounded():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
     opt = fxforge.optimize(model, (torch.randn(2, 8),))
