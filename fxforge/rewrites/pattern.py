@@ -13,7 +13,9 @@ ops and their arguments:
   it must bind the same value;
 - a constant in the pattern, or an argument it leaves at its default, must equal the graph's value;
 - a match never swallows an intermediate value used outside it, never drops a side effect, and never
-  moves an op past an in-place change of its input: such matches are refused with the reason.
+  moves an op past an in-place change of its input: such matches are refused with the reason. A use that
+  only reads an intermediate value's shape, dtype or device is not a use of the value: where the value has
+  the result's shape, the read moves to the replacement's result (placed before the read).
 
 The replacement is called with the bindings (graph values as ``torch.fx.Proxy``, constants as they are)
 and its torch calls are recorded into the graph. With ``fold=True`` the parts of the replacement that
@@ -45,6 +47,7 @@ from fxforge.core.plan import CallConditions
 from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
 from fxforge.core.tracing import symbolic_trace
+from fxforge.core.vocabulary import reads_metadata
 from fxforge.rewrites.canonical import (
     COMMUTATIVE,
     SIGNATURES,
@@ -247,14 +250,21 @@ def _refusal(rule: Rule, match: Match, ctx: PassContext) -> Refusal | None:
     if rule.fold and ctx.conditions.gradients:
         return Refusal(f"folds parameters into constants, which would stop their gradients: "
                        f"{CallConditions.FOR_GRADIENTS}")
-    gm, inside = match.graph_module, set(match.nodes)
-    for op in match.ops.values():
-        inside.update(op.covered)
+    gm, inside = match.graph_module, _inside(match)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted(inside - {match.anchor}, key=order.__getitem__):
-        outside = [u.name for u in node.users if u not in inside]
-        if outside:
-            return Refusal(f"the value of {node.name} is also used outside the match (by {', '.join(outside)})")
+        outside = [u for u in node.users if u not in inside]
+        if any(not _reads_shape(u) for u in outside) or (outside and not _same_shape(node, match.anchor)):
+            names = ", ".join(u.name for u in outside)
+            return Refusal(f"the value of {node.name} is also used outside the match (by {names})")
+    reads = _shape_reads(match, inside)
+    if reads:  # the replacement goes before the first of them: what it reads must exist there already
+        first = min(reads, key=lambda pair: order[pair[0]])[0]
+        late = [v for v in match.bindings.values() if isinstance(v, Node) and order[v] > order[first]
+                and v.op != "get_attr"]  # (a parameter read has no inputs: it moves up with the replacement)
+        if late:
+            return Refusal(f"{first.name} reads the shape of a matched value before {late[0].name}, which the "
+                           "replacement needs, is computed")
     for op in match.ops.values():
         unknown = op.name not in SIGNATURES  # known ops' only state is BatchNorm's (op.effect)
         if op.effect or (unknown and is_effectful(op.node, gm)):
@@ -274,11 +284,54 @@ def _refusal(rule: Rule, match: Match, ctx: PassContext) -> Refusal | None:
     return None
 
 
+def _inside(match: Match) -> set[Node]:
+    """The nodes a match replaces: its pattern's nodes and what their canonical ops cover."""
+    inside = set(match.nodes)
+    for op in match.ops.values():
+        inside.update(op.covered)
+    return inside
+
+
+def _reads_shape(node: Node) -> bool:
+    """A use that reads only shape, dtype or device (``x.shape``, ``x.size(1)``, ``aten.sym_size``), which the
+    replacement's value answers as the replaced one did: not a use of the value (strides are not promised)."""
+    return reads_metadata(node) and node.target is not torch.ops.aten.sym_stride.int
+
+
+def _same_shape(node: Node, anchor: Node) -> bool:
+    """Whether a replaced intermediate value has the shape, dtype and device of the match's result (so a read
+    of its shape can read the replacement's instead): timm's ``BatchNormAct2d`` reads the convolution's
+    output size before normalising it."""
+    a, b = node.meta.get("val"), anchor.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    return a.dtype == b.dtype and a.device == b.device and len(a.shape) == len(b.shape) and all(
+        _size_expr(x) == _size_expr(y) for x, y in zip(a.shape, b.shape))
+
+
+def _size_expr(size: Any) -> Any:
+    """A size as an int or its sympy expression (comparing those adds no guard to a symbolic graph)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
+
+def _shape_reads(match: Match, inside: set[Node]) -> list[tuple[Node, Node]]:
+    """``(reader, replaced node)`` for each read of a replaced intermediate value's shape outside the match."""
+    return [(user, node) for node in inside - {match.anchor} for user in node.users if user not in inside]
+
+
 def _replace(rule: Rule, match: Match) -> None:
     gm, graph, anchor = match.graph_module, match.graph_module.graph, match.anchor
     before = set(graph.nodes)
     tracer = torch.fx.proxy.GraphAppendingTracer(graph)
-    with graph.inserting_before(anchor):
+    # reads of a replaced value's shape (the only uses outside a match the refusals let through) read the
+    # replacement's instead, which is placed before the first of them
+    reads = _shape_reads(match, _inside(match))
+    order = {n: i for i, n in enumerate(graph.nodes)} if reads else {}
+    at = min([anchor, *(reader for reader, _ in reads)], key=lambda n: order.get(n, 0))
+    for value in match.bindings.values():
+        if at is not anchor and isinstance(value, Node) and value.op == "get_attr" and order[value] > order[at]:
+            at.prepend(value)
+    with graph.inserting_before(at):
         def proxy(value):
             if isinstance(value, ParamRef):
                 value = graph.get_attr(value.target)
@@ -292,6 +345,8 @@ def _replace(rule: Rule, match: Match) -> None:
     inherit_origin(new, match.nodes, gm)
     propagate_meta(gm, new, result=(result.node, anchor.meta.get("val")))
     anchor.replace_all_uses_with(result.node)
+    for reader, node in reads:
+        reader.replace_input_with(node, result.node)
     doomed = set(match.nodes).union(*(op.covered for op in match.ops.values()))
     doomed.update(v for v in match.bindings.values() if isinstance(v, Node) and v.op == "get_attr")
     for node in reversed(list(graph.nodes)):

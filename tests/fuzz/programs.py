@@ -26,11 +26,13 @@ ACTIVATIONS = {
 
 
 class Block(nn.Module):
-    """conv -> [BatchNorm] -> [activation] [+ residual], by the drawn flags."""
+    """conv -> [BatchNorm] -> [activation] [+ residual], by the drawn flags; ``shape_read``: the conv output's
+    rank and sizes are read around the BatchNorm (timm's ``BatchNormAct2d``), which must not stop a fold."""
 
     def __init__(self, channels: int, out: int, kernel: int, stride: int, groups: int, bias: bool, norm: bool,
-                 activation: str | None, residual: bool, functional: bool):
+                 activation: str | None, residual: bool, functional: bool, shape_read: bool = False):
         super().__init__()
+        self.shape_read = shape_read
         self.conv = nn.Conv2d(channels, out, kernel, stride, padding=kernel // 2, groups=groups, bias=bias)
         self.bn = nn.BatchNorm2d(out) if norm else nn.Identity()
         self.act = ACTIVATIONS[activation]() if activation and not functional else nn.Identity()
@@ -38,7 +40,12 @@ class Block(nn.Module):
         self.residual = residual and stride == 1 and channels == out
 
     def forward(self, x):
-        y = self.act(self.bn(self.conv(x)))
+        z = self.conv(x)
+        if self.shape_read:
+            torch._assert(z.ndim == 4, "expected a 4-d input")
+        y = self.act(self.bn(z))
+        if self.shape_read:
+            y = y.reshape(z.size(0), -1, z.shape[2], z.shape[3])
         if self.functional == "relu":
             y = F.relu(y)
         elif self.functional == "gelu":
@@ -78,7 +85,7 @@ def conv_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
         blocks.append(Block(width, out, draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 1, 2])),
                             width if depthwise else 1, draw(st.booleans()), draw(st.booleans()),
                             draw(st.sampled_from([None, *ACTIVATIONS])), draw(st.booleans()),
-                            draw(st.booleans())))
+                            draw(st.booleans()), draw(st.booleans())))
         width = out
     head = draw(st.sampled_from([None, 3]))
     model = ConvNet(blocks, width, head, draw(st.sampled_from([0.0, 0.3])), draw(st.booleans()))

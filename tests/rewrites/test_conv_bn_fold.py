@@ -133,6 +133,45 @@ def test_conv_output_used_elsewhere_refuses(method):
     assert [n.reason for n in new.report.near_misses] == [f"the value of {conv} is also used outside the match (by add)"]
 
 
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's form: the input's rank and size are read before it is normalised, then an activation."""
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, "expected 4D input")
+        rows = x.size(0)
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return F.relu(y).reshape(rows, -1, x.shape[2], x.shape[3])
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_read_of_the_conv_output_shape_is_not_a_use(method):
+    torch.manual_seed(0)
+    model = perturb_norm_stats(nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct2d(8), nn.Conv2d(8, 4, 3),
+                                             BatchNormAct2d(4))).eval()
+    new = _fold(model, (torch.randn(2, 3, 12, 12),), method)
+    assert new.report.counts.get("conv_bn_fold") == 2, new.report
+    assert not _batch_norms(new.graph_module)
+    with torch.no_grad():  # fresh inputs, and (fx) the shape reads now read the folded convolution's output
+        x = torch.randn(2, 3, 12, 12)
+        torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class ConvShapeThenValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y).flatten(1) * y.size(1) + y.mean()  # a shape read, and a use of the value
+
+
+def test_a_value_use_beside_a_shape_read_still_refuses():
+    new = _fold(perturb_norm_stats(ConvShapeThenValue()).eval(), (torch.randn(1, 3, 6, 6),), "fx")
+    assert "conv_bn_fold" not in new.report.counts
+    assert [n.reason for n in new.report.near_misses] == ["the value of conv is also used outside the match (by size, mean)"]
+
+
 def test_no_running_stats_refuses():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
     new = _fold(model, (torch.randn(2, 3, 6, 6),), "fx")

@@ -124,6 +124,40 @@ def test_match_refused_when_an_intermediate_is_used_outside():
     assert [n.reason for n in new.report.near_misses] == ["the value of sigmoid is also used outside the match (by mul)"]
 
 
+# sum(relu(x), 0) -> sum(clamp(x, min=0), 0): the intermediate relu has another shape than the result.
+RELU_SUM = Rule("relu_sum", lambda x: F.relu(x).sum(0), lambda x: torch.clamp(x, min=0).sum(0))
+# relu(x) * 2 -> clamp(x, min=0) * 2: the intermediate relu has the result's shape.
+RELU_TWICE = Rule("relu_twice", lambda x: F.relu(x) * 2, lambda x: torch.clamp(x, min=0) * 2)
+
+
+class ShapeReadFirst(nn.Module):
+    def forward(self, x):
+        r = F.relu(x)
+        rows = r.size(0)  # read before the result is computed
+        return (r * 2).reshape(rows, -1) + r.shape[-1]
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_shape_read_of_an_intermediate_reads_the_replacement_instead(method):
+    new = _rewrite(ShapeReadFirst(), (torch.randn(3, 4),), method, [RELU_TWICE])
+    assert new.report.counts == {"relu_twice": 1}, new.report
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(new.graph_module(x), ShapeReadFirst()(x))
+    assert not any(n.target in (F.relu, torch.ops.aten.relu.default) for n in new.graph_module.graph.nodes)
+
+
+class ShapeOfAnotherSize(nn.Module):
+    def forward(self, x):
+        r = F.relu(x)
+        return r.sum(0) + r.size(0)
+
+
+def test_a_shape_read_of_an_intermediate_of_another_shape_refuses():
+    new = _rewrite(ShapeOfAnotherSize(), (torch.randn(3, 4),), "fx", [RELU_SUM])
+    assert new.report.counts == {}
+    assert [n.reason for n in new.report.near_misses] == ["the value of relu is also used outside the match (by size)"]
+
+
 def test_in_place_change_of_an_input_is_not_dropped():
     class Net(nn.Module):
         def forward(self, x):
