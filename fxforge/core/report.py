@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import html
 from collections import Counter
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,29 @@ class Tuning:
         return f"{self.rule} {self.kind} {self.subject}: {self.choice} ({times}){note}"
 
 
+def grouped_opaque(opaque: list) -> list[tuple[Any, list[str]]]:
+    """Opaque modules grouped by type, reason and source line, in first-seen order: ``(the first, every
+    name)`` (a model with fifty layers of one kind opaque for one reason gets one line, not fifty).
+
+    Example:
+        >>> from types import SimpleNamespace as M
+        >>> [(o.name, names) for o, names in grouped_opaque([M(name="a", type="T", reason="r", source=None),
+        ...                                                  M(name="b", type="T", reason="r", source=None)])]
+        [('a', ['a', 'b'])]
+    """
+    groups: dict[tuple, tuple[Any, list[str]]] = {}
+    for item in opaque:
+        key = (item.type, item.reason, item.source)
+        groups.setdefault(key, (item, []))[1].append(item.name)
+    return list(groups.values())
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 @dataclasses.dataclass
 class Report:
     """Everything the capture and the rewrites did to a model, in order.
@@ -155,8 +179,10 @@ class Report:
 
     def __str__(self) -> str:
         lines = [f"fxforge report: captured with {self.method or '?'}; {self.nodes_before} -> {self.nodes_after} nodes"]
-        for item in self.opaque:
-            lines.append(f"  opaque: {item}")
+        for item, names in grouped_opaque(self.opaque):
+            where = f" at {item.source}" if item.source else ""
+            lines.append(f"  opaque: {item}" if len(names) == 1 else
+                         f"  opaque: {len(names)} {item.type} modules ({_names(names)}): {item.reason}{where}")
         if self.meta_source == "real":
             lines.append("  shapes from one real run (fake propagation was impossible)")
         if self.counts:
@@ -195,8 +221,8 @@ class Report:
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],
                   [[n.rule, n.node, n.reason, n.source or ""] for n in self.near_misses]),
-            table("Opaque modules", ["module", "type", "reason", "source"],
-                  [[o.name, o.type, o.reason, o.source or ""] for o in self.opaque]),
+            table("Opaque modules", ["modules", "type", "reason", "source"],
+                  [[_names(names), o.type, o.reason, o.source or ""] for o, names in grouped_opaque(self.opaque)]),
             "</div>",
         ]
         return "".join(parts)

@@ -106,6 +106,17 @@ class Deep(nn.Module):
         return self.head(self.blocks(x))
 
 
+def test_many_modules_opaque_for_one_reason_are_one_report_line():
+    model = nn.Sequential(*(Block(DataDependentGate()) for _ in range(5)), Block(nn.Identity())).eval()
+    cap = fxforge.capture(model, (torch.randn(2, 4),), method="fx")
+    assert [o.name for o in cap.opaque] == [f"{i}.gate" for i in range(5)]  # each module, as before
+    lines = [line for line in str(cap.report).splitlines() if "opaque" in line]
+    assert len(lines) == 1 and "5 DataDependentGate modules (0.gate, 1.gate, 2.gate and 2 more)" in lines[0], lines
+    assert cap.opaque[0].reason in lines[0]
+    html = cap.report._repr_html_()
+    assert html.count("DataDependentGate") == 1 and "0.gate, 1.gate, 2.gate and 2 more" in html
+
+
 class RootIf(nn.Module):
     """Data-dependent control flow in the root forward: nothing can capture it."""
 
