@@ -56,6 +56,11 @@ class ThreadBoundTracer(torch.fx.Tracer):
         super().__init__(*args, **kwargs)
         self.thread = threading.get_ident()
 
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
+        """Trace ``root``, with tensors built from traced sizes or dtypes recorded (see :func:`shape_built`)."""
+        with shape_built():
+            return super().trace(root, concrete_args)
+
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:
             return forward(*args, **kwargs)
@@ -65,6 +70,46 @@ class ThreadBoundTracer(torch.fx.Tracer):
         if threading.get_ident() != self.thread:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+# torch functions that take sizes or a dtype as plain Python values, so torch.fx cannot see a traced size in
+# them (``torch.zeros(q.size(0), 4)`` raises a TypeError inside the call): while a trace runs, a call of one
+# with a traced value among its arguments is recorded as a node instead.
+SHAPE_BUILT = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "eye", "finfo", "iinfo")
+
+
+@contextlib.contextmanager
+def shape_built() -> Iterator[None]:
+    """For the block, the torch functions of :data:`SHAPE_BUILT` record a graph node when an argument is a
+    traced value (``torch.ones(q.size(0), 4)``, ``torch.finfo(q.dtype).min``); called with plain values, from
+    any thread, they run as they are. Callers hold the trace lock (:func:`tracing`).
+
+    Example:
+        >>> gm = symbolic_trace(lambda q: q + torch.zeros(q.size(0), 1) + torch.finfo(q.dtype).eps)
+        >>> {torch.zeros, torch.finfo} <= {n.target for n in gm.graph.nodes}, gm(torch.zeros(3, 2)).shape
+        (True, torch.Size([3, 2]))
+    """
+    originals = {name: getattr(torch, name) for name in SHAPE_BUILT}
+    for name, fn in originals.items():
+        setattr(torch, name, _recording(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
+def _recording(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        proxy = next((v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.fx.Proxy)),
+                     None)
+        if proxy is None:
+            return fn(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", fn, args, kwargs)
+
+    call.__name__ = getattr(fn, "__name__", "shape_built")
+    call.__doc__ = fn.__doc__
+    return call
 
 
 def symbolic_trace(fn: Callable[..., Any] | torch.nn.Module) -> torch.fx.GraphModule:

@@ -66,7 +66,6 @@ class ZeroFirstColumn(nn.Module):
 BREAKS = {
     # name: (submodule class, the line where tracing breaks, what the reason says)
     "data_dependent_if": (DataDependentGate, "if x.sum() > 0:", "control flow"),
-    "dtype_as_value": (FillLowest, "lowest = torch.finfo(x.dtype).min", "finfo"),
     "item_assignment": (ZeroFirstColumn, "y[:, 0] = 0.0", "item assignment"),
 }
 
@@ -117,6 +116,37 @@ def test_many_modules_opaque_for_one_reason_are_one_report_line():
     assert html.count("DataDependentGate") == 1 and "0.gate, 1.gate, 2.gate and 2 more" in html
 
 
+class ShapeBuilt(nn.Module):
+    """Tensors built from traced sizes and a dtype: plain Python values to these torch functions."""
+
+    def forward(self, q):
+        zeros = torch.zeros(q.size(0), q.size(1), dtype=q.dtype)
+        ones = torch.ones((q.shape[0], 4))
+        noise = torch.randn(q.size(0), 4) * 1e-3
+        steps = torch.arange(q.size(1), dtype=q.dtype)
+        floor = torch.finfo(q.dtype).min
+        return (q + zeros + steps).amax(-1, keepdim=True).clamp(min=floor) + ones + noise
+
+
+def test_fx_traces_a_dtype_used_as_a_value():
+    # torch.finfo(x.dtype) broke symbolic tracing (the submodule became opaque, and "auto" chose export)
+    model, inputs = make("dtype_as_value")
+    for method in ("fx", "auto"):
+        cap = fxforge.capture(model, inputs, method=method)
+        assert (cap.method, cap.opaque) == ("fx", []), cap.report
+        reproduces(model, cap, (torch.randn(3, 4),))
+
+
+def test_fx_records_tensors_built_from_traced_sizes_and_dtypes():
+    model, zeros, finfo = ShapeBuilt(), torch.zeros, torch.finfo
+    cap = fxforge.capture(model, (torch.randn(3, 5),), method="fx")
+    assert (cap.method, cap.opaque) == ("fx", [])
+    targets = {n.target for n in cap.graph_module.graph.nodes}
+    assert {torch.zeros, torch.ones, torch.randn, torch.arange, torch.finfo} <= targets
+    reproduces(model, cap, (torch.randn(3, 5),))  # fresh values; random draws under the same seed
+    assert torch.zeros is zeros and torch.finfo is finfo  # put back after the trace
+
+
 class RootIf(nn.Module):
     """Data-dependent control flow in the root forward: nothing can capture it."""
 
@@ -144,7 +174,8 @@ class Picky(nn.Module):
 
 def make(name: str) -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
-    return Net(BREAKS[name][0]()).eval(), (torch.randn(3, 4),)
+    inner = FillLowest if name == "dtype_as_value" else BREAKS[name][0]
+    return Net(inner()).eval(), (torch.randn(3, 4),)
 
 
 def reproduces(model: nn.Module, cap: fxforge.Captured, inputs) -> None:
@@ -326,7 +357,7 @@ def test_auto_chooses_fx_when_no_leaf_is_needed():
     assert cap.report.notes == []
 
 
-@pytest.mark.parametrize("name", ["dtype_as_value", "item_assignment"])
+@pytest.mark.parametrize("name", ["item_assignment"])
 def test_auto_chooses_export_when_fx_would_need_leaves(name):
     model, inputs = make(name)
     cap = fxforge.capture(model, inputs, method="auto")
