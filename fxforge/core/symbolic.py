@@ -33,8 +33,16 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 
-def _expr(value: Any) -> Any:
-    """A size as an int or a sympy expression."""
+def size_expr(value: Any) -> Any:
+    """A size as an int or a sympy expression (comparing those adds no guard to a symbolic graph).
+
+    Example:
+        >>> ep = torch.export.export(torch.nn.Linear(4, 2), (torch.ones(3, 4),),
+        ...                          dynamic_shapes=({0: torch.export.Dim.AUTO},))
+        >>> x = ep.graph_module.graph.find_nodes(op="placeholder")[-1]
+        >>> [type(size_expr(s)).__name__ for s in x.meta["val"].shape]
+        ['Symbol', 'int']
+    """
     if isinstance(value, torch.SymInt):
         expr = value.node.expr
         return int(expr) if expr.is_number else expr
@@ -101,7 +109,7 @@ class ShapeGuard:
         for node in graph_module.graph.find_nodes(op="placeholder"):
             value = node.meta.get("val")
             if isinstance(value, torch.Tensor):
-                inputs.append((tuple(_expr(s) for s in value.shape), tuple(_expr(s) for s in value.stride())))
+                inputs.append((tuple(size_expr(s) for s in value.shape), tuple(size_expr(s) for s in value.stride())))
             else:
                 inputs.append(None)
         env = shape_env_of(graph_module)
@@ -268,4 +276,4 @@ def concrete(values: Sequence[Any], binding: dict[Any, int]) -> tuple[int, ...]:
         >>> concrete([2, 3], {})
         (2, 3)
     """
-    return tuple(evaluate(_expr(v), binding) for v in values)
+    return tuple(evaluate(size_expr(v), binding) for v in values)

@@ -50,22 +50,21 @@ from fxforge.core.verify import isolated
 from fxforge.lowering.kernels import KERNELS_BY_OP, kernels_for
 from fxforge.lowering.layout import to_channels_last
 from fxforge.lowering.lower import KERNEL_SET, fused_calls, lower
-from fxforge.lowering.timing import MIN_REPS, autotune_cache, time_interleaved  # noqa: F401 - tests read MIN_REPS here
+from fxforge.lowering.timing import (  # noqa: F401 - tests read MIN_REPS here
+    DECISIVE,
+    DECISIVE_FIRST,
+    MIN_REPS,
+    NODE_BUDGET_S,
+    NOTE,
+    autotune_cache,
+    time_interleaved,
+)
 from fxforge.rewrites.passes import PassContext, Tuned
 
 aten = torch.ops.aten
-NOTE = "measured earlier on this machine (autotune cache)"
-# Seconds of timing spent per measurement, at most.
-NODE_BUDGET_S = 0.004
 GRAPH_BUDGET_S = 0.25
 # The fused graph must beat the graph before it by this fraction to be kept (timing noise).
 MARGIN = 0.02
-# Whole-graph timing stops early when every sample of one graph beats every sample of the other by this.
-DECISIVE = 0.05
-# A fused op's kernels, each warmed up before its first sample, are not timed again when their first samples
-# differ by more than this (about half of ResNet-50's convolutions; a wrong pick here costs that op little,
-# and the whole graph is still timed against the graph before).
-DECISIVE_FIRST = 0.25
 # Layouts in the order they are tried. Channels-last first: its convolutions take the activations as they
 # come (inputs converted once at the entry, outputs back once at the exit), where oneDNN's kernels reorder
 # NCHW activations around every fused op; as captured only when channels-last cannot run the graph or its

@@ -29,16 +29,18 @@ import torch
 
 from fxforge.core.disk_cache import machine_key
 from fxforge.core.report import Report, Tuning
-from fxforge.lowering.timing import autotune_cache, time_interleaved
+from fxforge.lowering.timing import (
+    DECISIVE,
+    DECISIVE_FIRST,
+    NODE_BUDGET_S,
+    NOTE,
+    autotune_cache,
+    time_interleaved,
+)
 
 # Seconds a call that opens a new bucket spends timing one op configuration's kernels, about (one round of
 # every kernel runs whatever its time; no further round starts past this).
 BUCKET_LIMIT_S = 0.1
-# Seconds of timing per measurement, at most, when the kernels are fast (as autotune's per-op budget).
-BUCKET_BUDGET_S = 0.004
-# With two kernels: stop after the first round when its samples differ by this fraction (as autotune's).
-DECISIVE_FIRST = 0.25
-DECISIVE = 0.05
 
 
 def bucket_key(shape: Sequence[int], dims: Sequence[int]) -> int:
@@ -101,10 +103,10 @@ class BucketTable:
             cache = autotune_cache()
             cache_key = f"{machine_key(device)} | bucket {self.op} {self.config} {self.describe(key)}"
             timings = cache.get(cache_key) if cache is not None else None
-            note = "measured earlier on this machine (autotune cache)" if timings is not None else ""
+            note = NOTE if timings is not None else ""
             if timings is None or set(timings) != set(calls):
                 with torch.no_grad():
-                    timings = time_interleaved(calls, BUCKET_BUDGET_S, decisive=DECISIVE,
+                    timings = time_interleaved(calls, NODE_BUDGET_S, decisive=DECISIVE,
                                                decisive_first=DECISIVE_FIRST, limit_s=BUCKET_LIMIT_S)
                 note = "timed on the first call in this bucket"
                 if cache is not None:

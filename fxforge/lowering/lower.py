@@ -37,7 +37,7 @@ from fxforge.core.captured import Captured
 from fxforge.core.derived import Derived, DerivedValues
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.plan import Plan
-from fxforge.core.symbolic import hint
+from fxforge.core.symbolic import hint, size_expr
 from fxforge.lowering import kernels  # noqa: F401 - registers the fused ops' oneDNN and cuDNN kernels
 from fxforge.lowering.buckets import BucketedKernel, BucketTable, bucket_key, tables_of
 from fxforge.lowering.kernels import kernels_for
@@ -135,7 +135,7 @@ def _dynamic_dims(input: Any) -> tuple[int, ...]:
     value = input.meta.get("val") if isinstance(input, Node) else None
     if not isinstance(value, torch.Tensor):
         return ()
-    return tuple(d for d, size in enumerate(value.shape) if isinstance(size, torch.SymInt) and not size.node.expr.is_number)
+    return tuple(d for d, size in enumerate(value.shape) if not isinstance(size_expr(size), int))
 
 
 def _bucketed(node: Node, op: str, kernel: str, weight: torch.Tensor, dims: tuple[int, ...],

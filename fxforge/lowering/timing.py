@@ -18,6 +18,16 @@ from fxforge.core.disk_cache import TuningCache, open_cache
 
 # Repetitions at least / at most.
 MIN_REPS, MAX_REPS = 3, 25
+# Seconds of timing spent per measurement of one fused op's kernels, at most (autotune's, and per shape bucket).
+NODE_BUDGET_S = 0.004
+# Timing stops early when every sample of one call beats every sample of the other by this.
+DECISIVE = 0.05
+# A fused op's kernels, each warmed up before its first sample, are not timed again when their first samples
+# differ by more than this (about half of ResNet-50's convolutions; a wrong pick here costs that op little,
+# and the whole graph is still timed against the graph before).
+DECISIVE_FIRST = 0.25
+# What the report adds to a choice read back from the cache instead of timed.
+NOTE = "measured earlier on this machine (autotune cache)"
 
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),

@@ -46,6 +46,7 @@ from fxforge.core.nodes import CALL_OPS, is_effectful, is_view_op
 from fxforge.core.plan import CallConditions
 from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
+from fxforge.core.symbolic import size_expr
 from fxforge.core.tracing import symbolic_trace
 from fxforge.core.vocabulary import reads_metadata
 from fxforge.rewrites.canonical import (
@@ -306,12 +307,7 @@ def _same_shape(node: Node, anchor: Node) -> bool:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
     return a.dtype == b.dtype and a.device == b.device and len(a.shape) == len(b.shape) and all(
-        _size_expr(x) == _size_expr(y) for x, y in zip(a.shape, b.shape))
-
-
-def _size_expr(size: Any) -> Any:
-    """A size as an int or its sympy expression (comparing those adds no guard to a symbolic graph)."""
-    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+        size_expr(x) == size_expr(y) for x, y in zip(a.shape, b.shape))
 
 
 def _shape_reads(match: Match, inside: set[Node]) -> list[tuple[Node, Node]]:
@@ -325,7 +321,8 @@ def _replace(rule: Rule, match: Match) -> None:
     tracer = torch.fx.proxy.GraphAppendingTracer(graph)
     # reads of a replaced value's shape (the only uses outside a match the refusals let through) read the
     # replacement's instead, which is placed before the first of them
-    reads = _shape_reads(match, _inside(match))
+    doomed = _inside(match)
+    reads = _shape_reads(match, doomed)
     order = {n: i for i, n in enumerate(graph.nodes)} if reads else {}
     at = min([anchor, *(reader for reader, _ in reads)], key=lambda n: order.get(n, 0))
     for value in match.bindings.values():
@@ -347,7 +344,6 @@ def _replace(rule: Rule, match: Match) -> None:
     anchor.replace_all_uses_with(result.node)
     for reader, node in reads:
         reader.replace_input_with(node, result.node)
-    doomed = set(match.nodes).union(*(op.covered for op in match.ops.values()))
     doomed.update(v for v in match.bindings.values() if isinstance(v, Node) and v.op == "get_attr")
     for node in reversed(list(graph.nodes)):
         if node in doomed and not node.users:

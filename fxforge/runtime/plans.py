@@ -98,11 +98,6 @@ def _numel(sizes: list) -> int:
     return sum(int(torch.Size(leaf[0]).numel()) for leaf in sizes if leaf is not None)
 
 
-def _describe_sizes(signature: Hashable) -> str:
-    """A signature's tensor sizes as ``([2, 64], [2, 64])``."""
-    return "(" + ", ".join(f"[{', '.join(map(str, leaf[0]))}]" for leaf in sizes_of(signature) if leaf is not None) + ")"
-
-
 class FallbackWarning(UserWarning):
     """fxforge could not capture a model for some inputs and runs it eagerly instead."""
 
@@ -245,7 +240,7 @@ class PlanCache:
             if self._forward_set_state():
                 return _MISSING
             if plan is not None and plan.shapes is not None and plan.shapes.check_sizes(sizes_of(signature)) is None:
-                plan.report.notes.append(f"built on an earlier call's inputs {_describe_sizes(example[0])} (the "
+                plan.report.notes.append(f"built on an earlier call's inputs {describe_signature(example[1], example[2])} (the "
                                          f"smallest of its kind seen), for the call {describe_signature(args, kwargs)}")
             else:  # the plan does not serve the call that needed it: build at the call's own sizes
                 example = None
