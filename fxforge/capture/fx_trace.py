@@ -368,7 +368,7 @@ def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: 
             opaque.append(OpaqueModule(name, type(modules[name]).__name__, reason, source))
             continue
         _restore_placeholder_names(graph, concrete)
-        graph_module = torch.fx.GraphModule(tracer.root, graph, module.__class__.__name__)
+        graph_module = tracer.graph_module(graph, module.__class__.__name__)
         # A leaf whose parent later became a leaf too is inside the parent: report the outermost only.
         outermost = [o for o in opaque if not any(o.name.startswith(p + ".") for p in leaves)]
         return TraceResult(graph_module, outermost)

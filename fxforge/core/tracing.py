@@ -55,11 +55,38 @@ class ThreadBoundTracer(torch.fx.Tracer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.thread = threading.get_ident()
+        self._attributes_before: set[str] = set()
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
         """Trace ``root``, with tensors built from traced sizes or dtypes recorded (see :func:`shape_built`)."""
+        self._attributes_before = set(vars(root)) if isinstance(root, torch.nn.Module) else set()
         with shape_built():
             return super().trace(root, concrete_args)
+
+    def graph_module(self, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+        """The GraphModule of a traced ``graph``, leaving the traced model as it was.
+
+        torch.fx stows tensors the forward creates (``torch.tensor([...])`` constants) as attributes of the
+        traced root (``_tensor_constant0``) so a ``get_attr`` can reach them. The GraphModule takes its own
+        reference; here they are taken off the user's model again, which would otherwise look as if its
+        forward set new state on every traced call.
+
+        Example:
+            >>> class Net(torch.nn.Module):
+            ...     def forward(self, x):
+            ...         return x + torch.tensor([1.0, 2.0])
+            >>> net, tracer = Net(), ThreadBoundTracer()
+            >>> with tracing():
+            ...     gm = tracer.graph_module(tracer.trace(net), "Net")
+            >>> gm(torch.zeros(2)).tolist(), hasattr(net, "_tensor_constant0")
+            ([1.0, 2.0], False)
+        """
+        graph_module = torch.fx.GraphModule(self.root, graph, name)
+        if isinstance(self.root, torch.nn.Module):
+            stowed = {node.target for node in graph.find_nodes(op="get_attr")} - self._attributes_before
+            for attribute in stowed & set(vars(self.root)):
+                delattr(self.root, attribute)
+        return graph_module
 
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:
@@ -122,5 +149,5 @@ def symbolic_trace(fn: Callable[..., Any] | torch.nn.Module) -> torch.fx.GraphMo
     with tracing():
         tracer = ThreadBoundTracer()
         graph = tracer.trace(fn)
-    name = fn.__class__.__name__ if isinstance(fn, torch.nn.Module) else fn.__name__
-    return torch.fx.GraphModule(tracer.root, graph, name)
+        name = fn.__class__.__name__ if isinstance(fn, torch.nn.Module) else fn.__name__
+        return tracer.graph_module(graph, name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import warnings
 
 import pytest
 import torch
@@ -643,3 +644,35 @@ def test_tracing_records_stack_traces_without_importing_torch_export(tmp_path):
     sources, imported = result.stdout.strip().splitlines()[-2:]
     assert sources == "['user_model.py:7: return self.conv(x).relu()']", sources
     assert imported == "[]", imported
+
+
+class _ConstantInForward(nn.Module):
+    """Builds a tensor constant on every call, as torchvision's MaxVit builds its relative positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def test_fx_capture_leaves_no_stowed_constant_on_the_model():
+    model = _ConstantInForward().eval()
+    before = set(vars(model))
+    cap = fxforge.capture(model, (torch.randn(2, 4),), method="fx")
+    assert set(vars(model)) == before  # torch.fx stows the constant on the root; the GraphModule keeps it
+    x = torch.randn(3, 4)
+    assert torch.equal(cap.graph_module(x), model(x))
+
+
+def test_a_forward_building_tensor_constants_is_optimized_not_run_eagerly():
+    model = _ConstantInForward().eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FallbackWarning ("its forward sets ... on every call") fails
+        for rows in (2, 5, 2):
+            x = torch.randn(rows, 4)
+            with torch.no_grad():
+                assert compare_outputs(model(x), opt(x)).ok
+    assert opt.plans_built == 2  # the example's static plan, then one plan for every batch size
