@@ -386,6 +386,30 @@ def test_attention_neither_can_carry_names_op_and_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+class WindowAttention(nn.Module):
+    """Hand-written attention over windows, q, k, v [B, G, H, P, E] with a relative-position bias [1, H, P, P]
+    (torchvision's MaxVit): plain export takes it as MatMul/Softmax; the rewrite makes it one SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.bias = nn.Parameter(torch.randn(1, 2, 5, 5))
+
+    def forward(self, x):
+        qkv = self.qkv(x).reshape(x.size(0), x.size(1), x.size(2), 3, 2, 8).permute(3, 0, 1, 4, 2, 5)
+        scores = torch.einsum("bghid,bghjd->bghij", qkv[0], qkv[1]) * 0.35 + self.bias
+        return torch.einsum("bghij,bghjd->bghid", scores.softmax(-1), qkv[2])
+
+
+@pytest.mark.parametrize("attention", ["MultiHeadAttention", "plain"])
+def test_attention_over_five_dims_exports_after_the_rewrite(attention, tmp_path):
+    # SDPA on 5-d inputs made every export fail after fxforge's own rewrite: it is called on 4-d ones now
+    model, path = WindowAttention().eval(), str(tmp_path / "windows.onnx")
+    result = export_onnx(model, path, (torch.randn(2, 3, 5, 16),), attention=attention)
+    assert result.report.counts.get("attention") == 1
+    assert_runs_like(model, path, torch.randn(2, 3, 5, 16))
+
+
 def test_attention_plain_on_request(tmp_path):
     model = Attention().eval()
     path = str(tmp_path / "plain.onnx")

@@ -357,6 +357,57 @@ def test_three_dimensional_inputs_run_as_four_dimensional():
     assert node.args[0].meta["val"].ndim == 4  # SDPA's fast kernels take [B, H, L, D]
 
 
+class WindowedAttention(nn.Module):
+    """Attention over windows, with q, k and v [B, G, H, P, E] (torchvision's MaxVit: einsum over five dims)
+    and a learned bias of shape ``bias_shape`` added to the scores; with ``keep`` a padding mask too."""
+
+    def __init__(self, bias_shape: tuple[int, ...]):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.bias = nn.Parameter(torch.randn(*bias_shape))
+
+    def forward(self, x, keep=None):
+        qkv = self.qkv(x).reshape(x.size(0), x.size(1), x.size(2), 3, 2, 8).permute(3, 0, 1, 4, 2, 5)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = torch.einsum("bghid,bghjd->bghij", q, k) * 0.35 + self.bias
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.einsum("bghij,bghjd->bghid", scores.softmax(-1), v)
+
+
+# bias shapes: broadcast over every leading dim, over the batch only, per window and head, per batch item
+FIVE_D_BIASES = [(1, 2, 5, 5), (2, 5, 5), (3, 1, 5, 5), (2, 3, 2, 5, 5), (2, 1, 1, 5, 5)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("bias_shape", FIVE_D_BIASES)
+def test_attention_over_more_than_four_dims_runs_as_four_dimensional(bias_shape, method):
+    torch.manual_seed(0)
+    model = WindowedAttention(bias_shape).eval()
+    x = torch.randn(2, 3, 5, 16)
+    new = fxforge.rewrite(fxforge.capture(model, (x,), method=method), ["attention"])
+    assert new.report.counts == {"attention": 1}, reasons(new)
+    (node,) = sdpa_nodes(new.graph_module)
+    assert node.args[0].meta["val"].ndim == 4  # [B*G, H, P, E]: torch.onnx's SDPA takes only 4-d inputs
+    x = torch.randn(2, 3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_five_dimensional_padding_mask_keeps_eager_rows(method):
+    torch.manual_seed(0)
+    model = WindowedAttention((1, 2, 5, 5)).eval()
+    x, keep = torch.randn(2, 3, 5, 16), torch.ones(2, 3, 1, 1, 5, dtype=torch.bool)
+    keep[1, 2, ..., 3:] = False
+    keep[0, 1] = False  # a window with every key masked: NaN rows, as eager gives
+    new = fxforge.rewrite(fxforge.capture(model, (x, keep), method=method), ["attention"])
+    assert new.report.counts == {"attention": 1}, reasons(new)
+    x = torch.randn(2, 3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(x, keep), model(x, keep), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # Rows in which every key is masked, and training
 

@@ -58,6 +58,9 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "le": (torch.le, aten.le.Scalar),
     "mean": (torch.mean, aten.mean.dim),
     "repeat_interleave": (torch.repeat_interleave, aten.repeat_interleave.self_int),
+    "reshape": (torch.reshape, aten.reshape.default),
+    "expand": (torch.Tensor.expand, aten.expand.default),
+    "size": (aten.sym_size.int, aten.sym_size.int),
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
 }
 
@@ -182,9 +185,14 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
         mask = builder.call("unsqueeze", mask, 0)  # SDPA wants [.., L, S]; leading 1s broadcast the same
     row_mask = mask  # before it is lifted: its last dim is the keys of a row
     q_rows = q
-    lift = max(0, 4 - len(scores.q.shape))  # SDPA's fast kernels take 4-d inputs
+    rank = len(scores.q.shape)
+    lift = max(0, 4 - rank)  # SDPA's fast kernels (and torch.onnx's SDPA) take 4-d inputs
     for _ in range(lift):
         q, k, v = (builder.call("unsqueeze", t, 0) for t in (q, k, v))
+    leading = [builder.call("size", q, i) for i in range(rank - 3)] if rank > 4 else None
+    if leading is not None:  # [B, G, H, L, E] -> [B*G, H, L, E]: q, k and v share their batch dims (check_layout)
+        q, k, v = (_to_4d(builder, t) for t in (q, k, v))
+        mask = None if mask is None else _mask_to_4d(builder, mask, leading)
     kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": plan.kind == "causal",
                               "scale": _scale(attention, builder)}
     if attention.gqa:
@@ -192,6 +200,8 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     out = builder.call("sdpa", q, k, v, **kwargs)
     for _ in range(lift):
         out = builder.call("squeeze", out, 0)
+    if leading is not None:
+        out = builder.call("reshape", out, [*leading, *(builder.call("size", out, i) for i in (-3, -2, -1))])
     if plan.fix == "additive":
         out = _patch_additive(attention, builder, out, row_mask, v_operand)
     # A query row with a NaN gives NaN in eager (SDPA's fused CPU kernel gives 0 there) unless fills hide
@@ -207,6 +217,27 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     if values.out_perm is not None:
         out = builder.call("permute", out, list(values.out_perm))
     return out
+
+
+def _to_4d(builder: GraphBuilder, t: Node) -> Node:
+    """``t`` [..., H, L, E] with its leading dims flattened into one: [N, H, L, E]."""
+    return builder.call("reshape", t, [-1, *(builder.call("size", t, i) for i in (-3, -2, -1))])
+
+
+def _mask_to_4d(builder: GraphBuilder, mask: Node, leading: list) -> Node:
+    """The mask of an attention whose q, k and v were flattened to 4-d (:func:`_to_4d`), flattened the same way.
+
+    A mask of at most 3 dims broadcasts over the flattened batch as it did over the leading dims; so does one
+    whose leading dims are all 1 (they are dropped). Otherwise it is expanded to q's leading dims first (a
+    copy only where it broadcast over them).
+    """
+    dims = list(fake_value(mask).shape)
+    if len(dims) <= 3:
+        return mask
+    zone = dims[:-3]
+    if all(isinstance(d, int) and d == 1 for d in zone):
+        return builder.call("reshape", mask, [builder.call("size", mask, i) for i in (-3, -2, -1)])
+    return _to_4d(builder, builder.call("expand", mask, [*leading, -1, -1, -1]))
 
 
 def _mean_of_v(attention: Attention, builder: GraphBuilder, v_operand: Any) -> Node:
