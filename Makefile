@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The local CPU build of torch is installed first, so the project's open range installs nothing more.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test fuzz lint bench clean
+.PHONY: demo test fuzz lint bench zoo clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,21 @@ lint: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) -m benchmarks
 
+# The model zoo (torchvision, timm) in an environment of its own: the registries' torchvision is a CUDA build
+# whose compiled ops do not load with the CPU torch, and once installed it breaks `import transformers`, so it
+# stays out of $(VENV). `make zoo` runs tests/zoo; `$(ZOO_VENV)/bin/python -m benchmarks.zoo` writes its table.
+ZOO_VENV ?= .venv-zoo
+ZOO_PY := $(ZOO_VENV)/bin/python
+
+$(ZOO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_PY) -m pip install --upgrade pip
+	$(ZOO_PY) -m pip install "$(TORCH_PIN)"
+	$(ZOO_PY) -m pip install -e '.[dev]' "torchvision==0.28.*" timm
+	touch $@
+
+zoo: $(ZOO_VENV)/.installed
+	$(ZOO_PY) -m pytest -q -p no:cacheprovider tests/zoo
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ZOO_VENV) build *.egg-info
