@@ -31,7 +31,6 @@ import tempfile
 import time
 import warnings
 from datetime import datetime, timezone
-from typing import Any
 
 import torch
 from torch import nn
@@ -231,12 +230,12 @@ def markdown(rows: list[ZooRow], command: str, commit: str | None) -> str:
 
     versions = ", ".join(f"{m} {_installed(m)}" for m in ("torch", "torchvision", "timm", "onnxruntime-gpu"))
     lines = ["### Model zoo: torchvision and timm with random weights (issue 20)", "",
-             f"Command: `{command}`; commit {commit or '?'}; "
+             (f"Command: `{command}`; commit {commit or '?'}; "
              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; "
              f"{report.machine_info(torch.get_num_threads()).get('cpu', 'cpu')}, "
              f"{torch.get_num_threads()} threads; {versions}; inputs 1x3x{IMAGE_SIZE}x{IMAGE_SIZE}. "
              "Errors are the max abs difference from eager on fresh inputs (not the example); "
-             "ORT runs the file exported after fxforge's rewrites.", "",
+             "ORT runs the file exported after fxforge's rewrites."), "",
              "| model | capture | " + " | ".join(RULES) + " | near misses | rolled back | native error | "
              "plain export | export after rewrites | ORT error | optimize s |",
              "|---|---|" + "---:|" * len(RULES) + "---:|---|---:|---|---|---:|---:|"]
@@ -246,9 +245,9 @@ def markdown(rows: list[ZooRow], command: str, commit: str | None) -> str:
                      f"{report.md_cell(r.plain_export, 80)} | {report.md_cell(r.export, 80)} | "
                      f"{_cell(r.ort_error)} | {_cell(r.optimize_s, '.1f')} |")
     short = [(r.name, p) for r in rows for p in r.problems()]
-    lines += ["", f"{len(rows) - len({n for n, _ in short})} of {len(rows)} models meet every point of the zoo's "
+    lines += ["", (f"{len(rows) - len({n for n, _ in short})} of {len(rows)} models meet every point of the zoo's "
               "bar (no fallback, no rollback, float32-level errors, export after the rewrites wherever plain "
-              "export succeeds, a fold in every model with BatchNorm)."]
+              "export succeeds, a fold in every model with BatchNorm).")]
     lines += [f"- {n}: {report.md_cell(p, 240)}" for n, p in short]
     return "\n".join(lines)
 

@@ -121,8 +121,22 @@ class OptimizedModule(nn.Module):
 
     @property
     def report(self) -> Report | None:
-        """The report of the most recently prepared graph (None before the first call)."""
-        return self.cache.captured.report if self.cache.captured is not None else None
+        """The report of the most recently prepared graph; where no graph was prepared because the model runs
+        eagerly, a report with ``method="eager"`` whose notes say why; None before the first call.
+
+        Example:
+            >>> class Raises(torch.nn.Module):
+            ...     def forward(self, x):
+            ...         raise ValueError("no graph here")
+            >>> opt = fxforge.optimize(Raises())
+            >>> opt.report is None
+            True
+        """
+        if self.cache.captured is not None:
+            return self.cache.captured.report
+        if self.cache.fallbacks:
+            return Report(method="eager", notes=list(self.cache.fallbacks))
+        return None
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -160,6 +160,7 @@ class PlanCache:
         self._refreshed: dict[int, int] = {}  # id(plan) -> training calls when its derived values were computed
         self._generic: dict[Hashable, list[Plan]] = {}  # family -> its shape-generic plans, newest first
         self._warned: set[str] = set()
+        self.fallbacks: list[str] = []  # every FallbackWarning's message, in order: why calls ran eagerly
         self._warned_gradients = False
         self._set_during_build: list[str] = []
         self._state_setting_builds = 0
@@ -414,6 +415,7 @@ class PlanCache:
         """Warn once per message (or once per ``once`` key)."""
         if (once or message) not in self._warned:
             self._warned.add(once or message)
+            self.fallbacks.append(message)
             warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:

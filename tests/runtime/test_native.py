@@ -98,6 +98,9 @@ def test_capture_failure_falls_back_to_eager_with_one_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert opt(-x).tolist() == [1.0, 1.0, 1.0]  # same signature: no second warning, still eager
+    # the report says the model runs eagerly and why (it was None, so opt.report.counts raised)
+    assert opt.report.method == "eager" and opt.report.counts == {}
+    assert "running Gated eagerly for inputs (float32[3])" in opt.report.notes[0]
 
 
 def test_loading_new_weights_clears_graphs():

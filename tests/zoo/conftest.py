@@ -9,6 +9,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.zoo import define_torchvision_op_schemas  # noqa: E402
+from benchmarks.zoo import define_torchvision_op_schemas
 
 define_torchvision_op_schemas()

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torchvision", reason="the zoo runs in its own environment: make zoo")
 pytest.importorskip("timm", reason="the zoo runs in its own environment: make zoo")
 
-from benchmarks.zoo import ZOO, run_model  # noqa: E402
+from benchmarks.zoo import ZOO, run_model
 
 
 @pytest.mark.parametrize("name", list(ZOO))
