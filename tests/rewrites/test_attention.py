@@ -760,3 +760,41 @@ def test_transformers_llama_padding_mask_in_training():
         grads.append([p.grad.clone() for p in model.parameters()])
     for got, want in zip(*grads):  # float32 noise: both are ~1e-4 of the largest gradient from float64's
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4 * float(want.abs().max()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Forms that are exactly SDPA though they are written otherwise
+
+
+def _same_seed(fn, *inputs):
+    torch.manual_seed(0)
+    return fn(*inputs)
+
+
+class DropoutAfter(nn.Module):
+    """Dropout on the attention's output in training; the value product's output laid out as ``out`` says
+    (an einsum writes its own layout: here not SDPA's)."""
+
+    def __init__(self, out: str):
+        super().__init__()
+        self.out = out
+
+    def forward(self, q, k, v):
+        probs = torch.einsum("bhqd,bhkd->bhqk", q, k).mul(0.3).softmax(-1)
+        return F.dropout(torch.einsum(f"bhqk,bhkd->{self.out}", probs, v), 0.5, training=self.training)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("out", ["bhqd", "bqhd", "hbqd", "qdbh"])
+def test_dropout_after_the_attention_in_training_drops_eager_elements(out, method):
+    """SDPA returns its own memory layout; the replacement copies its output into eager's, so dropout (which
+    draws in memory order) drops the same elements under the same seed and the pass is not rolled back."""
+    q, k, v, _ = _inputs()
+    model = DropoutAfter(out).train()
+    new = fxforge.rewrite(fxforge.capture(model, (q, k, v), method=method), ["attention"])
+    assert new.report.counts == {"attention": 1} and not new.report.rolled_back, new.report.rolled_back
+    q, k, v, _ = _inputs(seed=2)
+    q[0, 1, 2, 3] = float("nan")
+    got, want = _same_seed(new.graph_module, q, k, v), _same_seed(model, q, k, v)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want, equal_nan=True)

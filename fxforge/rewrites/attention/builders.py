@@ -61,6 +61,7 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "reshape": (torch.reshape, aten.reshape.default),
     "expand": (torch.Tensor.expand, aten.expand.default),
     "size": (aten.sym_size.int, aten.sym_size.int),
+    "contiguous": (torch.clone, aten.clone.default),
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
 }
 
@@ -216,7 +217,59 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
         out = builder.call("where", alive, out, fallback)
     if values.out_perm is not None:
         out = builder.call("permute", out, list(values.out_perm))
-    return out
+    return _eager_layout(builder, out, fake_value(values.product))
+
+
+def memory_order(value: torch.Tensor) -> list[int] | None:
+    """The dims of a dense tensor from outermost to innermost in memory (dims of size 1 do not matter and
+    go where they are), or None when its strides are not a permutation of a contiguous layout.
+
+    Example:
+        >>> memory_order(torch.ones(2, 3, 4).transpose(0, 1)), memory_order(torch.ones(4, 4)[:, :2])
+        ([1, 0, 2], None)
+    """
+    order = sorted(range(value.ndim), key=lambda d: (-value.stride(d) if value.shape[d] > 1 else 0, d))
+    order = [d for d in order if value.shape[d] > 1]
+    expected = 1
+    for d in reversed(order):
+        if value.stride(d) != expected:
+            return None
+        expected *= value.shape[d]
+    ones = [d for d in range(value.ndim) if value.shape[d] == 1]
+    for d in ones:  # size-1 dims keep their place among the others
+        order.insert(min(d, len(order)), d)
+    return order
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) hold their elements in the same memory order: the order a
+    following random op (dropout) draws its numbers in.
+
+    Example:
+        >>> x = torch.ones(2, 3)
+        >>> same_layout(x, x.clone()), same_layout(x, x.t().contiguous().t())
+        (True, False)
+    """
+    return all(a.stride(d) == b.stride(d) for d in range(a.ndim) if a.shape[d] > 1)
+
+
+def _eager_layout(builder: GraphBuilder, out: Node, eager: torch.Tensor | None) -> Node:
+    """``out`` laid out in memory as eager's value product (``eager``, its metadata) was.
+
+    SDPA returns its own layout (on CPU, [B, L, H, E] for q given as a transposed [B, L, H, E]; an einsum
+    with its output in another order has yet another). Values are equal either way, but a random op that
+    follows (dropout in training) draws its numbers in memory order, so it would drop other elements than
+    eager did. Where the metadata says the layouts differ, ``out`` is copied into eager's.
+    """
+    got = fake_value(out)
+    if eager is None or got is None or tuple(got.shape) != tuple(eager.shape) or same_layout(got, eager):
+        return out
+    order = memory_order(eager)
+    if order is None:
+        return out  # not a dense layout: nothing to copy into (the verification decides)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    out = builder.call("contiguous", builder.call("permute", out, order), memory_format=torch.contiguous_format)
+    return builder.call("permute", out, inverse)
 
 
 def _to_4d(builder: GraphBuilder, t: Node) -> Node:
