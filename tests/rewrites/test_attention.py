@@ -41,6 +41,8 @@ class Form(nn.Module):
         self.register_buffer("causal", torch.tril(torch.ones(16, 16, dtype=torch.bool)).view(1, 1, 16, 16))
         self.register_buffer("inv_temperature", torch.tensor(0.3))
         self.temperature = nn.Parameter(torch.tensor(0.7))
+        self.register_buffer("relative", torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(0)))
+        self.head_scale = nn.Parameter(torch.linspace(0.5, 2.0, H))
 
     def forward(self, q, k, v, keep):
         return self.fn(self, q, k, v, keep)
@@ -216,6 +218,28 @@ def two_attentions(self, q, k, v, keep):
     return torch.softmax(first @ k.transpose(-1, -2) * 0.3, -1) @ v
 
 
+def bool_mask_added(self, q, k, v, keep):  # torch promotes the bool mask to 0.0 / 1.0 before adding
+    return F.softmax(q @ k.transpose(-1, -2) * 0.25 + keep[:, None, None, :], dim=-1) @ v
+
+
+def int_keep_filled(self, q, k, v, keep):  # an int64 0/1 keep mask, as tokenizers return it
+    mask = keep.long()[:, None, None, :]
+    return F.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(mask == 0, float("-inf")), dim=-1) @ v
+
+
+def int_keep_added(self, q, k, v, keep):
+    mask = keep.long()[:, None, None, :]
+    return F.softmax(q @ k.transpose(-1, -2) * 0.25 + (1 - mask) * MIN, dim=-1) @ v
+
+
+def int_mask_added(self, q, k, v, keep):  # an integer bias added as it is (promoted to float)
+    return F.softmax(q @ k.transpose(-1, -2) * 0.25 + keep.long()[:, None, None, :] * -3, dim=-1) @ v
+
+
+def constant_tensor_added(self, q, k, v, keep):  # a buffer the graph never changes: a float mask
+    return F.softmax(q @ k.transpose(-1, -2) + self.relative[:, :L, :L], dim=-1) @ v
+
+
 ACCEPTED = {
     "basic": (basic, {"scale": 1 / math.sqrt(D)}),
     "torch_calls_and_power_scale": (torch_calls_and_power_scale, {"scale": D ** -0.5}),
@@ -241,6 +265,11 @@ ACCEPTED = {
     "gqa_repeat_interleave": (gqa_repeat_interleave, {"scale": 0.1, "gqa": True}),
     "gqa_repeat_kv": (gqa_repeat_kv, {"scale": 0.1, "gqa": True}),
     "dropout_forms": (dropout_forms, {}),
+    "bool_mask_added": (bool_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "int_keep_filled": (int_keep_filled, {"scale": 0.25, "mask": torch.bool, "row_fix": True}),
+    "int_keep_added": (int_keep_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "int_mask_added": (int_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "constant_tensor_added": (constant_tensor_added, {"scale": 1.0, "mask": torch.float32}),
 }
 
 
@@ -798,3 +827,23 @@ def test_dropout_after_the_attention_in_training_drops_eager_elements(out, metho
     got, want = _same_seed(new.graph_module, q, k, v), _same_seed(model, q, k, v)
     assert got.stride() == want.stride()
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+# The forms above that were refused or rolled back before (and the integer masks): fresh inputs, a sequence
+# every key of which is masked (eager: NaN rows with -inf, the mean of v with finite fills) and a NaN query.
+EXACT_FORMS = ["bool_mask_added", "int_keep_filled", "int_keep_added", "int_mask_added", "constant_tensor_added"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", EXACT_FORMS)
+def test_exact_forms_equal_eager_on_fresh_inputs(name, method):
+    fn, _ = ACCEPTED[name]
+    model, new = rewritten(fn, _inputs(), method)
+    assert new.report.counts == {"attention": 1} and not new.report.rolled_back, reasons(new)
+    for seed in (3, 4):
+        q, k, v, keep = _inputs(seed=seed, dead_row=True)
+        q[0, 1, 2, 3] = float("nan")
+        with torch.no_grad():
+            eager, got = model(q, k, v, keep), new.graph_module(q, k, v, keep)
+        assert eager[0, 1, 2].isnan().all()
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, equal_nan=True)

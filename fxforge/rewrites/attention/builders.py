@@ -62,6 +62,7 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "expand": (torch.Tensor.expand, aten.expand.default),
     "size": (aten.sym_size.int, aten.sym_size.int),
     "contiguous": (torch.clone, aten.clone.default),
+    "to": (torch.Tensor.to, aten._to_copy.default),
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
 }
 

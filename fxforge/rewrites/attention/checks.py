@@ -213,7 +213,8 @@ def check_dtypes(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | No
             return Refusal(f"{node.name} casts the attention to {fake_value(node).dtype}, "
                            f"below the query's {dtype}")
     for step in scores.steps:
-        if isinstance(step, AddMask) and fake_value(step.mask).dtype != dtype:
+        mask = fake_value(step.mask) if isinstance(step, AddMask) else None
+        if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
             return Refusal(f"the additive mask {step.mask.name} is {fake_value(step.mask).dtype}, "
                            f"the attention {dtype}")
         if not isinstance(step, Cast) and fake_value(step.node).dtype != fake_value(step.scores).dtype:

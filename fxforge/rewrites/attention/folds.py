@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
@@ -56,7 +57,7 @@ class EagerBuilder:
 _EAGER: dict[str, Callable] = {
     "add": torch.add, "mul": lambda a, b: a * b, "div": lambda a, b: a / b, "where": torch.where,
     "logical_not": torch.logical_not, "logical_and": torch.logical_and, "zeros_like": torch.zeros_like,
-    "masked_fill": torch.masked_fill,
+    "masked_fill": torch.masked_fill, "to": torch.Tensor.to,
 }
 
 
@@ -75,6 +76,8 @@ def fold_mask(attention: Attention, builder: Any) -> Any:
         for step in attention.scores.steps:
             if isinstance(step, AddMask):
                 term = builder.value(step.mask)
+                if not fake_value(step.mask).is_floating_point():  # a bool or integer mask: promoted as torch does
+                    term = builder.call("to", term, dtype=attention.dtype)
                 if step.coefficient != 1:
                     term = builder.call("mul", term, step.coefficient)
                 mask = term if mask is None else builder.call("add", mask, term)

@@ -69,7 +69,8 @@ class Scale:
 
 @dataclasses.dataclass(frozen=True)
 class AddMask:
-    """``scores + coefficient * mask`` with a float tensor ``mask``.
+    """``scores + coefficient * mask``: a float tensor ``mask``, or a bool or integer one (``scores + keep``),
+    which torch promotes to the scores' dtype (True: 1.0) before adding; the replacement casts it alike.
 
     Example:
         >>> g = torch.fx.Graph(); s, m = g.placeholder("s"), g.placeholder("m")
@@ -169,7 +170,8 @@ def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> li
 
 def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constants
                        ) -> list[Step] | Refusal | None:
-    """Scores plus (or minus) a float tensor of a shape that broadcasts to theirs.
+    """Scores plus (or minus) a tensor of a shape that broadcasts to theirs: a float one, or a bool or integer
+    one that torch promotes to the scores' dtype (``scores + keep_bool`` adds 0.0 or 1.0).
 
     Example:
         >>> from fxforge.core.shapes import annotate
@@ -195,8 +197,8 @@ def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constant
         s, m = fake_value(scores), fake_value(mask)
         if s is None or m is None or s.shape != out.shape:
             continue
-        if not m.is_floating_point():
-            return Refusal(f"the additive mask {mask.name} is {m.dtype}, not a float tensor")
+        if m.is_complex():
+            return Refusal(f"the additive mask {mask.name} is {m.dtype}, not a real tensor")
         steps.append(AddMask(node, scores, mask, float(coefficient)))
     return steps or None
 
