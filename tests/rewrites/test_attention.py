@@ -240,6 +240,11 @@ def constant_tensor_added(self, q, k, v, keep):  # a buffer the graph never chan
     return F.softmax(q @ k.transpose(-1, -2) + self.relative[:, :L, :L], dim=-1) @ v
 
 
+def per_head_scale(self, q, k, v, keep):  # a learned scale per head (cosine attention's logit scale)
+    mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, MIN)[:, None, None, :]
+    return F.softmax((q @ k.transpose(-1, -2) + mask) * self.head_scale.view(1, H, 1, 1), dim=-1) @ v
+
+
 ACCEPTED = {
     "basic": (basic, {"scale": 1 / math.sqrt(D)}),
     "torch_calls_and_power_scale": (torch_calls_and_power_scale, {"scale": D ** -0.5}),
@@ -270,6 +275,7 @@ ACCEPTED = {
     "int_keep_added": (int_keep_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
     "int_mask_added": (int_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
     "constant_tensor_added": (constant_tensor_added, {"scale": 1.0, "mask": torch.float32}),
+    "per_head_scale": (per_head_scale, {"scale": 1.0, "mask": torch.float32, "row_fix": True}),
 }
 
 
@@ -551,7 +557,8 @@ def _gradients(fn, inputs, graph, model):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", ["basic", "where_finfo_min", "additive_before_scale", "causal_buffer", "tensor_scales",
-                                  "gqa_repeat_kv", "einsum_any_layout", "fill_then_additive"])
+                                  "gqa_repeat_kv", "einsum_any_layout", "fill_then_additive", "per_head_scale",
+                                  "bool_mask_added"])
 def test_gradients_in_training_equal_eager(name, method):
     fn, expected = ACCEPTED[name]
     inputs = _inputs(kv_heads=H // 2 if expected.get("gqa") else H, dead_row=name == "where_finfo_min")
@@ -831,7 +838,8 @@ def test_dropout_after_the_attention_in_training_drops_eager_elements(out, metho
 
 # The forms above that were refused or rolled back before (and the integer masks): fresh inputs, a sequence
 # every key of which is masked (eager: NaN rows with -inf, the mean of v with finite fills) and a NaN query.
-EXACT_FORMS = ["bool_mask_added", "int_keep_filled", "int_keep_added", "int_mask_added", "constant_tensor_added"]
+EXACT_FORMS = ["bool_mask_added", "int_keep_filled", "int_keep_added", "int_mask_added", "constant_tensor_added",
+               "per_head_scale"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -847,3 +855,14 @@ def test_exact_forms_equal_eager_on_fresh_inputs(name, method):
             eager, got = model(q, k, v, keep), new.graph_module(q, k, v, keep)
         assert eager[0, 1, 2].isnan().all()
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_scale_that_differs_along_the_keys_is_refused(method):
+    def per_key_scale(self, q, k, v, keep):  # not one number per score matrix: no scale SDPA (or q) can take
+        return F.softmax((q @ k.transpose(-1, -2)) * (keep.to(q.dtype) + 1)[:, None, None, :], dim=-1) @ v
+
+    _model, new = rewritten(per_key_scale, _inputs(), method)
+    assert new.report.counts.get("attention", 0) == 0
+    (reason,) = reasons(new)
+    assert reason.startswith("an element-wise tensor gate (mul by ") and "of shape (2, 1, 1, 6)) is applied" in reason

@@ -171,7 +171,7 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     """
     scores, values = attention.scores, attention.values
     q = builder.operand(scores.q)
-    for step in scores.steps:  # one-element tensor scales multiply q, so their gradients flow
+    for step in scores.steps:  # tensor scales (one number per score matrix) multiply q: their gradients flow
         if isinstance(step, Scale) and step.is_tensor:
             q = builder.call("div" if step.divide else "mul", q, step.factor)
     k_operand, v_operand = (attention.gqa[0], attention.gqa[1]) if attention.gqa else (scores.k, values.v)

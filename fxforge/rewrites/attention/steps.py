@@ -48,7 +48,8 @@ class Cast:
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    """``scores * factor`` or ``scores / factor``: a number, a node computing one, or a one-element tensor.
+    """``scores * factor`` or ``scores / factor``: a number, a node computing one, or a tensor of size 1 in
+    the last two dims (a learned temperature, one per head: :func:`per_query_row`).
 
     Example:
         >>> g = torch.fx.Graph(); s = g.placeholder("s")
@@ -63,7 +64,7 @@ class Scale:
 
     @property
     def is_tensor(self) -> bool:
-        """Whether the factor is a tensor (one-element: a learned temperature), not a number."""
+        """Whether the factor is a tensor (a learned temperature, one per head), not a number."""
         return fake_value(self.factor) is not None
 
 
@@ -121,6 +122,18 @@ def read_cast_step(node: Node, gm: torch.fx.GraphModule, constants: Constants) -
     return None if source is None else [Cast(node, source)]
 
 
+def per_query_row(factor: torch.Tensor) -> bool:
+    """Whether a tensor scaling the scores [.., L, S] is one number for each whole score matrix: of size 1 in
+    the last two dims (a learned temperature, or one per head as ``scale.view(1, H, 1, 1)``). Such a factor
+    multiplies q instead: ``(q * f) @ k^T == (q @ k^T) * f`` up to rounding.
+
+    Example:
+        >>> per_query_row(torch.ones(1, 4, 1, 1)), per_query_row(torch.ones(())), per_query_row(torch.ones(4, 1))
+        (True, True, False)
+    """
+    return all(size == 1 for size in factor.shape[-2:])
+
+
 def _scale_refusal(factor: Any, scores_value: torch.Tensor, op: str) -> Refusal | None:
     """None when ``factor`` can scale the scores (by ``op``, mul or div); else why it cannot."""
     if isinstance(factor, (int, float)) and not isinstance(factor, bool):
@@ -130,15 +143,16 @@ def _scale_refusal(factor: Any, scores_value: torch.Tensor, op: str) -> Refusal 
         value = factor.meta.get("val")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return None  # a number computed from shapes
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.ndim <= scores_value.ndim:
-            return None
+        if isinstance(value, torch.Tensor) and value.ndim <= scores_value.ndim and per_query_row(value):
+            return None  # one number, or one per batch item or head: it scales q's rows alike
         if isinstance(value, torch.Tensor):
             what = f"{factor.name} of shape {tuple(value.shape)}"
     return Refusal(f"an element-wise tensor gate ({op} by {what}) is applied to the scores before softmax")
 
 
 def read_scale(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
-    """Scores times or divided by a number, a number from shapes, or a one-element tensor.
+    """Scores times or divided by a number, a number from shapes, or a tensor with one number per score
+    matrix (:func:`per_query_row`: a temperature, one per head).
 
     Example:
         >>> from fxforge.core.shapes import annotate
