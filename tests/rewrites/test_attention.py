@@ -245,6 +245,18 @@ def per_head_scale(self, q, k, v, keep):  # a learned scale per head (cosine att
     return F.softmax((q @ k.transpose(-1, -2) + mask) * self.head_scale.view(1, H, 1, 1), dim=-1) @ v
 
 
+def expand_as_scores(self, q, k, v, keep):  # DistilBERT: the mask expanded to the scores' shape
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    mask = (keep.long() == 0).view(q.size(0), 1, 1, k.size(-2)).expand_as(scores)
+    return F.softmax(scores.masked_fill(mask, torch.finfo(scores.dtype).min), dim=-1) @ v
+
+
+def expand_to_scores_shape(self, q, k, v, keep):
+    scores = q @ k.transpose(-1, -2) * 0.25
+    bias = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, -1e9)[:, None, None, :]
+    return F.softmax(scores + bias.expand(scores.shape), dim=-1) @ v
+
+
 ACCEPTED = {
     "basic": (basic, {"scale": 1 / math.sqrt(D)}),
     "torch_calls_and_power_scale": (torch_calls_and_power_scale, {"scale": D ** -0.5}),
@@ -276,6 +288,8 @@ ACCEPTED = {
     "int_mask_added": (int_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
     "constant_tensor_added": (constant_tensor_added, {"scale": 1.0, "mask": torch.float32}),
     "per_head_scale": (per_head_scale, {"scale": 1.0, "mask": torch.float32, "row_fix": True}),
+    "expand_as_scores": (expand_as_scores, {"scale": 1 / math.sqrt(D), "mask": torch.bool, "row_fix": True}),
+    "expand_to_scores_shape": (expand_to_scores_shape, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
 }
 
 
@@ -839,7 +853,7 @@ def test_dropout_after_the_attention_in_training_drops_eager_elements(out, metho
 # The forms above that were refused or rolled back before (and the integer masks): fresh inputs, a sequence
 # every key of which is masked (eager: NaN rows with -inf, the mean of v with finite fills) and a NaN query.
 EXACT_FORMS = ["bool_mask_added", "int_keep_filled", "int_keep_added", "int_mask_added", "constant_tensor_added",
-               "per_head_scale"]
+               "per_head_scale", "expand_as_scores", "expand_to_scores_shape"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -866,3 +880,37 @@ def test_a_scale_that_differs_along_the_keys_is_refused(method):
     assert new.report.counts.get("attention", 0) == 0
     (reason,) = reasons(new)
     assert reason.startswith("an element-wise tensor gate (mul by ") and "of shape (2, 1, 1, 6)) is applied" in reason
+
+
+class DistilBertMask(nn.Module):
+    """DistilBERT's masking, as written there: the fill value a tensor made from ``finfo(scores.dtype)``."""
+
+    def forward(self, q, k, v, keep):
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+        mask = (keep == 0).view(q.size(0), 1, 1, k.size(-2)).expand_as(scores)
+        scores = scores.masked_fill(mask, torch.tensor(torch.finfo(scores.dtype).min))
+        return F.softmax(scores, dim=-1) @ v
+
+
+def test_distilbert_mask_expanded_as_the_scores_under_export():
+    """(fx cannot trace ``torch.tensor`` of a traced ``finfo``: ``expand_as_scores`` is the traceable form.)"""
+    model = DistilBertMask()
+    new = fxforge.rewrite(fxforge.capture(model, _inputs(), method="export"), ["attention"])
+    [sdpa] = assert_replaced(model, new, _inputs())
+    assert tuple(sdpa.kwargs["attn_mask"].meta["val"].shape) == (B, 1, 1, L)  # SDPA broadcasts, no expand
+    q, k, v, keep = _inputs(seed=6, dead_row=True)
+    with torch.no_grad():
+        torch.testing.assert_close(new.graph_module(q, k, v, keep), model(q, k, v, keep), equal_nan=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_mask_expanded_as_the_scores_and_used_elsewhere_is_refused(method):
+    def expanded_mask_returned(self, q, k, v, keep):
+        scores = q @ k.transpose(-1, -2)
+        mask = keep[:, None, None, :].expand_as(scores)
+        return F.softmax(scores.masked_fill(~mask, MIN), dim=-1) @ v, mask
+
+    _model, new = rewritten(expanded_mask_returned, _inputs(), method)
+    assert new.report.counts.get("attention", 0) == 0
+    (reason,) = reasons(new)  # the fill's condition reads the scores' shape through an expand that stays
+    assert reason.endswith(", an input of the attention, is computed from its matmul"), reason

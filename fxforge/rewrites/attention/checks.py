@@ -22,6 +22,7 @@ from torch.fx import Node
 
 from fxforge.core.nodes import fake_value, mutated_aliases
 from fxforge.core.shapes import annotate
+from fxforge.core.vocabulary import calls, reads_metadata
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.operands import Operand, repeated_heads, untransposed
 from fxforge.rewrites.attention.readers import Softmax, ignorable, read_softmax
@@ -131,6 +132,43 @@ def metadata_reads(attention: Attention, node: Node) -> list[Node]:
             and (value.dtype, value.device) == (q.dtype, q.device)]
 
 
+def shape_reads(attention: Attention, node: Node) -> list[Node]:
+    """Users of ``node`` that read only its shape (``x.expand_as(scores)``, ``scores.shape``, ``size``) and
+    whose results reach nothing but the attention's own nodes: they go with the attention, so they are no
+    use of the scores' values.
+
+    Example:
+        >>> attend = lambda q, k, v, m: (lambda s: s.masked_fill(m.expand_as(s), -1e9))(q @ k.mT).softmax(-1) @ v
+        >>> q, m = torch.randn(1, 2, 4, 8), torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+        >>> gm, attention = trace_attention(attend, q, q, q, m)
+        >>> [n.name for n in shape_reads(attention, attention.scores.product)]
+        ['expand_as']
+    """
+    inside = set(attention.nodes)
+    found = []
+    for user in node.users:
+        expands = calls(user, "expand") or user.target is aten.expand_as.default
+        reads = (reads_metadata(user) and user.args[:1] == (node,)) or (
+            expands and bool(user.args) and user.args[0] is not node)
+        if reads and _dies_with(user, inside):
+            found.append(user)
+    return found
+
+
+def _dies_with(node: Node, inside: set[Node]) -> bool:
+    """Whether everything computed from ``node`` ends in ``inside`` (so it can be erased with it)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in inside or current in seen:
+            continue
+        if current.op == "output" or current.op not in ("call_function", "call_method") or not current.users:
+            return False
+        seen.add(current)
+        stack.extend(current.users)
+    return True
+
+
 def _inputs(attention: Attention) -> list[Node]:
     """The graph values the replacement reads: q, k, v and what the steps scale, add and fill with."""
     nodes = [attention.scores.q.node, attention.scores.k.node, attention.values.v.node]
@@ -159,6 +197,30 @@ def check_metadata(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | 
     for node in _inputs(attention):
         if node in inside:
             return Refusal(f"{node.name} is both an input of the attention and part of it")
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = position[attention.scores.product]
+    for node in _inputs(attention):
+        source = _computed_from(attention, node, position, first)
+        if source is not None:
+            return Refusal(f"{node.name}, an input of the attention, is computed from its {source.name}")
+    return None
+
+
+def _computed_from(attention: Attention, node: Node, position: dict[Node, int], first: int) -> Node | None:
+    """A node of the attention that ``node`` is computed from, else None (only nodes after ``first`` can
+    be); reading its dtype or device does not count (:func:`metadata_reads`: q's are read instead)."""
+    inside = set(attention.nodes)
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        for parent in current.all_input_nodes:
+            if parent in inside and current not in metadata_reads(attention, parent):
+                return parent
+            if parent in inside:
+                continue
+            if parent not in seen and position[parent] > first:
+                seen.add(parent)
+                stack.append(parent)
     return None
 
 
@@ -174,7 +236,7 @@ def check_users(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | Non
     inside = set(attention.nodes)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in attention.nodes[:-1]:
-        reads = metadata_reads(attention, node)
+        reads = metadata_reads(attention, node) + shape_reads(attention, node)
         outside = [u.name for u in node.users if u not in inside and not ignorable(u, gm) and u not in reads]
         if not outside:
             continue

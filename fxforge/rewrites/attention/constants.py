@@ -33,12 +33,14 @@ from fxforge.core.nodes import (
 from fxforge.core.vocabulary import METADATA_FUNCTIONS, calls, reads_metadata
 
 _NOT_CONSTANT = object()
+_DTYPE_INFO = (torch.finfo, torch.iinfo)
 _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.Size, type(None))
 
 
 def _is_shape_expression(node: Node, seen: dict[Node, bool] | None = None) -> bool:
     """Whether ``node`` computes a Python value from shapes, dtypes and devices only (``q.size(-1) ** -0.5``)
     rather than from tensor data (``x.sum().item()``, whose recorded value held for the example only).
+    ``torch.finfo(x.dtype)`` and ``torch.iinfo`` of such a dtype, and their attributes (``.min``), count too.
 
     Attributes and methods count as the vocabulary's :func:`~fxforge.core.vocabulary.reads_metadata` says;
     ATen's metadata functions (``sym_size``), ``operator`` and ``math`` functions count only when no input
@@ -47,7 +49,12 @@ def _is_shape_expression(node: Node, seen: dict[Node, bool] | None = None) -> bo
     if node in seen:
         return seen[node]
     seen[node] = False
-    if node.op == "call_function" and (node.target in METADATA_FUNCTIONS
+    source = node.args[0] if node.op == "call_function" and node.target is getattr and node.args else None
+    if isinstance(source, Node) and source.op == "call_function" and source.target in _DTYPE_INFO:
+        result = _is_shape_expression(source, seen)  # torch.finfo(scores.dtype).min
+    elif node.op == "call_function" and node.target in _DTYPE_INFO:
+        result = all(_is_shape_expression(n, seen) for n in node.all_input_nodes)
+    elif node.op == "call_function" and (node.target in METADATA_FUNCTIONS
                                        or getattr(node.target, "__module__", None) in ("_operator", "math")):
         result = all(not isinstance(fake_value(n), torch.Tensor) and _is_shape_expression(n, seen)
                      for n in node.all_input_nodes)

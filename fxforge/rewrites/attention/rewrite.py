@@ -66,6 +66,20 @@ def _erase_dead(gm: torch.fx.GraphModule, candidates: list[Node]) -> None:
         stack.extend(inputs)
 
 
+def _erase_readers(gm: torch.fx.GraphModule, readers: list[Node]) -> None:
+    """Erase ``readers`` and what is computed from them, last first, where nothing uses it any more."""
+    closure, stack = set(), list(readers)
+    while stack:
+        node = stack.pop()
+        if node not in closure and node.op != "output":
+            closure.add(node)
+            stack.extend(node.users)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted(closure, key=position.__getitem__, reverse=True):
+        if not node.users and not is_effectful(node, gm):
+            gm.graph.erase_node(node)
+
+
 def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx: PassContext,
             constants: Constants | None = None) -> None:
     """Replace the attention's nodes with the SDPA call and report it (with the user's source line).
@@ -101,7 +115,11 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
         for user in [u for u in node.users if ignorable(u, gm)]:
             gm.graph.erase_node(user)
     for node in reversed(nodes):
-        gm.graph.erase_node(node)
+        if getattr(node, "_erased", False):
+            continue
+        _erase_readers(gm, [u for u in node.users if u not in nodes])  # what read only its shape (expand_as)
+        if not getattr(node, "_erased", False):
+            gm.graph.erase_node(node)
     _erase_dead(gm, list(inputs))
 
 

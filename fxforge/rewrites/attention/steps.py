@@ -213,8 +213,24 @@ def read_additive_mask(node: Node, gm: torch.fx.GraphModule, constants: Constant
             continue
         if m.is_complex():
             return Refusal(f"the additive mask {mask.name} is {m.dtype}, not a real tensor")
-        steps.append(AddMask(node, scores, mask, float(coefficient)))
+        steps.append(AddMask(node, scores, unexpanded(mask), float(coefficient)))
     return steps or None
+
+
+def unexpanded(node: Any) -> Any:
+    """x for ``node`` = x expanded (``expand``, ``expand_as``, ``broadcast_to``), else ``node``: a mask reaches
+    SDPA as it is, which broadcasts it as the expand did (DistilBERT's ``mask.expand_as(scores)`` reads only
+    the scores' shape; the replacement must not read the scores).
+
+    Example:
+        >>> g = torch.fx.Graph(); m, s = g.placeholder("m"), g.placeholder("s")
+        >>> unexpanded(g.call_method("expand_as", (m, s))) is m
+        True
+    """
+    while (isinstance(node, Node) and node.args and isinstance(node.args[0], Node)
+           and (calls(node, "expand") or node.target is torch.ops.aten.expand_as.default)):
+        node = node.args[0]
+    return node
 
 
 def _fill(node: Node, scores: Any, condition: Any, keeps: bool, value: Any, constants: Constants
@@ -230,7 +246,7 @@ def _fill(node: Node, scores: Any, condition: Any, keeps: bool, value: Any, cons
         return Refusal(f"the scores are filled with {getattr(value, 'name', value)}, which is not a constant")
     # the number as the scores hold it (rounded to their dtype)
     number = torch.tensor(number, dtype=torch.float64).to(fake_value(node).dtype).item()
-    return Fill(node, scores, condition, keeps, number)
+    return Fill(node, scores, unexpanded(condition), keeps, number)
 
 
 def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
