@@ -914,3 +914,49 @@ def test_a_mask_expanded_as_the_scores_and_used_elsewhere_is_refused(method):
     assert new.report.counts.get("attention", 0) == 0
     (reason,) = reasons(new)  # the fill's condition reads the scores' shape through an expand that stays
     assert reason.endswith(", an input of the attention, is computed from its matmul"), reason
+
+
+def _attend(q, k, v, keep):
+    return F.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~keep[:, None, None, :], float("-inf")), -1) @ v
+
+
+class Regions(nn.Module):
+    """Attention inside a region that torch.export may turn into a higher-order op with a subgraph."""
+
+    def __init__(self, region: str):
+        super().__init__()
+        self.region = region
+
+    def forward(self, q, k, v, keep):
+        if self.region == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(_attend, q, k, v, keep, use_reentrant=False)
+        if self.region == "cond":
+            return torch.cond(q.sum() > 0, _attend, lambda q, k, v, keep: _attend(q, k, v, keep) * 2, (q, k, v, keep))
+        region = torch.no_grad() if self.region == "no_grad" else torch.autocast("cpu", enabled=self.region == "autocast")
+        with region:
+            out = _attend(q, k, v, keep)
+        return out + 1
+
+
+@pytest.mark.parametrize("region, count", [("checkpoint", 1), ("no_grad", 1), ("autocast off", 1), ("cond", 2)])
+@pytest.mark.parametrize("training", [False, True])
+def test_attention_inside_higher_order_op_subgraphs_is_replaced(region, count, training):
+    model = Regions(region).train(training)
+    cap = fxforge.capture(model, _inputs(), method="export")
+    new = fxforge.rewrite(cap, ["attention"])
+    assert new.report.counts == {"attention": count} and not new.report.rolled_back, reasons(new)
+    for seed in (3, 4):
+        q, k, v, keep = _inputs(seed=seed, dead_row=True)
+        q = q * (-1) ** seed  # both branches of the cond
+        with torch.no_grad():
+            torch.testing.assert_close(new.graph_module(q, k, v, keep), model(q, k, v, keep), equal_nan=True)
+    # the graph before the pass (which verification and rollback run) keeps its own subgraphs
+    assert all(softmaxes(sub) for sub in cap.graph_module.children() if isinstance(sub, torch.fx.GraphModule))
+
+
+def test_attention_inside_an_enabled_autocast_region_is_a_near_miss():
+    new = fxforge.rewrite(fxforge.capture(Regions("autocast"), _inputs(), method="export"), ["attention"])
+    assert new.report.counts == {}
+    (reason,) = reasons(new)
+    assert reason.startswith("the attention is inside a wrap_with_autocast subgraph (submod_"), reason
+    assert reason.endswith("), which could change its precision or semantics")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from fxforge.core.nodes import is_effectful
+from fxforge.core.nodes import copy_graph_module, is_effectful
 from fxforge.core.source import first_line, inherit_origin
 from fxforge.rewrites.attention.builders import GraphBuilder, build, describe_change
 from fxforge.rewrites.attention.checks import CHECKS, Attention, find_gqa, metadata_reads, read_attention
@@ -147,6 +147,49 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 ctx.refused(node, found)
             continue
         replace(*found, gm, ctx, constants)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            _replace_in_subgraphs(node, gm, ctx)
+
+
+# Higher-order ops that run their subgraphs as plain code: SDPA there computes what it does outside (a
+# checkpointed region is recomputed in backward by the same subgraph; grad mode changes no value; cond runs
+# one branch). An enabled autocast region would run SDPA at another precision than eager's ops.
+_TRANSPARENT = {"tag_activation_checkpoint", "wrap_with_set_grad_enabled", "cond"}
+
+
+def _transparent(node: Node) -> bool:
+    name = node.target.name()
+    if name == "wrap_with_autocast":
+        return len(node.args) > 2 and node.args[2] is False  # (device, dtype, enabled, ...)
+    return name in _TRANSPARENT
+
+
+def _replace_in_subgraphs(node: Node, gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Run the pass inside the subgraphs a higher-order op calls (``torch.utils.checkpoint``, ``no_grad`` and
+    ``autocast`` regions, ``torch.cond``), on a copy registered in their place only when something was
+    replaced (the graph before the pass shares the originals, for verification and rollback). Attention in
+    a subgraph the pass cannot rewrite exactly is a near miss, never skipped silently.
+    """
+    for arg in node.args:
+        if not (isinstance(arg, Node) and arg.op == "get_attr"):
+            continue
+        sub = getattr(gm, arg.target, None)
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        if not _transparent(node):
+            for inner in sub.graph.nodes:
+                if read_softmax(inner, sub) is not None and looks_like_attention(inner, sub):
+                    ctx.refused(inner, f"the attention is inside a {node.target.name()} subgraph "
+                                       f"({arg.target}), which could change its precision or semantics")
+            continue
+        copy = copy_graph_module(sub)
+        before = len(ctx.matches)
+        replace_attention(copy, ctx)
+        if len(ctx.matches) > before:
+            copy.graph.lint()
+            copy.recompile()
+            setattr(gm, arg.target, copy)
 
 
 # The pass as the registry lists it (see :mod:`fxforge.rewrites.attention` for what it reads and keeps).
