@@ -124,8 +124,6 @@ class ZooRow:
     ort_error: float | None = None
     export_s: float | None = None
     has_batchnorm: bool = False
-    has_conv: bool = False
-    has_attention: bool = False
 
     def problems(self) -> list[str]:
         """Every way the row falls short of the zoo's bar (empty: it passes).
@@ -166,10 +164,7 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
     from fxforge.runtime.plans import FallbackWarning
 
     model, example = build(name)
-    row = ZooRow(name, has_batchnorm=any(isinstance(m, nn.BatchNorm2d) for m in model.modules()),
-                 has_conv=any(isinstance(m, nn.Conv2d) for m in model.modules()),
-                 has_attention=any("attn" in n.lower() or "attention" in type(m).__name__.lower()
-                                   for n, m in model.named_modules()))
+    row = ZooRow(name, has_batchnorm=any(isinstance(m, nn.BatchNorm2d) for m in model.modules()))
     gen = torch.Generator().manual_seed(SEED + 1)
     fresh = (torch.randn(1, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen),)
     with torch.no_grad():
@@ -193,7 +188,7 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
             path = os.path.join(tmp, f"{field}.onnx")
             start = time.perf_counter()
             try:
-                fxforge.export_onnx(model, path, example, rewrites=rewrites)
+                exported = fxforge.export_onnx(model, path, example, rewrites=rewrites)
             except Exception as error:  # noqa: BLE001 - the row records why
                 setattr(row, field, _first_line(error))
                 continue
@@ -201,7 +196,7 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
             if field == "export":
                 row.export_s = time.perf_counter() - start
                 with torch.no_grad():
-                    compared = compare_outputs(expected, OnnxRuntimeModule(path)(*fresh), rtol_scale=10.0)
+                    compared = compare_outputs(expected, OnnxRuntimeModule(path, exported.io)(*fresh), rtol_scale=10.0)
                 row.ort_ok, row.ort_error = compared.ok, compared.max_abs_err
     return row
 

@@ -1,6 +1,7 @@
 """torchvision and timm models with random weights, through fxforge as a new user would try them: no fallback,
 no rollback, float32-level errors on fresh inputs, ONNX export after the rewrites wherever plain export works
-(and ONNX Runtime agreeing with eager), a conv+BatchNorm fold in every model with BatchNorm.
+(and ONNX Runtime agreeing with eager, outputs in the model's own structure), a conv+BatchNorm fold in every
+model with BatchNorm.
 
 Runs with ``make zoo`` (its own environment: see ``benchmarks/zoo.py``); skipped where torchvision or timm is
 missing."""
@@ -20,5 +21,3 @@ def test_zoo_model(name, tmp_path):
     row = run_model(name, str(tmp_path))
     assert row.problems() == [], row
     assert row.plain_export == "ok", row.plain_export  # every zoo model exports plainly today
-    if row.has_conv:
-        assert row.counts.get("conv_activation", 0) + row.counts.get("conv_bn_fold", 0) > 0, row.counts
