@@ -1,0 +1,101 @@
+"""The causal proof for symbolic sizes (fxforge.rewrites.attention.index_masks): masks built from index ranges
+are read as formulas over positions, on shape-generic exported graphs and on traced ones; a mask is causal
+only when it keeps exactly ``key <= query`` for every size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+from fxforge.core.shapes import annotate
+from fxforge.rewrites.attention.index_masks import causal_for_every_size, read_mask
+
+NEG = float("-inf")
+
+
+def _positions(q):
+    """key index [1, S] and query index [S, 1] of q [B, S, E]."""
+    idx = torch.arange(q.shape[1], device=q.device)
+    return idx[None, :], idx[:, None]
+
+
+MASKS = {  # name -> (mask builder on q [B, S, E], causal for every size)
+    "key_le_query": (lambda q, k, i: k <= i, True),
+    "query_ge_key": (lambda q, k, i: i >= k, True),
+    "key_lt_query_plus_one": (lambda q, k, i: k < i + 1, True),
+    "not_key_gt_query": (lambda q, k, i: ~(k > i), True),
+    "additive_where": (lambda q, k, i: torch.where(k <= i, 0.0, NEG), True),
+    "masked_fill_of_zeros": (lambda q, k, i: torch.zeros(q.shape[1], q.shape[1]).masked_fill(k > i, -1e9), True),
+    "strict": (lambda q, k, i: k < i, False),
+    "one_ahead": (lambda q, k, i: k <= i + 1, False),
+    "sliding_window": (lambda q, k, i: (k <= i) & (i - k < 3), False),
+    "upper": (lambda q, k, i: k >= i, False),
+    "fill_too_small": (lambda q, k, i: torch.where(k <= i, 0.0, -5.0), False),
+}
+
+
+class Scores(nn.Module):
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def forward(self, q):
+        key, query = _positions(q)
+        return q @ q.mT, self.build(q, key, query)
+
+
+def _exported(build) -> torch.fx.GraphModule:
+    q = torch.randn(2, 6, 4)
+    program = torch.export.export(Scores(build), (q,), dynamic_shapes=({1: Dim("seq", min=2, max=512)},))
+    return program.module()
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_from_index_ranges_are_read_for_every_size(name):
+    build, causal = MASKS[name]
+    gm = _exported(build)
+    scores, mask = _outputs(gm)
+    assert isinstance(scores.meta["val"].shape[-1], torch.SymInt)  # the proof is about a symbolic S
+    assert causal_for_every_size([mask], scores) is causal
+    # the verdict agrees with the mask's values at sizes other than the example's (a fill of -5 hides nothing)
+    for s in (5, 7, 12):
+        _, value = Scores(build)(torch.randn(2, s, 4))
+        keep = value if value.dtype == torch.bool else value == 0
+        tril = torch.equal(keep, torch.ones(s, s, dtype=torch.bool).tril())
+        assert tril is (causal or name == "fill_too_small")
+
+
+def _outputs(gm):
+    out = gm.graph.output_node().args[0]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    scores = next(n for n in nodes if "matmul" in str(n.target) or "bmm" in str(n.target))
+    # the mask: the last value the output reaches that is not the scores (a flat output after export)
+    flat = [a for a in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(a, torch.fx.Node)]
+    mask = next(a for a in flat if a is not scores and "matmul" not in str(a.target))
+    return scores, mask
+
+
+def test_a_key_offset_by_a_symbolic_length_is_not_causal():
+    # keys [past + S] against queries [S]: kv_idx <= q_idx + past is causal only for past = 0
+    class Cached(nn.Module):
+        def forward(self, q, past):
+            s, p = q.shape[1], past.shape[1]
+            key, query = torch.arange(s + p)[None, :], torch.arange(s)[:, None] + p
+            return q @ torch.cat([past, q], 1).mT, key <= query
+
+    q, past = torch.randn(2, 4, 8), torch.randn(2, 3, 8)
+    program = torch.export.export(Cached(), (q, past), dynamic_shapes=(
+        {1: Dim("seq", min=2, max=64)}, {1: Dim("past", min=2, max=64)}))
+    gm = program.module()
+    scores, mask = _outputs(gm)
+    assert read_mask(mask) is not None  # read, with the symbolic offset
+    assert not causal_for_every_size([mask], scores)
+
+
+def test_traced_graphs_read_too():
+    gm = torch.fx.symbolic_trace(Scores(lambda q, k, i: torch.where(k <= i, 0.0, NEG)))
+    annotate(gm, (torch.randn(2, 5, 4),), {})
+    scores, mask = _outputs(gm)
+    assert causal_for_every_size([mask], scores)
