@@ -48,6 +48,7 @@ from fxforge.capture.dynamic import (
 from fxforge.core.captured import Captured
 from fxforge.core.gc_pause import no_collection
 from fxforge.core.plan import CallConditions, Plan
+from fxforge.core.source import first_line
 from fxforge.core.symbolic import ShapeGuard
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
@@ -56,6 +57,7 @@ from fxforge.exporters.program import ExportError
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.lower import make_plan, plain_plan
 from fxforge.rewrites import pipeline
+from fxforge.rewrites.registry import resolve
 from fxforge.runtime.native import OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, PlanBuilder, ShapePolicy
 from fxforge.runtime.profile import Profile, profile_graph
@@ -214,12 +216,14 @@ def captured_for_export(model: nn.Module | Captured, example_inputs: Any, *, exa
 def _for_export(model: nn.Module | Captured, example_inputs: Any, *, example_kwargs: dict | None = None,
                 rewrites: Any = "default", verify: bool = True, method: str = "auto", dynamic_batch: bool = False,
                 dynamic_shapes: Any = None, dynamic: bool = False,
-                before: tuple | None = None) -> tuple[Captured, Any, Any]:
+                before: tuple | None = None) -> tuple[Captured, Any, Any, Captured | None]:
     """:func:`captured_for_export`, with the ``dynamic_shapes`` to export it with and how they may be refined
     (see :func:`fxforge.capture.dynamic.export_refining`): the user's as given, or those fxforge chose for
     ``dynamic=True`` (batch and sequence dims) or, with ``before`` (the inputs of an earlier export that
-    do not fit these), for the dims that changed (:func:`fxforge.capture.dynamic.changed_dynamic_shapes`)."""
+    do not fit these), for the dims that changed (:func:`fxforge.capture.dynamic.changed_dynamic_shapes`);
+    and the capture before the rewrites (None for a ``Captured``, which is exported as it is)."""
     refine: Any = False
+    unrewritten = None
     if isinstance(model, Captured):
         captured = model
         if dynamic or before is not None:
@@ -243,14 +247,47 @@ def _for_export(model: nn.Module | Captured, example_inputs: Any, *, example_kwa
                 raise ExportError(error.reasons.get("export", str(error)), stage="torch.export") from error
         elif captured.method == "export" and (dynamic_batch or dynamic_shapes is not None):
             captured = dynamic_capture(model, args, kwargs, dynamic_shapes, reference=captured.example_outputs)
-        captured = rewrite(captured, rewrites, verify=verify, tuning=None)
-        if captured.report.counts.get("conv_activation"):
-            captured.report.notes.append("conv_activation kept without timing PyTorch kernels: the ONNX file runs "
-                                         "ONNX Runtime's own")
+        unrewritten = captured
+        captured = _rewritten_for_export(unrewritten, rewrites, verify)
     if captured.training:
         raise ExportError("the graph was captured in training mode; ONNX export is for inference: capture the model "
                           "after model.eval()", stage="input")
-    return captured, dynamic_shapes, refine
+    return captured, dynamic_shapes, refine, unrewritten
+
+
+def _rewritten_for_export(captured: Captured, rewrites: Any, verify: bool) -> Captured:
+    captured = rewrite(captured, rewrites, verify=verify, tuning=None)
+    if captured.report.counts.get("conv_activation"):
+        captured.report.notes.append("conv_activation kept without timing PyTorch kernels: the ONNX file runs "
+                                     "ONNX Runtime's own")
+    return captured
+
+
+def _write_exportable(write: Any, captured: Captured, unrewritten: Captured | None, rewrites: Any,
+                      verify: bool) -> Any:
+    """``write(captured)``; where that export fails after rewrites and the graph without them exports, the
+    rewrites never make the model unexportable: the export is made again leaving out one applied rewrite at a
+    time (the first that exports is kept), else with none, and the report says which was left out and why."""
+    try:
+        return write(captured)
+    except ExportError as error:
+        applied = [name for name in captured.report.counts if name != "cleanup"]
+        if unrewritten is None or not applied:
+            raise
+        failure = error
+    names = [p.name for p in resolve(rewrites)]
+    for left_out in [[name] for name in applied] + [names]:
+        kept = [p for p in resolve(rewrites) if p.name not in left_out]
+        candidate = _rewritten_for_export(unrewritten, kept, verify) if kept else unrewritten
+        try:
+            written = write(candidate)
+        except ExportError:
+            continue
+        what = ", ".join(left_out) if kept else "every rewrite"
+        written[0].report.notes.append(f"{what} left out of the ONNX export: with it, the export failed "
+                                       f"({first_line(failure)})")
+        return written
+    raise failure
 
 
 def _chosen_dims(forward: nn.Module, args: tuple, kwargs: dict, before: tuple | None) -> tuple[Any, Any]:
@@ -355,12 +392,13 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
     with eval_mode(model):
-        captured, dims, refine = _for_export(model, example_inputs, rewrites=rewrites, verify=verify, method=method,
-                                             dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
-                                             dynamic=dynamic)
-        result, module = write_checked(captured, path, opset=opset, dynamic_batch=dynamic_batch,
-                                       dynamic_shapes=dims, attention=attention, external_data=external_data,
-                                       refine=refine)
+        captured, dims, refine, unrewritten = _for_export(
+            model, example_inputs, rewrites=rewrites, verify=verify, method=method, dynamic_batch=dynamic_batch,
+            dynamic_shapes=dynamic_shapes, dynamic=dynamic)
+        write = functools.partial(write_checked, path=path, opset=opset, dynamic_batch=dynamic_batch,
+                                  dynamic_shapes=dims, attention=attention, external_data=external_data,
+                                  refine=refine)
+        result, module = _write_exportable(write, captured, unrewritten, rewrites, verify)
     del module  # its session was only for validation
     return result
 
@@ -426,12 +464,16 @@ def _export_for_session(model: nn.Module, options: dict, args: tuple, kwargs: di
     opset = check_options(options.get("opset"), options.get("dynamic_batch", False), options.get("dynamic_shapes"),
                           options.get("attention", "MultiHeadAttention"), dynamic)
     with eval_mode(model):
-        captured, dims, refine = _for_export(model, args, example_kwargs=kwargs, dynamic=dynamic, before=before, **{
-            k: options[k] for k in ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes") if k in options})
-        return write_checked(captured, path, opset=opset, dynamic_batch=options.get("dynamic_batch", False),
-                             dynamic_shapes=dims, attention=options.get("attention", "MultiHeadAttention"),
-                             external_data=options.get("external_data"), module_options=module_options,
-                             refine=refine)
+        captured, dims, refine, unrewritten = _for_export(
+            model, args, example_kwargs=kwargs, dynamic=dynamic, before=before,
+            **{k: options[k] for k in ("rewrites", "verify", "method", "dynamic_batch", "dynamic_shapes") if k in options})
+        write = functools.partial(write_checked, path=path, opset=opset,
+                                  dynamic_batch=options.get("dynamic_batch", False), dynamic_shapes=dims,
+                                  attention=options.get("attention", "MultiHeadAttention"),
+                                  external_data=options.get("external_data"), module_options=module_options,
+                                  refine=refine)
+        return _write_exportable(write, captured, unrewritten, options.get("rewrites", "default"),
+                                 options.get("verify", True))
 
 
 # ---------------------------------------------------------------------------------------------- targets

@@ -541,6 +541,32 @@ def test_unexportable_op_names_op_and_line(method, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+class ConvDoubled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).relu() * 2
+
+
+def test_a_rewrite_that_makes_the_export_fail_is_left_out_of_it(tmp_path):
+    # a user rule whose replacement has no ONNX translation: the model exports without it, the other rewrites
+    # kept, and the report says which rewrite was left out and why
+    from fxforge.rewrites.pattern import Rule
+
+    doubled = Rule("mystery_double", lambda x: x * 2, lambda x: torch.ops.fxtest.mystery(x))
+    model, path = ConvDoubled().eval(), str(tmp_path / "m.onnx")
+    native = fxforge.rewrite(fxforge.capture(model, (torch.randn(1, 3, 8, 8),)), ["default", doubled])
+    assert native.report.counts.get("mystery_double") == 1  # the rule itself holds
+    result = export_onnx(model, path, (torch.randn(1, 3, 8, 8),), rewrites=["default", doubled])
+    assert "mystery_double" not in result.report.counts and result.report.counts.get("conv_activation") == 1
+    (note,) = [n for n in result.report.notes if "left out of the ONNX export" in n]
+    assert note.startswith("mystery_double left out") and "fxtest::mystery" in note
+    assert_runs_like(model, path, torch.randn(1, 3, 8, 8))
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
 def test_bad_arguments(tmp_path):
     model, inputs = Small().eval(), (torch.randn(1, 3, 8, 8),)
     with pytest.raises(ValueError, match="opset 17"):
