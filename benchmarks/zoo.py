@@ -119,7 +119,7 @@ class ZooRow:
     native_problem: str = ""
     optimize_s: float | None = None
     plain_export: str = ""      # "ok" or the error's first line
-    export: str = ""            # after fxforge's rewrites
+    export: str = ""            # after fxforge's rewrites: "ok", "ok, <rewrites> left out", or the error
     ort_ok: bool = False
     ort_error: float | None = None
     export_s: float | None = None
@@ -136,9 +136,11 @@ class ZooRow:
         out += [f"rolled back: {r}" for r in self.rolled_back]
         if not self.native_ok:
             out.append(f"native differs from eager: {self.native_problem}")
-        if self.plain_export == "ok" and self.export != "ok":
+        if self.plain_export == "ok" and not self.export.startswith("ok"):
             out.append(f"export fails after the rewrites where plain export succeeds: {self.export}")
-        if self.export == "ok" and not self.ort_ok:
+        if "left out" in self.export:
+            out.append(f"the export after the rewrites failed until a rewrite was left out ({self.export})")
+        if self.export.startswith("ok") and not self.ort_ok:
             out.append(f"ONNX Runtime differs from eager (max abs error {self.ort_error})")
         if self.has_batchnorm and not self.counts.get("conv_bn_fold"):
             out.append("no conv_bn_fold in a model with BatchNorm")
@@ -193,6 +195,9 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
                 setattr(row, field, _first_line(error))
                 continue
             setattr(row, field, "ok")
+            left_out = [n.split(" left out")[0] for n in exported.report.notes if "left out of the ONNX export" in n]
+            if field == "export" and left_out:
+                row.export = f"ok, {', '.join(left_out)} left out"
             if field == "export":
                 row.export_s = time.perf_counter() - start
                 with torch.no_grad():
