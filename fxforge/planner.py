@@ -263,11 +263,24 @@ def _rewritten_for_export(captured: Captured, rewrites: Any, verify: bool) -> Ca
     return captured
 
 
-def _write_exportable(write: Any, captured: Captured, unrewritten: Captured | None, rewrites: Any,
+def write_exportable(write: Any, captured: Captured, unrewritten: Captured | None, rewrites: Any,
                       verify: bool) -> Any:
-    """``write(captured)``; where that export fails after rewrites and the graph without them exports, the
-    rewrites never make the model unexportable: the export is made again leaving out one applied rewrite at a
-    time (the first that exports is kept), else with none, and the report says which was left out and why."""
+    """``write(captured)`` (a ``write_checked`` with its options bound); where that export fails after rewrites
+    and the graph without them exports, the rewrites never make the model unexportable: the export is made
+    again from ``unrewritten`` leaving out one applied rewrite at a time (the first that exports is kept),
+    else with none, and the export's report says which was left out and why (its ``captured`` is the graph
+    exported). ``unrewritten`` None (a graph given as it is): the failure is raised.
+
+    Example:
+        >>> import os, tempfile
+        >>> from fxforge.exporters.onnx import write_checked
+        >>> cap = captured_for_export(torch.nn.Tanh().eval(), (torch.ones(2),))
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.onnx")
+        >>> write = functools.partial(write_checked, path=path)
+        >>> result, module = write_exportable(write, cap, None, "default", True)
+        >>> result.path == path
+        True
+    """
     try:
         return write(captured)
     except ExportError as error:
@@ -398,7 +411,7 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
         write = functools.partial(write_checked, path=path, opset=opset, dynamic_batch=dynamic_batch,
                                   dynamic_shapes=dims, attention=attention, external_data=external_data,
                                   refine=refine)
-        result, module = _write_exportable(write, captured, unrewritten, rewrites, verify)
+        result, module = write_exportable(write, captured, unrewritten, rewrites, verify)
     del module  # its session was only for validation
     return result
 
@@ -472,7 +485,7 @@ def _export_for_session(model: nn.Module, options: dict, args: tuple, kwargs: di
                                   attention=options.get("attention", "MultiHeadAttention"),
                                   external_data=options.get("external_data"), module_options=module_options,
                                   refine=refine)
-        return _write_exportable(write, captured, unrewritten, options.get("rewrites", "default"),
+        return write_exportable(write, captured, unrewritten, options.get("rewrites", "default"),
                                  options.get("verify", True))
 
 

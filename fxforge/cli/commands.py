@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -179,13 +180,17 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
         try:
             if target == "onnxruntime":
                 from fxforge.exporters.onnx import write_checked
+                from fxforge.planner import write_exportable  # (lazily, as every heavy stage here)
 
                 path = output
                 if not path:
                     scratch = tempfile.mkdtemp(prefix="fxforge-cli-")
                     path = os.path.join(scratch, "model.onnx")
                 with steps.step("export ONNX, check, validate in ONNX Runtime") as step:
-                    result, runner = write_checked(new, path, dynamic_batch=args.dynamic_batch)
+                    write = functools.partial(write_checked, path=path, dynamic_batch=args.dynamic_batch)
+                    result, runner = write_exportable(write, new, captured, rewrites, not args.no_verify)
+                    new = result.captured or new  # a rewrite that broke the export was left out of it
+                    notes.extend(n for n in result.report.notes if "left out of the ONNX export" in n)
                     if output:
                         outputs.written(output)
                         if os.path.exists(output + ".data"):
