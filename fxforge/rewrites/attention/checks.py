@@ -8,7 +8,7 @@ Example:
     >>> attend = lambda q, k, v: torch.softmax(q @ k.mT / 8, -1) @ v
     >>> gm, attention = trace_attention(attend, *[torch.randn(1, 2, 4, 8)] * 3)
     >>> [n.name for n in attention.nodes], [check(attention, gm) for check in CHECKS]
-    (['matmul', 'truediv', 'softmax', 'matmul_1'], [None, None, None, None, None])
+    (['matmul', 'truediv', 'softmax', 'matmul_1'], [None, None, None, None, None, None])
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fxforge.core.vocabulary import calls, reads_metadata
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.operands import Operand, repeated_heads, untransposed
 from fxforge.rewrites.attention.readers import Softmax, ignorable, read_softmax
-from fxforge.rewrites.attention.steps import AddMask, Cast
+from fxforge.rewrites.attention.steps import AddMask, Cast, Scale, View
 from fxforge.rewrites.attention.walks import Scores, Values, walk_probs, walk_scores
 from fxforge.rewrites.passes import Refusal
 
@@ -319,11 +319,36 @@ def check_inputs_unchanged(attention: Attention, gm: torch.fx.GraphModule) -> Re
     return None
 
 
+def check_views(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | None:
+    """Views between the scores product and softmax (:class:`~.steps.View`) must bring the scores back to
+    the product's layout, and a tensor scale must be applied in that layout (it multiplies q).
+
+    Example:
+        >>> attend = lambda q, k, v: torch.softmax((q @ k.mT).view(2, 1, 4, 4), -1) @ v.view(2, 1, 4, 8)
+        >>> gm, attention = trace_attention(attend, *[torch.randn(2, 4, 8)] * 3)
+        >>> print(check_views(attention, gm))
+        the scores reach softmax as (2, 1, 4, 4), not in the layout of their product (2, 4, 4)
+    """
+    steps = attention.scores.steps
+    if not any(isinstance(s, View) for s in steps):
+        return None
+    product = tuple(fake_value(attention.scores.product).shape)
+    final = tuple(fake_value(attention.softmax.input).shape)
+    if final != product:
+        return Refusal(f"the scores reach softmax as {final}, not in the layout of their product {product}")
+    for step in steps:
+        if isinstance(step, Scale) and step.is_tensor and tuple(fake_value(step.node).shape) != product:
+            return Refusal(f"the tensor scale {step.factor.name} is applied to the scores viewed as "
+                           f"{tuple(fake_value(step.node).shape)}, not in the layout of their product {product}")
+    return None
+
+
 # Read top to bottom: the first refusal stands.
 CHECKS: list[Callable[[Attention, torch.fx.GraphModule], Refusal | None]] = [
     check_metadata,
     check_users,
     check_dtypes,
+    check_views,
     check_layout,
     check_inputs_unchanged,
 ]

@@ -28,6 +28,7 @@ from fxforge.core.nodes import (
     fake_value,
     is_effectful,
     is_inplace,
+    is_view_op,
     mutated_aliases,
 )
 from fxforge.core.vocabulary import METADATA_FUNCTIONS, calls, reads_metadata
@@ -62,6 +63,26 @@ def _is_shape_expression(node: Node, seen: dict[Node, bool] | None = None) -> bo
         result = reads_metadata(node)
     seen[node] = result
     return result
+
+
+def _changed_by_a_statement(node: Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether ``node``'s value, or a view of it, is changed in place by a node whose result is unused (a
+    statement such as ``mask[1, :, 3:] = -100`` in the user's code): its value as computed from its inputs is
+    not the one its users read."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for user in current.users:
+            if user.op == "output":
+                continue
+            if is_inplace(user, gm) and user.args[:1] == (current,) and not user.users:
+                return True
+            if is_view_op(user):
+                stack.append(user)
+    return False
 
 
 def _reads_metadata_only(node: Node) -> bool:
@@ -134,6 +155,8 @@ class Constants:
             return tensor
         if is_effectful(node, self.gm) and not is_inplace(node, self.gm):
             return _NOT_CONSTANT  # random numbers
+        if isinstance(val, torch.Tensor) and _changed_by_a_statement(node, self.gm):
+            return _NOT_CONSTANT  # mask[1, :, 3:] = -100 changes it after it is made: not this value
         return None
 
     def _ancestors(self, node: Node) -> list[Node] | None:

@@ -24,7 +24,7 @@ import torch
 from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
-from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
+from fxforge.rewrites.attention.steps import AddMask, Fill, Scale, to_layout
 
 
 class EagerBuilder:
@@ -57,8 +57,17 @@ class EagerBuilder:
 _EAGER: dict[str, Callable] = {
     "add": torch.add, "mul": lambda a, b: a * b, "div": lambda a, b: a / b, "where": torch.where,
     "logical_not": torch.logical_not, "logical_and": torch.logical_and, "zeros_like": torch.zeros_like,
-    "masked_fill": torch.masked_fill, "to": torch.Tensor.to,
+    "masked_fill": torch.masked_fill, "to": torch.Tensor.to, "reshape": torch.reshape,
+    "expand": torch.Tensor.expand,
 }
+
+
+def _in_product_layout(attention: Attention, step: Any, builder: Any, value: Any) -> Any:
+    """``value``, a mask a step applies to the scores in that step's layout, in the scores product's layout
+    (they differ after a :class:`~.steps.View`)."""
+    shape = value.shape if isinstance(value, torch.Tensor) else fake_value(value).shape
+    source, target = fake_value(step.node).shape, fake_value(attention.scores.product).shape
+    return to_layout(builder, value, tuple(shape), tuple(source), tuple(target))
 
 
 def fold_mask(attention: Attention, builder: Any) -> Any:
@@ -78,13 +87,14 @@ def fold_mask(attention: Attention, builder: Any) -> Any:
                 term = builder.value(step.mask)
                 if not fake_value(step.mask).is_floating_point():  # a bool or integer mask: promoted as torch does
                     term = builder.call("to", term, dtype=attention.dtype)
+                term = _in_product_layout(attention, step, builder, term)
                 if step.coefficient != 1:
                     term = builder.call("mul", term, step.coefficient)
                 mask = term if mask is None else builder.call("add", mask, term)
             elif isinstance(step, Scale) and mask is not None:
                 mask = builder.call("div" if step.divide else "mul", mask, builder.value(step.factor))
             elif isinstance(step, Fill):
-                condition = builder.value(step.condition)
+                condition = _in_product_layout(attention, step, builder, builder.value(step.condition))
                 if mask is None:
                     zeros = builder.call("zeros_like", condition, dtype=attention.dtype)
                     masked = builder.call("logical_not", condition) if step.keeps else condition
@@ -113,7 +123,7 @@ def fold_keep(attention: Attention, builder: Any) -> Any:
         keep = None
         for step in attention.scores.steps:
             if isinstance(step, Fill):
-                condition = builder.value(step.condition)
+                condition = _in_product_layout(attention, step, builder, builder.value(step.condition))
                 kept = condition if step.keeps else builder.call("logical_not", condition)
                 keep = kept if keep is None else builder.call("logical_and", keep, kept)
         return keep

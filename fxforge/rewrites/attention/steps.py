@@ -103,8 +103,24 @@ class Fill:
     value: float
 
 
+@dataclasses.dataclass(frozen=True)
+class View:
+    """``scores`` reshaped with their last two dims (queries, keys) kept: only the batch dims regrouped, as
+    MBart's ``attn.view(bsz, heads, tgt, src) + mask`` around a 3-d ``bmm`` or Swin's windows do. Steps
+    after it see the scores in its layout; their masks are brought back to the product's (:func:`to_layout`).
+
+    Example:
+        >>> g = torch.fx.Graph(); s = g.placeholder("s")
+        >>> View(g.call_method("view", (s, 2, 3, 4, 4)), s).scores is s
+        True
+    """
+
+    node: Node
+    scores: Node
+
+
 # One step between the scores product and the softmax.
-Step = Cast | Scale | AddMask | Fill
+Step = Cast | Scale | AddMask | Fill | View
 # A reader of one kind of step: (node, graph module, constants) -> the steps it is, a Refusal, or None.
 Reader = Callable[[Node, torch.fx.GraphModule, Constants], "list[Step] | Refusal | None"]
 
@@ -277,5 +293,83 @@ def read_fill(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> lis
     return steps or next((f for f in found if isinstance(f, Refusal)), None)
 
 
+def read_view(node: Node, gm: torch.fx.GraphModule, constants: Constants) -> list[Step] | Refusal | None:
+    """A reshape of the scores (``view``, ``reshape``, ``flatten``, ``unsqueeze``) that keeps their last two
+    dims and regroups only the batch dims, with sizes fixed by the input signature.
+
+    Example:
+        >>> from fxforge.core.shapes import annotate
+        >>> gm = torch.fx.symbolic_trace(lambda s: (s.view(2, 3, 4, 5), s.view(6, 20)))
+        >>> _ = annotate(gm, (torch.ones(6, 4, 5),), {})
+        >>> s, batch, rows = list(gm.graph.nodes)[:3]
+        >>> read_view(batch, gm, None) == [View(batch, s)]
+        True
+        >>> print(read_view(rows, gm, None))
+        a view of the scores from (6, 4, 5) to (6, 20) changes their last two (query, key) dims
+    """
+    if not calls(node, "view", "reshape", "flatten", "unsqueeze") or not node.args:
+        return None
+    scores, before, after = node.args[0], fake_value(node.args[0]), fake_value(node)
+    if before is None or after is None or before.ndim < 2 or after.ndim < 2:
+        return None
+    if not all(isinstance(d, int) for d in (*before.shape, *after.shape)):
+        return Refusal("a view of the scores with sizes that change from call to call")
+    shapes = f"from {tuple(before.shape)} to {tuple(after.shape)}"
+    if tuple(before.shape[-2:]) != tuple(after.shape[-2:]) or before.numel() == 0:
+        return Refusal(f"a view of the scores {shapes} changes their last two (query, key) dims")
+    return [View(node, scores)]
+
+
+def _groups(source: tuple[int, ...], target: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """The dims of ``source`` and ``target`` (shapes of one number of elements) paired into the smallest
+    groups that hold the same elements in row-major order: ``(2, 3, 4)`` and ``(6, 4)`` -> ``[([0, 1], [0]),
+    ([2], [1])]``."""
+    groups, i, j = [], 0, 0
+    while i < len(source) or j < len(target):
+        dims_s, dims_t, size_s, size_t = [], [], 1, 1
+        if i < len(source):
+            dims_s, size_s, i = [i], source[i], i + 1
+        if j < len(target):
+            dims_t, size_t, j = [j], target[j], j + 1
+        while size_s != size_t:
+            if size_s < size_t:
+                dims_s.append(i)
+                size_s, i = size_s * source[i], i + 1
+            else:
+                dims_t.append(j)
+                size_t, j = size_t * target[j], j + 1
+        groups.append((dims_s, dims_t))
+    return groups
+
+
+def to_layout(builder: Any, mask: Any, shape: tuple[int, ...], source: tuple[int, ...],
+              target: tuple[int, ...]) -> Any:
+    """``mask`` (of ``shape``, broadcast over scores of shape ``source``) as eager applied it, for scores of
+    shape ``target`` (the same scores, the batch dims regrouped by a :class:`View`): where the mask
+    broadcast over every dim of a group it still does, else it is expanded over that group first.
+
+    ``builder`` emits the ops (:mod:`~.folds`). Example:
+        >>> from fxforge.rewrites.attention.folds import EagerBuilder
+        >>> mask = torch.tensor([[0.0, -1.0]]).view(1, 1, 1, 2)   # [1, windows] over [batch, windows, 1, 2]
+        >>> to_layout(EagerBuilder(None), mask, (1, 1, 1, 2), (3, 1, 1, 2), (3, 1, 2)).shape
+        torch.Size([1, 1, 2])
+        >>> to_layout(EagerBuilder(None), mask.view(1, 2, 1, 1), (1, 2, 1, 1), (3, 2, 1, 1), (6, 1, 1)).shape
+        torch.Size([6, 1, 1])
+    """
+    if tuple(source) == tuple(target):
+        return mask
+    padded = (1,) * (len(source) - len(shape)) + tuple(shape)
+    expanded, regrouped = list(padded[-2:]), list(padded[-2:])
+    for dims_s, dims_t in reversed(_groups(tuple(source[:-2]), tuple(target[:-2]))):
+        broadcast = all(padded[d] == 1 for d in dims_s)
+        expanded[:0] = [1 if broadcast else source[d] for d in dims_s]
+        regrouped[:0] = [1 if broadcast else target[d] for d in dims_t]
+    if tuple(padded) != tuple(shape):
+        mask = builder.call("reshape", mask, list(padded))
+    if expanded != list(padded):
+        mask = builder.call("expand", mask, expanded)
+    return builder.call("reshape", mask, regrouped)
+
+
 # Read top to bottom: the first reader that recognises a node says what step it is.
-SCORE_STEPS: list[Reader] = [read_cast_step, read_scale, read_additive_mask, read_fill]
+SCORE_STEPS: list[Reader] = [read_cast_step, read_scale, read_additive_mask, read_fill, read_view]
