@@ -113,6 +113,8 @@ class Attention(nn.Module):
         self.fill, self.causal = fill, causal
         self.softmax = nn.Softmax(-1)
         self.drop = nn.Dropout(0.1)
+        self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, heads))  # scale_form "per_head"
+        self.views = False  # the masks added to a [B, H, L, S] view of 3-d bmm scores (MBart)
 
     def split(self, t):
         b, s, _ = t.shape
@@ -124,12 +126,23 @@ class Attention(nn.Module):
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         elif self.scale_form == "mul":
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5
+        elif self.scale_form == "per_head":
+            scores = q @ k.mT * self.head_scale.view(1, -1, 1, 1)
         else:
             scores = q @ k.mT
+        b, h, length = q.shape[:3]  # (sizes read from the scores themselves keep them alive: a near miss)
+        if self.views:
+            scores = scores.reshape(b * h, length, length).view(b, h, length, length)
         if self.mask_form == "additive":
             scores = scores + mask[:, None, None, :]
         elif self.mask_form == "fill":
             scores = scores.masked_fill(~mask[:, None, None, :], self.fill)
+        elif self.mask_form == "bool_added":  # promoted to 0/1
+            scores = scores + mask[:, None, None, :]
+        elif self.mask_form == "fill_expand_as":  # DistilBERT
+            scores = scores.masked_fill((mask == 0).view(b, 1, 1, length).expand_as(scores), self.fill)
+        if self.views:
+            scores = scores.view(b * h, length, length).view(b, h, length, length)
         if self.causal:
             length = q.size(-2)
             keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
@@ -149,10 +162,11 @@ def attentions(draw) -> tuple[nn.Module, dict]:
     """A random :class:`Attention` and how its inputs are made (see :func:`attention_inputs`)."""
     heads = draw(st.sampled_from([1, 2, 4]))
     dim = heads * draw(st.sampled_from([4, 8]))
-    mask_form = draw(st.sampled_from(["none", "additive", "fill"]))
+    mask_form = draw(st.sampled_from(["none", "additive", "fill", "bool_added", "fill_expand_as"]))
     fill = draw(st.sampled_from([float("-inf"), torch.finfo(torch.float32).min, -1e4, -1e9]))
-    model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none"])), mask_form,
+    model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none", "per_head"])), mask_form,
                       draw(st.sampled_from(["module", "method", "function"])), fill, draw(st.booleans()))
+    model.views = draw(st.booleans())
     torch.manual_seed(draw(st.integers(0, 2**16)))
     shape = {"batch": draw(st.integers(1, 3)), "length": draw(st.integers(1, 7)), "dim": dim,
              "mask_form": mask_form, "fill": fill}
