@@ -16,9 +16,13 @@ What it reads, top to bottom; each op in every call form (functions, methods, mo
   ``einsum`` contracting one head dim, in any layout (``bqhd,bkhd->bhqk``);
 - between scores and softmax, :data:`~fxforge.rewrites.attention.steps.SCORE_STEPS`: casts; scaling by mul
   or div with a Python number, a number computed from shapes (``math.sqrt(q.size(-1))``, ``d ** -0.5``) or
-  a one-element tensor; additive float masks of any broadcastable shape (``+``, ``-``);
-  ``masked_fill``/``where`` with a boolean mask and ``-inf``, ``finfo.min`` or another value <= -1e4
-  (:data:`LARGE_NEGATIVE`), in place (``masked_fill_``) too;
+  a tensor with one number per score matrix (a temperature, one per head: ``scale.view(1, H, 1, 1)``);
+  additive masks of any broadcastable shape (``+``, ``-``): float, or bool and integer ones that torch
+  promotes (``scores + keep`` adds 0/1); ``masked_fill``/``where`` with a boolean mask and ``-inf``,
+  ``finfo.min`` or another value <= -1e4 (:data:`LARGE_NEGATIVE`), in place (``masked_fill_``) too; masks
+  expanded to the scores' shape (``mask.expand_as(scores)`` reads only their shape); views that regroup
+  only the batch dims (MBart's ``bmm(q, k^T).view(B, H, L, S) + mask``, Swin's windows), each mask brought
+  back to the product's layout as eager broadcast it;
 - between softmax and the value product: casts and dropout;
 - the value product: ``matmul``/``@``/``bmm`` or an ``einsum`` with its output in any layout;
 - K and V repeated per head for grouped-query attention (``repeat_interleave(n, dim=1)``, or
@@ -62,6 +66,12 @@ How the replacement stays exact:
 - **Dropout.** Dropout that does not drop (eval mode, ``training=False``, p = 0) is left out. Active dropout
   on the probabilities (training, p > 0) is refused: SDPA's dropout draws different random numbers, so its
   result could not be checked against eager, and the pipeline compares passes under the same seed.
+- **Layout.** SDPA returns its own memory layout; where the value product's metadata says eager's
+  differs (an einsum writing its output in another order), the output is copied into eager's, so a dropout
+  that follows draws its mask over the same elements.
+- **Subgraphs.** The pass also runs inside the subgraphs of higher-order ops that run them as plain code
+  (``torch.utils.checkpoint``, ``no_grad`` and disabled-autocast regions, ``torch.cond``'s branches); attention
+  in an enabled autocast region is a near miss.
 - **Training.** The replacement holds in training: SDPA has autograd, and its gradients are eager's. One
   exception, where eager itself computes garbage: a row in which an *additive* mask hides every key
   (``finfo.min`` everywhere, e.g. a left-padded query) has eager's output, but its gradient may differ
@@ -72,7 +82,9 @@ softmax over another dim; a non-linear function or an element-wise tensor gate o
 other than casts and dropout between softmax and the value product; scores or probabilities also used
 elsewhere; an einsum that does not contract one head dim (scores) or the key dim (values); probabilities
 as the second operand of the value product; batch dims that broadcast; dtypes that differ; masks that are
-not masks; active dropout in training; an input changed in place.
+not masks; active dropout in training; an input changed in place; views that change the query or key dims
+or do not come back to the product's layout; an input of the replacement computed from the scores (beyond
+their dtype), such as a mask reshaped by sizes read from the scores and used elsewhere.
 
 The modules, in the order the pass uses them:
 
