@@ -102,7 +102,8 @@ class ThreadBoundTracer(torch.fx.Tracer):
 # torch functions that take sizes or a dtype as plain Python values, so torch.fx cannot see a traced size in
 # them (``torch.zeros(q.size(0), 4)`` raises a TypeError inside the call): while a trace runs, a call of one
 # with a traced value among its arguments is recorded as a node instead.
-SHAPE_BUILT = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "eye", "finfo", "iinfo")
+SHAPE_BUILT = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "eye", "finfo", "iinfo",
+               "tensor", "as_tensor")
 
 
 @contextlib.contextmanager

@@ -126,7 +126,9 @@ class ShapeBuilt(nn.Module):
         noise = torch.randn(q.size(0), 4) * 1e-3
         steps = torch.arange(q.size(1), dtype=q.dtype)
         floor = torch.finfo(q.dtype).min
-        return (q + zeros + steps).amax(-1, keepdim=True).clamp(min=floor) + ones + noise
+        lowest = torch.tensor(torch.finfo(q.dtype).min)  # DistilBERT's fill value
+        scores = (q + zeros + steps).masked_fill(q > 2, lowest)
+        return scores.amax(-1, keepdim=True).clamp(min=floor) + ones + noise
 
 
 def test_fx_traces_a_dtype_used_as_a_value():
@@ -143,7 +145,7 @@ def test_fx_records_tensors_built_from_traced_sizes_and_dtypes():
     cap = fxforge.capture(model, (torch.randn(3, 5),), method="fx")
     assert (cap.method, cap.opaque) == ("fx", [])
     targets = {n.target for n in cap.graph_module.graph.nodes}
-    assert {torch.zeros, torch.ones, torch.randn, torch.arange, torch.finfo} <= targets
+    assert {torch.zeros, torch.ones, torch.randn, torch.arange, torch.finfo, torch.tensor} <= targets
     reproduces(model, cap, (torch.randn(3, 5),))  # fresh values; random draws under the same seed
     assert torch.zeros is zeros and torch.finfo is finfo  # put back after the trace
 
