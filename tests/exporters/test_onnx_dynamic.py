@@ -171,6 +171,21 @@ def test_causal_attention_stays_group_query_at_any_length(tmp_path):
         assert_matches_eager(model, module, torch.randint(0, 64, (batch, length)))
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_an_unpadded_transformers_decoder_is_group_query_at_any_length(name, corpus, tmp_path):
+    # transformers builds the causal mask from arange(S) in the graph: proven causal for every S (index_masks),
+    # so the file runs ONNX Runtime's causal kernel with no S x S mask, at every length
+    model, inputs = corpus[name]()
+    ids = {"input_ids": inputs["input_ids"]}
+    result = export_onnx(model, str(tmp_path / "m.onnx"), ids, dynamic=True)
+    assert "attention -> com.microsoft.GroupQueryAttention (causal): 2" in result.translations, result.translations
+    assert all(error < ATOL for error in result.validation.values()), result.validation
+    module = OnnxRuntimeModule(result.path, result.io)
+    for batch, length in SIZES:
+        ids = {"input_ids": text_inputs(batch, length)["input_ids"]}
+        assert_matches_eager(model, module, **ids)
+
+
 def test_padding_mask_attention_at_any_length(tmp_path):
     torch.manual_seed(0)
     model = TokenAttention().eval()

@@ -154,6 +154,23 @@ def test_dynamic_false_keeps_one_plan_per_signature():
     assert opt.plans_built == 3 and all(p.shapes is None for p in opt.cache.plans.values())
 
 
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_an_unpadded_decoder_is_proven_causal_for_every_length(factory):
+    # without a padding mask the decoders' mask is kv_idx <= q_idx: in a shape-generic plan no constant computes
+    # it, so it was passed to SDPA as a float S x S mask with the row fix; read as a formula it is causal for
+    # every length (index_masks), and SDPA builds no mask
+    model = factory()
+    ids = {"input_ids": _text(2, 16)["input_ids"]}
+    opt = fxforge.optimize(model, ids, dynamic=True)
+    attention = [m.what for m in opt.report.matches if m.rule == "attention"]
+    assert len(attention) == 2 and all("is_causal=True" in what and "attn_mask" not in what for what in attention)
+    for seed, (batch, length) in enumerate([(3, 40), (5, 9), (2, 77)], 1):
+        inputs = {"input_ids": _text(batch, length, seed)["input_ids"]}
+        with torch.inference_mode():
+            torch.testing.assert_close(opt(**inputs)[0], model(**inputs)[0], rtol=1e-4, atol=1e-5)
+    assert opt.plans_built == 1
+
+
 def test_dynamic_true_serves_every_size_from_the_first_plan():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.ReLU()).eval()
     # (the fusion kept whatever the timing: this test is about one plan serving every size)

@@ -179,10 +179,7 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         return None
     if target in _NOT or (node.op == "call_method" and target in ("logical_not", "bitwise_not", "__invert__")):
         inner = read(args[0], seen)
-        if isinstance(inner, Keep) and len(inner.conditions) == 1:
-            (diff, op), = inner.conditions
-            return Keep(inner.rank, ((diff, _NEGATED[op]),))
-        return None
+        return negated(inner) if isinstance(inner, Keep) else None
     if calls(node, "where") and len(args) == 3:
         keep = read(args[0], seen)
         if isinstance(keep, Keep) and _is_zeros(args[1]) and _hides(args[2]):
@@ -190,10 +187,8 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         return None
     if calls(node, "masked_fill") and len(args) == 3:
         hidden = read(args[1], seen)
-        if _is_zeros(args[0]) and isinstance(hidden, Keep) and len(hidden.conditions) == 1 and _hides(args[2]):
-            (diff, op), = hidden.conditions
-            return Additive(Keep(hidden.rank, ((diff, _NEGATED[op]),)))
-        return None
+        keep = negated(hidden) if isinstance(hidden, Keep) else None
+        return Additive(keep) if keep is not None and _is_zeros(args[0]) and _hides(args[2]) else None
     return _moved(node, seen)
 
 
@@ -322,6 +317,19 @@ def _relaid(value: Index | Keep | Additive, before: tuple, after: tuple) -> Inde
         conditions.append((moved, op))
     new_keep = Keep(len(after), tuple(conditions))
     return Additive(new_keep) if isinstance(value, Additive) else new_keep
+
+
+def negated(keep: Keep) -> Keep | None:
+    """Where ``keep`` does not hold: one condition negated (a conjunction's negation is no conjunction: None).
+
+    Example:
+        >>> negated(Keep(1, ((Index(1, ((-1, 1),)), "le"),))).conditions[0][1]
+        'gt'
+    """
+    if len(keep.conditions) != 1:
+        return None
+    (diff, op), = keep.conditions
+    return Keep(keep.rank, ((diff, _NEGATED[op]),))
 
 
 def read_mask(node: Any) -> Keep | Additive | None:

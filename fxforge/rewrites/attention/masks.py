@@ -25,6 +25,7 @@ from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import EagerBuilder, fold_keep, fold_mask
+from fxforge.rewrites.attention.index_masks import Keep, causal_for_every_size, negated, read_mask
 from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
 from fxforge.rewrites.passes import Refusal
 
@@ -114,10 +115,28 @@ def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -
             if not bool(hidden.all(-1).any()):  # no row the fix would change
                 plan = MaskPlan("float")
             return _keep_plan(attention, keep, plan)
-        return plan
+        return MaskPlan("causal") if _causal_for_every_size(attention) else plan
     if not isinstance(keep, torch.Tensor):
-        return plan
+        return MaskPlan("causal") if _causal_for_every_size(attention) else plan
     return _keep_plan(attention, keep, plan)
+
+
+def _causal_for_every_size(attention: Attention) -> bool:
+    """Whether the steps' masks, which no constant computes (their sizes are symbolic), keep exactly the
+    lower triangle for every size (:mod:`~fxforge.rewrites.attention.index_masks`): fills by their kept keys,
+    additive masks (added once, as they are) by theirs."""
+    masks: list = []
+    for step in attention.scores.steps:
+        if isinstance(step, Fill):
+            condition = read_mask(step.condition)
+            if not isinstance(condition, Keep):
+                return False
+            masks.append(condition if step.keeps else negated(condition))
+        elif isinstance(step, AddMask):
+            if step.coefficient != 1.0:
+                return False
+            masks.append(step.mask)
+    return all(m is not None for m in masks) and causal_for_every_size(masks, attention.softmax.node)
 
 
 def _keep_plan(attention: Attention, keep: torch.Tensor | None, plan: MaskPlan) -> MaskPlan:
