@@ -115,6 +115,7 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(0.1)
         self.head_scale = nn.Parameter(torch.linspace(0.5, 1.5, heads))  # scale_form "per_head"
         self.views = False  # the masks added to a [B, H, L, S] view of 3-d bmm scores (MBart)
+        self.causal_form = "tril"  # or "arange": transformers' kv_idx <= q_idx, proven for every size
 
     def split(self, t):
         b, s, _ = t.shape
@@ -145,7 +146,11 @@ class Attention(nn.Module):
             scores = scores.view(b * h, length, length).view(b, h, length, length)
         if self.causal:
             length = q.size(-2)
-            keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            if self.causal_form == "arange":
+                index = torch.arange(length, device=x.device)
+                keep = index[None, :] <= index[:, None]
+            else:
+                keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~keep, float("-inf"))
         if self.softmax_form == "module":
             probs = self.softmax(scores)
@@ -167,6 +172,7 @@ def attentions(draw) -> tuple[nn.Module, dict]:
     model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none", "per_head"])), mask_form,
                       draw(st.sampled_from(["module", "method", "function"])), fill, draw(st.booleans()))
     model.views = draw(st.booleans())
+    model.causal_form = draw(st.sampled_from(["tril", "arange"]))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     shape = {"batch": draw(st.integers(1, 3)), "length": draw(st.integers(1, 7)), "dim": dim,
              "mask_form": mask_form, "fill": fill}
