@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import operator
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -264,6 +265,20 @@ def mutated_aliases(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         >>> mutated_aliases(x, torch.fx.GraphModule(torch.nn.Module(), g))
         True
     """
+    return any(is_effectful(user, gm) and (user.args[:1] == (alias,) or user.op == "call_module")
+               for alias, user in alias_users(node))
+
+
+def alias_users(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(alias, user)`` for every user (but the output) of ``node`` and of each view of it reached through its
+    users, views first found first.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); v = g.call_method("view", (x, -1))
+        >>> a = g.call_method("add_", (v, 1))
+        >>> [(alias.name, user.name) for alias, user in alias_users(x)]
+        [('x', 'view'), ('view', 'add_')]
+    """
     seen: set[torch.fx.Node] = set()
     stack = [node]
     while stack:
@@ -274,11 +289,9 @@ def mutated_aliases(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
         for user in current.users:
             if user.op == "output":
                 continue
-            if is_effectful(user, gm) and (user.args[:1] == (current,) or user.op == "call_module"):
-                return True
+            yield current, user
             if is_view_op(user):
                 stack.append(user)
-    return False
 
 
 _VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute",

@@ -23,12 +23,12 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.core.nodes import (
+    alias_users,
     attribute_tensor,
     call_node,
     fake_value,
     is_effectful,
     is_inplace,
-    is_view_op,
     mutated_aliases,
 )
 from fxforge.core.vocabulary import METADATA_FUNCTIONS, calls, reads_metadata
@@ -69,20 +69,8 @@ def _changed_by_a_statement(node: Node, gm: torch.fx.GraphModule) -> bool:
     """Whether ``node``'s value, or a view of it, is changed in place by a node whose result is unused (a
     statement such as ``mask[1, :, 3:] = -100`` in the user's code): its value as computed from its inputs is
     not the one its users read."""
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        for user in current.users:
-            if user.op == "output":
-                continue
-            if is_inplace(user, gm) and user.args[:1] == (current,) and not user.users:
-                return True
-            if is_view_op(user):
-                stack.append(user)
-    return False
+    return any(is_inplace(user, gm) and user.args[:1] == (alias,) and not user.users
+               for alias, user in alias_users(node))
 
 
 def _reads_metadata_only(node: Node) -> bool:
