@@ -117,6 +117,11 @@ def shape_built() -> Iterator[None]:
         >>> {torch.zeros, torch.finfo} <= {n.target for n in gm.graph.nodes}, gm(torch.zeros(3, 2)).shape
         (True, torch.Size([3, 2]))
     """
+    # Modules imported for the first time inside the block would take the stand-ins for torch's own names:
+    # torch.fx imports torch._dynamo lazily while it traces, and dynamo keeps torch.finfo and torch.iinfo in
+    # its set of constant *types*, where a stand-in function breaks every later torch.compile guard. So it is
+    # imported before anything is replaced.
+    import torch._dynamo.utils
     originals = {name: getattr(torch, name) for name in SHAPE_BUILT}
     for name, fn in originals.items():
         setattr(torch, name, _recording(fn))

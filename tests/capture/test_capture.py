@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -678,3 +680,14 @@ def test_a_forward_building_tensor_constants_is_optimized_not_run_eagerly():
             with torch.no_grad():
                 assert compare_outputs(model(x), opt(x)).ok
     assert opt.plans_built == 2  # the example's static plan, then one plan for every batch size
+
+
+def test_torch_compile_still_works_after_an_fx_capture():
+    # torch.fx imported torch._dynamo while fxforge's stand-ins for torch.finfo/iinfo were in place, and dynamo
+    # kept them among its constant types: every torch.compile guard on a constant then raised a TypeError
+    code = ("import torch, fxforge\nfrom torch import nn\n"
+            "fxforge.capture(nn.Sequential(nn.Linear(2, 2)), (torch.randn(1, 2),), method='fx')\n"
+            "m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()\n"
+            "print(tuple(torch.compile(m)(torch.randn(1, 3, 8, 8)).shape))\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "(1, 4, 6, 6)" in done.stdout, done.stderr[-2000:]
