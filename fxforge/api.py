@@ -15,10 +15,11 @@ from typing import Any
 from fxforge.planner import EXPORT_OPTIONS, optimized
 from fxforge.rewrites.registry import resolve
 
-TARGETS = ("native", "onnxruntime")
+TARGETS = ("native", "onnxruntime", "inductor")
 # Options each target takes besides rewrites, verify and method.
 TARGET_OPTIONS = {
     "native": ("tuning", "dynamic_shapes", "max_plans"),
+    "inductor": ("dynamic_shapes", "max_plans"),
     "onnxruntime": tuple(o for o in EXPORT_OPTIONS if o not in ("rewrites", "verify", "method"))
     + ("path", "providers", "session_options", "intra_op_num_threads"),
 }
@@ -34,6 +35,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
       sharing the model's parameters); with example inputs it captures now, otherwise on the first call.
     - ``@fxforge.optimize`` on an ``nn.Module`` class: instances capture themselves on their first call.
     - ``@fxforge.optimize(target=..., rewrites=...)``: the same, with options.
+
+    With ``target="inductor"`` the module is as with ``"native"`` (same guards, plan cache and live weights),
+    but each plan's rewritten graph is compiled by ``torch.compile`` (checked against it on the example
+    inputs; conv+activation fusion left to Inductor; see :mod:`fxforge.lowering.inductor`).
 
     With ``target="onnxruntime"`` the model is exported with :func:`fxforge.export_onnx` (for the example
     inputs or the first call's) and runs in an ONNX Runtime session: an
@@ -51,12 +56,14 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
         example_inputs: a tuple of inputs, one tensor, or a dict of keyword inputs.
-        target: ``"native"`` (run the rewritten graph with PyTorch) or ``"onnxruntime"``.
+        target: ``"native"`` (run the rewritten graph with PyTorch), ``"inductor"`` (compile it with
+            ``torch.compile``) or ``"onnxruntime"``.
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
         target_options: for ``"native"``: ``tuning`` (a :class:`~fxforge.lowering.autotune.TuningPolicy`:
-            choices autotune must not measure). For ``"onnxruntime"``: ``dynamic_batch``,
+            choices autotune must not measure), ``dynamic_shapes``, ``max_plans``; for ``"inductor"`` the
+            last two. For ``"onnxruntime"``: ``dynamic_batch``,
             ``dynamic_shapes``, ``opset``, ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`),
             ``path`` (keep the ONNX file there), ``providers``, ``session_options``,
             ``intra_op_num_threads`` (the session's).

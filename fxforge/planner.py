@@ -55,6 +55,7 @@ from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.exporters.program import ExportError
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
+from fxforge.lowering.inductor import LEFT_TO_INDUCTOR, inductor_plan
 from fxforge.lowering.lower import make_plan, plain_plan
 from fxforge.rewrites import pipeline
 from fxforge.rewrites.registry import resolve
@@ -97,7 +98,7 @@ def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, 
 
 def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallConditions | None = None,
                dynamic: Any = None, *, rewrites: Any = "default", verify: bool = True, method: str = "auto",
-               tuning: TuningPolicy = MEASURE_ALL) -> Plan:
+               tuning: TuningPolicy = MEASURE_ALL, backend: str = "native") -> Plan:
     """Capture ``module`` for these inputs, rewrite it for calls made under ``conditions`` (autotune choosing
     kernels and layout), lower it.
 
@@ -131,9 +132,14 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
                 captured = capture_dynamic(module, args, kwargs, dynamic)
             guard = ShapeGuard.of(captured.graph_module, captured.graph_module.meta.get("fxforge_ranges"))
         eager_ops = conditions.gradients or bool(conditions.autocast)  # no fused ops: nothing to time or lower
-        rewritten = rewrite(captured, rewrites, verify=verify, tuning=None if eager_ops else tuning,
-                            conditions=conditions)
-        plan = plain_plan(rewritten) if eager_ops else make_plan(rewritten)
+        if backend == "inductor" and not eager_ops:
+            kept = [p for p in resolve(rewrites) if p.name not in LEFT_TO_INDUCTOR]
+            rewritten = rewrite(captured, kept, verify=verify, tuning=None, conditions=conditions)
+            plan = inductor_plan(rewritten, dynamic=dynamic is not None)
+        else:
+            rewritten = rewrite(captured, rewrites, verify=verify, tuning=None if eager_ops else tuning,
+                                conditions=conditions)
+            plan = plain_plan(rewritten) if eager_ops else make_plan(rewritten)
     if guard is not None and guard.symbols:
         plan.shapes = guard
         assumed = guard.take_assumptions()
@@ -498,7 +504,9 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
     - native, an instance: an :class:`~fxforge.runtime.native.OptimizedModule`, prepared now when
       ``example_inputs`` are given; a class: a subclass whose instances optimize themselves on first call;
     - onnxruntime, an instance: an :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule`; a class: a
-      subclass whose instances export themselves on their first call in eval mode.
+      subclass whose instances export themselves on their first call in eval mode;
+    - inductor: as native (the same guards, plan cache and live weights), each plan's rewritten graph
+      compiled by ``torch.compile`` instead of lowered (:mod:`fxforge.lowering.inductor`).
 
     Example:
         >>> opt = optimized(torch.nn.ReLU(), (torch.ones(2),))
@@ -514,6 +522,8 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
             return onnxruntime_class(model, functools.partial(onnxruntime_module, **options, dynamic=dynamic,
                                                               **target_options))
         return onnxruntime_module(model, example_inputs, **options, dynamic=dynamic, **target_options)
+    if target == "inductor":
+        options["backend"] = "inductor"
     policy = ShapePolicy(dynamic, target_options.pop("dynamic_shapes", None),
                          target_options.pop("max_plans", MAX_PLANS))
     if is_class:

@@ -1,0 +1,66 @@
+"""The ``inductor`` target's lowering: the rewritten graph compiled by ``torch.compile`` (Inductor).
+
+fxforge's verified rewrites run first (attention -> SDPA, conv+BatchNorm folds, cleanup, memory order); the
+conv+activation fusion is left to Inductor, which fuses activations into its own kernels and cannot see into
+fxforge's fused custom ops. The graph is compiled when the plan is built, not on the first call, and the
+compiled graph is checked against the rewritten one on the example inputs before the plan is used: a
+compiled graph that differs is refused with the difference (:class:`CompileRefused`), and the optimized
+module runs the model eagerly for those inputs with a warning, as for any plan that cannot be built.
+
+Freezing (Inductor's CPU-inference setting that makes parameters constants of the compiled code) is off:
+a plan reads the model's live parameters, and in-place changes to folded constants (BatchNorm statistics
+updated in training mode) must reach it without a recompile.
+
+Example:
+    >>> from fxforge.core.captured import Captured
+    >>> from fxforge.core.report import Report
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Tanh())
+    >>> cap = Captured(gm, "fx", [], (torch.ones(2),), {}, torch.nn.Tanh(), False, Report(method="fx"))
+    >>> plan = inductor_plan(cap)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fxforge.core.captured import Captured
+from fxforge.core.plan import Plan
+from fxforge.core.verify import compare_outputs, isolated
+from fxforge.lowering.lower import derived_values
+
+# Rewrites whose replacement Inductor cannot see into (fused custom ops): left to Inductor's own fusion.
+LEFT_TO_INDUCTOR = ("conv_activation",)
+
+
+class CompileRefused(RuntimeError):
+    """The compiled graph does not compute what the rewritten graph computes (or could not be compiled)."""
+
+
+def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
+    """A :class:`~fxforge.core.plan.Plan` whose executable is ``torch.compile`` of the rewritten graph,
+    compiled now and checked against it on the example inputs.
+
+    Raises:
+        CompileRefused: compiling failed, or the compiled graph's outputs differ from the rewritten graph's.
+    """
+    gm = captured.graph_module
+    compiled = torch.compile(gm, backend="inductor", dynamic=dynamic, fullgraph=True)
+    args, kwargs = captured.example_args, captured.example_kwargs
+    start = time.perf_counter()
+    try:
+        with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
+            expected = gm(*args, **kwargs)
+        with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
+            actual = compiled(*args, **kwargs)
+    except Exception as error:  # any compile failure refuses the plan, with its reason
+        raise CompileRefused(f"torch.compile failed: {type(error).__name__}: {error}".splitlines()[0]) from error
+    result = compare_outputs(expected, actual)
+    if not result.ok:
+        raise CompileRefused(f"the compiled graph differs from the rewritten one: {result.reason}")
+    captured.report.notes.append(
+        f"inductor: the rewritten graph compiled by torch.compile in {time.perf_counter() - start:.1f} s "
+        f"(max abs error {result.max_abs_err:.3g} against it on the example inputs; freezing off, so "
+        "parameter changes reach it)")
+    return Plan(captured, compiled, derived_values(gm, gm))
