@@ -73,3 +73,14 @@ def test_inductor_is_a_target_of_the_decorator():
         expected = torch.relu(net.linear(x))
         torch.testing.assert_close(net(x), expected)
     assert any(note.startswith("inductor:") for note in net.report.notes), net.report
+
+
+def test_new_sizes_get_one_compiled_shape_generic_plan():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 8),), target="inductor")
+    with torch.no_grad():
+        for rows in (3, 5, 9, 2):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert opt.plans_built == 2  # the example's, then one compiled with the batch dim dynamic
+    assert any(note.startswith("inductor:") for note in opt.report.notes)
