@@ -250,11 +250,16 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
             node.op == "call_method" and node.target in ("detach", "contiguous", "clone")):
         return inner
     if calls(node, "to"):
-        dtype = getattr(fake_value(node), "dtype", None)
-        before = getattr(fake_value(source), "dtype", None)
-        kind = (lambda d: "bool" if d == torch.bool else "int" if d is not None and not d.is_floating_point
-                and not d.is_complex else "other")
-        return inner if kind(dtype) == kind(before) != "other" else None
+        def kind(dtype: Any) -> str:  # a cast within bools or within integers keeps every value
+            if dtype == torch.bool:
+                return "bool"
+            return "int" if dtype is not None and not (dtype.is_floating_point or dtype.is_complex) else "other"
+
+        cast = kind(getattr(fake_value(node), "dtype", None))
+        return inner if cast == kind(getattr(fake_value(source), "dtype", None)) != "other" else None
+    before, after = _shape(source), _shape(node)
+    if before is None or after is None:
+        return None
     if (node.target in (aten.slice.Tensor,) or (node.op == "call_method" and node.target == "__getitem__")
             or node.target is operator.getitem):
         if node.target is aten.slice.Tensor:
@@ -262,14 +267,11 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
             end = node.args[3] if len(node.args) > 3 else None
             step = node.args[4] if len(node.args) > 4 else 1
             if start not in (0, None) or step != 1 or not (end is None or (isinstance(end, int) and end >= _SLICE_END)
-                                                          or _same_size(end, _shape(source)[node.args[1]])):
+                                                          or _same_size(end, before[node.args[1]])):
                 return None
         elif not _plain_index(node.args[1]):
             return None
     elif not calls(node, "unsqueeze", "view", "reshape", "expand"):
-        return None
-    before, after = _shape(source), _shape(node)
-    if before is None or after is None:
         return None
     return _relaid(inner, before, after)
 
