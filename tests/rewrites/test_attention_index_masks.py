@@ -99,3 +99,22 @@ def test_traced_graphs_read_too():
     annotate(gm, (torch.randn(2, 5, 4),), {})
     scores, mask = _outputs(gm)
     assert causal_for_every_size([mask], scores)
+
+
+def test_a_causal_bool_added_to_the_scores_is_no_causal_mask():
+    # scores + (kv_idx <= q_idx) adds 1 to the kept keys and hides nothing: in a shape-generic plan it was taken
+    # for a causal mask (and the pass rolled back by verification); it is a 0/1 float mask
+    import fxforge
+
+    class Added(nn.Module):
+        def forward(self, q, k, v):
+            index = torch.arange(q.shape[-2])
+            return (q @ k.mT + (index[None, :] <= index[:, None])).softmax(-1) @ v
+
+    q = torch.randn(2, 2, 6, 8)
+    opt = fxforge.optimize(Added(), (q, q, q), dynamic=True)
+    (what,) = [m.what for m in opt.report.matches if m.rule == "attention"]
+    assert "is_causal" not in what and "attn_mask=<float>" in what and not opt.report.rolled_back
+    x = torch.randn(2, 2, 9, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x, x, x), Added()(x, x, x), rtol=1e-5, atol=1e-5)

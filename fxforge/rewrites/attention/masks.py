@@ -25,7 +25,7 @@ from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import EagerBuilder, fold_keep, fold_mask
-from fxforge.rewrites.attention.index_masks import Keep, causal_for_every_size, negated, read_mask
+from fxforge.rewrites.attention.index_masks import Additive, Keep, causal_for_every_size, negated, read_mask
 from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
 from fxforge.rewrites.passes import Refusal
 
@@ -124,19 +124,17 @@ def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -
 def _causal_for_every_size(attention: Attention) -> bool:
     """Whether the steps' masks, which no constant computes (their sizes are symbolic), keep exactly the
     lower triangle for every size (:mod:`~fxforge.rewrites.attention.index_masks`): fills by their kept keys,
-    additive masks (added once, as they are) by theirs."""
-    masks: list = []
+    additive masks (``where(keep, 0, -inf)``, added once, as they are) by theirs. A boolean mask added to the
+    scores (promoted to 0/1) hides nothing, so it proves nothing."""
+    keeps: list = []
     for step in attention.scores.steps:
         if isinstance(step, Fill):
             condition = read_mask(step.condition)
-            if not isinstance(condition, Keep):
-                return False
-            masks.append(condition if step.keeps else negated(condition))
+            keeps.append((condition if step.keeps else negated(condition)) if isinstance(condition, Keep) else None)
         elif isinstance(step, AddMask):
-            if step.coefficient != 1.0:
-                return False
-            masks.append(step.mask)
-    return all(m is not None for m in masks) and causal_for_every_size(masks, attention.softmax.node)
+            mask = read_mask(step.mask)
+            keeps.append(mask.keep if isinstance(mask, Additive) and step.coefficient == 1.0 else None)
+    return None not in keeps and causal_for_every_size(keeps, attention.softmax.node)
 
 
 def _keep_plan(attention: Attention, keep: torch.Tensor | None, plan: MaskPlan) -> MaskPlan:
