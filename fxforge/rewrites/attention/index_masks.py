@@ -207,8 +207,8 @@ def _arange(node: Node) -> Index | None:
         step = _number(args[2]) if len(args) > 2 else 1
     if start is None or not isinstance(step, int) or step == 0:
         return None
-    dtype = node.kwargs.get("dtype")
-    if dtype is not None and dtype.is_floating_point:
+    dtype = getattr(fake_value(node), "dtype", None)  # (a dtype argument may be a graph value: q.dtype)
+    if dtype is None or dtype.is_floating_point:
         return None
     return Index(1, ((-1, step),), start)
 
