@@ -41,8 +41,8 @@ from fxforge.core.nodes import fake_value
 from fxforge.core.vocabulary import calls
 
 aten = torch.ops.aten
-# A fill or additive value at or below this hides a key (the same bound as the mask planner's).
-HIDES = -1e4
+# A fill or additive value at or below this hides a key (see :mod:`fxforge.rewrites.attention`).
+LARGE_NEGATIVE = -1e4
 
 _COMPARISONS = {
     "le": (operator.le, torch.le, aten.le.Tensor, aten.le.Scalar),
@@ -114,18 +114,28 @@ def _number(value: Any) -> Any:
     return None
 
 
-def _constant(node: Any) -> float | None:
-    """A Python number, or the value of a ``torch.tensor``-free scalar node; None otherwise."""
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        return float(node)
-    return None
+def _python_number(value: Any) -> float | None:
+    """A Python int or float as a float; None for anything else (graph values included)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _is_zeros(node: Any) -> bool:
-    if _constant(node) == 0.0:
+def hides(value: Any) -> bool:
+    """Whether ``value``, a Python number, hides a key as a fill or an additive mask: ``-inf`` or at most
+    :data:`LARGE_NEGATIVE`.
+
+    Example:
+        >>> hides(float("-inf")), hides(-1e9), hides(-5.0), hides(float("nan"))
+        (True, True, False, False)
+    """
+    number = _python_number(value)
+    return number is not None and (number == -math.inf or number <= LARGE_NEGATIVE)
+
+
+def _is_zeros(value: Any) -> bool:
+    if _python_number(value) == 0.0:
         return True
-    return isinstance(node, Node) and node.target in _ZEROS or (
-        isinstance(node, Node) and node.op == "call_method" and node.target in ("new_zeros", "zero_"))
+    return isinstance(value, Node) and (value.target in _ZEROS or (
+        value.op == "call_method" and value.target in ("new_zeros", "zero_")))
 
 
 def _shape(node: Node) -> tuple | None:
@@ -167,7 +177,7 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         if target in targets:
             return _compare(op, read(args[0], seen), args[1], seen, node)
     if calls(node, "add", "sub") and len(args) == 2 and node.kwargs.get("alpha", 1) == 1:
-        return _add(node, read(args[0], seen), args[1], seen, sign=-1 if calls(node, "sub") else 1)
+        return _add(read(args[0], seen), args[1], seen, sign=-1 if calls(node, "sub") else 1)
     if calls(node, "mul") and len(args) == 2:
         left = read(args[0], seen)
         factor = _number(args[1])
@@ -182,19 +192,14 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         return negated(inner) if isinstance(inner, Keep) else None
     if calls(node, "where") and len(args) == 3:
         keep = read(args[0], seen)
-        if isinstance(keep, Keep) and _is_zeros(args[1]) and _hides(args[2]):
+        if isinstance(keep, Keep) and _is_zeros(args[1]) and hides(args[2]):
             return Additive(keep)
         return None
     if calls(node, "masked_fill") and len(args) == 3:
         hidden = read(args[1], seen)
         keep = negated(hidden) if isinstance(hidden, Keep) else None
-        return Additive(keep) if keep is not None and _is_zeros(args[0]) and _hides(args[2]) else None
+        return Additive(keep) if keep is not None and _is_zeros(args[0]) and hides(args[2]) else None
     return _moved(node, seen)
-
-
-def _hides(value: Any) -> bool:
-    number = _constant(value)
-    return number is not None and (number == -math.inf or number <= HIDES)
 
 
 def _arange(node: Node) -> Index | None:
@@ -213,31 +218,28 @@ def _arange(node: Node) -> Index | None:
     return Index(1, ((-1, step),), start)
 
 
+def _operand(value: Any, seen: dict) -> Index | None:
+    """The right operand of an add or a comparison as an :class:`Index`: one read from index ranges, or a size
+    (an int or a symbolic one) as a constant of rank 0."""
+    read_value = read(value, seen) if isinstance(value, Node) else None
+    if isinstance(read_value, Index):
+        return read_value
+    number = _number(value) if read_value is None else None
+    return None if number is None else Index(0, (), number)
+
+
 def _compare(op: str, left: Any, right: Any, seen: dict, node: Node) -> Keep | None:
-    right_read = read(right, seen) if isinstance(right, Node) else None
-    number = _number(right) if right_read is None else None
-    if not isinstance(left, Index):
+    right_index, rank = _operand(right, seen), _rank(node)
+    if not isinstance(left, Index) or right_index is None or rank is None:
         return None
-    if isinstance(right_read, Index):
-        diff = left.plus(right_read.times(-1))
-    elif number is not None:
-        diff = Index(left.rank, left.terms, left.offset - number)
-    else:
-        return None
-    rank = _rank(node)
-    return None if rank is None else Keep(rank, ((diff, op),))
+    return Keep(rank, ((left.plus(right_index.times(-1)), op),))
 
 
-def _add(node: Node, left: Any, right: Any, seen: dict, sign: int) -> Index | None:
-    if not isinstance(left, Index):
+def _add(left: Any, right: Any, seen: dict, sign: int) -> Index | None:
+    right_index = _operand(right, seen)
+    if not isinstance(left, Index) or right_index is None:
         return None
-    right_read = read(right, seen) if isinstance(right, Node) else None
-    if isinstance(right_read, Index):
-        return left.plus(right_read.times(sign))
-    number = _number(right)
-    if number is None:
-        return None
-    return Index(left.rank, left.terms, left.offset + sign * number)
+    return left.plus(right_index.times(sign))
 
 
 def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:

@@ -25,12 +25,17 @@ from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import EagerBuilder, fold_keep, fold_mask
-from fxforge.rewrites.attention.index_masks import Additive, Keep, causal_for_every_size, negated, read_mask
+from fxforge.rewrites.attention.index_masks import (
+    LARGE_NEGATIVE,
+    Additive,
+    Keep,
+    causal_for_every_size,
+    hides,
+    negated,
+    read_mask,
+)
 from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
 from fxforge.rewrites.passes import Refusal
-
-# A fill or additive value at or below this hides a key (see :mod:`fxforge.rewrites.attention`).
-LARGE_NEGATIVE = -1e4
 
 
 @dataclasses.dataclass
@@ -89,7 +94,7 @@ def plan_mask(attention: Attention, constants: Constants) -> MaskPlan | Refusal:
         if any(v != values[0] for v in values):
             other = next(v for v in values if v != values[0])
             return Refusal(f"the masks fill different values ({values[0]} and {other})")
-        if math.isnan(values[0]) or not (values[0] == -math.inf or values[0] <= LARGE_NEGATIVE):
+        if not hides(values[0]):
             return Refusal(f"the fill value {values[0]} does not mask: only -inf and values <= "
                            f"{LARGE_NEGATIVE:g} hide a key")
         fix = "nan" if values[0] == -math.inf else "mean"
