@@ -294,17 +294,15 @@ def write_exportable(write: Any, captured: Captured, unrewritten: Captured | Non
         if unrewritten is None or not applied:
             raise
         failure = error
-    names = [p.name for p in resolve(rewrites)]
-    for left_out in [[name] for name in applied] + [names]:
-        kept = [p for p in resolve(rewrites) if p.name not in left_out]
+    for left_out in [*applied, None]:  # one applied rewrite at a time, then every rewrite
+        kept = [p for p in resolve(rewrites) if p.name != left_out] if left_out is not None else []
         candidate = _rewritten_for_export(unrewritten, kept, verify) if kept else unrewritten
         try:
             written = write(candidate)
         except ExportError:
             continue
-        what = ", ".join(left_out) if kept else "every rewrite"
-        written[0].report.notes.append(f"{what} left out of the ONNX export: with it, the export failed "
-                                       f"({first_line(failure)})")
+        written[0].report.notes.append(f"{left_out or 'every rewrite'} left out of the ONNX export: with it, the "
+                                       f"export failed ({first_line(failure)})")
         return written
     raise failure
 
