@@ -176,7 +176,7 @@ OPS: dict[str, CallForms] = {
     "reshape": forms((torch.reshape, aten.reshape.default), ("reshape", "reshape_as")),
     "flatten": forms((torch.flatten, aten.flatten.using_ints), ("flatten",)),
     "unsqueeze": forms((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
-    "expand": forms((aten.expand.default, torch.broadcast_to), ("expand", "expand_as")),
+    "expand": forms((aten.expand.default, aten.expand_as.default, torch.broadcast_to), ("expand", "expand_as")),
     "transpose": forms((torch.transpose, torch.swapaxes, torch.swapdims, aten.transpose.int, aten.swapaxes.default,
                         aten.swapdims.default), ("transpose", "swapaxes", "swapdims")),
     "permute": forms((torch.permute, aten.permute.default), ("permute",)),

@@ -147,9 +147,8 @@ def shape_reads(attention: Attention, node: Node) -> list[Node]:
     inside = set(attention.nodes)
     found = []
     for user in node.users:
-        expands = calls(user, "expand") or user.target is aten.expand_as.default
         reads = (reads_metadata(user) and user.args[:1] == (node,)) or (
-            expands and bool(user.args) and user.args[0] is not node)
+            calls(user, "expand") and bool(user.args) and user.args[0] is not node)
         if reads and _dies_with(user, inside):
             found.append(user)
     return found

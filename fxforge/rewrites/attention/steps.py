@@ -243,8 +243,7 @@ def unexpanded(node: Any) -> Any:
         >>> unexpanded(g.call_method("expand_as", (m, s))) is m
         True
     """
-    while (isinstance(node, Node) and node.args and isinstance(node.args[0], Node)
-           and (calls(node, "expand") or node.target is torch.ops.aten.expand_as.default)):
+    while calls(node, "expand") and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node
 
