@@ -119,7 +119,7 @@ class ZooRow:
     native_problem: str = ""
     optimize_s: float | None = None
     plain_export: str = ""      # "ok" or the error's first line
-    export: str = ""            # after fxforge's rewrites: "ok", "ok, <rewrites> left out", or the error
+    export: str = ""            # after fxforge's rewrites: "ok", "ok, <rewrite> left out ... (why)", or the error
     ort_ok: bool = False
     ort_error: float | None = None
     export_s: float | None = None
@@ -195,9 +195,8 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
                 setattr(row, field, _first_line(error))
                 continue
             setattr(row, field, "ok")
-            left_out = [n.split(" left out")[0] for n in exported.report.notes if "left out of the ONNX export" in n]
-            if field == "export" and left_out:
-                row.export = f"ok, {', '.join(left_out)} left out"
+            if field == "export" and exported.left_out:
+                row.export = f"ok, {exported.left_out}"
             if field == "export":
                 row.export_s = time.perf_counter() - start
                 with torch.no_grad():

@@ -274,8 +274,8 @@ def write_exportable(write: Any, captured: Captured, unrewritten: Captured | Non
     """``write(captured)`` (a ``write_checked`` with its options bound); where that export fails after rewrites
     and the graph without them exports, the rewrites never make the model unexportable: the export is made
     again from ``unrewritten`` leaving out one applied rewrite at a time (the first that exports is kept),
-    else with none, and the export's report says which was left out and why (its ``captured`` is the graph
-    exported). ``unrewritten`` None (a graph given as it is): the failure is raised.
+    else with none; the export's ``left_out`` (and a note in its report) says which was left out and why (its
+    ``captured`` is the graph exported). ``unrewritten`` None (a graph given as it is): the failure is raised.
 
     Example:
         >>> import os, tempfile
@@ -301,8 +301,10 @@ def write_exportable(write: Any, captured: Captured, unrewritten: Captured | Non
             written = write(candidate)
         except ExportError:
             continue
-        written[0].report.notes.append(f"{left_out or 'every rewrite'} left out of the ONNX export: with it, the "
-                                       f"export failed ({first_line(failure)})")
+        result = written[0]
+        result.left_out = (f"{left_out or 'every rewrite'} left out of the ONNX export: with it, the export "
+                           f"failed ({first_line(failure)})")
+        result.report.notes.append(result.left_out)
         return written
     raise failure
 

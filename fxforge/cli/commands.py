@@ -190,7 +190,7 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
                     write = functools.partial(write_checked, path=path, dynamic_batch=args.dynamic_batch)
                     result, runner = write_exportable(write, new, captured, rewrites, not args.no_verify)
                     new = result.captured or new  # a rewrite that broke the export was left out of it
-                    notes.extend(n for n in result.report.notes if "left out of the ONNX export" in n)
+                    notes.extend([result.left_out] if result.left_out else [])
                     if output:
                         outputs.written(output)
                         if os.path.exists(output + ".data"):

@@ -66,6 +66,8 @@ class OnnxExport:
         dynamic: the dims made dynamic, ``{onnx input name: {axis: name}}``.
         translations: one line per fxforge translation used (and per attention left to torch.onnx's).
         validation: the largest absolute difference from PyTorch, per input set validated on.
+        left_out: why a rewrite was left out of this export (with it the export failed; also in the report's
+            notes), or None.
 
     Example:
         >>> r = OnnxExport("m.onnx", 20, Report(method="fx"), None, None, {}, [], {"example inputs": 0.0})
@@ -81,6 +83,7 @@ class OnnxExport:
     dynamic: dict[str, dict[int, str]]
     translations: list[str]
     validation: dict[str, float]
+    left_out: str | None = None
 
     def __str__(self) -> str:
         shapes = "dynamic " + ", ".join(f"{k}{v}" for k, v in self.dynamic.items()) if self.dynamic else "static shapes"

@@ -563,6 +563,7 @@ def test_a_rewrite_that_makes_the_export_fail_is_left_out_of_it(tmp_path):
     assert "mystery_double" not in result.report.counts and result.report.counts.get("conv_activation") == 1
     (note,) = [n for n in result.report.notes if "left out of the ONNX export" in n]
     assert note.startswith("mystery_double left out") and "fxtest::mystery" in note
+    assert result.left_out == note
     assert_runs_like(model, path, torch.randn(1, 3, 8, 8))
     assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
 
