@@ -156,11 +156,7 @@ def test_a_read_of_the_conv_output_shape_is_not_a_use(method):
         torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
 
 
-class ConvShapeThenValue(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
-
+class ConvShapeThenValue(ConvUsedTwice):
     def forward(self, x):
         y = self.conv(x)
         return self.bn(y).flatten(1) * y.size(1) + y.mean()  # a shape read, and a use of the value
