@@ -134,8 +134,8 @@ class IOSpec:
             if any(kind != "tensor" for kind, _ in outputs) or sum(k == "tensor" for k, _ in kinds) != index:
                 raise ValueError(f"the program returns {len(outputs)} values, the model's outputs have "
                                  f"{sum(k == 'tensor' for k, _ in kinds)} tensors")
-            return cls(program.call_spec.in_spec, tuple(inputs), out_spec, tuple(kinds))
-        return cls(program.call_spec.in_spec, tuple(inputs), program.call_spec.out_spec, tuple(outputs))
+            return cls(program.call_spec.in_spec, tuple(inputs), thawed(out_spec), tuple(kinds))
+        return cls(program.call_spec.in_spec, tuple(inputs), thawed(program.call_spec.out_spec), tuple(outputs))
 
     def feeds(self, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
         """``(onnx input name, tensor)`` for a call, in the ONNX graph's input order.
@@ -167,6 +167,30 @@ class IOSpec:
         """The model's output structure, from the ONNX outputs in order."""
         leaves = [tensors[what] if kind == "tensor" else what for kind, what in self.outputs]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def thawed(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """``spec`` with torch.fx's ``immutable_dict`` / ``immutable_list`` (what a traced graph returns for the
+    model's dicts and lists) made the plain ``dict`` / ``list`` the model returned.
+
+    Example:
+        >>> from torch.fx.immutable_collections import immutable_dict
+        >>> thawed(pytree.tree_flatten(immutable_dict(a=torch.ones(1)))[1]) == pytree.tree_flatten({"a": 0})[1]
+        True
+    """
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    def thaw(value: Any) -> Any:
+        if isinstance(value, immutable_dict):
+            return {k: thaw(v) for k, v in value.items()}
+        if isinstance(value, immutable_list):
+            return [thaw(v) for v in value]
+        if type(value) in (tuple, list, dict):
+            return type(value)(thaw(v) for v in value) if not isinstance(value, dict) else {
+                k: thaw(v) for k, v in value.items()}
+        return value
+
+    return pytree.tree_flatten(thaw(pytree.tree_unflatten([0] * spec.num_leaves, spec)))[1]
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -102,6 +102,28 @@ def test_outputs_in_the_models_structure():
     assert_same(expected, out)
 
 
+@pytest.mark.parametrize("wrap", [lambda a, b: {"a": a, "b": b}, lambda a, b: [a, {"b": b}]], ids=["dict", "list"])
+def test_outputs_of_tensors_only_keep_the_models_dicts_and_lists(wrap):
+    """A traced graph returns fx's immutable dict and list: the module returns what the model returned."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return wrap(self.lin(x), x.tanh())
+
+    model = Net().eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    out = opt(x)
+    assert_same(expected, out)
+    assert type(out) is type(expected)
+
+
 def test_calls_it_was_not_exported_for():
     model = Structured().eval()
     opt = fxforge.optimize(model, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime")
