@@ -26,7 +26,12 @@ import torch
 
 from fxforge.core.files import atomic_write
 
-VERSION = 1
+# 2: timings carry the machine's load when measured, and busy or inconsistent ones are no longer stored
+# (version 1's entries may hold timings measured on a busy machine, trusted from then on).
+VERSION = 2
+# Other work per core (load average beyond this process's own threads) above which the machine is busy:
+# timings measured then are used but not remembered.
+BUSY_LOAD = 0.5
 
 
 def machine_key(device: torch.device) -> str:
@@ -41,6 +46,22 @@ def machine_key(device: torch.device) -> str:
     else:
         name = cpu_model()
     return f"v{VERSION} torch {torch.__version__} {platform.machine()} {name} threads {torch.get_num_threads()}"
+
+
+def machine_load() -> float:
+    """Other work per core: the one-minute load average less this process's own compute threads
+    (``torch.get_num_threads()``), per core (0 where the system does not say). Above :data:`BUSY_LOAD`,
+    other work competed for the cores while something was timed.
+
+    Example:
+        >>> machine_load() >= 0
+        True
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+    return max(0.0, load - torch.get_num_threads()) / (os.cpu_count() or 1)
 
 
 def cpu_model() -> str:

@@ -42,7 +42,7 @@ from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from fxforge.core.captured import LoweredRun
-from fxforge.core.disk_cache import machine_key
+from fxforge.core.disk_cache import BUSY_LOAD, machine_key, machine_load
 from fxforge.core.nodes import constant_tensor, copy_graph_module
 from fxforge.core.shapes import annotate
 from fxforge.core.symbolic import hint
@@ -65,6 +65,10 @@ aten = torch.ops.aten
 GRAPH_BUDGET_S = 0.25
 # The fused graph must beat the graph before it by this fraction to be kept (timing noise).
 MARGIN = 0.02
+# How far a whole-graph timing may stray from its fused ops' own times before it is measured again and not
+# remembered (:func:`inconsistent_with_parts`): their summed times this many times over, plus a share of the
+# plain graph's time (layout conversions, Python overhead), plus a floor for tiny graphs.
+PARTS_SLACK, PARTS_SHARE, PARTS_FLOOR_MS = 2.0, 0.1, 0.2
 # Layouts in the order they are tried. Channels-last first: its convolutions take the activations as they
 # come (inputs converted once at the entry, outputs back once at the exit), where oneDNN's kernels reorder
 # NCHW activations around every fused op; as captured only when channels-last cannot run the graph or its
@@ -156,8 +160,9 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
                 timings, note = stored["timings"], "; ".join(filter(None, [stored["note"], NOTE]))
             else:
                 timings, note = _time_kernels(gm, op_args, values, op, weight, pool)
-                if cache is not None:
-                    cache.put(cache_key, {"timings": timings, "note": note})
+                load = machine_load()
+                if cache is not None and load <= BUSY_LOAD:  # a busy moment is used now, not remembered
+                    cache.put(cache_key, {"timings": timings, "note": note, "load": round(load, 2)})
             best = min(timings, key=timings.__getitem__)
             if policy.kernel is not None:
                 best = policy.kernel if policy.kernel in timings else "composite"
@@ -339,14 +344,46 @@ def _keep_or_undo(candidate: _Candidate, before: torch.fx.GraphModule, args: tup
         # The graph before has the captured graph's kernels on the captured shapes, which capture's check and
         # verification's reference runs warmed up; a cold first sample of it cannot decide (medians, and
         # ``decisive`` compares the fastest samples), so it gets no warm-up run of its own.
-        timings = time_interleaved({"fused": fused, "before": plain}, GRAPH_BUDGET_S, warmed=("fused", "before"),
-                                   decisive=DECISIVE)
+        calls = {"fused": fused, "before": plain}
+        timings = time_interleaved(calls, GRAPH_BUDGET_S, warmed=("fused", "before"), decisive=DECISIVE)
+        doubt = inconsistent_with_parts(timings, candidate.choices)
+        if doubt:  # measured while something else ran, most likely: measured once more
+            timings = time_interleaved(calls, GRAPH_BUDGET_S, warmed=("fused", "before"), decisive=DECISIVE)
+            doubt = inconsistent_with_parts(timings, candidate.choices)
         clear = abs(timings["before"] / timings["fused"] - 1) > DECISIVE
-        if cache is not None and clear:  # a close call is measured again next time, not replayed
-            cache.put(cache_key, timings)
+        load = machine_load()
+        remembered = ""
+        if doubt or load > BUSY_LOAD:
+            remembered = "; not remembered: " + (doubt or f"the machine was busy (load {load:.2f} per core)")
+        elif clear and cache is not None:  # a close call is measured again next time, not replayed
+            cache.put(cache_key, {**timings, "load": round(load, 2)})
+    timings = {k: v for k, v in timings.items() if k in ("fused", "before")}
     keep = "fused" if timings["fused"] < timings["before"] * (1 - MARGIN) else "before"
     note = f"{timings['before'] / timings['fused']:.2f}x the speed of the graph before"
-    return keep, timings, note + (f"; {NOTE}" if from_cache else "")
+    return keep, timings, note + (f"; {NOTE}" if from_cache else remembered)
+
+
+def inconsistent_with_parts(timings: dict[str, float], choices: list) -> str:
+    """Why a whole-graph timing cannot be right, or "": the fused and the plain graph differ only in their
+    fused ops, so their times cannot differ by much more than those ops' own kernel times (each op's
+    chosen kernel and its composite, timed one by one). A graph whose ops sum to 0.2 ms timed at 32 ms
+    against the plain graph's 1 ms was measured while something else ran.
+
+    Example:
+        >>> choices = [("conv_1", "mkldnn", {"mkldnn": 0.1, "composite": 0.12}, "")]
+        >>> inconsistent_with_parts({"fused": 0.9, "before": 1.0}, choices)
+        ''
+        >>> inconsistent_with_parts({"fused": 32.0, "before": 1.0}, choices)[:44]
+        'the graphs differ by 31 ms, their fused ops '
+    """
+    fused = sum(op_timings[best] for _, best, op_timings, _ in choices)
+    plain = sum(op_timings.get("composite", op_timings[best]) for _, best, op_timings, _ in choices)
+    allowed = PARTS_SLACK * (fused + plain) + PARTS_SHARE * timings["before"] + PARTS_FLOOR_MS
+    difference = abs(timings["fused"] - timings["before"])
+    if difference <= allowed:
+        return ""
+    return (f"the graphs differ by {difference:.2g} ms, their fused ops by {abs(plain - fused):.2g} ms "
+            f"({fused:.2g} ms fused, {plain:.2g} ms plain)")
 
 
 class _InputCycle:

@@ -32,7 +32,8 @@ NOTE = "measured earlier on this machine (autotune cache)"
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
                      decisive: float | None = None, decisive_first: float | None = None,
-                     limit_s: float | None = None) -> dict[str, float]:
+                     limit_s: float | None = None, min_reps: int = MIN_REPS,
+                     samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -45,13 +46,16 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
             this fraction (for calls whose warm-up ran: a cold first sample must not decide).
         limit_s: no round starts once this many seconds went by since the first call (warm-ups included), so
             a caller that times inside a user's call is not held up by large inputs (at least one round runs).
+        min_reps: rounds at least (unless ``limit_s`` or a decisive stop ends them first).
+        samples: filled with every call's samples in milliseconds, when given.
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
     began = time.perf_counter()
-    samples: dict[str, list[float]] = {}
+    samples = {} if samples is None else samples
+    samples.clear()
     for name, call in calls.items():
         if name not in warmed:
             call()  # warm-up: packing, allocator, caches
@@ -60,8 +64,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
         samples[name] = [time.perf_counter() - start]
     total = sum(s[0] for s in samples.values()) or 1e-6
     if decisive_first is not None and len(samples) == 2 and _separated(*samples.values(), decisive_first):
-        return {name: s[0] * 1e3 for name, s in samples.items()}
-    reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
+        return _medians_ms(samples)
+    reps = max(min_reps, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
         if limit_s is not None and time.perf_counter() - began > limit_s:
             break
@@ -71,7 +75,14 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
             samples[name].append(time.perf_counter() - start)
         if decisive is not None and rep >= 1 and len(samples) == 2 and _separated(*samples.values(), decisive):
             break
-    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    return _medians_ms(samples)
+
+
+def _medians_ms(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Medians in milliseconds; the samples themselves turned into milliseconds in place."""
+    for values in samples.values():
+        values[:] = [v * 1e3 for v in values]
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _separated(a: list[float], b: list[float], fraction: float) -> bool:

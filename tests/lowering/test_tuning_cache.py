@@ -38,6 +38,7 @@ def test_an_unreadable_file_is_started_afresh(tmp_path):
 def cache_on(tmp_path, monkeypatch):
     monkeypatch.setenv("FXFORGE_AUTOTUNE_CACHE", "1")
     monkeypatch.setenv("FXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "machine_load", lambda: 0.0)  # a quiet machine (tests set it busy themselves)
     return tmp_path / "autotune.json"
 
 
@@ -82,3 +83,50 @@ def test_a_close_whole_graph_call_is_measured_again(cache_on, monkeypatch):
     first = len(graph_timings)
     fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
     assert first >= 1 and len(graph_timings) == 2 * first  # timed again, not replayed
+
+
+def _graph_entries(path):
+    return {k: v for k, v in json.loads(path.read_text()).items() if "| graph " in k} if path.exists() else {}
+
+
+def test_a_whole_graph_timing_far_from_its_ops_times_is_measured_again_and_not_remembered(cache_on, monkeypatch):
+    """The report's case: the fused graph's ops sum to 0.2 ms, its timing says 32 ms (the machine was busy)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    graph_timings = []
+
+    def busy_moment(calls, budget, **_):
+        if "fused" in calls:
+            graph_timings.append(1)
+            return {"fused": 32.0, "before": 1.0}
+        return {name: (0.2 if name == "mkldnn" else 0.3) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", busy_moment)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    graph = [t for t in new.report.tuning if t.subject == "graph"]
+    layouts = next(t for t in new.report.tuning if t.subject == "layout").timings
+    assert len(layouts) == 2 and len(graph_timings) == 2 * len(layouts)  # each layout's graph timed once more
+    assert all("not remembered: the graphs differ by 31 ms" in t.note for t in graph), graph
+    assert _graph_entries(cache_on) == {}
+
+
+def test_a_consistent_timing_is_remembered_with_the_machine_load(cache_on, monkeypatch):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {
+        name: (1.0 if name in ("fused", "mkldnn") else 1.5) for name in calls})
+    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    entries = _graph_entries(cache_on)
+    assert entries and all(v["load"] == 0.0 and v["fused"] == 1.0 for v in entries.values())
+
+
+def test_timings_measured_on_a_busy_machine_are_used_but_not_remembered(cache_on, monkeypatch):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(autotune, "machine_load", lambda: 3.0)
+    monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {
+        name: (1.0 if name in ("fused", "mkldnn") else 1.5) for name in calls})
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert new.report.counts == {"conv_activation": 1}  # the measurement decided this optimize
+    assert any("not remembered: the machine was busy (load 3.00 per core)" in t.note for t in new.report.tuning)
+    assert not cache_on.exists() or json.loads(cache_on.read_text()) == {}
