@@ -15,11 +15,12 @@ from typing import Any
 from fxforge.planner import EXPORT_OPTIONS, optimized
 from fxforge.rewrites.registry import resolve
 
-TARGETS = ("native", "onnxruntime", "inductor")
+TARGETS = ("native", "onnxruntime", "inductor", "auto")
 # Options each target takes besides rewrites, verify and method.
 TARGET_OPTIONS = {
     "native": ("tuning", "dynamic_shapes", "max_plans"),
     "inductor": ("dynamic_shapes", "max_plans"),
+    "auto": ("targets", "budget_s", "max_plans"),
     "onnxruntime": tuple(o for o in EXPORT_OPTIONS if o not in ("rewrites", "verify", "method"))
     + ("path", "providers", "session_options", "intra_op_num_threads"),
 }
@@ -40,6 +41,15 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     but each plan's rewritten graph is compiled by ``torch.compile`` (checked against it on the example
     inputs; conv+activation fusion left to Inductor; see :mod:`fxforge.lowering.inductor`).
 
+    With ``target="auto"`` every target (``targets=``, by default all three) is built, checked against eager
+    on fresh inputs and timed against the others on the example inputs, and the fastest is returned, its
+    ``report.race`` listing every contender's latency, prepare time and error, and why it won (see
+    :func:`fxforge.planner.auto_module`). ``budget_s`` (default 300) bounds the search: a build that would
+    not fit in what is left (Inductor's compile, estimated from the graph's size) is skipped with that
+    reason. The choice is remembered on disk per model structure, input signature, machine and library
+    versions, so the next optimize of the same model builds only the winner (``FXFORGE_TARGET_CACHE=0``
+    races every time). It needs example inputs and a model instance.
+
     With ``target="onnxruntime"`` the model is exported with :func:`fxforge.export_onnx` (for the example
     inputs or the first call's) and runs in an ONNX Runtime session: an
     :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule` (CUDA provider when torch sees a GPU, CPU
@@ -57,7 +67,7 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
         example_inputs: a tuple of inputs, one tensor, or a dict of keyword inputs.
         target: ``"native"`` (run the rewritten graph with PyTorch), ``"inductor"`` (compile it with
-            ``torch.compile``) or ``"onnxruntime"``.
+            ``torch.compile``), ``"onnxruntime"``, or ``"auto"`` (the fastest of them, measured).
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
@@ -66,7 +76,8 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
             last two. For ``"onnxruntime"``: ``dynamic_batch``,
             ``dynamic_shapes``, ``opset``, ``attention``, ``external_data`` (see :func:`fxforge.export_onnx`),
             ``path`` (keep the ONNX file there), ``providers``, ``session_options``,
-            ``intra_op_num_threads`` (the session's).
+            ``intra_op_num_threads`` (the session's). For ``"auto"``: ``targets`` (a list of the three),
+            ``budget_s`` (seconds, None for no limit), ``max_plans``.
 
     Raises:
         ValueError: an unknown target or rewrite name (checked before anything runs).
@@ -90,6 +101,8 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     unknown = sorted(set(target_options) - set(allowed))
     if unknown:
         raise TypeError(f"target {target!r} does not take {', '.join(unknown)}; it takes {', '.join(allowed)}")
+    if target == "auto":
+        _check_auto(model, example_inputs, target_options.get("targets"))
     resolve(rewrites)  # fail early on an unknown rewrite name
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic takes None, True or False, got {dynamic!r}")
@@ -98,3 +111,16 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     if model is None:
         return functools.partial(optimize, example_inputs=example_inputs, **options)
     return optimized(model, example_inputs, **options)
+
+
+def _check_auto(model: Any, example_inputs: Any, targets: Any) -> None:
+    """``target="auto"``'s usage: an instance, example inputs to race on, known targets."""
+    if model is None or isinstance(model, type):
+        raise TypeError("target='auto' races the targets on example inputs: call fxforge.optimize(model, "
+                        "example_inputs, target='auto') on a model instance, not as a decorator")
+    if example_inputs is None:
+        raise TypeError("target='auto' needs example_inputs to race the targets on")
+    if targets is not None:
+        unknown = [t for t in targets if t not in TARGETS or t == "auto"]
+        if unknown or not list(targets):
+            raise ValueError(f"targets= takes a non-empty list of {', '.join(TARGETS[:-1])}; got {list(targets)!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,8 +49,10 @@ from fxforge.capture.dynamic import (
 from fxforge.core.captured import Captured
 from fxforge.core.gc_pause import no_collection
 from fxforge.core.plan import CallConditions, Plan
+from fxforge.core.report import Contender, Race
 from fxforge.core.source import first_line
 from fxforge.core.symbolic import ShapeGuard
+from fxforge.core.target_cache import choice_key, compile_rate, device_of, remember_compile_rate, target_cache
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule
@@ -62,6 +65,7 @@ from fxforge.rewrites.registry import resolve
 from fxforge.runtime.native import OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, PlanBuilder, ShapePolicy
 from fxforge.runtime.profile import Profile, profile_graph
+from fxforge.runtime.race import Entrant, race, remembrable
 
 # What export_onnx takes besides the model, the path and the inputs; the onnxruntime target passes these on.
 EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "dynamic_shapes", "opset", "attention",
@@ -506,7 +510,8 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
     - onnxruntime, an instance: an :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule`; a class: a
       subclass whose instances export themselves on their first call in eval mode;
     - inductor: as native (the same guards, plan cache and live weights), each plan's rewritten graph
-      compiled by ``torch.compile`` instead of lowered (:mod:`fxforge.lowering.inductor`).
+      compiled by ``torch.compile`` instead of lowered (:mod:`fxforge.lowering.inductor`);
+    - auto, an instance with example inputs: the fastest of the others, measured (:func:`auto_module`).
 
     Example:
         >>> opt = optimized(torch.nn.ReLU(), (torch.ones(2),))
@@ -517,6 +522,8 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
     is_class = isinstance(model, type) and issubclass(model, nn.Module)
     if not is_class and not isinstance(model, nn.Module):
         raise TypeError(f"fxforge.optimize takes an nn.Module instance or class, got {type(model).__name__}")
+    if target == "auto":
+        return auto_module(model, example_inputs, **options, dynamic=dynamic, **target_options)
     if target == "onnxruntime":
         if is_class:
             return onnxruntime_class(model, functools.partial(onnxruntime_module, **options, dynamic=dynamic,
@@ -532,6 +539,132 @@ def optimized(model: Any, example_inputs: Any = None, *, target: str = "native",
     if example_inputs is not None:
         args, kwargs = normalize_inputs(example_inputs)
         module.prepare(*args, **kwargs)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------- auto
+
+# What target="auto" races, in the order built (native first: its build tells Inductor's compile estimate).
+AUTO_TARGETS = ("native", "onnxruntime", "inductor")
+# Seconds the race may take by default (Inductor's compile is skipped when it would not fit).
+AUTO_BUDGET_S = 300.0
+# A remembered winner re-timed against eager is raced again when its speed-up over eager fell by this factor.
+CONTRADICTED = 1.5
+
+
+def auto_module(model: nn.Module, example_inputs: Any, *, targets: Any = AUTO_TARGETS,
+                budget_s: float | None = AUTO_BUDGET_S, rewrites: Any = "default", verify: bool = True,
+                method: str = "auto", dynamic: bool | None = None, max_plans: int = MAX_PLANS) -> nn.Module:
+    """The fastest of ``targets`` for this model on this machine, checked against eager (``target="auto"``).
+
+    Every target is built, run on fresh inputs and compared with eager, then timed together with eager
+    (:func:`fxforge.runtime.race.race`); the fastest is returned, its report's ``race`` holding every
+    contender's latency, prepare time and error, and why it won. The choice is remembered on disk
+    (:mod:`fxforge.core.target_cache`): the next optimize of a model of the same structure with inputs of
+    the same signature on this machine builds only the winner, re-times it against eager, and races
+    everything again only when that contradicts the remembered speed-up (by :data:`CONTRADICTED`) or the
+    winner no longer builds or agrees. A model in training mode does not race ``onnxruntime`` (an export is
+    an inference snapshot).
+
+    Example:
+        >>> net = auto_module(torch.nn.Linear(8, 8).eval(), (torch.ones(4, 8),), targets=["native"])
+        >>> net.report.race.winner
+        'native'
+    """
+    began = time.perf_counter()
+    args, kwargs = normalize_inputs(example_inputs)
+    targets = tuple(targets)
+    options = {"rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic}
+    names = [getattr(p, "name", repr(p)) for p in resolve(rewrites)]
+    key = choice_key(model, args, kwargs, f"targets {sorted(targets)} rewrites {names} verify {verify} "
+                                          f"method {method} dynamic {dynamic}")
+    cache = target_cache()
+    stored = cache.get(key) if cache is not None else None
+    entrants = _entrants(model, args, kwargs, targets, options, max_plans)
+    notes: list[str] = []
+    if stored is not None and stored.get("winner") in entrants:
+        winner = stored["winner"]
+        built, result = race(model, args, kwargs, [entrants[winner]], budget_s=None, began=began)
+        then = stored["eager_ms"] / stored["latency_ms"][winner]
+        now = result.eager_ms / result.contenders[0].latency_ms if result.winner else None
+        if now is not None and then / now <= CONTRADICTED:
+            return _chosen(built[winner], _remembered(result, stored, then, now))
+        notes.append(f"the remembered choice {winner} ({then:.2f}x eager when chosen) was raced again: "
+                     + (f"it ran at {now:.2f}x eager now" if now is not None else result.contenders[0].refused))
+    skipped = [Contender("onnxruntime", refused="not raced: the model is in training mode (an ONNX export is "
+                                                 "an inference snapshot)")] if model.training and "onnxruntime" in entrants else []
+    order = [t for t in AUTO_TARGETS if t in entrants and not (skipped and t == "onnxruntime")]
+    built, result = race(model, args, kwargs, [entrants[t] for t in order], budget_s=budget_s, began=began)
+    result.contenders += skipped
+    result.notes[:0] = notes
+    if not result.winner:
+        module = _prepared(optimized(model, target="native", rewrites=[], verify=verify, method=method,
+                                     dynamic=dynamic, max_plans=max_plans), args, kwargs)
+        result.winner, result.why = "native", "no target agreed with eager: native without rewrites"
+        return _chosen(module, result)
+    if cache is not None and remembrable(result):
+        cache.put(key, {"winner": result.winner, "eager_ms": result.eager_ms, "load": result.load,
+                        "latency_ms": {c.target: c.latency_ms for c in result.contenders if c.latency_ms},
+                        "when": time.strftime("%Y-%m-%d %H:%M")})
+        cache.save()
+    return _chosen(built[result.winner], result)
+
+
+def _entrants(model: nn.Module, args: tuple, kwargs: dict, targets: tuple, options: dict,
+              max_plans: int) -> dict[str, Entrant]:
+    """How to build each target raced, by name."""
+    device = device_of(args, kwargs, model)
+    nodes: list[int] = []  # the native graph's node count, once built: Inductor's compile estimate
+
+    def native() -> nn.Module:
+        return _prepared(optimized(model, target="native", max_plans=max_plans, **options), args, kwargs)
+
+    def inductor() -> nn.Module:
+        return _prepared(optimized(model, target="inductor", max_plans=max_plans, **options), args, kwargs)
+
+    def onnx() -> nn.Module:
+        return _prepared(onnxruntime_module(model, **options), args, kwargs)
+
+    def estimate() -> float | None:
+        return nodes[0] * compile_rate(device)[0] if nodes else None
+
+    def native_built(module: nn.Module, seconds: float) -> None:
+        nodes.append(module.report.nodes_after)
+
+    def inductor_built(module: nn.Module, seconds: float) -> None:
+        remember_compile_rate(device, seconds, module.report.nodes_after)
+
+    every = {"native": Entrant("native", native, built=native_built),
+             "inductor": Entrant("inductor", inductor, estimate_s=estimate, built=inductor_built),
+             "onnxruntime": Entrant("onnxruntime", onnx)}
+    return {t: every[t] for t in targets}
+
+
+def _prepared(module: Any, args: tuple, kwargs: dict) -> nn.Module:
+    module.prepare(*args, **kwargs)
+    return module
+
+
+def _remembered(result: Race, stored: dict, then: float, now: float) -> Race:
+    """A re-timed remembered winner's race: its new figures, the others' remembered latencies."""
+    result.remembered = True
+    winner = result.winner
+    for target, ms in stored["latency_ms"].items():
+        if target != winner:
+            result.contenders.append(Contender(target, latency_ms=ms, refused=""))
+    result.why = (f"remembered from the race of {stored.get('when', 'an earlier run')} ({then:.2f}x eager then, "
+                  f"{now:.2f}x now)")
+    result.notes.append("only the winner was built; the other targets' latencies are those remembered "
+                        "(FXFORGE_TARGET_CACHE=0 races every time)")
+    return result
+
+
+def _chosen(module: nn.Module, result: Race) -> nn.Module:
+    """The winner, its report (and ``module.race``) holding the race."""
+    module.race = result
+    report = getattr(module, "report", None)
+    if report is not None:
+        report.race = result
     return module
 
 

@@ -2,7 +2,7 @@
 
 ::
 
-    fxforge optimize MODEL --input SHAPE[:DTYPE] [--input ...] [--target native|onnxruntime]
+    fxforge optimize MODEL --input SHAPE[:DTYPE] [--input ...] [--target auto|native|inductor|onnxruntime]
                      [--rewrites a,b] [--no-verify] [--dynamic-batch] [-o OUT.pt2|OUT.onnx] [--report r.html]
     fxforge export   MODEL --input ... -o OUT.onnx          (no rewrites)
     fxforge profile  MODEL --input ... [--csv table.csv]    (time, FLOPs, bytes per node)
@@ -73,9 +73,10 @@ def _write_arguments(parser: argparse.ArgumentParser, *, output_required: bool) 
     parser.add_argument("-o", "--output", metavar="OUT", required=output_required,
                         help="OUT.pt2 (torch.export program, load with fxforge.load) or OUT.onnx "
                              "(checked and validated in ONNX Runtime)")
-    parser.add_argument("--target", choices=("native", "onnxruntime"),
-                        help="what the rewrites are tuned for and the model runs in (default: from OUT's "
-                             "suffix, else native)")
+    parser.add_argument("--target", choices=("auto", "native", "inductor", "onnxruntime"), default="auto",
+                        help="what the model runs in; auto (the default) races native, inductor and onnxruntime "
+                             "and keeps the fastest that agrees with eager; with -o, auto is the target the "
+                             "file's suffix names (.onnx: onnxruntime, .pt2: native)")
     parser.add_argument("--dynamic-batch", action="store_true", help="make dim 0 (the batch) of the output dynamic")
     parser.add_argument("--report", metavar="REPORT.html", help="write a self-contained HTML report")
 

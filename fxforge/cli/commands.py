@@ -133,11 +133,14 @@ def _max_error(reference: Any, runner: Any, inputs: tuple) -> float:
 
 
 def _target_of(args: argparse.Namespace) -> str:
-    """The target: as given, else from the output's suffix (``.onnx``: onnxruntime), else native."""
-    if args.target:
+    """The target: as given, else (``auto``, or none) the one the output's suffix names (``.onnx``:
+    onnxruntime, ``.pt2``: native), else auto for ``optimize`` and native for ``export``."""
+    if args.target and args.target != "auto":
         return args.target
     output = getattr(args, "output", None)
-    return "onnxruntime" if output and output.lower().endswith(".onnx") else "native"
+    if output:
+        return "onnxruntime" if output.lower().endswith(".onnx") else "native"
+    return "auto" if args.command == "optimize" else "native"
 
 
 def check_target(args: argparse.Namespace) -> None:
@@ -156,6 +159,9 @@ def check_target(args: argparse.Namespace) -> None:
             raise argparse.ArgumentTypeError(f"-o {output}: an .onnx file is for --target onnxruntime (native writes .pt2)")
         if args.target == "onnxruntime" and output.lower().endswith(".pt2"):
             raise argparse.ArgumentTypeError(f"-o {output}: a .pt2 file is for --target native (onnxruntime writes .onnx)")
+        if args.target == "inductor":
+            raise argparse.ArgumentTypeError(f"-o {output}: Inductor's compiled code is not written to a file; "
+                                             "drop -o, or write .pt2 (--target native) or .onnx (--target onnxruntime)")
 
 
 def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> int:
@@ -198,6 +204,12 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
                     step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in result.validation.items()))
                 notes.extend(f"onnx: {line}" for line in result.translations)
                 errors["ONNX Runtime"] = _max_error(reference, runner, inputs)
+            elif target in ("auto", "inductor"):
+                runner, description = _raced_or_compiled(model, inputs, target, rewrites, not args.no_verify, steps)
+                target = description
+                if getattr(runner, "race", None) is not None:
+                    new.report.race = runner.race
+                errors[description] = _max_error(reference, runner, inputs)
             else:
                 runner = make_plan(new).executable
                 errors["optimized graph"] = _max_error(reference, runner, inputs)
@@ -235,6 +247,22 @@ def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> 
     print()
     print(new.report)
     return 0
+
+
+def _raced_or_compiled(model: Any, inputs: tuple, target: str, rewrites: Any, verify: bool,
+                       steps: Steps) -> tuple[Any, str]:
+    """``--target auto``: the targets raced (the winner and ``auto: <winner>``); ``--target inductor``: the
+    rewritten graph compiled by torch.compile."""
+    from fxforge.planner import AUTO_TARGETS, optimized
+
+    title = f"race {', '.join(AUTO_TARGETS)}; keep the fastest" if target == "auto" else "compile with torch.compile"
+    with steps.step(title) as step:
+        runner = optimized(model, inputs, target=target, rewrites=rewrites, verify=verify)
+        race = getattr(runner, "race", None)
+        if race is None:
+            return runner, target
+        step.note(f"{race.winner}: {race.why}")
+        return runner, f"auto: {race.winner}"
 
 
 def run_optimize(args: argparse.Namespace) -> int:

@@ -111,6 +111,77 @@ class Tuning:
         return f"{self.rule} {self.kind} {self.subject}: {self.choice} ({times}){note}"
 
 
+@dataclasses.dataclass
+class Contender:
+    """One target ``target="auto"`` raced: built, checked against eager on fresh inputs, timed.
+
+    Attributes:
+        target: ``"native"``, ``"inductor"`` or ``"onnxruntime"``.
+        latency_ms: its median milliseconds per call on the example inputs (None: not timed).
+        prepare_s: seconds its build took (capture, rewrites, lowering, compile or export).
+        max_abs_err: its largest difference from eager on the fresh inputs.
+        refused: why it did not take part (failed to build, differed from eager, skipped by the budget);
+            empty when it did.
+
+    Example:
+        >>> str(Contender("native", 1.5, 2.0, 1e-6))
+        'native: 1.5 ms, prepared in 2 s, max abs error 1e-06'
+        >>> str(Contender("inductor", refused="skipped: compiling would take about 90 s"))
+        'inductor: skipped: compiling would take about 90 s'
+    """
+
+    target: str
+    latency_ms: float | None = None
+    prepare_s: float | None = None
+    max_abs_err: float | None = None
+    refused: str = ""
+
+    def __str__(self) -> str:
+        if self.refused:
+            return f"{self.target}: {self.refused}"
+        parts = [f"{self.latency_ms:.3g} ms" if self.latency_ms is not None else "not timed"]
+        if self.prepare_s is not None:
+            parts.append(f"prepared in {self.prepare_s:.2g} s")
+        if self.max_abs_err is not None:
+            parts.append(f"max abs error {self.max_abs_err:.3g}")
+        return f"{self.target}: " + ", ".join(parts)
+
+
+@dataclasses.dataclass
+class Race:
+    """What ``target="auto"`` measured and why it chose its winner.
+
+    Attributes:
+        winner: the target chosen.
+        why: the evidence in one sentence (its latency against eager's and the runner-up's).
+        contenders: every target considered, in the order built.
+        eager_ms: eager's median milliseconds in the same interleaved rounds.
+        remembered: the choice was read from the target cache (only the winner was built and re-timed).
+        load: the machine's load average per core while timing (busy timings are not remembered).
+        notes: what else the race did (a remembered choice contradicted and re-raced, a timing not stored).
+
+    Example:
+        >>> race = Race("native", "fastest", [Contender("native", 1.0, 0.5, 0.0)], eager_ms=2.0)
+        >>> print(race)
+        target auto: native (fastest); eager 2 ms
+          native: 1 ms, prepared in 0.5 s, max abs error 0
+    """
+
+    winner: str
+    why: str
+    contenders: list[Contender] = dataclasses.field(default_factory=list)
+    eager_ms: float | None = None
+    remembered: bool = False
+    load: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = f"target auto: {self.winner} ({self.why})"
+        if self.eager_ms is not None:
+            head += f"; eager {self.eager_ms:.3g} ms"
+        return "\n".join([head, *(f"  {c}" for c in self.contenders), *(f"  note: {n}" for n in self.notes)])
+
+
 def grouped_opaque(opaque: list) -> list[tuple[Any, list[str]]]:
     """Opaque modules grouped by type, reason and source line, in first-seen order: ``(the first, every
     name)`` (a model with fifty layers of one kind opaque for one reason gets one line, not fifty).
@@ -158,6 +229,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0
+    race: Race | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -175,6 +247,8 @@ class Report:
             verified=list(self.verified),
             tuning=list(self.tuning),
             notes=list(self.notes),
+            race=dataclasses.replace(self.race, contenders=list(self.race.contenders), notes=list(self.race.notes))
+            if self.race is not None else None,
         )
 
     def __str__(self) -> str:
@@ -194,6 +268,8 @@ class Report:
         lines.extend(f"  ROLLED BACK {r}" for r in self.rolled_back)
         lines.extend(f"  near miss: {n}" for n in self.near_misses)
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.race is not None:
+            lines.extend(f"  {line}" for line in str(self.race).splitlines())
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -221,6 +297,12 @@ class Report:
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],
                   [[n.rule, n.node, n.reason, n.source or ""] for n in self.near_misses]),
+            table(f"Target race: {self.race.winner} ({self.race.why})" if self.race else "",
+                  ["target", "latency (ms)", "prepare (s)", "max abs error", "refused"],
+                  [[c.target, "" if c.latency_ms is None else f"{c.latency_ms:.3g}",
+                    "" if c.prepare_s is None else f"{c.prepare_s:.2g}",
+                    "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}", c.refused]
+                   for c in (self.race.contenders if self.race else [])]),
             table("Opaque modules", ["modules", "type", "reason", "source"],
                   [[_names(names), o.type, o.reason, o.source or ""] for o, names in grouped_opaque(self.opaque)]),
             "</div>",

@@ -1,0 +1,212 @@
+"""The race behind ``target="auto"``: build each target, check it against eager, time them all together.
+
+Each :class:`Entrant` is built in turn (its build time is its prepare time); a build expected to take
+longer than what is left of the time budget is skipped with that reason (Inductor's compile can take
+minutes on CPU). A built target is run on fresh random inputs of the example's shapes and compared with
+eager's outputs there; one that differs, raises, or fell back to eager is refused with the reason. The
+targets that pass are timed together with eager, interleaved, on the example inputs with gradients off,
+and the fastest median wins; within :data:`TIE` of the fastest, the target first in :data:`PREFERENCE`
+wins instead (native reads the model's live weights, ONNX Runtime runs a snapshot of them).
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 4).eval()
+    >>> built, result = race(model, (torch.ones(2, 4),), {}, [Entrant("native", lambda: model)])
+    >>> result.winner, sorted(built)
+    ('native', ['native'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxforge.core.disk_cache import BUSY_LOAD, machine_load
+from fxforge.core.report import Contender, Race
+from fxforge.core.source import first_line
+from fxforge.core.verify import compare_outputs, random_like
+from fxforge.lowering.timing import time_interleaved
+
+# Targets in the order a near tie is settled: live weights and PyTorch's own autograd first.
+PREFERENCE = ("native", "inductor", "onnxruntime")
+# Latencies within this fraction of the fastest count as a tie (the machines' noise).
+TIE = 0.03
+# Seconds of interleaved timing, roughly, and rounds at least.
+TIMING_BUDGET_S = 3.0
+MIN_ROUNDS = 5
+# A target agrees with eager within this many times the float32 tolerance of
+# :func:`~fxforge.core.verify.compare_outputs` (ONNX Runtime's and Inductor's kernels round differently).
+RTOL_SCALE = 10.0
+# Samples whose median is more than this many times their fastest (and slower by more than the floor, which
+# a call of a few microseconds varies by anyway) were disturbed: not remembered.
+NOISY_SPREAD, NOISY_FLOOR_MS = 2.0, 0.1
+
+
+@dataclasses.dataclass
+class Entrant:
+    """A target to race: its name and how to build it (an ``nn.Module`` run like the model).
+
+    Attributes:
+        target: ``"native"``, ``"inductor"`` or ``"onnxruntime"``.
+        build: makes the module, prepared for the example inputs.
+        estimate_s: seconds its build is expected to take, where that can be known before (the budget
+            skips it when this would not fit); a callable is asked just before the build.
+        built: called with the module and its build's seconds once it is built.
+
+    Example:
+        >>> Entrant("native", lambda: torch.nn.ReLU()).target
+        'native'
+    """
+
+    target: str
+    build: Callable[[], nn.Module]
+    estimate_s: float | Callable[[], float | None] | None = None
+    built: Callable[[nn.Module, float], None] | None = None
+
+
+def fell_back(module: nn.Module) -> str:
+    """Why ``module`` runs the model eagerly instead of its target, or "" (an optimized module whose plan
+    could not be built reports ``method="eager"``).
+
+    Example:
+        >>> fell_back(torch.nn.ReLU())
+        ''
+    """
+    report = getattr(module, "report", None)
+    if report is not None and getattr(report, "method", None) == "eager":
+        return "fell back to eager: " + ("; ".join(report.notes) or "no plan")
+    return ""
+
+
+def _entered(entrant: Entrant, fresh: tuple, expected: Any, began: float,
+             budget_s: float | None) -> tuple[nn.Module | None, Contender]:
+    """Build one entrant and check it on the fresh inputs: (the module or None, its contender line)."""
+    spent = time.perf_counter() - began
+    estimate = entrant.estimate_s() if callable(entrant.estimate_s) else entrant.estimate_s
+    if budget_s is not None and spent >= budget_s:
+        return None, Contender(entrant.target, refused=f"skipped: the budget of {budget_s:.0f} s was spent")
+    if budget_s is not None and estimate is not None and spent + estimate > budget_s:
+        return None, Contender(entrant.target, refused=(
+            f"skipped: building it would take about {estimate:.0f} s, past the budget of {budget_s:.0f} s "
+            f"({spent:.0f} s spent)"))
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a fallback warning becomes this contender's refusal instead
+            module = entrant.build()
+        prepare_s = time.perf_counter() - start
+        reason = fell_back(module)
+        if reason:
+            return None, Contender(entrant.target, prepare_s=prepare_s, refused=reason)
+        if entrant.built is not None:
+            entrant.built(module, prepare_s)
+        with torch.no_grad():
+            actual = module(*fresh[0], **fresh[1])
+    except Exception as error:  # noqa: BLE001 - any failure refuses this target, with its reason
+        return None, Contender(entrant.target, prepare_s=time.perf_counter() - start,
+                               refused=f"failed: {first_line(error)}")
+    compared = compare_outputs(expected, actual, rtol_scale=RTOL_SCALE)
+    if not compared.ok:
+        return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err,
+                               refused=f"differs from eager on fresh inputs: {compared.reason}")
+    return module, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err)
+
+
+def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *, budget_s: float | None = None,
+         began: float | None = None, seed: int = 1) -> tuple[dict[str, nn.Module], Race]:
+    """Build, check and time ``entrants`` against eager; returns the modules that passed, by target, and
+    the :class:`~fxforge.core.report.Race` (``winner`` empty where none passed).
+
+    Args:
+        model: the model, run eagerly as the reference and the baseline.
+        args, kwargs: the example inputs (timed on them; checked on random inputs of their shapes).
+        entrants: in the order to build them.
+        budget_s: seconds the whole race may take: once one target is built, a build that would not fit
+            (or any, once the budget is spent) is skipped with the reason; None: no limit.
+        began: when the search began (``time.perf_counter()``), if before this call.
+        seed: of the fresh inputs.
+    """
+    began = time.perf_counter() if began is None else began
+    fresh = random_like((args, kwargs), seed)
+    with torch.no_grad():
+        expected = model(*fresh[0], **fresh[1])
+    built: dict[str, nn.Module] = {}
+    contenders = []
+    for entrant in entrants:  # the budget skips nothing before one target is built: the race needs one
+        module, contender = _entered(entrant, fresh, expected, began, budget_s if built else None)
+        contenders.append(contender)
+        if module is not None:
+            built[entrant.target] = module
+    result = Race(winner="", why="no target built and agreed with eager", contenders=contenders)
+    if not built:
+        return built, result
+    calls = {"eager": model, **built}
+    samples: dict[str, list[float]] = {}
+    with torch.no_grad():
+        medians = time_interleaved({name: (lambda m=m: m(*args, **kwargs)) for name, m in calls.items()},
+                                   TIMING_BUDGET_S, min_reps=MIN_ROUNDS, samples=samples)
+    result.load = round(machine_load(), 2)
+    for contender in contenders:
+        if contender.target in built:
+            contender.latency_ms = medians[contender.target]
+    result.eager_ms = medians["eager"]
+    result.winner, result.why = choose({t: medians[t] for t in built}, medians["eager"])
+    noisy = [name for name, values in samples.items()
+             if statistics_spread(values) > NOISY_SPREAD and medians[name] - min(values) > NOISY_FLOOR_MS]
+    if noisy:
+        result.notes.append(f"timings of {', '.join(noisy)} varied more than {NOISY_SPREAD:g}x between rounds: "
+                            "not remembered")
+    if result.load > BUSY_LOAD:
+        result.notes.append(f"the machine was busy while timing (load {result.load:.2f} per core): not remembered")
+    return built, result
+
+
+def statistics_spread(values: list[float]) -> float:
+    """Median over fastest of a list of samples (1.0: steady).
+
+    Example:
+        >>> statistics_spread([1.0, 1.1, 3.0])
+        1.1
+    """
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] / ordered[0] if ordered and ordered[0] > 0 else 1.0
+
+
+def remembrable(result: Race) -> bool:
+    """Whether a race's timings may be remembered: a winner, timed on a quiet machine, with steady samples.
+
+    Example:
+        >>> remembrable(Race("native", "fastest", load=0.2)), remembrable(Race("native", "fastest", load=3.0))
+        (True, False)
+    """
+    return bool(result.winner) and not any("not remembered" in note for note in result.notes) and (
+        result.load is None or result.load <= BUSY_LOAD)
+
+
+def choose(latencies: dict[str, float], eager_ms: float) -> tuple[str, str]:
+    """The winner among targets' median latencies and why: the fastest, unless a target earlier in
+    :data:`PREFERENCE` is within :data:`TIE` of it.
+
+    Example:
+        >>> choose({"native": 1.0, "onnxruntime": 0.5}, 2.0)
+        ('onnxruntime', '0.5 ms: 4.00x eager, 2.00x native')
+        >>> choose({"native": 1.01, "onnxruntime": 1.0}, 2.0)[0]
+        'native'
+    """
+    fastest = min(latencies, key=latencies.__getitem__)
+    ranked = sorted(latencies, key=lambda t: (PREFERENCE.index(t) if t in PREFERENCE else len(PREFERENCE), t))
+    winner = next(t for t in ranked if latencies[t] <= latencies[fastest] * (1 + TIE))
+    ms = latencies[winner]
+    why = f"{ms:.3g} ms: {eager_ms / ms:.2f}x eager"
+    others = sorted((t for t in latencies if t != winner), key=latencies.__getitem__)
+    if others:
+        why += f", {latencies[others[0]] / ms:.2f}x {others[0]}"
+    if winner != fastest:
+        why += f" (within {TIE:.0%} of {fastest}, a tie: {winner} is preferred)"
+    return winner, why

@@ -1,0 +1,99 @@
+"""The race behind target="auto": every entrant built, checked against eager on fresh inputs, timed
+interleaved with eager; refusals and skips carry their reason; the winner is the fastest unless a
+preferred target ties it."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fxforge.core.report import Race
+from fxforge.runtime import race as race_module
+from fxforge.runtime.race import TIE, Entrant, choose, race, remembrable
+
+
+class Scaled(nn.Module):
+    """The model times a factor, slowed by ``delay`` seconds per call."""
+
+    def __init__(self, factor=1.0, delay=0.0):
+        super().__init__()
+        self.factor, self.delay = factor, delay
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return x * self.factor
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.setattr(race_module, "machine_load", lambda: 0.0)
+
+
+def test_the_fastest_agreeing_entrant_wins_and_every_contender_is_reported(quiet):
+    model = Scaled(2.0, delay=0.004)
+    entrants = [Entrant("native", lambda: Scaled(2.0, delay=0.002)), Entrant("onnxruntime", lambda: Scaled(2.0))]
+    built, result = race(model, (torch.randn(3),), {}, entrants)
+    assert sorted(built) == ["native", "onnxruntime"] and result.winner == "onnxruntime"
+    native, ort = result.contenders
+    assert native.latency_ms > ort.latency_ms and result.eager_ms > native.latency_ms
+    assert all(c.prepare_s is not None and c.max_abs_err == 0.0 and not c.refused for c in result.contenders)
+    assert result.why.startswith(f"{ort.latency_ms:.3g} ms: ") and "x eager" in result.why and "x native" in result.why
+    assert remembrable(result)
+
+
+def test_an_entrant_that_differs_from_eager_raises_or_falls_back_is_refused_with_the_reason(quiet):
+    class FellBack(Scaled):
+        report = type("R", (), {"method": "eager", "notes": ["cannot capture Scaled: no"]})()
+
+    entrants = [Entrant("native", lambda: Scaled(2.0)), Entrant("inductor", lambda: Scaled(2.5)),
+                Entrant("onnxruntime", lambda: (_ for _ in ()).throw(RuntimeError("no translation\nmore")))]
+    built, result = race(Scaled(2.0), (torch.randn(4),), {}, entrants)
+    assert list(built) == ["native"] and result.winner == "native"
+    inductor, ort = result.contenders[1:]
+    assert inductor.refused.startswith("differs from eager on fresh inputs: output: max abs error")
+    assert inductor.latency_ms is None and inductor.max_abs_err > 0
+    assert ort.refused == "failed: RuntimeError: no translation"
+    _, fell = race(Scaled(2.0), (torch.randn(4),), {}, [Entrant("native", FellBack)])
+    assert fell.winner == "" and fell.contenders[0].refused == "fell back to eager: cannot capture Scaled: no"
+
+
+def test_the_check_runs_on_fresh_inputs_not_the_example(quiet):
+    class RightOnTheExample(nn.Module):
+        def forward(self, x):
+            return torch.ones_like(x)
+
+    example = torch.ones(5)  # the identity and ones_like agree on this example only
+    _, result = race(Scaled(1.0), (example,), {}, [Entrant("native", RightOnTheExample)])
+    assert result.winner == "" and result.contenders[0].refused.startswith("differs from eager on fresh inputs")
+
+
+def test_the_budget_skips_a_build_that_would_not_fit_but_always_builds_the_first(quiet):
+    built_inductor = []
+    entrants = [Entrant("native", lambda: Scaled(1.0)),
+                Entrant("inductor", lambda: built_inductor.append(1) or Scaled(1.0), estimate_s=lambda: 90.0)]
+    _, result = race(Scaled(1.0), (torch.randn(2),), {}, entrants, budget_s=30.0)
+    assert result.winner == "native" and not built_inductor
+    assert result.contenders[1].refused.startswith("skipped: building it would take about 90 s, past the budget of 30 s")
+    _, roomy = race(Scaled(1.0), (torch.randn(2),), {}, entrants, budget_s=1000.0)
+    assert built_inductor and not roomy.contenders[1].refused
+
+
+def test_timings_on_a_busy_machine_are_not_remembered(monkeypatch):
+    monkeypatch.setattr(race_module, "machine_load", lambda: 2.5)
+    _, result = race(Scaled(1.0), (torch.randn(2),), {}, [Entrant("native", lambda: Scaled(1.0))])
+    assert result.winner == "native" and result.load == 2.5
+    assert any("busy while timing (load 2.50 per core): not remembered" in n for n in result.notes)
+    assert not remembrable(result)
+
+
+def test_a_near_tie_goes_to_the_preferred_target_and_says_so():
+    assert choose({"onnxruntime": 1.0, "native": 1.0 + TIE / 2}, 3.0)[0] == "native"
+    winner, why = choose({"onnxruntime": 1.0, "native": 1.0 + TIE * 2}, 3.0)
+    assert winner == "onnxruntime" and why == f"1 ms: 3.00x eager, {1 + TIE * 2:.2f}x native"
+    assert "a tie: inductor is preferred" in choose({"onnxruntime": 1.0, "inductor": 1.01}, 2.0)[1]
+
+
+def test_a_race_without_a_winner_is_not_remembrable():
+    assert not remembrable(Race("", "no target built and agreed with eager"))

@@ -1,0 +1,159 @@
+"""target="auto": every target built, checked against eager and timed; the fastest returned with the race in
+its report; the choice remembered on disk per model structure and signature, re-timed and re-raced when
+contradicted; a budget and a targets list bound the search."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.core.target_cache import target_cache
+from fxforge.runtime import race as race_module
+
+
+class ConvNet(nn.Module):
+    """A small conv net with BatchNorm whose forward returns a dict (the output structure must survive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        features = self.body(x)
+        return {"logits": self.head(features.mean((2, 3))), "features": features}
+
+
+def conv_net(seed):
+    torch.manual_seed(seed)
+    model = ConvNet()
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):  # BatchNorm statistics from data, not the random init
+            model(torch.randn(4, 3, 16, 16))
+    return model.eval()
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FXFORGE_TARGET_CACHE", "1")
+    monkeypatch.setattr(race_module, "machine_load", lambda: 0.0)  # a quiet machine: timings are remembered
+    return tmp_path
+
+
+def agrees_with_eager(model, optimized, x):
+    with torch.no_grad():
+        expected, actual = model(x), optimized(x)
+    assert set(actual) == {"logits", "features"}
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-4)
+
+
+def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(cache_dir):
+    x = torch.randn(2, 3, 16, 16)
+    model = conv_net(0)
+    opt = fxforge.optimize(model, (x,), target="auto")
+    race = opt.report.race
+    assert opt.race is race and not race.remembered
+    assert [c.target for c in race.contenders] == ["native", "onnxruntime", "inductor"]
+    for contender in race.contenders:
+        assert not contender.refused, contender
+        assert contender.latency_ms > 0 and contender.prepare_s > 0 and contender.max_abs_err < 1e-4
+    latencies = {c.target: c.latency_ms for c in race.contenders}
+    assert race.winner == race_module.choose(latencies, race.eager_ms)[0]
+    assert race.why.startswith(f"{latencies[race.winner]:.3g} ms: ")
+    expected_type = {"onnxruntime": "OnnxRuntimeModule"}.get(race.winner, "OptimizedModule")
+    assert type(opt).__name__ == expected_type
+    agrees_with_eager(model, opt, torch.randn(2, 3, 16, 16))
+    assert f"target auto: {race.winner}" in str(opt.report) and "Target race" in opt.report._repr_html_()
+
+    # Another instance of the same structure, other weights: only the winner is built, re-timed and checked.
+    other = conv_net(1)
+    again = fxforge.optimize(other, (torch.randn(2, 3, 16, 16),), target="auto")
+    second = again.report.race
+    assert second.remembered and second.winner == race.winner and "remembered from the race of" in second.why
+    built = [c for c in second.contenders if c.prepare_s is not None]
+    assert [c.target for c in built] == [race.winner]
+    assert sorted(c.target for c in second.contenders) == ["inductor", "native", "onnxruntime"]
+    assert built[0].prepare_s < sum(c.prepare_s for c in race.contenders)
+    agrees_with_eager(other, again, torch.randn(2, 3, 16, 16))  # its own weights, not the first model's
+
+    # Another input signature is another race.
+    third = fxforge.optimize(other, (torch.randn(1, 3, 8, 8),), target="auto", targets=["native"])
+    assert not third.report.race.remembered
+
+
+def test_a_remembered_choice_contradicted_by_its_new_timing_is_raced_again(cache_dir):
+    x = torch.randn(2, 3, 16, 16)
+    fxforge.optimize(conv_net(0), (x,), target="auto", targets=["native", "onnxruntime"])
+    (key, entry), = json.loads((cache_dir / "targets.json").read_text()).items()
+    # as though the winner had once run 100x faster than eager: today's timing contradicts that
+    target_cache().put(key, {**entry, "eager_ms": entry["latency_ms"][entry["winner"]] * 100})
+    opt = fxforge.optimize(conv_net(0), (x,), target="auto", targets=["native", "onnxruntime"])
+    race = opt.report.race
+    assert not race.remembered and len(race.contenders) == 2
+    assert race.notes[0].startswith(f"the remembered choice {entry['winner']} (100.00x eager when chosen) was "
+                                    "raced again: it ran at ")
+
+
+def test_the_target_cache_can_be_turned_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("FXFORGE_TARGET_CACHE", "0")
+    x = torch.randn(2, 3, 16, 16)
+    for _ in range(2):
+        opt = fxforge.optimize(conv_net(0), (x,), target="auto", targets=["native", "onnxruntime"])
+        assert not opt.report.race.remembered and len(opt.report.race.contenders) == 2
+    assert not (cache_dir / "targets.json").exists()
+
+
+def test_the_budget_skips_inductor_when_its_compile_would_not_fit(cache_dir):
+    opt = fxforge.optimize(conv_net(0), (torch.randn(2, 3, 16, 16),), target="auto",
+                           targets=["native", "inductor"], budget_s=0.5)
+    native, inductor = opt.report.race.contenders
+    assert opt.report.race.winner == "native" and not native.refused
+    assert inductor.refused.startswith("skipped: ") and "budget of 0 s" in inductor.refused
+    assert inductor.prepare_s is None  # nothing compiled
+
+
+def test_a_model_in_training_mode_does_not_race_an_onnx_snapshot(cache_dir):
+    model = conv_net(0).train()
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 16, 16),), target="auto", targets=["native", "onnxruntime"])
+    race = opt.report.race
+    assert race.winner == "native"
+    assert race.contenders[-1].target == "onnxruntime"
+    assert race.contenders[-1].refused.startswith("not raced: the model is in training mode")
+
+
+def test_keyword_inputs_reach_every_target(cache_dir):
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, scale=None):
+            return self.lin(x).sigmoid() * scale
+
+    model = Gate().eval()
+    inputs = {"x": torch.randn(3, 8), "scale": torch.rand(3, 8)}
+    opt = fxforge.optimize(model, inputs, target="auto", targets=["native", "onnxruntime"])
+    assert all(not c.refused for c in opt.report.race.contenders), opt.report.race
+    fresh = {"x": torch.randn(3, 8), "scale": torch.rand(3, 8)}
+    with torch.no_grad():
+        torch.testing.assert_close(opt(**fresh), model(**fresh))
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda: fxforge.optimize(nn.ReLU(), target="auto"), TypeError, "needs example_inputs"),
+    (lambda: fxforge.optimize(target="auto")(nn.ReLU), TypeError, "not as a decorator"),
+    (lambda: fxforge.optimize(nn.ReLU(), (torch.ones(1),), target="auto", targets=["tvm"]), ValueError,
+     "targets= takes a non-empty list of native, onnxruntime, inductor; got ['tvm']"),
+    (lambda: fxforge.optimize(nn.ReLU(), (torch.ones(1),), target="auto", tuning=None), TypeError,
+     "target 'auto' does not take tuning"),
+])
+def test_auto_usage_errors_name_the_cause(call, error, text):
+    with pytest.raises(error, match=None) as raised:
+        call()
+    assert text in str(raised.value)
