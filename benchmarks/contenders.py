@@ -124,6 +124,13 @@ def _torch_compile(model: nn.Module, args: tuple) -> Prepared:
     return Prepared(compiled, note="inductor")
 
 
+@register("torch.compile-inference",
+          "torch.compile(model, options={'freezing': True}): Inductor's recommended CPU-inference setting")
+def _torch_compile_inference(model: nn.Module, args: tuple) -> Prepared:
+    compiled = torch.compile(model, options={"freezing": True})
+    return Prepared(compiled, note="inductor, freezing")
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.fx.experimental.optimization.optimize_for_inference
 
@@ -376,3 +383,30 @@ def _fxforge_attention(model: nn.Module, args: tuple) -> Prepared:
     opt = fxforge.optimize(model, example_inputs=args, target="native", rewrites=["cleanup", "attention"])
     report = getattr(opt, "report", None)
     return Prepared(opt, note=report_note(report), info=report_info(report))
+
+
+@register("fxforge-auto", "fxforge.optimize(model, example_inputs=args, target='auto'): the race, then a second "
+                          "optimize of a copy (the remembered choice)")
+def _fxforge_auto(model: nn.Module, args: tuple) -> Prepared:
+    """The race's prepare time is the first optimize's (the harness's autotune and target caches start empty);
+    the info also holds a second optimize of a deep copy, which reads the remembered choice."""
+    import copy
+    import time
+
+    import fxforge
+
+    twin = copy.deepcopy(model)
+    opt = fxforge.optimize(model, example_inputs=args, target="auto")
+    race = opt.race
+
+    def describe() -> dict[str, Any]:
+        start = time.perf_counter()
+        again = fxforge.optimize(twin, example_inputs=args, target="auto")
+        return {"second_prepare_s": round(time.perf_counter() - start, 2), "second_remembered": again.race.remembered,
+                "second_winner": again.race.winner}
+
+    contenders = {c.target: {"latency_ms": c.latency_ms, "prepare_s": c.prepare_s, "max_abs_err": c.max_abs_err,
+                             "refused": c.refused} for c in race.contenders}
+    return Prepared(opt, note=f"chose {race.winner}", describe=describe,
+                    info={"target": race.winner, "why": race.why, "race": contenders, "race_eager_ms": race.eager_ms,
+                          "race_notes": race.notes})

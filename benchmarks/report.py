@@ -667,3 +667,43 @@ def _json_safe(value: Any) -> Any:
 
 def write_json(path: str, result: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(_json_safe(result), indent=2, default=str, allow_nan=False) + "\n")
+
+
+TARGETS_PEERS = ("eager", "torch.compile", "torch.compile-inference", "ort")
+
+
+def targets_summary(rows: list[dict[str, Any]], *, contender: str = "fxforge-auto",
+                    peers: tuple[str, ...] = TARGETS_PEERS, tie: float = 0.97, min_geomean: float = 1.1) -> list[str]:
+    """The targets section's summary (issue 21), one markdown bullet per line.
+
+    1. per model: the best peer in the same run, ``best peer ms / contender ms``, the target the race chose,
+       and the second optimize's prepare time (the remembered choice) against the first;
+    2. ``>= tie`` on every model (a tie is noise);
+    3. the geometric mean of those ratios ``>= min_geomean``.
+    """
+    ours = timed_rows(rows, contender)
+    theirs = {peer: timed_rows(rows, peer) for peer in peers}
+    ratios: dict[str, float] = {}
+    lines = []
+    for model in row_models(rows):
+        ran = {peer: theirs[peer][model]["median_ms"] for peer in peers if model in theirs[peer]}
+        if model not in ours or not ran:
+            lines.append(f"- {model}: {contender} or every peer did not run")
+            continue
+        best = min(ran, key=ran.__getitem__)
+        row = ours[model]
+        ratios[model] = ran[best] / row["median_ms"]
+        info = row.get("info") or {}
+        second = info.get("second_prepare_s")
+        again = (f"; second optimize {second:.2f} s vs {row['prepare_s']:.1f} s"
+                 + (" (remembered)" if info.get("second_remembered") else " (raced again)")) if second is not None else ""
+        lines.append(f"- {model}: best peer {best}; {best} ms / {contender} ms = {fmt_ratio(ratios[model])}; "
+                     f"chose {info.get('target', '?')}{again}")
+    if ratios:
+        worst = min(ratios, key=ratios.__getitem__)
+        lines.append(f"- {contender} vs the best peer on every model: lowest {worst} {fmt_ratio(ratios[worst])} "
+                     f"(target ≥ {tie:.2f}×: {verdict(ratios[worst] >= tie)})")
+        gm = geometric_mean(ratios.values())
+        lines.append(f"- geometric mean over the best peer, {plural(len(ratios), 'model')}: {fmt_ratio(gm)} "
+                     f"(target ≥ {min_geomean:.2f}×: {verdict(gm is not None and gm >= min_geomean)})")
+    return lines

@@ -113,6 +113,13 @@ SECTIONS: dict[str, Section] = {
         ("eager", "ort", "ort-transformers-optimizer", "fxforge-ort"),
         report.onnx_summary,
     ),
+    "targets": Section(
+        "targets",
+        "target='auto' against the best peer: eager, torch.compile (default and freezing), plain export -> ORT "
+        "(issue 21; torchvision/timm rows in the zoo environment)",
+        ("eager", "torch.compile", "torch.compile-inference", "ort", "fxforge-auto"),
+        report.targets_summary,
+    ),
 }
 
 

@@ -395,6 +395,8 @@ ONNX_MODELS = ("bert_s1024", "bert_s2048", "llama_s2048", "hf_resnet50", "hf_mob
 
 def _attention_entry(name: str, factory: Factory, description: str) -> SuiteEntry:
     tags = ("attention", "onnx") if name in ONNX_MODELS else ("attention",)
+    if name == "bert_s1024":  # also a row of the targets section (issue 21), which runs in the zoo environment
+        tags, factory = (*tags, "targets"), _in_zoo_environment(factory)
     return SuiteEntry(name, factory, "transformers", description, default=False, tags=tags)
 
 
@@ -415,6 +417,54 @@ def attention_entries() -> list[SuiteEntry]:
     ]
 
 
+# The targets section (issue 21, ``--suite targets``): torchvision and timm models (their rows need the zoo
+# environment, ``make zoo``: elsewhere they fail with the import error) and transformers encoders/decoders.
+TARGETS_VISION = (("torchvision", "resnet50", 224), ("torchvision", "mobilenet_v3_large", 224),
+                  ("torchvision", "efficientnet_b0", 224), ("torchvision", "convnext_tiny", 224),
+                  ("torchvision", "inception_v3", 299), ("torchvision", "vit_b_16", 224),
+                  ("torchvision", "swin_t", 224), ("timm", "vit_small_patch16_224", 224))
+
+
+def _zoo_factory(source: str, arch: str, size: int) -> Factory:
+    def factory() -> tuple[nn.Module, tuple]:
+        from benchmarks.zoo import build_arch
+
+        return build_arch(source, arch, size)
+
+    factory.__name__ = f"{source}_{arch}"
+    return factory
+
+
+def _in_zoo_environment(factory: Factory) -> Factory:
+    """``factory`` with torchvision's op schemas declared first (where the zoo environment's torchvision
+    cannot load its compiled ops, importing transformers would otherwise fail importing torchvision)."""
+
+    def wrapped() -> tuple[nn.Module, tuple]:
+        from benchmarks.zoo import define_torchvision_op_schemas
+
+        define_torchvision_op_schemas()
+        return factory()
+
+    wrapped.__name__ = factory.__name__
+    return wrapped
+
+
+def targets_entries() -> list[SuiteEntry]:
+    """The targets section's entries (tag ``targets``, not default): the vision models of
+    :data:`TARGETS_VISION` at batch 1 (BatchNorm statistics from three train-mode passes), BERT at S = 128 and
+    1024, LLaMA at S = 1024."""
+    vision = [SuiteEntry(f"{source}/{arch}", _zoo_factory(source, arch, size), source,
+                         f"{source} {arch}, random weights, batch 1, {size}x{size}", default=False, tags=("targets",))
+              for source, arch, size in TARGETS_VISION]
+    text = [SuiteEntry("bert_s128", _in_zoo_environment(bert_encoder(128)), "transformers",
+                       "BertModel, hidden 256, 4 layers, 4 heads, eager attention, batch 1, sequence 128",
+                       default=False, tags=("targets",)),
+            SuiteEntry("llama_s1024", _in_zoo_environment(llama_decoder(1024)), "transformers",
+                       "LlamaModel, hidden 256, 4 layers, 4 heads / 2 KV heads, eager attention, batch 1, "
+                       "sequence 1024, causal", default=False, tags=("targets",))]
+    return vision + text  # and bert_s1024 of the attention entries, tagged "targets" too
+
+
 # --------------------------------------------------------------------------------------------------
 # the suite, in run order
 
@@ -429,6 +479,7 @@ SUITE: list[SuiteEntry] = [
     SuiteEntry("tiny_conv_bn", tiny_conv_bn, "builtin", TinyConvBN.__doc__.strip(), default=False),
     *conv_entries(),
     *attention_entries(),
+    *targets_entries(),
 ]
 
 

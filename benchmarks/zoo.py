@@ -83,6 +83,15 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         >>> model, (x,) = build("timm/regnetx_002")  # doctest: +SKIP
     """
     source, arch = ZOO[name]
+    return build_arch(source, arch)
+
+
+def build_arch(source: str, arch: str, size: int = IMAGE_SIZE) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`build` for any ``torchvision`` or ``timm`` architecture (inputs ``size`` x ``size``).
+
+    Example:
+        >>> model, (x,) = build_arch("torchvision", "inception_v3", size=299)  # doctest: +SKIP
+    """
     define_torchvision_op_schemas()
     torch.manual_seed(SEED)
     if source == "timm":
@@ -100,8 +109,8 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     model.train()
     with torch.no_grad():
         for _ in range(3):
-            model(torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen))
-    return model.eval(), (torch.randn(1, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen),)
+            model(torch.randn(2, 3, size, size, generator=gen))
+    return model.eval(), (torch.randn(1, 3, size, size, generator=gen),)
 
 
 @dataclasses.dataclass

@@ -44,8 +44,10 @@ USER_MODEL = textwrap.dedent('''
 ''')
 
 
-def run_cli(*args, cwd=None, timeout=240):
-    """``python -m fxforge.cli ARGS`` in a subprocess (the repository importable, as when installed)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+def run_cli(*args, cwd=None, timeout=240, env=None):
+    """``python -m fxforge.cli ARGS`` in a subprocess (the repository importable, as when installed), with
+    ``env`` added to the environment."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               **(env or {}))
     return subprocess.run([sys.executable, "-m", "fxforge.cli", *map(str, args)], capture_output=True, text=True,
                           check=False, cwd=cwd, timeout=timeout, env=env)

@@ -73,6 +73,22 @@ def test_optimize_a_factory_to_onnx_with_a_dynamic_batch(user_model, out):
     assert y.shape == (5, 8)
 
 
+def test_optimize_without_output_races_the_targets_by_default(user_model, out, tmp_path):
+    env_cache = {"FXFORGE_CACHE_DIR": str(tmp_path / "cache")}
+    result = run_cli("optimize", f"{user_model}:Net", "--input", "2x8", "--model-args", '{"width": 8}',
+                     "--bench-reps", "2", cwd=out, env=env_cache)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "race native, onnxruntime, inductor; keep the fastest" in text
+    winner = re.search(r"│ target\s+│ auto: (native|onnxruntime|inductor)", text)
+    assert winner, text
+    race = re.search(r"target auto: (\w+) \(", text)
+    assert race and race.group(1) == winner.group(1)
+    for target in ("native", "onnxruntime", "inductor"):
+        assert re.search(rf"^    {target}: [0-9.e-]+ ms, prepared in ", text, re.MULTILINE), text
+    assert list(out.iterdir()) == []  # nothing written without -o
+
+
 def test_export_writes_onnx_without_rewrites(user_model, out):
     result = run_cli("export", f"{user_model}:Net", "--input", "2x4", "-o", "plain.onnx", cwd=out)
     assert result.returncode == 0, result.stderr
