@@ -385,6 +385,16 @@ def _fxforge_attention(model: nn.Module, args: tuple) -> Prepared:
     return Prepared(opt, note=report_note(report), info=report_info(report))
 
 
+@register("fxforge-inductor", "fxforge.optimize(model, example_inputs=args, target='inductor'): fxforge's rewrites, "
+                              "then torch.compile of the rewritten graph")
+def _fxforge_inductor(model: nn.Module, args: tuple) -> Prepared:
+    import fxforge
+
+    opt = fxforge.optimize(model, example_inputs=args, target="inductor")
+    report = getattr(opt, "report", None)
+    return Prepared(opt, note=report_note(report), info=report_info(report))
+
+
 @register("fxforge-auto", "fxforge.optimize(model, example_inputs=args, target='auto'): the race, then a second "
                           "optimize of a copy (the remembered choice)")
 def _fxforge_auto(model: nn.Module, args: tuple) -> Prepared:

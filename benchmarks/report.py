@@ -699,6 +699,12 @@ def targets_summary(rows: list[dict[str, Any]], *, contender: str = "fxforge-aut
                  + (" (remembered)" if info.get("second_remembered") else " (raced again)")) if second is not None else ""
         lines.append(f"- {model}: best peer {best}; {best} ms / {contender} ms = {fmt_ratio(ratios[model])}; "
                      f"chose {info.get('target', '?')}{again}")
+    compiled, inductor = timed_rows(rows, "fxforge-inductor"), theirs.get("torch.compile", {})
+    both = [m for m in row_models(rows) if m in compiled and m in inductor]
+    if both:
+        lines.append("- do fxforge's rewrites help Inductor? torch.compile ms / fxforge-inductor ms: " + ", ".join(
+            f"{m} {fmt_ratio(inductor[m]['median_ms'] / compiled[m]['median_ms'])}" for m in both) + "; geometric mean "
+            + fmt_ratio(geometric_mean(inductor[m]["median_ms"] / compiled[m]["median_ms"] for m in both)))
     if ratios:
         worst = min(ratios, key=ratios.__getitem__)
         lines.append(f"- {contender} vs the best peer on every model: lowest {worst} {fmt_ratio(ratios[worst])} "

@@ -117,7 +117,7 @@ SECTIONS: dict[str, Section] = {
         "targets",
         "target='auto' against the best peer: eager, torch.compile (default and freezing), plain export -> ORT "
         "(issue 21; torchvision/timm rows in the zoo environment)",
-        ("eager", "torch.compile", "torch.compile-inference", "ort", "fxforge-auto"),
+        ("eager", "torch.compile", "torch.compile-inference", "ort", "fxforge-inductor", "fxforge-auto"),
         report.targets_summary,
     ),
 }

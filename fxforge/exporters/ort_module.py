@@ -180,17 +180,11 @@ def thawed(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     """
     from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-    def thaw(value: Any) -> Any:
-        if isinstance(value, immutable_dict):
-            return {k: thaw(v) for k, v in value.items()}
-        if isinstance(value, immutable_list):
-            return [thaw(v) for v in value]
-        if type(value) in (tuple, list, dict):
-            return type(value)(thaw(v) for v in value) if not isinstance(value, dict) else {
-                k: thaw(v) for k, v in value.items()}
-        return value
-
-    return pytree.tree_flatten(thaw(pytree.tree_unflatten([0] * spec.num_leaves, spec)))[1]
+    if spec.is_leaf():
+        return spec
+    # The spec's own nodes are rebuilt: unflattening would run custom containers' code (a transformers cache).
+    kind = {immutable_dict: dict, immutable_list: list}.get(spec.type, spec.type)
+    return pytree.TreeSpec(kind, spec.context, [thawed(child) for child in spec.children_specs])
 
 
 def _same_constant(a: Any, b: Any) -> bool:

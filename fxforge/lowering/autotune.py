@@ -19,8 +19,11 @@ Every choice, with the timings behind it, lands in the report (``report.tuning``
 (``fxforge.rewrite(..., tuning=TuningPolicy(...))``), so concurrent optimizations never see each other's.
 Measurements are remembered on disk per machine (:func:`autotune_cache`): a result read back is reported
 as "measured earlier on this machine"; a whole-graph timing is only stored when one graph was clearly
-faster (by more than :data:`DECISIVE`), so a close call, or one a busy machine blurred, is measured again
-next time. ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
+faster (by more than :data:`DECISIVE`), so a close call is measured again next time. A busy moment must
+not be trusted from then on: every timing is stored with the machine's load
+(:func:`~fxforge.core.disk_cache.machine_load`) and not stored at all when other work ran; a whole-graph
+timing that its fused ops' own times cannot explain (:func:`inconsistent_with_parts`) is measured once
+more and, still inconsistent, used but not stored. ``FXFORGE_AUTOTUNE_CACHE=0`` turns the cache off.
 
 Example:
     >>> from torch import nn
