@@ -67,22 +67,32 @@ def test_a_second_optimize_reuses_the_measurements_and_says_so(cache_on, monkeyp
     assert len(timed) > count
 
 
-def test_a_close_whole_graph_call_is_measured_again(cache_on, monkeypatch):
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
-    x = torch.randn(1, 3, 16, 16)
-    graph_timings = []
+def scripted_timings(graph, kernels):
+    """A stand-in for autotune's timing: whole-graph timings return ``graph``, a fused op's kernels their
+    entry in ``kernels`` (else the composite's); ``.graph_calls`` counts the whole-graph timings."""
 
-    def close_call(calls, budget, **_):
+    def fake(calls, budget, **_):
         if "fused" in calls:
-            graph_timings.append(1)
-            return {"fused": 1.0, "before": 1.01}
-        return {name: (1.0 if name == "mkldnn" else 2.0) for name in calls}
+            fake.graph_calls += 1
+            return dict(graph)
+        return {name: kernels.get(name, kernels["composite"]) for name in calls}
 
-    monkeypatch.setattr(autotune, "time_interleaved", close_call)
-    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
-    first = len(graph_timings)
-    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
-    assert first >= 1 and len(graph_timings) == 2 * first  # timed again, not replayed
+    fake.graph_calls = 0
+    return fake
+
+
+def rewrite_conv_relu(timings, monkeypatch):
+    monkeypatch.setattr(autotune, "time_interleaved", timings)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    return fxforge.rewrite(fxforge.capture(model, (torch.ones(1, 3, 16, 16),)), ["conv_activation"])
+
+
+def test_a_close_whole_graph_call_is_measured_again(cache_on, monkeypatch):
+    close_call = scripted_timings({"fused": 1.0, "before": 1.01}, {"mkldnn": 1.0, "composite": 2.0})
+    rewrite_conv_relu(close_call, monkeypatch)
+    first = close_call.graph_calls
+    rewrite_conv_relu(close_call, monkeypatch)
+    assert first >= 1 and close_call.graph_calls == 2 * first  # timed again, not replayed
 
 
 def _graph_entries(path):
@@ -91,42 +101,25 @@ def _graph_entries(path):
 
 def test_a_whole_graph_timing_far_from_its_ops_times_is_measured_again_and_not_remembered(cache_on, monkeypatch):
     """The report's case: the fused graph's ops sum to 0.2 ms, its timing says 32 ms (the machine was busy)."""
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
-    x = torch.randn(1, 3, 16, 16)
-    graph_timings = []
-
-    def busy_moment(calls, budget, **_):
-        if "fused" in calls:
-            graph_timings.append(1)
-            return {"fused": 32.0, "before": 1.0}
-        return {name: (0.2 if name == "mkldnn" else 0.3) for name in calls}
-
-    monkeypatch.setattr(autotune, "time_interleaved", busy_moment)
-    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    busy_moment = scripted_timings({"fused": 32.0, "before": 1.0}, {"mkldnn": 0.2, "composite": 0.3})
+    new = rewrite_conv_relu(busy_moment, monkeypatch)
     graph = [t for t in new.report.tuning if t.subject == "graph"]
     layouts = next(t for t in new.report.tuning if t.subject == "layout").timings
-    assert len(layouts) == 2 and len(graph_timings) == 2 * len(layouts)  # each layout's graph timed once more
+    assert len(layouts) == 2 and busy_moment.graph_calls == 2 * len(layouts)  # each layout's graph timed once more
     assert all("not remembered: the graphs differ by 31 ms" in t.note for t in graph), graph
     assert _graph_entries(cache_on) == {}
 
 
 def test_a_consistent_timing_is_remembered_with_the_machine_load(cache_on, monkeypatch):
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
-    x = torch.randn(1, 3, 16, 16)
-    monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {
-        name: (1.0 if name in ("fused", "mkldnn") else 1.5) for name in calls})
-    fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    rewrite_conv_relu(scripted_timings({"fused": 1.0, "before": 1.5}, {"mkldnn": 1.0, "composite": 1.5}), monkeypatch)
     entries = _graph_entries(cache_on)
     assert entries and all(v["load"] == 0.0 and v["fused"] == 1.0 for v in entries.values())
 
 
 def test_timings_measured_on_a_busy_machine_are_used_but_not_remembered(cache_on, monkeypatch):
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
-    x = torch.randn(1, 3, 16, 16)
     monkeypatch.setattr(autotune, "machine_load", lambda: 3.0)
-    monkeypatch.setattr(autotune, "time_interleaved", lambda calls, budget, **_: {
-        name: (1.0 if name in ("fused", "mkldnn") else 1.5) for name in calls})
-    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    new = rewrite_conv_relu(scripted_timings({"fused": 1.0, "before": 1.5}, {"mkldnn": 1.0, "composite": 1.5}),
+                            monkeypatch)
     assert new.report.counts == {"conv_activation": 1}  # the measurement decided this optimize
     assert any("not remembered: the machine was busy (load 3.00 per core)" in t.note for t in new.report.tuning)
     assert not cache_on.exists() or json.loads(cache_on.read_text()) == {}
