@@ -31,16 +31,15 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from fxforge.lowering.timing import time_in_blocks
 
 FUSED_CONV_ACTIVATIONS = {"relu": ("Relu", []), "sigmoid": ("Sigmoid", []), "tanh": ("Tanh", []),
                           "leaky_relu": ("LeakyRelu", [0.1]), "hardtanh": ("Clip", [0.0, 6.0])}
@@ -56,26 +55,6 @@ def _session(model_bytes: bytes) -> Any:
     from fxforge.exporters.ort_module import session_options
 
     return ort.InferenceSession(model_bytes, session_options(), providers=["CPUExecutionProvider"])
-
-
-def time_interleaved(runs: dict[str, Callable[[], Any]], rounds: int, reps: int) -> dict[str, float]:
-    """Median milliseconds per call of each run, over ``rounds`` rounds of ``reps`` calls, order rotated.
-
-    Example:
-        >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 2, 1))
-        ['a', 'b']
-    """
-    names = list(runs)
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            for _ in range(reps):
-                runs[name]()
-            times[name].append((time.perf_counter() - start) / reps * 1e3)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 # ---------------------------------------------------------------------------------------------- conv, linear
@@ -146,8 +125,8 @@ def _linear_model(form: str, activation: str, x_shape, out_features: int) -> byt
 def _compare(case: str, forms: tuple[str, str], sessions: list, feeds: dict, rounds: int, reps: int) -> dict:
     a, b = (s.run(None, feeds)[0] for s in sessions)
     error = float(np.abs(a - b).max())
-    medians = time_interleaved({forms[0]: lambda: sessions[0].run(None, feeds),
-                                forms[1]: lambda: sessions[1].run(None, feeds)}, rounds, reps)
+    medians = time_in_blocks({forms[0]: lambda: sessions[0].run(None, feeds),
+                              forms[1]: lambda: sessions[1].run(None, feeds)}, rounds, reps, discard_first=False)
     return {"case": case, "forms": forms, "ms": medians, "ratio": medians[forms[0]] / medians[forms[1]],
             "max_abs_diff": error}
 
@@ -279,7 +258,8 @@ def _time_forms(case: str, model: nn.Module, inputs: tuple, forms: tuple[str, ..
     feeds = dict(zip(names, (t.numpy() for t in inputs)))
     reference = sessions[forms[0]].run(None, feeds)[0]
     error = max(float(np.abs(s.run(None, feeds)[0] - reference).max()) for s in sessions.values())
-    medians = time_interleaved({f: (lambda s=s: s.run(None, feeds)) for f, s in sessions.items()}, rounds, reps)
+    medians = time_in_blocks({f: (lambda s=s: s.run(None, feeds)) for f, s in sessions.items()}, rounds, reps,
+                             discard_first=False)
     return [{"case": case, "forms": (forms[0], form), "ms": {forms[0]: medians[forms[0]], form: medians[form]},
              "ratio": medians[forms[0]] / medians[form], "max_abs_diff": error} for form in forms[1:]]
 

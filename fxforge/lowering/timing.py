@@ -78,6 +78,52 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
     return _medians_ms(samples)
 
 
+def time_in_blocks(calls: dict[str, Callable[[], Any]], rounds: int | None = None, reps: int = 3, *,
+                   budget_s: float = 1.0, min_rounds: int = MIN_REPS, max_rounds: int = 10,
+                   discard_first: bool = True, samples: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Median milliseconds per call of each callable, timed in blocks: every round runs each callable ``reps``
+    times back to back (the order rotated from round to round), each call timed on its own.
+
+    Where :func:`time_interleaved` alternates single calls (right for kernels, which share one thread pool),
+    blocks measure what a caller of one runtime sees: the runtime that runs after another pays for the
+    switch (PyTorch's OpenMP threads still spinning, caches holding the other's weights) on its first call
+    only, and with ``discard_first`` that call of each block is run but not timed.
+
+    Args:
+        calls: name -> callable to time.
+        rounds: rounds to run; None: as many as fit in ``budget_s`` (judged from the warm-up calls), between
+            ``min_rounds`` and ``max_rounds``.
+        reps: timed calls per callable per round.
+        discard_first: run one untimed call at the start of each block.
+        samples: filled with every call's samples in milliseconds, when given.
+
+    Example:
+        >>> sorted(time_in_blocks({"a": lambda: None, "b": lambda: None}, rounds=2, reps=1))
+        ['a', 'b']
+    """
+    samples = {} if samples is None else samples
+    samples.clear()
+    names = list(calls)
+    start = time.perf_counter()
+    for call in calls.values():
+        call()  # warm-up: packing, allocator, caches
+    per_round = (time.perf_counter() - start) * (reps + discard_first)
+    if rounds is None:
+        rounds = max(min_rounds, min(max_rounds, int(budget_s / max(per_round, 1e-6))))
+    for name in names:
+        samples[name] = []
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call = calls[name]
+            if discard_first:
+                call()
+            for _ in range(reps):
+                begin = time.perf_counter()
+                call()
+                samples[name].append(time.perf_counter() - begin)
+    return _medians_ms(samples)
+
+
 def _medians_ms(samples: dict[str, list[float]]) -> dict[str, float]:
     """Medians in milliseconds; the samples themselves turned into milliseconds in place."""
     for values in samples.values():

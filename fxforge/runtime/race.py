@@ -4,7 +4,8 @@ Each :class:`Entrant` is built in turn (its build time is its prepare time); a b
 longer than what is left of the time budget is skipped with that reason (Inductor's compile can take
 minutes on CPU). A built target is run on fresh random inputs of the example's shapes and compared with
 eager's outputs there; one that differs, raises, or fell back to eager is refused with the reason. The
-targets that pass are timed together with eager, interleaved, on the example inputs with gradients off,
+targets that pass are timed together with eager, in interleaved blocks of calls
+(:func:`~fxforge.lowering.timing.time_in_blocks`), on the example inputs with gradients off,
 and the fastest median wins; within :data:`TIE` of the fastest, the target first in :data:`PREFERENCE`
 wins instead (native reads the model's live weights, ONNX Runtime runs a snapshot of them).
 
@@ -31,15 +32,16 @@ from fxforge.core.disk_cache import BUSY_LOAD, machine_load
 from fxforge.core.report import Contender, Race
 from fxforge.core.source import first_line
 from fxforge.core.verify import compare_outputs, random_like
-from fxforge.lowering.timing import time_interleaved
+from fxforge.lowering.timing import time_in_blocks
 
 # Targets in the order a near tie is settled: live weights and PyTorch's own autograd first.
 PREFERENCE = ("native", "inductor", "onnxruntime")
 # Latencies within this fraction of the fastest count as a tie (the machines' noise).
 TIE = 0.03
-# Seconds of interleaved timing, roughly, and rounds at least.
+# Seconds of timing, roughly; rounds at least; timed calls per target per round, back to back (each block's
+# first call, which pays for switching from the other runtimes, is run untimed).
 TIMING_BUDGET_S = 3.0
-MIN_ROUNDS = 5
+MIN_ROUNDS, BLOCK = 3, 3
 # A target agrees with eager within this many times the float32 tolerance of
 # :func:`~fxforge.core.verify.compare_outputs` (ONNX Runtime's and Inductor's kernels round differently).
 RTOL_SCALE = 10.0
@@ -149,8 +151,8 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     calls = {"eager": model, **built}
     samples: dict[str, list[float]] = {}
     with torch.no_grad():
-        medians = time_interleaved({name: (lambda m=m: m(*args, **kwargs)) for name, m in calls.items()},
-                                   TIMING_BUDGET_S, min_reps=MIN_ROUNDS, samples=samples)
+        medians = time_in_blocks({name: (lambda m=m: m(*args, **kwargs)) for name, m in calls.items()},
+                                 reps=BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS, samples=samples)
     result.load = round(machine_load(), 2)
     for contender in contenders:
         if contender.target in built:
