@@ -6,8 +6,9 @@ minutes on CPU). A built target is run on fresh random inputs of the example's s
 eager's outputs there; one that differs, raises, or fell back to eager is refused with the reason. The
 targets that pass are timed together with eager, in interleaved blocks of calls
 (:func:`~fxforge.lowering.timing.time_in_blocks`), on the example inputs with gradients off,
-and the fastest median wins; within :data:`TIE` of the fastest, the target first in :data:`PREFERENCE`
-wins instead (native reads the model's live weights, ONNX Runtime runs a snapshot of them).
+and the fastest median wins. Targets within :data:`TIE` of the fastest are timed again head to head, in
+longer blocks without eager and the others; if they still tie, the target first in :data:`PREFERENCE` wins
+(native reads the model's live weights, ONNX Runtime runs a snapshot of them).
 
 Example:
     >>> import torch
@@ -31,7 +32,7 @@ from torch import nn
 from fxforge.core.disk_cache import BUSY_LOAD, machine_load
 from fxforge.core.report import Contender, Race
 from fxforge.core.source import first_line
-from fxforge.core.verify import compare_outputs, random_like
+from fxforge.core.verify import compare_outputs, isolated, random_like
 from fxforge.lowering.timing import time_in_blocks
 
 # Targets in the order a near tie is settled: live weights and PyTorch's own autograd first.
@@ -42,6 +43,8 @@ TIE = 0.03
 # first call, which pays for switching from the other runtimes, is run untimed).
 TIMING_BUDGET_S = 3.0
 MIN_ROUNDS, BLOCK = 3, 3
+# Timed calls per block when targets within TIE of the fastest are timed again, alone together.
+RUNOFF_BLOCK = 5
 # A target agrees with eager within this many times the float32 tolerance of
 # :func:`~fxforge.core.verify.compare_outputs` (ONNX Runtime's and Inductor's kernels round differently).
 RTOL_SCALE = 10.0
@@ -86,7 +89,7 @@ def fell_back(module: nn.Module) -> str:
     return ""
 
 
-def _entered(entrant: Entrant, fresh: tuple, expected: Any, began: float,
+def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, seed: int, began: float,
              budget_s: float | None) -> tuple[nn.Module | None, Contender]:
     """Build one entrant and check it on the fresh inputs: (the module or None, its contender line)."""
     spent = time.perf_counter() - began
@@ -108,7 +111,7 @@ def _entered(entrant: Entrant, fresh: tuple, expected: Any, began: float,
             return None, Contender(entrant.target, prepare_s=prepare_s, refused=reason)
         if entrant.built is not None:
             entrant.built(module, prepare_s)
-        with torch.no_grad():
+        with torch.no_grad(), isolated(model, seed=seed, inputs=fresh):  # the reference's random numbers
             actual = module(*fresh[0], **fresh[1])
     except Exception as error:  # noqa: BLE001 - any failure refuses this target, with its reason
         return None, Contender(entrant.target, prepare_s=time.perf_counter() - start,
@@ -136,12 +139,14 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     """
     began = time.perf_counter() if began is None else began
     fresh = random_like((args, kwargs), seed)
-    with torch.no_grad():
+    # Every run is isolated: seeded (dropout in training mode draws the same numbers in eager and in each
+    # target) and the model's buffers put back after (BatchNorm statistics are not moved by the race).
+    with torch.no_grad(), isolated(model, seed=seed, inputs=fresh):
         expected = model(*fresh[0], **fresh[1])
     built: dict[str, nn.Module] = {}
     contenders = []
     for entrant in entrants:  # the budget skips nothing before one target is built: the race needs one
-        module, contender = _entered(entrant, fresh, expected, began, budget_s if built else None)
+        module, contender = _entered(entrant, model, fresh, expected, seed, began, budget_s if built else None)
         contenders.append(contender)
         if module is not None:
             built[entrant.target] = module
@@ -150,7 +155,7 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
         return built, result
     calls = {"eager": model, **built}
     samples: dict[str, list[float]] = {}
-    with torch.no_grad():
+    with torch.no_grad(), isolated(model, inputs=(args, kwargs)):
         medians = time_in_blocks({name: (lambda m=m: m(*args, **kwargs)) for name, m in calls.items()},
                                  reps=BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS, samples=samples)
     result.load = round(machine_load(), 2)
@@ -158,7 +163,19 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
         if contender.target in built:
             contender.latency_ms = medians[contender.target]
     result.eager_ms = medians["eager"]
-    result.winner, result.why = choose({t: medians[t] for t in built}, medians["eager"])
+    latencies = {t: medians[t] for t in built}
+    tied = [t for t in latencies if latencies[t] <= min(latencies.values()) * (1 + TIE)]
+    if len(tied) > 1:  # a near tie is settled head to head, longer, before the preference may decide it
+        with torch.no_grad(), isolated(model, inputs=(args, kwargs)):
+            runoff = time_in_blocks({t: (lambda m=built[t]: m(*args, **kwargs)) for t in tied},
+                                    reps=RUNOFF_BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS)
+        result.notes.append("near tie of " + ", ".join(f"{t} {latencies[t]:.3g} ms" for t in tied)
+                            + " re-timed head to head: " + ", ".join(f"{t} {runoff[t]:.3g} ms" for t in tied))
+        latencies.update(runoff)
+        for contender in contenders:
+            if contender.target in runoff:
+                contender.latency_ms = runoff[contender.target]
+    result.winner, result.why = choose(latencies, medians["eager"])
     noisy = [name for name, values in samples.items()
              if statistics_spread(values) > NOISY_SPREAD and medians[name] - min(values) > NOISY_FLOOR_MS]
     if noisy:

@@ -97,3 +97,15 @@ def test_a_near_tie_goes_to_the_preferred_target_and_says_so():
 
 def test_a_race_without_a_winner_is_not_remembrable():
     assert not remembrable(Race("", "no target built and agreed with eager"))
+
+
+def test_a_near_tie_is_timed_again_head_to_head_before_the_preference_decides(quiet, monkeypatch):
+    timings = iter([{"eager": 3.0, "native": 1.01, "onnxruntime": 1.0}, {"native": 1.3, "onnxruntime": 1.0}])
+    monkeypatch.setattr(race_module, "time_in_blocks", lambda calls, **_: {k: v for k, v in next(timings).items()
+                                                                              if k in calls})
+    entrants = [Entrant("native", lambda: Scaled(1.0)), Entrant("onnxruntime", lambda: Scaled(1.0))]
+    _, result = race(Scaled(1.0), (torch.randn(2),), {}, entrants)
+    assert result.winner == "onnxruntime"  # the preference alone would have chosen native
+    assert result.notes == [("near tie of native 1.01 ms, onnxruntime 1 ms re-timed head to head: native 1.3 ms, "
+                             "onnxruntime 1 ms")]
+    assert [c.latency_ms for c in result.contenders] == [1.3, 1.0]
