@@ -32,6 +32,7 @@ from torch import nn
 from fxforge.core.disk_cache import BUSY_LOAD, machine_load
 from fxforge.core.report import Contender, Race
 from fxforge.core.source import first_line
+from fxforge.core.target_cache import device_of
 from fxforge.core.verify import compare_outputs, isolated, random_like
 from fxforge.lowering.timing import time_in_blocks
 
@@ -156,7 +157,7 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     calls = {"eager": model, **built}
     samples: dict[str, list[float]] = {}
     with torch.no_grad(), isolated(model, inputs=(args, kwargs)):
-        medians = time_in_blocks({name: (lambda m=m: m(*args, **kwargs)) for name, m in calls.items()},
+        medians = time_in_blocks({name: timed_call(m, args, kwargs) for name, m in calls.items()},
                                  reps=BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS, samples=samples)
     result.load = round(machine_load(), 2)
     for contender in contenders:
@@ -167,7 +168,7 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     tied = [t for t in latencies if latencies[t] <= min(latencies.values()) * (1 + TIE)]
     if len(tied) > 1:  # a near tie is settled head to head, longer, before the preference may decide it
         with torch.no_grad(), isolated(model, inputs=(args, kwargs)):
-            runoff = time_in_blocks({t: (lambda m=built[t]: m(*args, **kwargs)) for t in tied},
+            runoff = time_in_blocks({t: timed_call(built[t], args, kwargs) for t in tied},
                                     reps=RUNOFF_BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS)
         result.notes.append("near tie of " + ", ".join(f"{t} {latencies[t]:.3g} ms" for t in tied)
                             + " re-timed head to head: " + ", ".join(f"{t} {runoff[t]:.3g} ms" for t in tied))
@@ -184,6 +185,23 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     if result.load > BUSY_LOAD:
         result.notes.append(f"the machine was busy while timing (load {result.load:.2f} per core): not remembered")
     return built, result
+
+
+def timed_call(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """A call of ``module`` on the inputs that returns when its work is done: on a GPU, CUDA kernels run
+    asynchronously, so the call waits for the device (else a timing measures only the kernel launches).
+
+    Example:
+        >>> timed_call(torch.nn.ReLU(), (torch.ones(2),), {})()
+    """
+    sync = torch.cuda.synchronize if device_of(args, kwargs, module).type == "cuda" else None
+
+    def call() -> None:
+        module(*args, **kwargs)
+        if sync is not None:
+            sync()
+
+    return call
 
 
 def statistics_spread(values: list[float]) -> float:

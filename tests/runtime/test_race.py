@@ -109,3 +109,14 @@ def test_a_near_tie_is_timed_again_head_to_head_before_the_preference_decides(qu
     assert result.notes == [("near tie of native 1.01 ms, onnxruntime 1 ms re-timed head to head: native 1.3 ms, "
                              "onnxruntime 1 ms")]
     assert [c.latency_ms for c in result.contenders] == [1.3, 1.0]
+
+
+def test_a_call_on_a_gpu_waits_for_the_device_before_its_time_is_taken(monkeypatch):
+    synced = []
+    monkeypatch.setattr(race_module, "device_of", lambda *_: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
+    race_module.timed_call(Scaled(1.0), (torch.ones(2),), {})()
+    assert synced == [1]
+    monkeypatch.setattr(race_module, "device_of", lambda *_: torch.device("cpu"))
+    race_module.timed_call(Scaled(1.0), (torch.ones(2),), {})()
+    assert synced == [1]
