@@ -591,11 +591,12 @@ def auto_module(model: nn.Module, example_inputs: Any, *, targets: Any = AUTO_TA
             return _chosen(built[winner], _remembered(result, stored, then, now))
         notes.append(f"the remembered choice {winner} ({then:.2f}x eager when chosen) was raced again: "
                      + (f"it ran at {now:.2f}x eager now" if now is not None else result.contenders[0].refused))
-    skipped = [Contender("onnxruntime", refused="not raced: the model is in training mode (an ONNX export is "
-                                                 "an inference snapshot)")] if model.training and "onnxruntime" in entrants else []
-    order = [t for t in AUTO_TARGETS if t in entrants and not (skipped and t == "onnxruntime")]
+    snapshot = model.training and "onnxruntime" in entrants  # an export of a model in training mode
+    order = [t for t in AUTO_TARGETS if t in entrants and not (snapshot and t == "onnxruntime")]
     built, result = race(model, args, kwargs, [entrants[t] for t in order], budget_s=budget_s, began=began)
-    result.contenders += skipped
+    if snapshot:
+        result.contenders.append(Contender("onnxruntime", refused="not raced: the model is in training mode (an "
+                                                                   "ONNX export is an inference snapshot)"))
     result.notes[:0] = notes
     if not result.winner:
         module = _prepared(optimized(model, target="native", rewrites=[], verify=verify, method=method,
@@ -651,7 +652,7 @@ def _remembered(result: Race, stored: dict, then: float, now: float) -> Race:
     winner = result.winner
     for target, ms in stored["latency_ms"].items():
         if target != winner:
-            result.contenders.append(Contender(target, latency_ms=ms, refused=""))
+            result.contenders.append(Contender(target, latency_ms=ms))
     result.why = (f"remembered from the race of {stored.get('when', 'an earlier run')} ({then:.2f}x eager then, "
                   f"{now:.2f}x now)")
     result.notes.append("only the winner was built; the other targets' latencies are those remembered "

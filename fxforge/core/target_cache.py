@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
@@ -49,6 +50,7 @@ def target_cache() -> TuningCache | None:
     return None if os.environ.get("FXFORGE_TARGET_CACHE", "1") == "0" else open_cache(FILENAME)
 
 
+@functools.cache  # installed versions do not change while the process runs
 def library_versions() -> str:
     """The versions a choice depends on: Python, torch, onnxruntime, onnx and fxforge.
 
@@ -113,7 +115,7 @@ def compile_rate(device: torch.device) -> tuple[float, bool]:
         True
     """
     cache = target_cache()
-    stored = cache.get(f"{machine_key(device)} | {library_versions()} | inductor s per node") if cache else None
+    stored = cache.get(_rate_key(device)) if cache else None
     if stored is not None:
         return float(stored), True
     return DEFAULT_COMPILE_S_PER_NODE.get(device.type, 0.1), False
@@ -129,5 +131,9 @@ def remember_compile_rate(device: torch.device, seconds: float, nodes: int) -> N
     cache = target_cache()
     if cache is None or nodes <= 0 or machine_load() > BUSY_LOAD:
         return
-    cache.put(f"{machine_key(device)} | {library_versions()} | inductor s per node", seconds / nodes)
+    cache.put(_rate_key(device), seconds / nodes)
     cache.save()
+
+
+def _rate_key(device: torch.device) -> str:
+    return f"{machine_key(device)} | {library_versions()} | inductor s per node"

@@ -163,8 +163,7 @@ def tune_kernels(gm: torch.fx.GraphModule, pool: dict | None = None, *, memo: di
                 timings, note = stored["timings"], "; ".join(filter(None, [stored["note"], NOTE]))
             else:
                 timings, note = _time_kernels(gm, op_args, values, op, weight, pool)
-                load = machine_load()
-                if cache is not None and load <= BUSY_LOAD:  # a busy moment is used now, not remembered
+                if cache is not None and (load := machine_load()) <= BUSY_LOAD:  # a busy moment: not remembered
                     cache.put(cache_key, {"timings": timings, "note": note, "load": round(load, 2)})
             best = min(timings, key=timings.__getitem__)
             if policy.kernel is not None:

@@ -32,8 +32,7 @@ NOTE = "measured earlier on this machine (autotune cache)"
 
 def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, warmed: tuple[str, ...] = (),
                      decisive: float | None = None, decisive_first: float | None = None,
-                     limit_s: float | None = None, min_reps: int = MIN_REPS,
-                     samples: dict[str, list[float]] | None = None) -> dict[str, float]:
+                     limit_s: float | None = None) -> dict[str, float]:
     """Median milliseconds per call of each callable, calls interleaved, after one warm-up each.
 
     Args:
@@ -46,16 +45,13 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
             this fraction (for calls whose warm-up ran: a cold first sample must not decide).
         limit_s: no round starts once this many seconds went by since the first call (warm-ups included), so
             a caller that times inside a user's call is not held up by large inputs (at least one round runs).
-        min_reps: rounds at least (unless ``limit_s`` or a decisive stop ends them first).
-        samples: filled with every call's samples in milliseconds, when given.
 
     Example:
         >>> sorted(time_interleaved({"a": lambda: None, "b": lambda: None}, 0.001))
         ['a', 'b']
     """
     began = time.perf_counter()
-    samples = {} if samples is None else samples
-    samples.clear()
+    samples: dict[str, list[float]] = {}
     for name, call in calls.items():
         if name not in warmed:
             call()  # warm-up: packing, allocator, caches
@@ -65,7 +61,7 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], budget_s: float, *, wa
     total = sum(s[0] for s in samples.values()) or 1e-6
     if decisive_first is not None and len(samples) == 2 and _separated(*samples.values(), decisive_first):
         return _medians_ms(samples)
-    reps = max(min_reps, min(MAX_REPS, int(budget_s / total)))
+    reps = max(MIN_REPS, min(MAX_REPS, int(budget_s / total)))
     for rep in range(1, reps):
         if limit_s is not None and time.perf_counter() - began > limit_s:
             break
