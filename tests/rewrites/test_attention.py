@@ -71,7 +71,8 @@ def nan_query_guard(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     for sdpa in sdpa_nodes(gm):
         where = next(n for n in sdpa.users if "where" in str(n.target))
         condition = where.args[0]
-        guard += [where, condition, condition.args[0]]
+        total = condition.args[0]  # isnan(sum(q * 0))
+        guard += [where, condition, total, total.args[0]]
     return guard
 
 
@@ -299,7 +300,9 @@ ACCEPTED = {
     "einsum_any_layout": (einsum_any_layout, {"scale": 0.2}),
     "einsum_ellipsis": (einsum_ellipsis, {"scale": 1.0}),
     "bmm_heads_in_batch": (bmm_heads_in_batch, {"scale": 1 / 3.0}),
-    "additive_after_scale": (additive_after_scale, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    # (masks that hold finfo.min or -1e9, never -inf, need no fix: a row they hide is uniform in eager and
+    # SDPA alike; bool and integer masks hold no infinity either)
+    "additive_after_scale": (additive_after_scale, {"scale": 0.25, "mask": torch.float32}),
     "additive_before_scale": (additive_before_scale, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
     "fill_minus_inf": (fill_minus_inf, {"scale": 0.25, "mask": torch.bool, "row_fix": True}),
     "where_finfo_min": (where_finfo_min, {"scale": 1.0, "mask": torch.bool, "row_fix": True}),
@@ -315,15 +318,15 @@ ACCEPTED = {
     "gqa_repeat_interleave": (gqa_repeat_interleave, {"scale": 0.1, "gqa": True}),
     "gqa_repeat_kv": (gqa_repeat_kv, {"scale": 0.1, "gqa": True}),
     "dropout_forms": (dropout_forms, {}),
-    "bool_mask_added": (bool_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "bool_mask_added": (bool_mask_added, {"scale": 0.25, "mask": torch.float32}),
     "int_keep_filled": (int_keep_filled, {"scale": 0.25, "mask": torch.bool, "row_fix": True}),
     "int_keep_added": (int_keep_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
-    "int_mask_added": (int_mask_added, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
+    "int_mask_added": (int_mask_added, {"scale": 0.25, "mask": torch.float32}),
     "constant_tensor_added": (constant_tensor_added, {"scale": 1.0, "mask": torch.float32}),
     "per_head_scale": (per_head_scale, {"scale": 1.0, "mask": torch.float32, "row_fix": True}),
     "expand_as_scores": (expand_as_scores, {"scale": 1 / math.sqrt(D), "mask": torch.bool, "row_fix": True}),
-    "expand_to_scores_shape": (expand_to_scores_shape, {"scale": 0.25, "mask": torch.float32, "row_fix": True}),
-    "bmm_views_around_mask": (bmm_views_around_mask, {"scale": 1.0, "mask": torch.float32, "row_fix": True}),
+    "expand_to_scores_shape": (expand_to_scores_shape, {"scale": 0.25, "mask": torch.float32}),
+    "bmm_views_around_mask": (bmm_views_around_mask, {"scale": 1.0, "mask": torch.float32}),
     "shifted_windows": (shifted_windows, {"scale": 0.3, "mask": torch.float32}),
     "windows_with_padding": (windows_with_padding, {"scale": 1.0, "mask": torch.float32, "row_fix": True}),
 }

@@ -49,9 +49,11 @@ How the replacement stays exact:
   is hidden by a finite value eager's scores are absorbed into the mask value by rounding (a uniform
   softmax: the mean of v) while SDPA adds in float32: both are patched in (``where`` on the mask's rows,
   which costs a pass over the mask, not over the scores), unless the mask is a constant proven to have no
-  such row. A query row holding a NaN gives NaN in eager and 0 in SDPA's fused CPU kernel: every replacement
-  ends with ``where(isnan(q).any(-1), NaN, out)`` (not in a row every key of which a fill hides: eager's fill
-  replaced the NaN scores there). One difference remains, by design: a NaN in a *key* that a fill hides is
+  such row, or a mask computed from the inputs that can hold no ``-inf`` (``where(keep, 0, finfo.min)``, read
+  by :mod:`~fxforge.rewrites.attention.finite`; float32 and float64, where a row hidden by finite values is
+  uniform in both). A query row holding a NaN gives NaN in eager and 0 in SDPA's fused CPU kernel: every
+  replacement ends with ``where(isnan((q * 0).sum(-1)), NaN, out)`` (rows with a NaN or an infinity, both
+  NaN in eager; not in a row every key of which a fill hides: eager's fill replaced the NaN scores there). One difference remains, by design: a NaN in a *key* that a fill hides is
   replaced by the fill in eager, so its row stays finite when that key's value is finite, while SDPA adds the
   mask to the NaN score and the row is NaN: NaN, never another number. A condition AND-ed into a
   mask that constants prove all-True (transformers' ``q_idx >= 0`` spreading a [B, 1, 1, S] padding mask

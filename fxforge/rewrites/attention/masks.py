@@ -24,6 +24,7 @@ import torch
 from fxforge.core.nodes import fake_value
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.finite import never_infinite
 from fxforge.rewrites.attention.folds import EagerBuilder, fold_keep, fold_mask
 from fxforge.rewrites.attention.index_masks import (
     LARGE_NEGATIVE,
@@ -120,7 +121,9 @@ def _constant_plan(attention: Attention, constants: Constants, plan: MaskPlan) -
             if not bool(hidden.all(-1).any()):  # no row the fix would change
                 plan = MaskPlan("float")
             return _keep_plan(attention, keep, plan)
-        return MaskPlan("causal") if _causal_for_every_size(attention) else plan
+        if _causal_for_every_size(attention):
+            return MaskPlan("causal")
+        return MaskPlan("float") if _never_minus_infinity(attention) else plan
     if not isinstance(keep, torch.Tensor):
         return MaskPlan("causal") if _causal_for_every_size(attention) else plan
     return _keep_plan(attention, keep, plan)
@@ -140,6 +143,26 @@ def _causal_for_every_size(attention: Attention) -> bool:
             mask = read_mask(step.mask)
             keeps.append(mask.keep if isinstance(mask, Additive) and step.coefficient == 1.0 else None)
     return None not in keeps and causal_for_every_size(keeps, attention.softmax.node)
+
+
+def _never_minus_infinity(attention: Attention) -> bool:
+    """Whether SDPA's float mask, computed from the inputs, can hold no ``-inf`` (so no row differs from eager
+    and none needs the patch) in float32 or float64: one additive mask that
+    :func:`~fxforge.rewrites.attention.finite.never_infinite` proves finite, no fills, and no later scale
+    that could push ``finfo.min`` past the range (only number factors of size at most 1). In float16 and
+    bfloat16 a row hidden by finite values still differs (eager adds in the low precision)."""
+    if attention.dtype not in (torch.float32, torch.float64):
+        return False
+    steps = attention.scores.steps
+    added = [s for s in steps if isinstance(s, AddMask)]
+    if len(added) != 1 or any(isinstance(s, Fill) for s in steps) or abs(added[0].coefficient) > 1:
+        return False
+    for step in steps[steps.index(added[0]) + 1:]:
+        if isinstance(step, Scale):
+            factor = step.factor if isinstance(step.factor, (int, float)) and not isinstance(step.factor, bool) else None
+            if step.is_tensor or factor is None or factor == 0 or (abs(1 / factor) if step.divide else abs(factor)) > 1:
+                return False
+    return never_infinite(added[0].mask)
 
 
 def _keep_plan(attention: Attention, keep: torch.Tensor | None, plan: MaskPlan) -> MaskPlan:

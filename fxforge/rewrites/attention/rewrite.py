@@ -93,7 +93,7 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
         >>> found = find_attention(read_softmax(list(gm.graph.nodes)[5], gm), gm, Constants(gm))
         >>> ctx = PassContext("attention", False, "fx"); replace(*found, gm, ctx)
         >>> [n.name for n in gm.graph.nodes]   # with the guard of query rows with a NaN
-        ['q', 'k', 'v', 'scaled_dot_product_attention', 'isnan', 'any_1', 'where', 'output']
+        ['q', 'k', 'v', 'scaled_dot_product_attention', 'mul', 'sum_1', 'isnan', 'where', 'output']
     """
     nodes = attention.nodes
     anchor = attention.values.product
