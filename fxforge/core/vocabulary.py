@@ -144,6 +144,7 @@ OPS: dict[str, CallForms] = {
     "mul": forms((operator.mul, operator.imul, torch.mul, aten.mul, aten.mul_), ("mul", "mul_", "__mul__", "__imul__")),
     "div": forms((operator.truediv, operator.itruediv, torch.div, torch.true_divide, aten.div, aten.div_,
                   aten.true_divide), ("div", "div_", "true_divide", "__truediv__", "__itruediv__")),
+    "pow": forms((operator.pow, operator.ipow, torch.pow, aten.pow, aten.pow_), ("pow", "pow_", "__pow__", "__ipow__")),
     "matmul": forms((operator.matmul, torch.matmul, torch.bmm, aten.matmul, aten.mm, aten.bmm),
                     ("matmul", "mm", "bmm", "__matmul__")),  # mm and bmm are matmul on the inputs they accept
     "einsum": forms((torch.einsum, torch.functional.einsum, aten.einsum.default)),

@@ -47,6 +47,7 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "sub": (("input", _REQUIRED), ("other", _REQUIRED), ("alpha", 1)),
     "mul": (("input", _REQUIRED), ("other", _REQUIRED)),
     "div": (("input", _REQUIRED), ("other", _REQUIRED), ("rounding_mode", None)),
+    "pow": (("input", _REQUIRED), ("exponent", _REQUIRED)),
     "matmul": (("input", _REQUIRED), ("other", _REQUIRED)),
     "linear": (("input", _REQUIRED), ("weight", _REQUIRED), ("bias", None)),
     "batch_norm": (("input", _REQUIRED), ("running_mean", _REQUIRED), ("running_var", _REQUIRED), ("weight", None),
@@ -62,7 +63,8 @@ _FIXED = {F.relu6: {"min_val": 0.0, "max_val": 6.0}, aten.relu6: {"min_val": 0.0
 _BN_TUPLES = {getattr(aten, n) for n in ("_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
                                          "native_batch_norm") if hasattr(aten, n)}
 _DUNDER = {"__add__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_", "__mul__": "mul",
-           "__imul__": "mul_", "__truediv__": "div", "__itruediv__": "div_", "__matmul__": "matmul"}
+           "__imul__": "mul_", "__truediv__": "div", "__itruediv__": "div_", "__matmul__": "matmul",
+           "__pow__": "pow", "__ipow__": "pow_"}
 _IGNORED_ARGS = {"inplace", "cudnn_enabled", "output_padding"}
 _PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 
@@ -134,6 +136,8 @@ def _bind_call(node: Node) -> dict | None:
     if target in (operator.add, operator.iadd, operator.sub, operator.isub, operator.mul, operator.imul,
                   operator.truediv, operator.itruediv, operator.matmul):
         return {"input": args[0], "other": args[1]} if len(args) == 2 and not kwargs else None
+    if target in (operator.pow, operator.ipow):
+        return {"input": args[0], "exponent": args[1]} if len(args) == 2 and not kwargs else None
     signature = _python_signature(target)
     if signature is not None:
         try:

@@ -9,6 +9,11 @@ relu, relu6/hardtanh, leaky_relu, gelu, silu, sigmoid, tanh and hardswish; see
 - conv(x) + other         -> fxforge::conv_pointwise(x, ..., other, "none")
 - act(linear(x))          -> fxforge::linear_pointwise(x, ..., act)
 
+Before them, an activation written out as its formula becomes the op (:data:`WRITTEN_OUT`: GELU's tanh
+approximation as transformers' ``gelu_new`` writes it, eight elementwise passes, becomes
+``F.gelu(approximate="tanh")``, one), so that it runs as one vectorised kernel and fuses after a linear
+layer like the op itself. It stays when autotune undoes the fusions (it is not a fused op).
+
 It runs after ``conv_bn_fold``, so conv+BN+activation chains end as one op. Each rule refuses, with
 the reason, in training mode (the fused ops are for inference; training keeps eager's ops), when an
 activation's parameter is computed at run time, and when the added tensor's shape or dtype differs from
@@ -32,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -167,6 +173,27 @@ def linear_rule(activation: Activation) -> Rule:
                 description=f"{activation.name}(linear) -> fxforge::linear_pointwise")
 
 
+def gelu_tanh_written_out(y):
+    """GELU's tanh approximation as transformers writes it (``NewGELUActivation``: GPT-2, GPT-Neo, CodeGen,
+    T5 v1.1 ``gelu_new``): eight elementwise passes where ``F.gelu(approximate="tanh")`` makes one."""
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
+def refuse_non_float(match: Match) -> Refusal | None:
+    """Refuse an activation written out on values that are not floating point (or have no metadata)."""
+    value = match.tensor("y")
+    if value is None or not value.is_floating_point():
+        return Refusal("the activation's input is not a floating point tensor with shape metadata")
+    return None
+
+
+# Activations written out as their formula become the op first (one vectorised kernel; then the fusion
+# rules below see it after a linear layer).
+WRITTEN_OUT: list[Rule] = [
+    Rule("gelu(approximate='tanh') written out", gelu_tanh_written_out, lambda y: F.gelu(y, approximate="tanh"),
+         check=refuse_non_float, description="0.5*y*(1+tanh(sqrt(2/pi)*(y+0.044715*y^3))) -> gelu(y, approximate='tanh')"),
+]
+
 DIMS = (2, 1, 3)
 RULES: list[Rule] = [
     *(conv_rule(d, RELU, residual=True) for d in DIMS),
@@ -197,13 +224,15 @@ def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
             if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in RULES):
                 ctx.refused(node, refusal)
         return
+    apply_rules(graph_module, ctx, WRITTEN_OUT)
+    recognized = list(ctx.matches)
     before = copy_graph_module(graph_module)
     apply_rules(graph_module, ctx, RULES)
-    if not ctx.matches or ctx.tuner is None:
+    if len(ctx.matches) == len(recognized) or ctx.tuner is None:
         return
     tuned = ctx.tuner(graph_module, before, ctx)
-    if not tuned.fused:
-        ctx.matches.clear()
+    if not tuned.fused:  # the graph is back to ``before``: the written-out activations stay recognised
+        ctx.matches[:] = recognized
     ctx.lowered_run = tuned.lowered_run
 
 

@@ -15,9 +15,16 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+class NewGELU(nn.Module):
+    """transformers' ``gelu_new``: GELU's tanh approximation written out (the rewrite makes it the op)."""
+
+    def forward(self, y):
+        return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
 ACTIVATIONS = {
     "relu": nn.ReLU, "relu6": nn.ReLU6, "hardtanh": lambda: nn.Hardtanh(-0.5, 1.5), "gelu": nn.GELU,
-    "silu": nn.SiLU, "hardswish": nn.Hardswish, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh,
+    "silu": nn.SiLU, "hardswish": nn.Hardswish, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "gelu_new": NewGELU,
     "leaky_relu": lambda: nn.LeakyReLU(0.1), "relu_inplace": lambda: nn.ReLU(inplace=True),
 }
 
@@ -50,6 +57,8 @@ class Block(nn.Module):
             y = F.relu(y)
         elif self.functional == "gelu":
             y = F.gelu(y)
+        elif self.functional == "gelu_new":
+            y = NewGELU()(y)
         elif self.functional is not None:
             y = torch.clamp(y, -1.0, 1.0)
         return y + x if self.residual else y
@@ -138,6 +147,8 @@ class Attention(nn.Module):
             scores = scores + mask[:, None, None, :]
         elif self.mask_form == "fill":
             scores = scores.masked_fill(~mask[:, None, None, :], self.fill)
+        elif self.mask_form == "additive_from_keep":  # transformers: where(keep, 0, fill), finite or not
+            scores = scores + torch.where(mask, 0.0, self.fill)[:, None, None, :]
         elif self.mask_form == "bool_added":  # promoted to 0/1
             scores = scores + mask[:, None, None, :]
         elif self.mask_form == "fill_expand_as":  # DistilBERT
@@ -167,7 +178,8 @@ def attentions(draw) -> tuple[nn.Module, dict]:
     """A random :class:`Attention` and how its inputs are made (see :func:`attention_inputs`)."""
     heads = draw(st.sampled_from([1, 2, 4]))
     dim = heads * draw(st.sampled_from([4, 8]))
-    mask_form = draw(st.sampled_from(["none", "additive", "fill", "bool_added", "fill_expand_as"]))
+    mask_form = draw(st.sampled_from(["none", "additive", "additive_from_keep", "fill", "bool_added",
+                                      "fill_expand_as"]))
     fill = draw(st.sampled_from([float("-inf"), torch.finfo(torch.float32).min, -1e4, -1e9]))
     model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none", "per_head"])), mask_form,
                       draw(st.sampled_from(["module", "method", "function"])), fill, draw(st.booleans()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import pytest
@@ -137,6 +138,54 @@ def test_linear_activation_fuses(method):
     nodes = fused_nodes(new.graph_module)
     assert [(n.target, n.args[3]) for n in nodes] == [(LINEAR, "gelu"), (LINEAR, "silu")]
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class NewGELU(nn.Module):
+    """transformers' ``NewGELUActivation`` (GPT-2's ``gelu_new``), as it is written there."""
+
+    def forward(self, y):
+        return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
+class PowerGELU(nn.Module):
+    """The same formula with ``y ** 3`` (an ``operator.pow`` in traced graphs)."""
+
+    def forward(self, y):
+        return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * y ** 3.0)))
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("gelu", [NewGELU, PowerGELU])
+def test_gelu_written_out_becomes_the_op_and_fuses_after_a_linear_layer(gelu, method):
+    model = nn.Sequential(nn.Linear(8, 16), gelu(), nn.Linear(16, 4), gelu()).eval()
+    new = optimized(model, torch.randn(3, 5, 8), method, kernel="mkldnn")
+    assert [(n.target, n.args[3]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "gelu_tanh")] * 2
+    assert [m.what for m in new.report.matches].count("gelu(approximate='tanh') written out") == 2
+    x = torch.randn(2, 7, 8)  # fresh inputs, another shape
+    torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_written_out_stays_the_op_when_autotune_undoes_the_fusions(monkeypatch):
+    model, x = nn.Sequential(nn.Linear(8, 16), NewGELU()).eval(), torch.randn(3, 8)
+
+    def fused_slower(calls, budget, **_):
+        return {name: (2.0 if name in ("fused", "mkldnn") else 1.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", fused_slower)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"])
+    assert not fused_nodes(new.graph_module)
+    assert [m.what for m in new.report.matches] == ["gelu(approximate='tanh') written out"]
+    assert any(n.target is F.gelu and n.kwargs.get("approximate") == "tanh" for n in new.graph_module.graph.nodes)
+    torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_formula_that_is_not_gelu_is_left_alone():
+    class Almost(nn.Module):
+        def forward(self, y):  # 0.044 for 0.044715: another function
+            return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044 * torch.pow(y, 3.0))))
+
+    new = optimized(nn.Sequential(nn.Linear(8, 8), Almost()), torch.randn(2, 8))
+    assert not any("written out" in m.what for m in new.report.matches)
 
 
 def test_training_mode_is_untouched_and_says_why():
