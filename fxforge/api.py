@@ -71,6 +71,12 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
+        dynamic: how plans meet other sizes (``"native"``/``"inductor"``; ``"onnxruntime"``: see above). None:
+            the first plan is for the example's sizes, and the dims a later call changes become dynamic in
+            one new plan (as ``torch.compile``), except that a model taking token inputs (integer or bool
+            tensors of rank >= 2: ids, masks) has its batch and sequence dims dynamic from the first plan,
+            every request having its own length. True: every dim dynamic from the first plan. False: one
+            plan per input signature. A dynamic batch dim includes a batch of one where the model allows.
         target_options: for ``"native"``: ``tuning`` (a :class:`~fxforge.lowering.autotune.TuningPolicy`:
             choices autotune must not measure), ``dynamic_shapes``, ``max_plans``; for ``"inductor"`` the
             last two. For ``"onnxruntime"``: ``dynamic_batch``,

@@ -92,24 +92,49 @@ def capture_with_dims(model: nn.Module, args: tuple, kwargs: dict, dims: set[tup
 
     Each dim is ``Dim.AUTO``: torch.export keeps it dynamic where the model allows, relates dims that must
     agree (the sequence length of the ids and of the mask), bounds them where the model does (position
-    embeddings), and specialises what it must. Sizes 0 and 1 stay specialised (torch.export's rule), so a
-    dim of size 1 in the example stays static.
+    embeddings), and specialises what it must. Sizes 0 and 1 stay specialised by ``Dim.AUTO`` (its range
+    starts at 2), so a dim of size 1 in the example stays static.
+
+    The batch dim is the exception: dim 0 of every input whose dim 0 is the batch size
+    (:func:`batch_size`), when it is among ``dims``, is one ``Dim("batch", min=1)``, so that the plan also
+    serves a batch of one instead of a second capture for it. torch.export refuses that range where the
+    model's code decides anything on the batch being 1 (a guard it cannot keep); the capture is then made
+    again with ``Dim.AUTO`` there too.
 
     Raises:
         CaptureError: torch.export cannot capture the model.
 
     Example:
         >>> cap = capture_with_dims(torch.nn.Linear(2, 3), (torch.ones(4, 2),), {}, {(0, 0)})
-        >>> cap.graph_module(torch.ones(5, 2)).shape
-        torch.Size([5, 3])
+        >>> cap.graph_module(torch.ones(1, 2)).shape
+        torch.Size([1, 3])
+        >>> [int(r.lower) for r in cap.graph_module.meta["fxforge_ranges"].values()]   # a batch of 1 served
+        [1]
     """
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
     auto = {(leaf, dim): torch.export.Dim.AUTO for leaf, dim in sorted(dims)
             if isinstance(leaves[leaf], torch.Tensor) and leaves[leaf].shape[dim] > 1}
-    shapes = _dims_by_argument(model, args, kwargs, auto)
+    batch, refused = batch_size(args, kwargs), None
+    batch_dims = {(leaf, 0) for leaf, dim in auto if dim == 0 and batch is not None and batch > 1
+                  and leaves[leaf].shape[0] == batch}
+    if batch_dims:
+        shared = torch.export.Dim(BATCH, min=1)
+        try:
+            return capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, {**auto, **dict.fromkeys(batch_dims, shared)}))
+        except CaptureError as error:
+            refused = first_line(error)
+    captured = capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, auto))
+    if refused is not None:
+        captured.report.notes.append(f"a batch of one needs a plan of its own: {refused}")
+    return captured
+
+
+def _spec(model: nn.Module, args: tuple, kwargs: dict, dims: dict[tuple[int, int], Any]) -> Any:
+    """:func:`_dims_by_argument`, or a CaptureError when the inputs do not bind to the forward."""
+    shapes = _dims_by_argument(model, args, kwargs, dims)
     if shapes is None:
         raise CaptureError(type(model).__name__, {"export": "the inputs do not bind to the forward's arguments"})
-    return capture_dynamic(model, args, kwargs, shapes)
+    return shapes
 
 
 def _dims_by_argument(model: nn.Module, args: tuple, kwargs: dict, dims: dict[tuple[int, int], Any]) -> Any:

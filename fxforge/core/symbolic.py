@@ -87,6 +87,8 @@ class ShapeGuard:
         shape_env: the ``ShapeEnv`` the symbols live in (its guards past ``guards_at_capture`` are the
             rewrites' assumptions).
         guards_at_capture: how many guards the ``ShapeEnv`` held when the graph was captured.
+        keywords: the keyword inputs' names in the graph's order (None: positional inputs only).
+        excluded: symbol values at which the plan was found to differ from eager (see :meth:`exclude`).
     """
 
     inputs: list[tuple[tuple, tuple] | None]
@@ -95,6 +97,7 @@ class ShapeGuard:
     shape_env: Any = None
     guards_at_capture: int = 0
     keywords: tuple[str, ...] | None = None
+    excluded: list[frozenset] = dataclasses.field(default_factory=list)  # see :meth:`exclude`
 
     @classmethod
     def of(cls, graph_module: torch.fx.GraphModule, ranges: dict | None = None) -> ShapeGuard:
@@ -207,7 +210,37 @@ class ShapeGuard:
         for assumption in self.assumptions:
             if not bool(assumption.xreplace({s: sympy.Integer(v) for s, v in binding.items()})):
                 return f"a rewrite assumed {assumption}"
+        for values in self.excluded:
+            if all(binding.get(symbol) == value for symbol, value in values):
+                return "the plan differed from eager at " + ", ".join(f"{s} = {v}" for s, v in sorted(values, key=str))
         return None
+
+    def untraced(self, sizes: Sequence[tuple[tuple, tuple] | None]) -> frozenset:
+        """The symbols a call (the leaves' ``(shape, strides)``, served by :meth:`check_sizes`) binds to 0 or
+        1, with their values: sizes torch.export never traces at (it traces a dynamic dim at 2 or more and
+        assumes the code takes the same path at 1, which code that branches on a size of 1 breaks).
+
+        Example:
+            >>> s0 = sympy.Symbol("s0")
+            >>> guard = ShapeGuard([((s0, 4), (4, 1))], {s0: (1, math.inf)})
+            >>> guard.untraced([((1, 4), (4, 1))]), guard.untraced([((3, 4), (4, 1))])
+            (frozenset({(s0, 1)}), frozenset())
+        """
+        binding = self.bind(sizes)
+        if isinstance(binding, str):
+            return frozenset()
+        return frozenset((symbol, value) for symbol, value in binding.items() if value <= 1)
+
+    def exclude(self, values: frozenset) -> None:
+        """Stop serving calls that bind the symbols to these values (pairs from :meth:`untraced`).
+
+        Example:
+            >>> s0 = sympy.Symbol("s0")
+            >>> guard = ShapeGuard([((s0,), (1,))], {s0: (1, math.inf)})
+            >>> guard.exclude(frozenset({(s0, 1)})); guard.check_sizes([((1,), (1,))])
+            'the plan differed from eager at s0 = 1'
+        """
+        self.excluded.append(values)
 
     def describe(self) -> str:
         """The symbols and their ranges, for reports: ``s0 in [2, inf), s1 in [2, 512]``.

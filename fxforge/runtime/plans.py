@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
+from fxforge.core.verify import compare_outputs, isolated
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, silenced_hooks
 from fxforge.runtime.signature import (
     describe_signature,
@@ -51,6 +52,7 @@ from fxforge.runtime.signature import (
     family_of,
     input_signature,
     sizes_of,
+    token_dims,
 )
 
 # (args, kwargs, conditions, dynamic) -> the plan for calls like this one (dynamic: None for the input signature
@@ -75,7 +77,9 @@ class ShapePolicy:
     Attributes:
         dynamic: None (as ``torch.compile``): the first call's sizes are static; when a later call differs
             from earlier ones only in sizes, those dims become dynamic and one shape-generic plan serves
-            all their sizes. True: the first plan is shape-generic in every input dim already. False: one
+            all their sizes. Calls with token inputs (integer or bool tensors of rank >= 2: ids, masks) are
+            the exception: their batch and sequence dims (:func:`~fxforge.runtime.signature.token_dims`) are
+            dynamic from the first plan, since every request has its own length. True: the first plan is shape-generic in every input dim already. False: one
             plan per input signature.
         dynamic_shapes: torch.export's ``dynamic_shapes`` for the first plan (the user knows the ranges).
         max_plans: plans held at most; calls that no plan serves past it run eagerly, after one warning.
@@ -167,6 +171,8 @@ class PlanCache:
         self._eager_reason: str | None = None
         self._lock = threading.RLock()
         self._building = threading.local()
+        self._first = threading.local()  # pending: (plan, untraced) when this thread's call needs _first_use
+        self._checked_at: dict[int, set[frozenset]] = {}  # id(plan) -> untraced values checked against eager
 
     @property
     def capturing(self) -> bool:
@@ -209,16 +215,53 @@ class PlanCache:
             return plan
 
     def _shape_generic_plan(self, key: Hashable, signature: Hashable) -> Plan | None:
-        """A shape-generic plan of the call's family that serves it (remembered for its signature), or None."""
+        """A shape-generic plan of the call's family that serves it (remembered for its signature), or None.
+
+        A call that binds a symbol to 0 or 1 (a batch of one) is at a size torch.export never traced: the
+        first such call of a plan (per symbols at those values) is checked against eager before the plan
+        serves it (:meth:`_first_use`); until then the signature is not remembered."""
         family = (family_of(signature), *key[1:])
         sizes = sizes_of(signature)
         for plan in self._generic.get(family, ()):
             if plan.shapes.check_sizes(sizes) is None:
-                self._served[key] = plan
-                if len(self._served) > MAX_SERVED:
-                    self._served.popitem(last=False)
+                untraced = plan.shapes.untraced(sizes)
+                if untraced and untraced not in self._checked_at.setdefault(id(plan), set()):
+                    self._first.pending = (plan, untraced)
+                    return plan
+                self._serve(key, plan)
                 return plan
         return None
+
+    def _serve(self, key: Hashable, plan: Plan) -> None:
+        self._served[key] = plan
+        if len(self._served) > MAX_SERVED:
+            self._served.popitem(last=False)
+
+    def _first_use(self, plan: Plan, untraced: frozenset, args: tuple, kwargs: dict) -> Any:
+        """Run a call at sizes ``plan`` was never traced at (``untraced``: symbols bound to 0 or 1): the plan
+        and eager, both isolated (same random numbers, state put back), compared; the plan serves those
+        values from then on if they agree, and never again if not (a model whose code branches on a batch of
+        one: a plan of their own is built on the next such call). The call itself then runs as usual."""
+        with torch.no_grad():
+            with isolated(self.module, inputs=(args, kwargs)):
+                got = plan.executable(*args, **kwargs)
+            with isolated(self.module, inputs=(args, kwargs)), silenced_hooks(self._watch.watched()):
+                expected = self.eager(*args, **kwargs)
+        result = compare_outputs(expected, got)
+        at = ", ".join(f"{s} = {v}" for s, v in sorted(untraced, key=str))
+        with self._lock:
+            if result.ok:
+                self._checked_at.setdefault(id(plan), set()).add(untraced)
+                self.notes.append(f"checked against eager at {at} (a size torch.export does not trace): served")
+            else:
+                plan.shapes.exclude(untraced)
+                self._served = collections.OrderedDict((k, p) for k, p in self._served.items() if p is not plan
+                                                       or plan.shapes.check_sizes(sizes_of(k[0])) is None)
+                self.notes.append(f"the shape-generic plan differs from eager at {at} ({result.reason}): those "
+                                  "sizes get a plan of their own")
+        if result.ok:
+            return plan.executable(*args, **kwargs)
+        return self.eager(*args, **kwargs)
 
     def _new_plan(self, key: Hashable, signature: Hashable, args: tuple, kwargs: dict,
                   conditions: CallConditions) -> Any:
@@ -274,6 +317,11 @@ class PlanCache:
             return None
         if self.policy.dynamic_shapes is not None and not self._families.get(family):
             return self.policy.dynamic_shapes  # the user's ranges, for the first plan; calls outside them as below
+        if self.policy.dynamic is None and not self._families.get(family):
+            # Token inputs: every request has its own length, so the batch and sequence dims are dynamic from
+            # the first plan (a static one would be rebuilt at the second call, seconds on the call path).
+            sizes = sizes_of(signature)
+            return frozenset((leaf, dim) for leaf, dim in token_dims(signature) if sizes[leaf][0][dim] > 1) or None
         if self.policy.dynamic is True:
             return frozenset((leaf, dim) for leaf, sizes in enumerate(sizes_of(signature)) if sizes is not None
                              for dim in range(len(sizes[0])))
@@ -312,7 +360,8 @@ class PlanCache:
         if isinstance(dynamic, frozenset):
             self._dynamic_dims[family] = set(dynamic)
         for other in [k for k, p in self.plans.items() if p is not None and p is not plan]:
-            if (family_of(other[0]), *other[1:]) == family and plan.shapes.check_sizes(sizes_of(other[0])) is None:
+            if ((family_of(other[0]), *other[1:]) == family and plan.shapes.check_sizes(sizes_of(other[0])) is None
+                    and not plan.shapes.untraced(sizes_of(other[0]))):  # (a plan at an untraced size stays)
                 retired = self.plans.pop(other)
                 self._refreshed.pop(id(retired), None)
                 if retired in self._generic[family]:
@@ -321,7 +370,7 @@ class PlanCache:
         held = {id(p) for p in self.plans.values()}
         for other, served in list(self._served.items()):
             if id(served) not in held:  # served by a plan just retired: the new one, or none
-                if plan.shapes.check_sizes(sizes_of(other[0])) is None:
+                if plan.shapes.check_sizes(sizes_of(other[0])) is None and not plan.shapes.untraced(sizes_of(other[0])):
                     self._served[other] = plan
                 else:
                     del self._served[other]
@@ -419,8 +468,14 @@ class PlanCache:
             warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        self._first.pending = None
         plan = self.checked_plan(args, kwargs)
-        return self.eager(*args, **kwargs) if plan is None else plan.executable(*args, **kwargs)
+        if plan is None:
+            return self.eager(*args, **kwargs)
+        pending, self._first.pending = self._first.pending, None
+        if pending is not None and pending[0] is plan:
+            return self._first_use(plan, pending[1], args, kwargs)
+        return plan.executable(*args, **kwargs)
 
     def checked_plan(self, args: tuple, kwargs: dict) -> Plan | None:
         """Every guard a call passes before its plan runs (the per-call cost that
@@ -467,6 +522,7 @@ class PlanCache:
             self._served.clear()
             self._generic.clear()
             self._refreshed.clear()
+            self._checked_at.clear()
             self.last = None
             self._watch.rewatch()
             self._epoch = self._watch.epoch

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Hashable
 from typing import Any
 
@@ -94,4 +95,31 @@ def differing_dims(a: Hashable, b: Hashable) -> set[tuple[int, int]]:
     for leaf, (x, y) in enumerate(zip(sizes_of(a), sizes_of(b))):
         if x is not None and y is not None:
             dims.update((leaf, d) for d, (m, n) in enumerate(zip(x[0], y[0])) if m != n)
+    return dims
+
+
+def token_dims(signature: Hashable) -> set[tuple[int, int]]:
+    """The batch and sequence dims ``(leaf, dim)`` of a call whose inputs hold tokens: integer or bool tensors
+    of rank >= 2 (ids, attention masks, positions), whose lengths change from request to request. Dim 0 of
+    every tensor whose dim 0 is the batch (the most common dim 0); dim 1 of the token tensors, and of float
+    tensors of rank 3 (``[batch, seq, hidden]``), whose dim 1 is the sequence (the most common dim 1 of the
+    token tensors). Empty for a call without token inputs (images, features).
+
+    Example:
+        >>> ids = torch.ones(2, 7, dtype=torch.long)
+        >>> sorted(token_dims(input_signature((ids, torch.ones(2, 7, 4), torch.ones(3)), {}, False)))
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+        >>> token_dims(input_signature((torch.ones(2, 3, 8, 8),), {}, False))
+        set()
+    """
+    tensors = [(leaf, key[1], key[3]) for leaf, key in enumerate(signature[1]) if key[0] == "tensor"]
+    tokens = [(leaf, shape) for leaf, shape, dtype in tensors
+              if len(shape) >= 2 and not (dtype.is_floating_point or dtype.is_complex)]
+    if not tokens:
+        return set()
+    batch = collections.Counter(shape[0] for _, shape, _ in tensors if shape).most_common(1)[0][0]
+    seq = collections.Counter(shape[1] for _, shape in tokens).most_common(1)[0][0]
+    dims = {(leaf, 0) for leaf, shape, _ in tensors if shape and shape[0] == batch}
+    dims |= {(leaf, 1) for leaf, shape, dtype in tensors if len(shape) >= 2 and shape[1] == seq
+             and (not (dtype.is_floating_point or dtype.is_complex) or len(shape) == 3)}
     return dims
