@@ -68,6 +68,7 @@ def test_markdown_block_goes_to_its_own_markers(rows, tmp_path):
     assert "| bert | fxforge |" in text and "p99/p50 after warm-up" in text
     assert "calls whose output differs from eager's" in text and "none (target: none: met)" in text
     assert "compile not in this run" in text  # the summary says what it could not judge
+    assert "- bert: set-up + trace: fxforge " in text and "eager " in text  # set-up counted for reading
 
 
 def test_a_contender_that_fails_mid_trace_is_a_failed_row_and_the_trace_goes_on(monkeypatch):

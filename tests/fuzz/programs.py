@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
+
 class NewGELU(nn.Module):
     """transformers' ``gelu_new``: GELU's tanh approximation written out (the rewrite makes it the op)."""
 

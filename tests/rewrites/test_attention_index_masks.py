@@ -118,3 +118,48 @@ def test_a_causal_bool_added_to_the_scores_is_no_causal_mask():
     x = torch.randn(2, 2, 9, 8)
     with torch.no_grad():
         torch.testing.assert_close(opt(x, x, x), Added()(x, x, x), rtol=1e-5, atol=1e-5)
+
+
+ALWAYS = {  # name -> (mask builder, true at every position for every size)
+    "query_ge_zero": (lambda q, k, i: i >= 0, True),  # transformers spreading a padding mask over the queries
+    "key_plus_one_gt_zero": (lambda q, k, i: k + 1 > 0, True),
+    "ones_and_query_ge_zero": (lambda q, k, i: q.new_ones((), dtype=torch.bool) & (i >= 0), True),
+    "query_gt_zero": (lambda q, k, i: i > 0, False),  # false in the first row
+    "key_le_query": (lambda q, k, i: k <= i, False),
+    "zero_ge_query": (lambda q, k, i: 0 >= i, False),
+}
+
+
+@pytest.mark.parametrize("name", list(ALWAYS))
+def test_conditions_true_everywhere_are_proven_for_every_size(name):
+    from fxforge.rewrites.attention.index_masks import Keep, holds_everywhere
+
+    build, always = ALWAYS[name]
+    _, mask = _outputs(_exported(build))
+    keep = read_mask(mask)
+    assert isinstance(keep, Keep) and holds_everywhere(keep) is always
+    for s in (2, 5, 9):  # the verdict agrees with the values
+        _, value = Scores(build)(torch.randn(2, s, 4))
+        assert bool(value.all()) is always
+
+
+def test_a_padding_mask_of_a_shape_generic_bert_reaches_sdpa_without_an_s_by_s_tensor():
+    transformers = pytest.importorskip("transformers")
+    import fxforge
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids, mask = torch.randint(1, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    opt = fxforge.optimize(model, {"input_ids": ids, "attention_mask": mask}, dynamic=True)
+    sdpa = [n for n in opt.cache.last.captured.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    attn_mask = sdpa[0].kwargs["attn_mask"].meta["val"]
+    assert attn_mask.shape[-2] == 1 and isinstance(attn_mask.shape[-1], torch.SymInt)  # [B, 1, 1, S]
+    with torch.no_grad():
+        ids, mask = torch.randint(1, 100, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+        mask[0, 5:] = 0
+        valid = mask.bool()
+        torch.testing.assert_close(opt(input_ids=ids, attention_mask=mask)[0][valid],
+                                   model(input_ids=ids, attention_mask=mask)[0][valid], rtol=1e-4, atol=1e-5)

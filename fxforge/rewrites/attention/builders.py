@@ -31,6 +31,7 @@ from fxforge.core.vocabulary import calls
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import fold_keep, fold_mask
+from fxforge.rewrites.attention.index_masks import Keep, holds_everywhere, read_mask
 from fxforge.rewrites.attention.masks import LARGE_NEGATIVE, MaskPlan
 from fxforge.rewrites.attention.operands import Operand
 from fxforge.rewrites.attention.steps import Scale
@@ -73,7 +74,8 @@ class GraphBuilder:
     ones.
 
     Masks reach SDPA narrowed (:meth:`value`): a condition AND-ed with one that constants prove all-True
-    is dropped, so a ``[B, 1, 1, S]`` padding mask spread over the queries by ``q_idx >= 0``
+    (or, with symbolic sizes, that :func:`~fxforge.rewrites.attention.index_masks.holds_everywhere` proves
+    true for every size) is dropped, so a ``[B, 1, 1, S]`` padding mask spread over the queries by ``q_idx >= 0``
     (transformers' mask builders) stays ``[B, 1, 1, S]`` and SDPA broadcasts it, instead of an S x S
     tensor being built.
 
@@ -104,6 +106,10 @@ class GraphBuilder:
                 value = self.constants.value(other)
                 if isinstance(value, torch.Tensor) and value.dtype == torch.bool and bool(value.all()):
                     return self._narrowed(kept, depth + 1)
+                if not isinstance(value, torch.Tensor):  # symbolic sizes: a formula over positions, always true?
+                    keep = read_mask(other)
+                    if isinstance(keep, Keep) and holds_everywhere(keep):
+                        return self._narrowed(kept, depth + 1)
             new_a, new_b = self._narrowed(a, depth + 1), self._narrowed(b, depth + 1)
             return node if (new_a, new_b) == (a, b) else self.call("logical_and", new_a, new_b)
         if calls(node, "where") and node.args and isinstance(node.args[0], Node):

@@ -59,6 +59,7 @@ _ARANGE = (torch.arange, aten.arange.default, aten.arange.start, aten.arange.sta
 _NOT = (torch.logical_not, torch.bitwise_not, operator.invert, aten.logical_not.default,
         aten.bitwise_not.default)
 _ZEROS = (torch.zeros, aten.zeros.default, torch.zeros_like, aten.zeros_like.default, aten.new_zeros.default)
+_ONES = (torch.ones, aten.ones.default, torch.ones_like, aten.ones_like.default, aten.new_ones.default)
 _SAME_VALUES = (aten.lift_fresh_copy.default, aten.detach.default, aten.alias.default, torch.Tensor.detach)
 _SLICE_END = 2 ** 62
 
@@ -171,6 +172,9 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
     target, args = node.target, node.args
     if target in _ARANGE:
         return _arange(node)
+    if target in _ONES or (node.op == "call_method" and target == "new_ones"):
+        value = fake_value(node)  # a boolean tensor of ones: true everywhere
+        return Keep(value.ndim, ()) if isinstance(value, torch.Tensor) and value.dtype == torch.bool else None
     if node.op == "call_method" and target in _METHOD_COMPARISONS:
         return _compare(_METHOD_COMPARISONS[target], read(args[0], seen), args[1], seen, node)
     for op, targets in _COMPARISONS.items():
@@ -347,6 +351,28 @@ def _always_true(diff: Index, op: str) -> bool:
         return False
     return {"le": diff.offset <= 0, "lt": diff.offset < 0, "ge": diff.offset >= 0, "gt": diff.offset > 0,
             "eq": diff.offset == 0, "ne": diff.offset != 0}[op]
+
+
+def holds_everywhere(keep: Keep) -> bool:
+    """Whether ``keep`` is True at every position for every size: each condition compares with 0 an index
+    formula that positions (never negative) cannot bring to the other side, such as transformers'
+    ``q_idx >= 0`` that spreads a padding mask over the queries.
+
+    Example:
+        >>> query = Index(2, ((-2, 1),))
+        >>> holds_everywhere(Keep(2, ((query, "ge"),))), holds_everywhere(Keep(2, ((query, "gt"),)))
+        (True, False)
+    """
+    for diff, op in keep.conditions:
+        if _always_true(diff, op):
+            continue
+        if op in ("le", "lt"):
+            diff, op = diff.times(-1), {"le": "ge", "lt": "gt"}[op]
+        if op not in ("ge", "gt") or not isinstance(diff.offset, int) or any(c < 0 for _, c in diff.terms):
+            return False
+        if diff.offset < (0 if op == "ge" else 1):  # sum of c * p >= 0: offset >= 0 (> 0 for a strict >)
+            return False
+    return True
 
 
 def is_causal(keep: Keep) -> bool:
