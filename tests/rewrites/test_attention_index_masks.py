@@ -147,7 +147,7 @@ def test_a_padding_mask_of_a_shape_generic_bert_reaches_sdpa_without_an_s_by_s_t
     transformers = pytest.importorskip("transformers")
     import fxforge
 
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                                      intermediate_size=64, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
@@ -157,6 +157,7 @@ def test_a_padding_mask_of_a_shape_generic_bert_reaches_sdpa_without_an_s_by_s_t
     sdpa = [n for n in opt.cache.last.captured.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
     attn_mask = sdpa[0].kwargs["attn_mask"].meta["val"]
     assert attn_mask.shape[-2] == 1 and isinstance(attn_mask.shape[-1], torch.SymInt)  # [B, 1, 1, S]
+    assert len(sdpa) == 3 and len({n.kwargs["attn_mask"] for n in sdpa}) == 1  # narrowed once, for every layer
     with torch.no_grad():
         ids, mask = torch.randint(1, 100, (3, 20)), torch.ones(3, 20, dtype=torch.long)
         mask[0, 5:] = 0

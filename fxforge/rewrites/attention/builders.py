@@ -120,11 +120,34 @@ class GraphBuilder:
         return node
 
     def _emit(self, target: Any, args: tuple, kwargs: dict) -> Node:
+        existing = self._existing(target, args, kwargs)
+        if existing is not None:  # an earlier replacement computed it (one mask narrowed for every layer)
+            return existing
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
         self.nodes.append(node)
         propagate_meta(self.gm, [node])  # later calls read its shape and whether it is a tensor
         return node
+
+    def _existing(self, target: Any, args: tuple, kwargs: dict) -> Node | None:
+        """A node before the anchor that already calls ``target`` on these arguments (the ops emitted here
+        are pure: the same call gives the same value), or None."""
+        first = next((a for a in args if isinstance(a, Node)), None)
+        if first is None:
+            return None
+        for user in first.users:
+            if (user.op == "call_function" and user.target == target and user.args == args
+                    and user.kwargs == kwargs and user not in self.nodes and self._before_anchor(user)):
+                return user
+        return None
+
+    def _before_anchor(self, node: Node) -> bool:
+        walk = node.next
+        while walk.op != "root":
+            if walk is self.anchor:
+                return True
+            walk = walk.next
+        return False
 
     def call(self, name: str, *args, **kwargs) -> Node:
         """Emit the op ``name`` (numbers multiply and divide in Python, or as ``operator`` nodes)."""
