@@ -79,8 +79,8 @@ class ShapePolicy:
             from earlier ones only in sizes, those dims become dynamic and one shape-generic plan serves
             all their sizes. Calls with token inputs (integer or bool tensors of rank >= 2: ids, masks) are
             the exception: their batch and sequence dims (:func:`~fxforge.runtime.signature.token_dims`) are
-            dynamic from the first plan, since every request has its own length. True: the first plan is shape-generic in every input dim already. False: one
-            plan per input signature.
+            dynamic from the first plan, since every request has its own length. True: the first plan is
+            shape-generic in every input dim already. False: one plan per input signature.
         dynamic_shapes: torch.export's ``dynamic_shapes`` for the first plan (the user knows the ranges).
         max_plans: plans held at most; calls that no plan serves past it run eagerly, after one warning.
 
