@@ -21,6 +21,16 @@ def _positions(q):
     return idx[None, :], idx[:, None]
 
 
+def _packed(q, step: int = 1):
+    """transformers' packed-sequence causal mask, built when a decoder gets no attention mask: positions that
+    do not step by 1 start a new sequence, a key is kept within its query's sequence and at or before it."""
+    length = q.shape[1]
+    pos = torch.arange(length)[None, :] * step  # position ids [1, S]
+    seq = torch.cumsum(torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1, -1)
+    b, qi, kv = torch.arange(1)[:, None, None], torch.arange(length)[None, :, None], torch.arange(length)[None, None, :]
+    return ((seq[b, qi] == seq[b, kv]) & (pos[b, kv] <= pos[b, qi])).view(length, length)
+
+
 MASKS = {  # name -> (mask builder on q [B, S, E], causal for every size)
     "key_le_query": (lambda q, k, i: k <= i, True),
     "query_ge_key": (lambda q, k, i: i >= k, True),
@@ -33,6 +43,8 @@ MASKS = {  # name -> (mask builder on q [B, S, E], causal for every size)
     "sliding_window": (lambda q, k, i: (k <= i) & (i - k < 3), False),
     "upper": (lambda q, k, i: k >= i, False),
     "fill_too_small": (lambda q, k, i: torch.where(k <= i, 0.0, -5.0), False),
+    "packed_one_sequence": (lambda q, k, i: _packed(q), True),  # positions step by 1: one sequence
+    "packed_every_position": (lambda q, k, i: _packed(q, step=2), False),  # each position its own sequence
 }
 
 

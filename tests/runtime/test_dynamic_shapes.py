@@ -86,6 +86,24 @@ def test_token_inputs_get_one_plan_for_every_length_and_batch(factory):
     assert opt.plans_built == 1
 
 
+def test_an_unpadded_decoder_without_a_mask_stays_causal_in_its_shape_generic_plan():
+    # transformers builds a packed-sequence mask from the positions when no attention mask is given: read for
+    # every length (one sequence), it is SDPA's is_causal, no S x S mask, as in a plan for one length
+    model = _llama()
+    opt = fxforge.optimize(model, (torch.randint(1, 100, (1, 24)),))
+    assert opt.cache.last.shapes is not None
+    sdpa = [n for n in opt.cache.last.captured.graph_module.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and all(n.kwargs["is_causal"] and n.kwargs["attn_mask"] is None for n in sdpa)
+    with torch.no_grad():
+        for length in (5, 40):
+            ids = torch.randint(1, 100, (1, length))
+            torch.testing.assert_close(opt(ids)[0], model(ids)[0], rtol=1e-4, atol=1e-5)
+        assert opt.plans_built == 1
+        ids = torch.randint(1, 100, (1, 1))  # a sequence of one stays specialised (only the batch ranges from 1)
+        torch.testing.assert_close(opt(ids)[0], model(ids)[0], rtol=1e-4, atol=1e-5)
+    assert opt.plans_built == 2
+
+
 def test_a_model_without_token_inputs_is_static_until_a_size_changes():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
     opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))

@@ -203,7 +203,84 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         hidden = read(args[1], seen)
         keep = negated(hidden) if isinstance(hidden, Keep) else None
         return Additive(keep) if keep is not None and _is_zeros(args[0]) and hides(args[2]) else None
+    if target in (aten.diff.default, torch.diff):
+        return _diff(node, seen)
+    if target in (aten.cumsum.default, torch.cumsum):
+        return _cumsum(node, seen)
+    if target is aten.index.Tensor and len(args) == 2:
+        return _indexed(node, seen)
     return _moved(node, seen)
+
+
+# transformers' packed-sequence detection, run when a decoder gets no attention mask: position ids that do not
+# step by 1 start a new sequence (``cumsum(diff(positions, prepend=positions[:, :1] - 1) != 1)``), and a key
+# is kept only within its query's sequence. With positions from ``arange`` every step is 1, so there is one
+# sequence: the functions below read that as a formula, for every size.
+
+def _diff(node: Node, seen: dict) -> Index | None:
+    """``diff(x, 1, dim, prepend=p)`` of an index formula stepping by ``c`` along ``dim``, where ``p`` is the
+    formula's value one step before the first position: ``c`` everywhere (a constant)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, n, dim, prepend, append = args[:5]
+    n, dim = (1 if n is None else n), (-1 if dim is None else dim)
+    prepend, append = node.kwargs.get("prepend", prepend), node.kwargs.get("append", append)
+    formula, before = read(x, seen), read(prepend, seen) if isinstance(prepend, Node) else None
+    rank = _rank(node)
+    if n != 1 or append is not None or not isinstance(formula, Index) or not isinstance(before, Index) or rank is None:
+        return None
+    d = dim - rank if dim >= 0 else dim
+    terms = dict(formula.terms)
+    step = terms.pop(d, 0)
+    if dict(before.terms) != terms or before.offset != formula.offset - step:
+        return None
+    return Index(rank, (), step)
+
+
+def _never(keep: Keep) -> bool:
+    """Whether some condition of ``keep`` compares a constant in a way that never holds."""
+    return any(not diff.terms and isinstance(diff.offset, int) and not _always_true(diff, op)
+               for diff, op in keep.conditions)
+
+
+def _cumsum(node: Node, seen: dict) -> Index | None:
+    """The running sum of a mask that never holds, or of zeros: zeros."""
+    inner, rank = read(node.args[0], seen), _rank(node)
+    if rank is None:
+        return None
+    if (isinstance(inner, Keep) and _never(inner)) or (isinstance(inner, Index) and not inner.terms
+                                                        and inner.offset == 0):
+        return Index(rank, (), 0)
+    return None
+
+
+def _indexed(node: Node, seen: dict) -> Index | Keep | None:
+    """``x[i0, i1, ...]`` with an index tensor for every dim of ``x``, each a non-negative index formula: the
+    formula of ``x`` at those positions (``x``'s coefficient on dim ``j`` times ``i_j``)."""
+    source, indices = node.args
+    inner, rank, source_rank = read(source, seen), _rank(node), _rank(source)
+    if inner is None or rank is None or source_rank is None or len(indices) != source_rank:
+        return None
+    positions = [read(i, seen) for i in indices]
+    if not all(isinstance(i, Index) and isinstance(i.offset, int) and i.offset >= 0
+               and all(c >= 0 for _, c in i.terms) for i in positions):
+        return None  # (negative positions would count from the end)
+
+    def at(formula: Index) -> Index:
+        terms: dict[int, int] = {}
+        offset = formula.offset
+        coefficient = dict(formula.terms)
+        for j, position in enumerate(positions):
+            c = coefficient.get(j - source_rank, 0)
+            for d, k in position.terms:
+                terms[d] = terms.get(d, 0) + c * k
+            offset = offset + c * position.offset
+        return Index(rank, _terms(terms), offset)
+
+    if isinstance(inner, Index):
+        return at(inner)
+    if isinstance(inner, Keep):
+        return Keep(rank, tuple((at(diff), op) for diff, op in inner.conditions))
+    return None
 
 
 def _arange(node: Node) -> Index | None:
@@ -272,6 +349,8 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
             start = node.args[2] if len(node.args) > 2 else 0
             end = node.args[3] if len(node.args) > 3 else None
             step = node.args[4] if len(node.args) > 4 else 1
+            if start in (0, None) and step == 1 and end == 1:  # the first position only: its index is 0 there
+                return _first_position(inner, node.args[1] - len(before) if node.args[1] >= 0 else node.args[1])
             if start not in (0, None) or step != 1 or not (end is None or (isinstance(end, int) and end >= _SLICE_END)
                                                           or _same_size(end, before[node.args[1]])):
                 return None
@@ -280,6 +359,18 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
     elif not calls(node, "unsqueeze", "view", "reshape", "expand"):
         return None
     return _relaid(inner, before, after)
+
+
+def _first_position(value: Index | Keep | Additive, dim: int) -> Index | Keep | Additive:
+    """``value`` sliced to its first position along ``dim`` (counted from the right): that dim's term drops."""
+    def index(ix: Index) -> Index:
+        return Index(ix.rank, tuple((d, c) for d, c in ix.terms if d != dim), ix.offset)
+
+    if isinstance(value, Index):
+        return index(value)
+    keep = value.keep if isinstance(value, Additive) else value
+    first = Keep(keep.rank, tuple((index(diff), op) for diff, op in keep.conditions))
+    return Additive(first) if isinstance(value, Additive) else first
 
 
 def _plain_index(index: Any) -> bool:
