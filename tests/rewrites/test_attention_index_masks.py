@@ -21,12 +21,12 @@ def _positions(q):
     return idx[None, :], idx[:, None]
 
 
-def _packed(q, step: int = 1):
+def _packed(q, step: int = 1, diff_dim: int = -1):
     """transformers' packed-sequence causal mask, built when a decoder gets no attention mask: positions that
     do not step by 1 start a new sequence, a key is kept within its query's sequence and at or before it."""
     length = q.shape[1]
     pos = torch.arange(length)[None, :] * step  # position ids [1, S]
-    seq = torch.cumsum(torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1, -1)
+    seq = torch.cumsum(torch.diff(pos, dim=diff_dim, prepend=pos[:, :1] - 1) != 1, -1)
     b, qi, kv = torch.arange(1)[:, None, None], torch.arange(length)[None, :, None], torch.arange(length)[None, None, :]
     return ((seq[b, qi] == seq[b, kv]) & (pos[b, kv] <= pos[b, qi])).view(length, length)
 
@@ -45,6 +45,7 @@ MASKS = {  # name -> (mask builder on q [B, S, E], causal for every size)
     "fill_too_small": (lambda q, k, i: torch.where(k <= i, 0.0, -5.0), False),
     "packed_one_sequence": (lambda q, k, i: _packed(q), True),  # positions step by 1: one sequence
     "packed_every_position": (lambda q, k, i: _packed(q, step=2), False),  # each position its own sequence
+    "packed_diff_dim_counted_from_the_left": (lambda q, k, i: _packed(q, diff_dim=1), True),
 }
 
 

@@ -222,7 +222,7 @@ def _diff(node: Node, seen: dict) -> Index | None:
     formula's value one step before the first position: ``c`` everywhere (a constant)."""
     args = list(node.args) + [None] * (5 - len(node.args))
     x, n, dim, prepend, append = args[:5]
-    n, dim = (1 if n is None else n), (-1 if dim is None else dim)
+    n, dim = node.kwargs.get("n", 1 if n is None else n), node.kwargs.get("dim", -1 if dim is None else dim)
     prepend, append = node.kwargs.get("prepend", prepend), node.kwargs.get("append", append)
     formula, before = read(x, seen), read(prepend, seen) if isinstance(prepend, Node) else None
     rank = _rank(node)
