@@ -31,6 +31,7 @@ from fxforge.capture.export import export_graph_module
 from fxforge.capture.hf import register_transformers_pytrees
 from fxforge.capture.model import CaptureError, captured_from, check_graph
 from fxforge.core.captured import Captured
+from fxforge.core.sequence_dims import BATCH, SEQUENCE, batch_and_sequence, sequence_axes
 from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import isolated
 
@@ -164,8 +165,14 @@ def batch_size(args: tuple, kwargs: dict) -> int | None:
         >>> batch_size((torch.ones(4, 3), torch.ones(4)), {"mask": torch.ones(1, 9)})
         4
     """
-    sizes = [t.shape[0] for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return collections.Counter(sizes).most_common(1)[0][0] if sizes else None
+    return batch_and_sequence(_leaves(args, kwargs))[0]
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[tuple[tuple[int, ...], torch.dtype] | None]:
+    """``(shape, dtype)`` of every input tensor (None for other inputs), as :mod:`fxforge.core.sequence_dims`
+    reads them."""
+    return [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None
+            for t in pytree.tree_leaves((args, kwargs))]
 
 
 def with_batch(args: tuple, kwargs: dict, batch: int, new: int) -> tuple[tuple, dict]:
@@ -207,9 +214,6 @@ def batch_dynamic_shapes(gm: nn.Module, args: tuple, kwargs: dict, batch: int) -
 
 # ---------------------------------------------------------------------------------------------- export dims
 
-BATCH, SEQUENCE = "batch", "seq"  # the names of the dims dynamic=True makes dynamic (and the ONNX file's)
-
-
 def sequence_length(args: tuple, kwargs: dict) -> int | None:
     """The sequence length: the most common dim 1 among the integer and bool input tensors of rank >= 2
     (token ids, attention masks, position ids), else among the float inputs of rank 3 (``[batch, seq,
@@ -222,25 +226,12 @@ def sequence_length(args: tuple, kwargs: dict) -> int | None:
         >>> sequence_length((torch.ones(2, 3, 8, 8),), {}) is None
         True
     """
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 2]
-    integers = [t.shape[1] for t in tensors if not (t.is_floating_point() or t.is_complex())]
-    floats = [t.shape[1] for t in tensors if t.is_floating_point() and t.dim() == 3]
-    sizes = integers or floats
-    return collections.Counter(sizes).most_common(1)[0][0] if sizes else None
+    return batch_and_sequence(_leaves(args, kwargs))[1]
 
 
 def _batch_and_sequence_axes(value: Any, batch: int | None, seq: int | None) -> dict[int, str]:
-    """``{axis: "batch" | "seq"}`` for one input: dim 0 when it is ``batch``; dim 1 when it is ``seq`` and the
-    input is of rank >= 2 and not a float tensor of rank > 3 (an image's dim 1 is its channels)."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return {}
-    axes = {}
-    if batch is not None and value.shape[0] == batch:
-        axes[0] = BATCH
-    if (seq is not None and value.dim() >= 2 and value.shape[1] == seq
-            and not (value.is_floating_point() and value.dim() > 3)):
-        axes[1] = SEQUENCE
-    return axes
+    """:func:`~fxforge.core.sequence_dims.sequence_axes` of one input ({} for anything but a tensor)."""
+    return sequence_axes(tuple(value.shape), value.dtype, batch, seq) if isinstance(value, torch.Tensor) else {}
 
 
 def sequence_dynamic_shapes(gm: nn.Module, args: tuple, kwargs: dict, batch: int | None,

@@ -11,12 +11,13 @@ Example:
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from fxforge.core.sequence_dims import batch_and_sequence, has_tokens, sequence_axes
 
 
 def _leaf_key(value: Any) -> Hashable:
@@ -100,10 +101,10 @@ def differing_dims(a: Hashable, b: Hashable) -> set[tuple[int, int]]:
 
 def token_dims(signature: Hashable) -> set[tuple[int, int]]:
     """The batch and sequence dims ``(leaf, dim)`` of a call whose inputs hold tokens: integer or bool tensors
-    of rank >= 2 (ids, attention masks, positions), whose lengths change from request to request. Dim 0 of
-    every tensor whose dim 0 is the batch (the most common dim 0); dim 1 of the token tensors, and of float
-    tensors of rank 3 (``[batch, seq, hidden]``), whose dim 1 is the sequence (the most common dim 1 of the
-    token tensors). Empty for a call without token inputs (images, features).
+    of rank >= 2 (ids, attention masks, positions), whose lengths change from request to request. The dims
+    are those an export with the batch and sequence dynamic keeps dynamic
+    (:func:`~fxforge.core.sequence_dims.sequence_axes`). Empty for a call without token inputs (images,
+    features).
 
     Example:
         >>> ids = torch.ones(2, 7, dtype=torch.long)
@@ -112,14 +113,9 @@ def token_dims(signature: Hashable) -> set[tuple[int, int]]:
         >>> token_dims(input_signature((torch.ones(2, 3, 8, 8),), {}, False))
         set()
     """
-    tensors = [(leaf, key[1], key[3]) for leaf, key in enumerate(signature[1]) if key[0] == "tensor"]
-    tokens = [(leaf, shape) for leaf, shape, dtype in tensors
-              if len(shape) >= 2 and not (dtype.is_floating_point or dtype.is_complex)]
-    if not tokens:
+    leaves = [(key[1], key[3]) if key[0] == "tensor" else None for key in signature[1]]
+    if not has_tokens(leaves):
         return set()
-    batch = collections.Counter(shape[0] for _, shape, _ in tensors if shape).most_common(1)[0][0]
-    seq = collections.Counter(shape[1] for _, shape in tokens).most_common(1)[0][0]
-    dims = {(leaf, 0) for leaf, shape, _ in tensors if shape and shape[0] == batch}
-    dims |= {(leaf, 1) for leaf, shape, dtype in tensors if len(shape) >= 2 and shape[1] == seq
-             and (not (dtype.is_floating_point or dtype.is_complex) or len(shape) == 3)}
-    return dims
+    batch, seq = batch_and_sequence(leaves)
+    return {(leaf, axis) for leaf, entry in enumerate(leaves) if entry is not None
+            for axis in sequence_axes(*entry, batch, seq)}
