@@ -115,8 +115,13 @@ def _number(value: Any) -> Any:
     return None
 
 
-def _python_number(value: Any) -> float | None:
-    """A Python int or float as a float; None for anything else (graph values included)."""
+def python_number(value: Any) -> float | None:
+    """A Python int or float as a float; None for anything else (graph values, bools).
+
+    Example:
+        >>> python_number(2), python_number(True), python_number("2")
+        (2.0, None, None)
+    """
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -128,12 +133,12 @@ def hides(value: Any) -> bool:
         >>> hides(float("-inf")), hides(-1e9), hides(-5.0), hides(float("nan"))
         (True, True, False, False)
     """
-    number = _python_number(value)
+    number = python_number(value)
     return number is not None and (number == -math.inf or number <= LARGE_NEGATIVE)
 
 
 def _is_zeros(value: Any) -> bool:
-    if _python_number(value) == 0.0:
+    if python_number(value) == 0.0:
         return True
     return isinstance(value, Node) and (value.target in _ZEROS or (
         value.op == "call_method" and value.target in ("new_zeros", "zero_")))
@@ -276,11 +281,7 @@ def _indexed(node: Node, seen: dict) -> Index | Keep | None:
             offset = offset + c * position.offset
         return Index(rank, _terms(terms), offset)
 
-    if isinstance(inner, Index):
-        return at(inner)
-    if isinstance(inner, Keep):
-        return Keep(rank, tuple((at(diff), op) for diff, op in inner.conditions))
-    return None
+    return None if isinstance(inner, Additive) else _mapped(inner, at, rank)
 
 
 def _arange(node: Node) -> Index | None:
@@ -361,16 +362,30 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
     return _relaid(inner, before, after)
 
 
-def _first_position(value: Index | Keep | Additive, dim: int) -> Index | Keep | Additive:
+def _first_position(value: Index | Keep | Additive, dim: int) -> Index | Keep | Additive | None:
     """``value`` sliced to its first position along ``dim`` (counted from the right): that dim's term drops."""
     def index(ix: Index) -> Index:
         return Index(ix.rank, tuple((d, c) for d, c in ix.terms if d != dim), ix.offset)
 
+    rank = value.rank if not isinstance(value, Additive) else value.keep.rank
+    return _mapped(value, index, rank)
+
+
+def _mapped(value: Index | Keep | Additive, index: Any, rank: int) -> Index | Keep | Additive | None:
+    """``value`` with ``index`` (an :class:`Index` -> :class:`Index` or None) applied to its formula, or to
+    each condition's formula (a :class:`Keep` of ``rank``, or an :class:`Additive` of one); None when
+    ``index`` gives None for one."""
     if isinstance(value, Index):
         return index(value)
     keep = value.keep if isinstance(value, Additive) else value
-    first = Keep(keep.rank, tuple((index(diff), op) for diff, op in keep.conditions))
-    return Additive(first) if isinstance(value, Additive) else first
+    conditions = []
+    for diff, op in keep.conditions:
+        moved = index(diff)
+        if moved is None:
+            return None
+        conditions.append((moved, op))
+    new_keep = Keep(rank, tuple(conditions))
+    return Additive(new_keep) if isinstance(value, Additive) else new_keep
 
 
 def _plain_index(index: Any) -> bool:
@@ -405,17 +420,7 @@ def _relaid(value: Index | Keep | Additive, before: tuple, after: tuple) -> Inde
             terms[where[d]] = c
         return Index(len(after), _terms(terms), ix.offset)
 
-    if isinstance(value, Index):
-        return index(value)
-    keep = value.keep if isinstance(value, Additive) else value
-    conditions = []
-    for diff, op in keep.conditions:
-        moved = index(diff)
-        if moved is None:
-            return None
-        conditions.append((moved, op))
-    new_keep = Keep(len(after), tuple(conditions))
-    return Additive(new_keep) if isinstance(value, Additive) else new_keep
+    return _mapped(value, index, len(after))
 
 
 def negated(keep: Keep) -> Keep | None:

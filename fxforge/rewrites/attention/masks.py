@@ -33,6 +33,7 @@ from fxforge.rewrites.attention.index_masks import (
     causal_for_every_size,
     hides,
     negated,
+    python_number,
     read_mask,
 )
 from fxforge.rewrites.attention.steps import AddMask, Fill, Scale
@@ -159,8 +160,8 @@ def _never_minus_infinity(attention: Attention) -> bool:
         return False
     for step in steps[steps.index(added[0]) + 1:]:
         if isinstance(step, Scale):
-            factor = step.factor if isinstance(step.factor, (int, float)) and not isinstance(step.factor, bool) else None
-            if step.is_tensor or factor is None or factor == 0 or (abs(1 / factor) if step.divide else abs(factor)) > 1:
+            factor = python_number(step.factor)
+            if step.is_tensor or not factor or abs(1 / factor if step.divide else factor) > 1:
                 return False
     return never_infinite(added[0].mask)
 
