@@ -225,7 +225,7 @@ class PlanCache:
         for plan in self._generic.get(family, ()):
             if plan.shapes.check_sizes(sizes) is None:
                 untraced = plan.shapes.untraced(sizes)
-                if untraced and untraced not in self._checked_at.setdefault(id(plan), set()):
+                if untraced and untraced not in self._checked_at.get(id(plan), ()):
                     self._first.pending = (plan, untraced)
                     return plan
                 self._serve(key, plan)
