@@ -18,6 +18,7 @@ from fxforge.planner import export_onnx, profile, rewrite
 from fxforge.rewrites.passes import Pass
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile import Profile
+from fxforge.training import TrainingMemory, training_memory
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report",
-           "capture", "export_onnx", "load", "optimize", "profile", "rewrite"]
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report", "TrainingMemory",
+           "capture", "export_onnx", "load", "optimize", "profile", "rewrite", "training_memory"]

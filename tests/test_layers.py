@@ -26,6 +26,7 @@ LAYERS = {
     "lowering": 3,
     "runtime": 4,
     "exporters": 4,
+    "training": 5,  # a stage over runtime: traces, simulates and runs training steps
     "planner": 5,
     "api": 6,
     "cli": 6,

@@ -1,0 +1,215 @@
+"""One real training step, measured phase by phase: the figures :class:`TrainingMemory` predicts.
+
+:func:`measure_step` runs a warm-up step (the optimizer creates its state there, as on any first step), then
+one measured step ``loss(model(*args, **kwargs)).backward(); optimizer.step(); optimizer.zero_grad()``, and
+restores the parameters, buffers and gradients it found, so measuring does not train the model. On CPU the
+bytes come from the dispatch tracker of :mod:`fxforge.runtime.memory` (every storage created during the
+step, freed when its finalizer runs); on CUDA from the caching allocator (``max_memory_allocated`` per
+phase, above what was allocated when the step began).
+
+Example:
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    >>> m = measure_step(model, (torch.randn(32, 64),), {}, optimizer=torch.optim.SGD)
+    >>> m.saved_bytes, m.gradient_bytes, m.optimizer_state_bytes   # SGD without momentum keeps nothing
+    (8192, 16900, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fxforge.core.memory import tensor_leaves
+from fxforge.runtime.memory import StorageTracker
+from fxforge.training.optimizer_memory import resolve_optimizer
+from fxforge.training.step_graph import LossFn, default_loss
+
+
+def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once).
+
+    Example:
+        >>> w = torch.ones(4)
+        >>> unique_bytes([w, w.view(2, 2), torch.ones(2)])
+        24
+    """
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+        except Exception:  # noqa: BLE001 - no storage (sparse, nested)
+            continue
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += int(storage.nbytes())
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeasurement:
+    """A measured training step; every figure in bytes.
+
+    Attributes:
+        weights_bytes, buffers_bytes, inputs_bytes, optimizer_state_bytes: what exists when the step begins.
+        saved_bytes: activations alive after the forward, the loss aside (what autograd saved).
+        gradient_bytes: the parameters' gradients after the backward.
+        forward_peak_bytes, backward_peak_bytes, optimizer_peak_bytes: the most alive at once in each
+            phase, everything that existed when the step began included.
+        peak_bytes: the step's peak (the largest of the three).
+        device: ``"cpu"`` (dispatch tracker) or ``"cuda"`` (caching allocator).
+    """
+
+    weights_bytes: int
+    buffers_bytes: int
+    inputs_bytes: int
+    optimizer_state_bytes: int
+    saved_bytes: int
+    gradient_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    optimizer_peak_bytes: int
+    peak_bytes: int
+    device: str
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Weights, buffers, inputs and optimizer state: alive through the whole step."""
+        return self.weights_bytes + self.buffers_bytes + self.inputs_bytes + self.optimizer_state_bytes
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """The most alive at once in forward and backward beyond the persistent bytes and the gradients
+        (bounded by the gradients' growth: a figure for the budget, not a lone exact measurement)."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes) - self.persistent_bytes
+
+
+def _device(model: torch.nn.Module, values: Any) -> torch.device:
+    for t in [*tensor_leaves(values), *model.parameters()]:
+        if t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
+class _Meter:
+    """Per-phase peaks: the dispatch tracker on CPU, the caching allocator on CUDA (bytes above ``base``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tracker = StorageTracker() if device.type == "cpu" else None
+        self.base = 0
+
+    def __enter__(self) -> _Meter:
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        else:
+            torch.cuda.synchronize(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def live(self) -> int:
+        if self.tracker is not None:
+            return self.tracker.live
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device) - self.base
+
+    def phase_peak(self) -> int:
+        """The peak since the last call (above the base), and start the next phase's from the live bytes."""
+        if self.tracker is not None:
+            peak = self.tracker.peak
+            self.tracker.peak = self.tracker.live
+            return peak
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+@contextlib.contextmanager
+def restored(model: torch.nn.Module):
+    """Within it the model may train; on exit its parameters, buffers and gradients are as they were."""
+    params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value, grad in params:
+                p.copy_(value)
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+
+
+def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 loss: LossFn | None = default_loss, optimizer: Any = torch.optim.AdamW,
+                 autocast: torch.dtype | None = None) -> StepMeasurement:
+    """Run one warm-up and one measured training step of ``model`` and return the measured figures.
+
+    The model is left as it was (parameters, buffers and gradients restored). See the module docstring.
+
+    Example:
+        >>> m = measure_step(torch.nn.Linear(256, 256), (torch.randn(64, 256),), {}, optimizer=None)
+        >>> m.gradient_bytes, m.saved_bytes
+        (263168, 0)
+    """
+    loss = loss or default_loss
+    factory = resolve_optimizer(optimizer)
+    device = _device(model, (args, kwargs))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    amp = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
+
+    def run(meter: _Meter | None, opt: torch.optim.Optimizer | None) -> dict[str, int]:
+        figures: dict[str, int] = {}
+        with amp():
+            value = loss(model(*args, **kwargs))
+        if meter is not None:
+            figures["forward"] = meter.phase_peak()
+            figures["saved"] = meter.live() - unique_bytes([value])
+        value.backward()
+        del value
+        if meter is not None:
+            figures["backward"] = meter.phase_peak()
+            figures["gradients"] = unique_bytes(p.grad for p in trainable if p.grad is not None)
+        if opt is not None:
+            opt.step()
+        if meter is not None:
+            figures["optimizer"] = meter.phase_peak()
+        for p in trainable:
+            p.grad = None
+        return figures
+
+    with restored(model):
+        for p in trainable:
+            p.grad = None
+        opt = factory(trainable) if factory is not None else None
+        run(None, opt)  # the first step creates the optimizer's state
+        gc.collect()
+        state = [t for s in (opt.state.values() if opt is not None else ()) for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        persistent = {
+            "weights": unique_bytes(model.parameters()),
+            "buffers": unique_bytes(model.buffers()),
+            "inputs": unique_bytes(tensor_leaves((args, kwargs))),
+            "state": unique_bytes(state),
+        }
+        with _Meter(device) as meter:
+            figures = run(meter, opt)
+    base = sum(persistent.values()) if device.type == "cpu" else 0
+    if device.type != "cpu":
+        # The allocator's figures are above what was allocated at the start, which is the persistent set.
+        base = sum(persistent.values())
+    phases = {k: base + figures[k] for k in ("forward", "backward", "optimizer")}
+    return StepMeasurement(persistent["weights"], persistent["buffers"], persistent["inputs"], persistent["state"],
+                           figures["saved"], figures["gradients"], phases["forward"], phases["backward"],
+                           phases["optimizer"], max(phases.values()), device.type)
