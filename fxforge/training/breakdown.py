@@ -29,6 +29,7 @@ import torch
 
 from fxforge.capture import capture
 from fxforge.core.memory import tensor_leaves
+from fxforge.rewrites.attention.sdpa_calls import simplify_sdpa_calls
 from fxforge.training.measure import StepMeasurement, measure_step, unique_bytes
 from fxforge.training.optimizer_memory import OptimizerMemory, optimizer_memory
 from fxforge.training.step_graph import LossFn, StepGraphs, default_loss, trace_step
@@ -231,6 +232,19 @@ def _module_table(model: torch.nn.Module, step: StepGraphs, sim: StepSimulation,
     return frame[["weights_MiB", "gradients_MiB", "optimizer_state_MiB", "activations_MiB"]]
 
 
+def eager_like_graph(model: torch.nn.Module, example_inputs: Any) -> torch.fx.GraphModule:
+    """The model captured, with its SDPA calls given the inputs eager gives them.
+
+    transformers models take other paths under tracing than in eager: an S x S causal mask built as a tensor
+    and K/V repeated per head, where eager passes ``is_causal=True`` and ``enable_gqa=True``
+    (:func:`~fxforge.rewrites.attention.sdpa_calls.simplify_sdpa_calls` undoes both). A prediction of the
+    eager step has to see eager's inputs, not the trace's.
+    """
+    graph_module = capture(model, example_inputs).graph_module
+    simplify_sdpa_calls(graph_module)
+    return graph_module
+
+
 def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any = torch.optim.AdamW,
                     loss: LossFn | None = None, *, autocast: torch.dtype | None = None) -> TrainingMemory:
     """Predict the memory of one training step of ``model`` on ``example_inputs``, without running it.
@@ -254,9 +268,9 @@ def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any 
     """
     args, kwargs = split_inputs(example_inputs)
     loss = loss or default_loss
-    captured = capture(model, example_inputs)
-    step = trace_step(captured.graph_module, args, kwargs, loss=loss, autocast=autocast)
-    sim = simulate_step(step)
+    graph_module = eager_like_graph(model, example_inputs)
+    step = trace_step(graph_module, args, kwargs, loss=loss, autocast=autocast)
+    sim = simulate_step(step, eager_dropout=True)
     params = list(dict.fromkeys(model.parameters()))
     opt = optimizer_memory(optimizer, params)
     weights = unique_bytes(model.parameters())
@@ -271,7 +285,10 @@ def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any 
     optimizer_peak = persistent + sim.gradient_bytes + sim.output_bytes + opt.step_peak_bytes
     peaks = {"forward": forward_peak, "backward": backward_peak, "optimizer": optimizer_peak}
     phase = max(peaks, key=peaks.get)
-    node = sim.peak_node if phase != "optimizer" else "optimizer.step"
+    node = "optimizer.step"
+    if phase != "optimizer":
+        in_phase = [i for i, (name, _) in enumerate(sim.nodes) if name == phase]
+        node = sim.nodes[max(in_phase, key=lambda i: sim.activations[i] + sim.gradients[i])][1]
     tm = TrainingMemory(weights, buffers, inputs, sim.gradient_bytes, opt.state_bytes, sim.saved_bytes,
                         sim.temporaries_at_peak(), forward_peak, backward_peak, optimizer_peak, peaks[phase],
                         phase, node, step, sim, opt, model, args, kwargs, loss, optimizer, autocast)

@@ -212,10 +212,16 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, recompute: set[str
         if node.name in recompute:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     try:
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        forward, backward = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     finally:
         for node in joint.graph.nodes:
             node.meta.pop("recompute", None)
+    # The partitioner copies random forward ops into the backward along with their inputs even where the
+    # backward uses none of their results (they count as impure); run there, they would draw numbers the
+    # forward did not, and hold memory. Unused, they go; a random op the backward does use stays.
+    backward.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=False))
+    backward.recompile()
+    return forward, backward
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ class _Phase:
     """Storage bookkeeping for one graph: which storages each node allocates, holds and touches."""
 
     def __init__(self, graph_module: torch.fx.GraphModule, storages: list[Storage], known: dict[int, int],
-                 keys: dict[int, int]):
+                 keys: dict[int, int], eager_dropout: bool = False):
         self.keys = keys  # storage id -> its fake storage's identity, shared by both graphs
         self.nodes = [n for n in graph_module.graph.nodes if n.op != "output"]
         (out,) = graph_module.graph.find_nodes(op="output")
@@ -121,11 +121,14 @@ class _Phase:
             refs: list[int] = []
             allocs: list[int] = []
             local: dict[int, int] = {}
-            for leaf in tensor_leaves(node.meta.get("val")):
+            widened = eager_dropout and _is_cpu_dropout(node)
+            for position, leaf in enumerate(tensor_leaves(node.meta.get("val"))):
                 found = _storage(leaf)
                 if found is None:
                     continue
                 key, nbytes = found
+                if widened and position == 1:
+                    nbytes *= node.meta["val"][0].element_size()  # eager CPU keeps a mask of the input's dtype
                 sid = known.get(key) if node.op == "placeholder" else local.get(key)
                 if sid is None and node.op != "placeholder":
                     sid = next((s for s in inputs if self._key(s) == key), None)
@@ -151,8 +154,20 @@ class _Phase:
         return {*self.refs[node], *(s for i in node.all_input_nodes for s in self.refs.get(i, ()))}
 
 
-def simulate_step(step: StepGraphs) -> StepSimulation:
+def _is_cpu_dropout(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return (node.op == "call_function" and node.target is torch.ops.aten.native_dropout.default
+            and isinstance(value, (tuple, list)) and value[0].device.type == "cpu")
+
+
+def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimulation:
     """Replay the step's forward then backward graph and follow every storage it allocates.
+
+    ``eager_dropout``: count dropout as eager runs it on CPU. AOTAutograd decomposes ``dropout`` into
+    ``native_dropout``, whose mask is bool; eager's CPU ``dropout`` does not take that kernel (torch uses it
+    on CUDA and other accelerators only) and keeps a mask of the input's dtype for the backward, 4 bytes per
+    element in float32 instead of 1. The prediction of an eager step sets it; a step fxforge runs from the
+    graphs (which do call ``native_dropout``) does not.
 
     Example:
         >>> from fxforge.training.step_graph import trace_step
@@ -162,7 +177,7 @@ def simulate_step(step: StepGraphs) -> StepSimulation:
     """
     storages: list[Storage] = []
     keys: dict[int, int] = {}
-    forward = _Phase(step.forward, storages, {}, keys)
+    forward = _Phase(step.forward, storages, {}, keys, eager_dropout)
     fw_outputs = forward.outputs
     own, saved = fw_outputs[:step.num_fwd_outputs], fw_outputs[step.num_fwd_outputs:]
     pinned_fw = {s for n in fw_outputs if n is not None for s in forward.refs[n]}
