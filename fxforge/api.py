@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from fxforge.planner import EXPORT_OPTIONS, optimized
+from fxforge.planner import EXPORT_OPTIONS, checkpointed, optimized
 from fxforge.rewrites.registry import resolve
 
 TARGETS = ("native", "onnxruntime", "inductor", "auto")
@@ -27,7 +27,8 @@ TARGET_OPTIONS = {
 
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
-             verify: bool = True, method: str = "auto", dynamic: bool | None = None, **target_options: Any) -> Any:
+             verify: bool = True, method: str = "auto", dynamic: bool | None = None, memory_budget: Any = None,
+             **target_options: Any) -> Any:
     """Capture, rewrite and run a model through fxforge.
 
     Three forms:
@@ -62,6 +63,14 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     exports once, static. ``dynamic_batch`` / ``dynamic_shapes`` choose the dims themselves (one export).
     The module's ``exports`` counts the exports made. Decorated classes run eagerly in training mode and
     export on their first call in eval mode.
+
+    With ``memory_budget`` (a model in training mode, and example inputs) the result is a
+    :class:`~fxforge.training.module.CheckpointedModule`: the training step recomputes in the backward what
+    its ``plan`` chose so that the simulated peak fits the budget with the least recompute time. ``"60%"`` is
+    60 % of the unconstrained activation peak; bytes (an int, or ``"2GiB"``) cap the whole step's peak,
+    weights, gradients and optimizer state included (``optimizer=``, default ``torch.optim.AdamW``, says
+    what the optimizer keeps). Outputs, gradients and batch-norm statistics are eager's; in eval mode or
+    without grad the model runs eagerly.
 
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
@@ -101,6 +110,12 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         >>> ort_net(-torch.ones(4, 3)).shape, ort_net.providers[-1]
         (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
+    if memory_budget is not None:
+        unknown = sorted(set(target_options) - {"optimizer", "autocast"})
+        if target != "native" or unknown:
+            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer= and "
+                            f"autocast=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
+        return checkpointed(model, example_inputs, memory_budget, **target_options)
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")
     allowed = TARGET_OPTIONS[target]

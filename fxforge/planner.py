@@ -66,6 +66,7 @@ from fxforge.runtime.native import OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, PlanBuilder, ShapePolicy
 from fxforge.runtime.profile import Profile, profile_graph
 from fxforge.runtime.race import Entrant, race, remembrable
+from fxforge.training.module import CheckpointedModule
 
 # What export_onnx takes besides the model, the path and the inputs; the onnxruntime target passes these on.
 EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "dynamic_shapes", "opset", "attention",
@@ -73,6 +74,27 @@ EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "d
 
 
 # ---------------------------------------------------------------------------------------------- native
+
+def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimizer: Any = torch.optim.AdamW,
+                 autocast: torch.dtype | None = None) -> CheckpointedModule:
+    """The model's training step fitted under ``memory_budget`` by checkpointing (see
+    :mod:`fxforge.training.module`): ``optimize(model, inputs, memory_budget=...)``.
+
+    Raises:
+        TypeError: not a model instance, no example inputs.
+        ValueError: the model is in eval mode (nothing is saved for a backward), or a malformed budget.
+        fxforge.training.checkpointing.BudgetError: no recomputation fits the budget.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError("memory_budget plans a training step: call fxforge.optimize(model, example_inputs, "
+                        "memory_budget=...) on a model instance")
+    if example_inputs is None:
+        raise TypeError("memory_budget needs example_inputs: the plan is made for their shapes")
+    if not model.training:
+        raise ValueError("memory_budget plans checkpointing for training: the model is in eval mode "
+                         "(call model.train() first)")
+    return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, autocast=autocast)
+
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,
             tuning: TuningPolicy | None = MEASURE_ALL, conditions: CallConditions | None = None) -> Captured:

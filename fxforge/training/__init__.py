@@ -2,6 +2,9 @@
 
 - :func:`~fxforge.training.breakdown.training_memory` predicts weights, gradients, optimizer state,
   activations and the step's peak with fake tensors; ``.measure()`` runs one real step beside it.
+- :func:`~fxforge.training.checkpointing.plan_checkpointing` chooses what to recompute under a budget (a
+  MILP over the forward's chain of pieces, checked by simulating the whole step), and
+  :class:`~fxforge.training.module.CheckpointedModule` runs it (``fxforge.optimize(..., memory_budget=)``).
 - :mod:`fxforge.training.step_graph` traces the step (AOTAutograd's joint graph, partitioned),
   :mod:`fxforge.training.timeline` replays it storage by storage.
 
@@ -12,5 +15,8 @@ Example:
 """
 
 from fxforge.training.breakdown import TrainingMemory, training_memory
+from fxforge.training.checkpointing import BudgetError, CheckpointPlan, plan_checkpointing
+from fxforge.training.module import CheckpointedModule
 
-__all__ = ["TrainingMemory", "training_memory"]
+__all__ = ["BudgetError", "CheckpointPlan", "CheckpointedModule", "TrainingMemory", "plan_checkpointing",
+           "training_memory"]

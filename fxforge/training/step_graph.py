@@ -15,8 +15,8 @@ which forward nodes to recompute in the backward instead (:func:`partition`): no
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     >>> step = trace_step(model, (torch.randn(4, 8),), {})
-    >>> [n.name for n in step.saved_nodes()]       # the input, the ReLU's output (and its mask's source)
-    ['primals_5', 'relu']
+    >>> [n.name for n in step.saved_nodes()]   # the input, relu's output and an alias, a weight's view
+    ['primals_5', 'relu', 'detach', 't_1']
     >>> step.parameter_names[:2]
     ['0.weight', '0.bias']
 """
@@ -58,8 +58,8 @@ def default_loss(outputs: Any) -> torch.Tensor:
 class StepModule(torch.nn.Module):
     """The model as AOTAutograd takes it: flat tensor inputs in, a tuple of tensors out.
 
-    With a ``loss`` the tuple is ``(loss,)``; without, the model's floating-point output tensors
-    (``output_spec`` rebuilds the model's structure around them, ``other_outputs`` holds the rest).
+    With a ``loss`` the tuple is ``(loss,)``; without, the model's output tensors (:meth:`rebuild` puts
+    them back in the model's structure, with the values that are not tensors as the trace saw them).
 
     Example:
         >>> m = StepModule(torch.nn.Linear(2, 2), (torch.ones(1, 2),), {}, loss=default_loss)
@@ -77,6 +77,7 @@ class StepModule(torch.nn.Module):
         self.constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.output_spec: pytree.TreeSpec | None = None
         self.output_positions: list[int] = []
+        self.output_constants: list[Any] = []
 
     def flat_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The tensors among ``args`` and ``kwargs``, in the order the module takes them."""
@@ -98,9 +99,16 @@ class StepModule(torch.nn.Module):
         if self.loss is not None:
             return (self.loss(outputs),)
         flat, self.output_spec = pytree.tree_flatten(outputs)
-        self.output_positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
-                                 and t.is_floating_point() and t.requires_grad]
+        self.output_positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        self.output_constants = [None if isinstance(t, torch.Tensor) else t for t in flat]
         return tuple(flat[i] for i in self.output_positions)
+
+    def rebuild(self, tensors: Any) -> Any:
+        """The model's output structure around the flat tensors the traced step returned."""
+        leaves = list(self.output_constants)
+        for position, tensor in zip(self.output_positions, tensors):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
 
 @dataclasses.dataclass
@@ -153,8 +161,8 @@ class StepGraphs:
         Example:
             >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
             >>> step = trace_step(model, (torch.randn(4, 8),), {})
-            >>> [n.name for n in step.repartition({"relu"}).saved_nodes()]   # relu's input instead
-            ['primals_5', 'addmm']
+            >>> [n.name for n in step.repartition({"relu", "detach"}).saved_nodes()]   # relu's input instead
+            ['primals_5', 'addmm', 't_1']
         """
         recompute = set(recompute)
         forward, backward = partition(self.joint, self.joint_inputs, recompute, **self.partition_kwargs)
@@ -285,6 +293,7 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                loss: LossFn | None = default_loss, recompute: Iterable[str] = (),
                autocast: torch.dtype | None = None,
                compilers: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
+               choose: Callable[[StepGraphs], Iterable[str]] | None = None,
                ) -> StepGraphs:
     """Trace one training step of ``model`` on fake copies of ``args``/``kwargs`` into :class:`StepGraphs`.
 
@@ -297,6 +306,9 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         autocast: trace under ``torch.autocast(device, dtype)`` (mixed precision), or None.
         compilers: ``(forward, backward)`` compilers for AOTAutograd; default: keep the graphs (the step
             is only traced). :mod:`fxforge.training.module` passes runners here.
+        choose: called with the unconstrained partition while AOTAutograd waits for one; the names it
+            returns are recomputed in the partition AOTAutograd compiles (a checkpointing plan chosen on
+            the same trace, so the callable it returns runs the plan).
 
     Returns:
         The graphs, plus ``compiled``: AOTAutograd's callable over the flat inputs (in ``.compiled``).
@@ -312,8 +324,13 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
     def partition_fn(joint, joint_inputs, **kw):
         recorded.update(joint=joint, joint_inputs=joint_inputs, kwargs=kw)
-        forward, backward = partition(joint, joint_inputs, set(recompute), **kw)
-        recorded.update(forward=forward, backward=backward)
+        names = set(recompute)
+        forward, backward = partition(joint, joint_inputs, names, **kw)
+        if choose is not None:
+            unconstrained = _graphs(recorded, wrapper, forward, backward, names)
+            names = set(choose(unconstrained))
+            forward, backward = partition(joint, joint_inputs, names, **kw)
+        recorded.update(forward=forward, backward=backward, recompute=names)
         return forward, backward
 
     keep = (lambda gm, example: gm)
@@ -326,17 +343,22 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                                          bw_compiler=backward_compiler, partition_fn=partition_fn)
     if "joint" not in recorded:
         raise RuntimeError("the model has no parameter or input that requires grad: there is no backward to plan")
+    step = _graphs(recorded, wrapper, recorded["forward"], recorded["backward"], recorded["recompute"])
+    step.compiled = compiled
+    step.wrapper = wrapper
+    return step
+
+
+def _graphs(recorded: dict[str, Any], wrapper: StepModule, forward: torch.fx.GraphModule,
+            backward: torch.fx.GraphModule, recompute: set[str]) -> StepGraphs:
     params = dict(wrapper.named_parameters(remove_duplicate=False))
     buffers = dict(wrapper.named_buffers(remove_duplicate=False))
     kw = dict(recorded["kwargs"])
     num_fwd_outputs = kw.pop("num_fwd_outputs")
-    step = StepGraphs(recorded["joint"], recorded["joint_inputs"], num_fwd_outputs, recorded["forward"],
-                      recorded["backward"], [_strip(n) for n in params], [_strip(n) for n in buffers],
+    return StepGraphs(recorded["joint"], recorded["joint_inputs"], num_fwd_outputs, forward, backward,
+                      [_strip(n) for n in params], [_strip(n) for n in buffers],
                       [p.requires_grad for p in params.values()], set(recompute),
                       {"num_fwd_outputs": num_fwd_outputs, **kw})
-    step.compiled = compiled
-    step.wrapper = wrapper
-    return step
 
 
 def _strip(name: str) -> str:

@@ -1,0 +1,559 @@
+"""Checkpointing under a memory budget: which activations to keep and which to recompute, least recompute first.
+
+A training step saves activations in the forward for the backward; recomputing some of them in the backward
+instead lowers the step's peak at the price of compute. :func:`plan_checkpointing` chooses, on the step's
+joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute:
+
+1. **Units.** Each forward node (with the ``getitem`` nodes of a multi-output op) is a unit with the bytes
+   of its outputs and the estimated time to compute it again (:mod:`fxforge.training.costs`). Random ops
+   (dropout) are never recomputed: on CPU they would draw other numbers. The step's own outputs are alive
+   anyway.
+2. **An exact choice for a bound on the saved bytes** (a MILP solved by scipy's HiGHS): binary ``r[u]``
+   (recompute) and ``s[u]`` (save) per unit; a unit the backward uses is saved or recomputed; a unit a
+   recomputed unit needs is saved or recomputed too; the saved bytes stay under the bound; the recompute
+   time is minimal. When HiGHS stops at its time limit its best solution is used (the report gives the
+   gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead.
+3. **The whole step simulated** (:mod:`fxforge.training.timeline`, backward liveness included: each saved
+   value freed after its last use, recomputed values alive only around their use, gradients growing): the
+   bound on saved bytes is only a proxy, so it is lowered by the simulated excess until the simulated peak
+   fits the budget, then raised again while the peak still fits, to recompute as little as possible. The
+   plan returned always fits by simulation, so as the budget falls the predicted peak falls with it.
+
+Torch's default partitioner then splits the joint graph with the chosen units tagged ``MUST_RECOMPUTE``,
+placing each recomputation right before its first use in the backward.
+
+Budgets: ``"60%"`` is 60 % of the unconstrained *activation peak* (the most bytes the forward and backward
+hold at once beyond weights, optimizer state, inputs and parameter gradients); an ``int`` is a cap in bytes
+on the whole step's peak (weights, gradients, optimizer state and activations together).
+
+Example:
+    >>> layers = [m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())]
+    >>> model = torch.nn.Sequential(*layers).train()
+    >>> plan = plan_checkpointing(model, (torch.randn(512, 256),), "80%", optimizer=None)
+    >>> plan.predicted_activation_peak_bytes <= plan.budget_bytes, len(plan.recomputed) > 0
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import re
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fxforge.core.memory import tensor_leaves
+from fxforge.core.symbolic import hint
+from fxforge.runtime.roofline import Machine, measure_machine
+from fxforge.training.costs import graph_seconds, node_seconds
+from fxforge.training.optimizer_memory import optimizer_memory
+from fxforge.training.step_graph import StepGraphs, is_forward, is_random, trace_step
+from fxforge.training.timeline import StepSimulation, simulate_step
+
+MILP_TIME_LIMIT_S = 10.0
+MAX_ROUNDS = 12
+
+_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+
+
+def parse_budget(budget: Any) -> tuple[str, float]:
+    """``("fraction", f)`` for ``"60%"`` (or a float in (0, 1]), ``("bytes", n)`` for an int or ``"2GiB"``.
+
+    Raises:
+        ValueError: anything else, a fraction outside (0, 100 %], or a size that is not positive.
+
+    Example:
+        >>> parse_budget("60%"), parse_budget("1.5GiB"), parse_budget(1000)
+        (('fraction', 0.6), ('bytes', 1610612736.0), ('bytes', 1000.0))
+    """
+    if isinstance(budget, bool):
+        raise ValueError(f"memory_budget must be bytes or a percentage, not {budget!r}")
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return "fraction", float(budget)
+    if isinstance(budget, int) and budget > 0:
+        return "bytes", float(budget)
+    if isinstance(budget, str):
+        text = budget.strip().lower().replace(" ", "")
+        if text.endswith("%"):
+            try:
+                value = float(text[:-1]) / 100
+            except ValueError:
+                value = -1.0
+            if 0 < value <= 1:
+                return "fraction", value
+            raise ValueError(f"memory_budget {budget!r}: a percentage must be in (0, 100]")
+        match = re.fullmatch(r"([0-9.]+)([kmg]i?b|b)?", text)
+        if match:
+            value = float(match.group(1)) * _UNITS[match.group(2) or ""]
+            if value > 0:
+                return "bytes", value
+    raise ValueError(f"memory_budget {budget!r}: give bytes (an int, '2GiB') or a percentage ('60%')")
+
+
+@dataclasses.dataclass
+class Unit:
+    """A forward node (with its ``getitem`` nodes): what saving it costs and what recomputing it costs."""
+
+    name: str
+    nodes: list[str]
+    nbytes: int
+    seconds: float
+    recomputable: bool
+    needed_by_backward: bool
+    producers: list[int] = dataclasses.field(default_factory=list)
+
+
+def _units(step: StepGraphs, machine: Machine) -> list[Unit]:
+    joint = step.joint
+    primal_keys = set()
+    for node in joint.graph.find_nodes(op="placeholder"):
+        for leaf in tensor_leaves(node.meta.get("val")):
+            primal_keys.add(leaf.untyped_storage()._cdata)
+    (out,) = joint.graph.find_nodes(op="output")
+    flat_outputs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    step_outputs = {n for n in flat_outputs[:step.num_fwd_outputs] if isinstance(n, torch.fx.Node)}
+    units: list[Unit] = []
+    index: dict[torch.fx.Node, int] = {}
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or not is_forward(node):
+            continue
+        if node.target is operator.getitem and node.args[0] in index:
+            unit = units[index[node.args[0]]]
+            unit.nodes.append(node.name)
+            index[node] = index[node.args[0]]
+            unit.nbytes += _bytes(node, primal_keys)
+            unit.needed_by_backward |= any(not is_forward(u) for u in node.users if u.op != "output")
+            if node in step_outputs:
+                unit.recomputable = False
+            continue
+        value = node.meta.get("val")
+        multi = isinstance(value, (tuple, list))
+        tensors = tensor_leaves(value)
+        unit = Unit(node.name, [node.name], 0 if multi else _bytes(node, primal_keys), node_seconds(node, machine),
+                    bool(tensors) and not is_random(node) and node not in step_outputs
+                    and not node.is_impure(impure_random=False),
+                    any(not is_forward(u) for u in node.users if u.op != "output"))
+        unit.producers = sorted({index[i] for i in node.all_input_nodes if i in index})
+        index[node] = len(units)
+        units.append(unit)
+    return units
+
+
+def _bytes(node: torch.fx.Node, primal_keys: set[int]) -> int:
+    """Bytes of the storages ``node`` allocates: not a parameter's or an input's, not one of its inputs'."""
+    total, seen = 0, set()
+    for source in node.all_input_nodes:
+        for leaf in tensor_leaves(source.meta.get("val")):
+            seen.add(leaf.untyped_storage()._cdata)
+    for leaf in tensor_leaves(node.meta.get("val")):
+        storage = leaf.untyped_storage()
+        if storage._cdata in primal_keys or storage._cdata in seen:
+            continue
+        seen.add(storage._cdata)
+        total += hint(storage.nbytes())
+    return total
+
+
+EXPENSIVE_SECONDS_PER_BYTE = 2e-10
+"""A unit whose recompute costs more than this per byte it frees (matrix products, convolutions, attention:
+about 10x a copy) is kept in a segment's ``"cheap"`` mode; pointwise ops and views are recomputed."""
+
+
+MAX_SPAN = 24
+"""The most pieces of the forward one recomputed segment may span (bounds the MILP's size)."""
+
+
+@dataclasses.dataclass
+class Choice:
+    """One way to keep a run of pieces: ``recomputed`` units, ``saved`` bytes, bytes the backward
+    ``rematerialized`` at once, ``seconds`` of recompute; ``pieces`` the run ``[first, last]``."""
+
+    pieces: tuple[int, int]
+    recomputed: set[int]
+    saved: int
+    rematerialized: int
+    seconds: float
+    mode: str
+
+
+def _pieces(units: list[Unit]) -> list[tuple[list[int], int]]:
+    """The forward cut into pieces where one value carries everything on: ``(units, boundary unit)``.
+
+    Views of parameters (a transposed weight) and values used across more than half of the forward (a
+    causal mask, rotary tables) are free to cross a cut: they cost nothing, or are global. A position is a
+    cut when one other value crosses it; consecutive cuts crossed by the same value are one (the last).
+    """
+    n = len(units)
+    free = [False] * n
+    last_use = list(range(n))
+    for i, unit in enumerate(units):
+        free[i] = unit.nbytes == 0 and all(free[p] for p in unit.producers)
+        for p in unit.producers:
+            last_use[p] = max(last_use[p], i)
+    starts: dict[int, list[int]] = {}
+    for i in range(n):
+        if not free[i] and last_use[i] > i and last_use[i] - i <= n // 2:
+            starts.setdefault(i + 1, []).append(i)
+    alive: set[int] = set()
+    cuts: list[tuple[int, int]] = []
+    for i in range(1, n):
+        alive.update(starts.get(i, ()))
+        alive = {v for v in alive if last_use[v] >= i}
+        if len(alive) == 1:
+            value = next(iter(alive))
+            if cuts and cuts[-1][1] == value:
+                cuts[-1] = (i, value)
+            else:
+                cuts.append((i, value))
+    pieces, previous = [], 0
+    for position, boundary in [*cuts, (n, n - 1)]:
+        if position > previous:
+            pieces.append((list(range(previous, position)), boundary))
+            previous = position
+    return pieces
+
+
+def _choices(units: list[Unit], pieces: list[tuple[list[int], int]]) -> list[Choice]:
+    """Per piece: store it, or recompute its cheap units; per run of up to :data:`MAX_SPAN` pieces:
+    recompute everything in it but the boundary at its end."""
+
+    def stored(inside: list[int]) -> int:
+        return sum(units[i].nbytes for i in inside if units[i].needed_by_backward)
+
+    def kept(inside: list[int], chosen: set[int], boundary: int) -> int:
+        return sum(units[i].nbytes for i in inside if i not in chosen and (
+            units[i].needed_by_backward or i == boundary or any(i in units[j].producers for j in chosen)))
+
+    choices: list[Choice] = []
+    for k, (inside, boundary) in enumerate(pieces):
+        # The boundary is saved whatever the choice: the next piece may be recomputed from it.
+        choices.append(Choice((k, k), set(), kept(inside, set(), boundary), 0, 0.0, "store"))
+        cheap = {i for i in inside if units[i].recomputable and i != boundary and (
+            units[i].seconds <= EXPENSIVE_SECONDS_PER_BYTE * max(units[i].nbytes, 1) or units[i].nbytes == 0)}
+        if cheap:
+            saved = kept(inside, cheap, boundary)
+            choices.append(Choice((k, k), cheap, saved, max(0, stored(inside) - saved),
+                                  sum(units[i].seconds for i in cheap), "cheap"))
+    for first in range(len(pieces)):
+        inside: list[int] = []
+        for last in range(first, min(len(pieces), first + MAX_SPAN)):
+            inside = inside + pieces[last][0]
+            boundary = pieces[last][1]
+            chosen = {i for i in inside if units[i].recomputable and i != boundary}
+            if not chosen:
+                continue
+            saved = kept(inside, chosen, boundary)
+            choices.append(Choice((first, last), chosen, saved, max(0, stored(inside) - saved),
+                                  sum(units[i].seconds for i in chosen), "recompute"))
+    return choices
+
+
+def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: float
+           ) -> tuple[set[int], str] | None:
+    """The choices covering every piece once with the least recompute time whose saved bytes, plus the
+    largest run the backward rematerializes at once, stay under ``saved_limit`` (a set-partitioning MILP
+    over the chain of pieces, exact for that model)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    m = len(choices)
+    if m == 0:
+        return set(), "milp (nothing to choose)"
+    cost = np.array([c.seconds for c in choices] + [0.0])
+    rows, cols, vals, lower, upper = [], [], [], [], []
+    for col, choice in enumerate(choices):  # every piece covered by exactly one choice
+        for k in range(choice.pieces[0], choice.pieces[1] + 1):
+            rows.append(k)
+            cols.append(col)
+            vals.append(1.0)
+    lower += [1.0] * pieces
+    upper += [1.0] * pieces
+    row = pieces
+    for col, choice in enumerate(choices):  # z >= what each chosen run rematerializes
+        if choice.rematerialized:
+            rows += [row, row]
+            cols += [col, m]
+            vals += [float(choice.rematerialized), -1.0]
+            lower.append(-math.inf)
+            upper.append(0.0)
+            row += 1
+    for col, choice in enumerate(choices):  # saved bytes + z <= limit
+        rows.append(row)
+        cols.append(col)
+        vals.append(float(choice.saved))
+    rows.append(row)
+    cols.append(m)
+    vals.append(1.0)
+    lower.append(-math.inf)
+    upper.append(max(0.0, saved_limit))
+    row += 1
+    matrix = coo_matrix((vals, (rows, cols)), shape=(row, m + 1))
+    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper),
+                  integrality=np.array([1] * m + [0]), bounds=Bounds(np.zeros(m + 1), np.array([1.0] * m + [math.inf])),
+                  options={"time_limit": time_limit, "mip_rel_gap": 1e-4})
+    if result.x is None:
+        return None if result.status != 2 else None
+    chosen: set[int] = set()
+    for col, choice in enumerate(choices):
+        if result.x[col] > 0.5:
+            chosen |= choice.recomputed
+    status = "optimal" if result.status == 0 else "time limit: best found"
+    return chosen, f"milp (HiGHS, {status}) over {pieces} pieces, {m} choices"
+
+
+@dataclasses.dataclass
+class CheckpointPlan:
+    """What a budgeted step saves and recomputes, and what it is predicted to cost.
+
+    Attributes:
+        budget: the budget as given; ``budget_kind``: ``"fraction"`` or ``"bytes"``.
+        budget_bytes: the bytes it allows: for a fraction, of the activation peak; for bytes, of the step.
+        unconstrained_activation_bytes: the activation peak without checkpointing.
+        predicted_activation_peak_bytes: the plan's simulated activation peak.
+        unconstrained_peak_bytes, predicted_peak_bytes: the whole step's peak without and with the plan
+            (weights, buffers, inputs, optimizer state, gradients, activations; the optimizer step included).
+        saved: forward nodes whose values the backward keeps; ``recomputed``: forward nodes it recomputes.
+        recompute_seconds, step_seconds: estimated recompute time and the unconstrained forward+backward.
+        overhead: ``recompute_seconds / step_seconds``.
+        solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)``.
+        step: the chosen partition; ``simulation``: its replay.
+    """
+
+    budget: Any
+    budget_kind: str
+    budget_bytes: int
+    unconstrained_activation_bytes: int
+    predicted_activation_peak_bytes: int
+    unconstrained_peak_bytes: int
+    predicted_peak_bytes: int
+    saved: list[str]
+    recomputed: list[str]
+    recompute_seconds: float
+    step_seconds: float
+    solver: str
+    rounds: list[tuple[int, int, bool]]
+    step: StepGraphs
+    simulation: StepSimulation
+    persistent_bytes: int = 0
+    optimizer_peak_bytes: int = 0
+    plan_seconds: float = 0.0
+
+    @property
+    def overhead(self) -> float:
+        """Predicted extra step time from recomputation, as a fraction of the forward+backward time."""
+        return self.recompute_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    def lines(self) -> list[str]:
+        """The plan as report lines."""
+        mib = 2**20
+        what = (f"{self.budget} of the activation peak" if self.budget_kind == "fraction"
+                else f"{self.budget_bytes / mib:.1f} MiB for the whole step")
+        return [
+            f"budget: {what} -> activations <= {self.budget_bytes / mib:.1f} MiB" if self.budget_kind == "fraction"
+            else f"budget: {what}",
+            f"activation peak: {self.unconstrained_activation_bytes / mib:.1f} MiB -> "
+            f"{self.predicted_activation_peak_bytes / mib:.1f} MiB (simulated, backward liveness included)",
+            f"step peak: {self.unconstrained_peak_bytes / mib:.1f} MiB -> {self.predicted_peak_bytes / mib:.1f} MiB",
+            f"saved for backward: {len(self.saved)} values ({self.simulation.saved_bytes / mib:.1f} MiB); "
+            f"recomputed: {len(self.recomputed)} nodes",
+            f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
+            f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)",
+            f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
+        ]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def table(self):
+        """The recomputed nodes as a pandas table (node, op, MiB freed from the saved set is not additive)."""
+        import pandas as pd
+
+        by_name = {n.name: n for n in self.step.joint.graph.nodes}
+        return pd.DataFrame([{"node": name, "op": str(by_name[name].target) if name in by_name else ""}
+                             for name in self.recomputed])
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met by checkpointing (the message says what the least reachable is)."""
+
+
+def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
+              machine: Machine | None = None, time_limit: float = MILP_TIME_LIMIT_S) -> CheckpointPlan:
+    """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
+
+    Args:
+        step: the traced step (its current partition is taken as the unconstrained one).
+        budget: ``"60%"``, a float fraction, bytes, or ``"2GiB"``.
+        persistent_bytes: weights, buffers, inputs and optimizer state (for a budget in bytes).
+        optimizer_step_bytes: what the optimizer step allocates beyond the gradients.
+
+    Raises:
+        BudgetError: no recomputation fits (the least reachable is in the message).
+    """
+    started = time.perf_counter()
+    kind, value = parse_budget(budget)
+    machine = machine or measure_machine(_device(step))
+    base = simulate_step(step)
+    optimizer_phase = persistent_bytes + base.gradient_bytes + base.output_bytes + optimizer_step_bytes
+
+    def whole(sim: StepSimulation) -> int:
+        return max(persistent_bytes + sim.peak_bytes, optimizer_phase)
+
+    if kind == "fraction":
+        limit = int(value * base.activation_peak_bytes)
+
+        def excess(sim: StepSimulation) -> int:
+            return sim.activation_peak_bytes - limit
+    else:
+        limit = int(value)
+        if optimizer_phase > limit:
+            raise BudgetError(f"memory_budget {budget!r}: the optimizer step alone needs "
+                              f"{optimizer_phase / 2**20:.1f} MiB (weights, state, gradients, its temporaries)")
+
+        def excess(sim: StepSimulation) -> int:
+            return whole(sim) - limit
+
+    units = _units(step, machine)
+    pieces = _pieces(units)
+    choices = _choices(units, pieces)
+    rounds: list[tuple[int, int, bool]] = []
+    best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
+    step_seconds = graph_seconds(step.forward, machine) + graph_seconds(step.backward, machine)
+    if excess(base) <= 0:
+        best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
+    else:
+        saved_total = float(sum(c.saved for c in choices if c.mode == "store"))
+        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds)
+        if best is None:
+            best = _greedy(step, units, pieces, excess, limit, rounds)
+    if best is None:
+        least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
+        what = "activation peak" if kind == "fraction" else "step peak"
+        raise BudgetError(f"memory_budget {budget!r} ({limit / 2**20:.1f} MiB) is below what recomputation reached: "
+                          f"a {what} of {least / 2**20:.1f} MiB at best (unconstrained "
+                          f"{(limit + excess(base)) / 2**20:.1f} MiB)")
+    cost, chosen, chosen_step, sim, solver = best
+    recompute_seconds = sum(node_seconds(n, machine) for n in chosen_step.backward.graph.nodes
+                            if n.name in chosen_step.recomputed or _is_recompute(n, chosen_step))
+    return CheckpointPlan(budget, kind, limit, base.activation_peak_bytes, sim.activation_peak_bytes,
+                          whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],
+                          sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
+                          chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started)
+
+
+def _is_recompute(node: torch.fx.Node, step: StepGraphs) -> bool:
+    return node.name in step.recomputed
+
+
+def _names(units: list[Unit], chosen: set[int]) -> set[str]:
+    return {name for i in chosen for name in units[i].nodes}
+
+
+def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], excess, limit: int,
+            saved_total: float, time_limit: float, rounds: list) -> tuple | None:
+    """Bisect the bound on saved bytes: the largest whose MILP choice fits the budget by simulation.
+
+    Storing everything does not fit (else no search). A bound whose choice fits is a lower end (try saving
+    more); one that does not, an upper end (lowered by the simulated excess first, then halfway); a bound
+    the MILP cannot meet at all raises the floor.
+    """
+    high, low, floor = saved_total, None, -1.0
+    bound = max(0.0, saved_total - excess_of_base(step, excess))
+    best = None
+    for _ in range(MAX_ROUNDS):
+        solved = _solve(choices, len(pieces), bound, time_limit) if bound > floor else None
+        if solved is None:
+            floor = max(floor, bound)
+            if low is not None and high - floor < 0.01 * max(saved_total, 1):
+                break
+            bound = (max(floor, low or floor) + high) / 2
+            continue
+        chosen, note = solved
+        candidate = step.repartition(_names(units, chosen))
+        sim = simulate_step(candidate)
+        over = excess(sim)
+        rounds.append((int(bound), int(limit + over), over <= 0))
+        if over <= 0:
+            cost = sum(units[i].seconds for i in chosen)
+            if best is None or cost < best[0]:
+                best = (cost, chosen, candidate, sim, note)
+            low = bound if low is None else max(low, bound)
+            if high - low < 0.01 * max(saved_total, 1):
+                break
+            bound = (low + high) / 2
+        else:
+            high = min(high, bound)
+            if low is not None:
+                if high - low < 0.01 * max(saved_total, 1):
+                    break
+                bound = (low + high) / 2
+            else:
+                bound = max(0.0, min(bound - over, bound - 0.05 * saved_total))
+                if bound <= floor:
+                    bound = (floor + high) / 2 if floor >= 0 else 0.0
+                if high <= 0:
+                    break
+    return best
+
+
+def excess_of_base(step: StepGraphs, excess) -> int:
+    """The excess of the unconstrained partition of ``step``."""
+    return excess(simulate_step(step))
+
+
+def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], int]], excess, limit: int,
+            rounds) -> tuple | None:
+    """Recompute every other piece's units, then more: the first of a few fixed patterns that fits."""
+    best = None
+    for stride in (2, 3, 4, 8, 1):
+        chosen = {i for k, (inside, boundary) in enumerate(pieces) if k % stride != stride - 1 or stride == 1
+                  for i in inside if units[i].recomputable and i != boundary}
+        candidate = step.repartition(_names(units, chosen))
+        sim = simulate_step(candidate)
+        over = excess(sim)
+        rounds.append((stride, int(limit + over), over <= 0))
+        if over <= 0:
+            cost = sum(units[i].seconds for i in chosen)
+            if best is None or cost < best[0]:
+                best = (cost, chosen, candidate, sim, f"greedy (checkpoint every {stride} pieces)")
+    return best
+
+
+def _device(step: StepGraphs) -> str:
+    for node in step.forward.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return str(value.device)
+    return "cpu"
+
+
+def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
+                       optimizer: Any = torch.optim.AdamW, loss: Any = None,
+                       autocast: torch.dtype | None = None) -> CheckpointPlan:
+    """Plan checkpointing for ``model``'s training step on ``example_inputs`` under ``memory_budget``.
+
+    The step traced is the one ``fxforge.optimize(model, inputs, memory_budget=...)`` runs: the model's
+    outputs (the caller's loss is outside), its forward and backward graphs, the optimizer beside them.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+        >>> plan = plan_checkpointing(model.train(), (torch.randn(256, 64),), "100%", optimizer=None)
+        >>> plan.recomputed, plan.solver
+        ([], 'none needed (the step fits unconstrained)')
+    """
+    from fxforge.training.breakdown import eager_like_graph, split_inputs
+    from fxforge.training.measure import unique_bytes
+
+    args, kwargs = split_inputs(example_inputs)
+    graph_module = eager_like_graph(model, example_inputs)
+    step = trace_step(graph_module, args, kwargs, loss=loss, autocast=autocast)
+    opt = optimizer_memory(optimizer, list(dict.fromkeys(model.parameters())))
+    persistent = (unique_bytes(model.parameters()) + unique_bytes(model.buffers())
+                  + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
+    plan = plan_step(step, memory_budget, persistent_bytes=persistent, optimizer_step_bytes=opt.step_peak_bytes)
+    plan.graph_module = graph_module
+    return plan

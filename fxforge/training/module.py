@@ -1,0 +1,121 @@
+"""``fxforge.optimize(model.train(), inputs, memory_budget=...)``: the model's training step under a budget.
+
+:class:`CheckpointedModule` traces the step once per input signature (AOTAutograd, as
+:mod:`fxforge.training.step_graph`), lets :func:`~fxforge.training.checkpointing.plan_step` choose what to
+recompute on that very trace, and runs AOTAutograd's forward and backward graphs of the chosen partition:
+the forward keeps only the planned values; the backward recomputes the rest right before use. The graphs
+run in the boxed calling convention, so each input (a saved activation) is freed after its last use, as the
+plan's simulation assumes.
+
+It is the model, not a snapshot: the parameters are the model's own (an optimizer stepping them is seen
+by the next call; a parameter replaced by another tensor re-plans), buffers (batch-norm statistics) are
+updated as in eager, and in eval mode or without grad the model runs eagerly (there is no backward to plan
+for). Outputs come back in the model's structure. Random ops are never recomputed, so dropout's masks are
+drawn once, in the forward.
+
+Example:
+    >>> layers = [m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]
+    >>> model = torch.nn.Sequential(*layers).train()
+    >>> x = torch.randn(256, 128)
+    >>> step = CheckpointedModule(model, (x,), "80%", optimizer=None)
+    >>> step(x).sum().backward()
+    >>> step.plan.predicted_activation_peak_bytes <= step.plan.budget_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxforge.core.memory import tensor_leaves
+from fxforge.training.checkpointing import CheckpointPlan, parse_budget, plan_step
+from fxforge.training.measure import unique_bytes
+from fxforge.training.optimizer_memory import optimizer_memory
+from fxforge.training.step_graph import trace_step
+
+
+def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """Run ``gm`` taking its inputs as one list it clears: each input is freed after its last use."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list[Any]) -> Any:
+        return gm(args)
+
+    run._boxed_call = True
+    return run
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)
+                 for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
+class CheckpointedModule(torch.nn.Module):
+    """The model whose training step recomputes what :attr:`plan` says, to fit ``memory_budget``.
+
+    Attributes:
+        model: the wrapped model (its parameters are this module's).
+        plan: the :class:`~fxforge.training.checkpointing.CheckpointPlan` of the latest signature.
+        plans: how many steps were traced (one per input signature, and after a parameter is replaced).
+    """
+
+    def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
+                 optimizer: Any = torch.optim.AdamW, autocast: torch.dtype | None = None):
+        super().__init__()
+        parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
+        self.model = model
+        self.memory_budget = memory_budget
+        self.optimizer = optimizer
+        self.autocast = autocast
+        self._steps: dict[tuple, Any] = {}
+        self.plans = 0
+        self.plan: CheckpointPlan | None = None
+        from fxforge.training.breakdown import split_inputs
+
+        args, kwargs = split_inputs(example_inputs)
+        self._build(args, kwargs)
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from fxforge.training.breakdown import eager_like_graph
+
+        graph_module = eager_like_graph(self.model, (*args, *kwargs.values()) if not kwargs else kwargs
+                                        if not args else (*args,))
+        opt = optimizer_memory(self.optimizer, list(dict.fromkeys(self.model.parameters())))
+        persistent = (unique_bytes(self.model.parameters()) + unique_bytes(self.model.buffers())
+                      + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
+        chosen: dict[str, CheckpointPlan] = {}
+
+        def choose(step):
+            chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
+                                       optimizer_step_bytes=opt.step_peak_bytes)
+            return chosen["plan"].recomputed
+
+        step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
+                          compilers=(_boxed, _boxed), choose=choose)
+        self.plan = chosen["plan"]
+        self.plan.graph_module = graph_module
+        self.plans += 1
+        entry = (step, [id(p) for p in self.model.parameters()])
+        self._steps[_signature(args, kwargs)] = entry
+        return entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(*args, **kwargs)
+        entry = self._steps.get(_signature(args, kwargs))
+        if entry is None or entry[1] != [id(p) for p in self.model.parameters()]:
+            entry = self._build(args, kwargs)
+        step = entry[0]
+        flat = step.wrapper.flat_inputs(args, kwargs)
+        amp = torch.autocast(flat[0].device.type if flat else "cpu", dtype=self.autocast) \
+            if self.autocast is not None else torch.autocast("cpu", enabled=False)
+        with amp:
+            outputs = step.compiled(*flat)
+        return step.wrapper.rebuild(outputs)
+
+    def train(self, mode: bool = True) -> CheckpointedModule:
+        super().train(mode)
+        return self
