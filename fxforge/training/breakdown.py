@@ -27,15 +27,13 @@ from typing import Any
 
 import torch
 
-from fxforge.capture import capture
 from fxforge.core.memory import tensor_leaves
-from fxforge.rewrites.attention.sdpa_calls import simplify_sdpa_calls
 from fxforge.training.measure import StepMeasurement, measure_step, unique_bytes
 from fxforge.training.optimizer_memory import OptimizerMemory, optimizer_memory
+from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.step_graph import LossFn, StepGraphs, default_loss, trace_step
 from fxforge.training.timeline import StepSimulation, simulate_step
 
-_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
 ROWS = ("weights", "buffers", "inputs", "gradients", "optimizer_state", "activations", "temporaries",
         "forward_peak", "backward_peak", "optimizer_peak", "peak")
 
@@ -231,26 +229,6 @@ def _module_table(model: torch.nn.Module, step: StepGraphs, sim: StepSimulation,
         if column not in frame:
             frame[column] = 0.0
     return frame[["weights_MiB", "gradients_MiB", "optimizer_state_MiB", "activations_MiB"]]
-
-
-def eager_like_graph(model: torch.nn.Module, example_inputs: Any) -> torch.fx.GraphModule:
-    """The model captured, with its SDPA calls given the inputs eager gives them.
-
-    transformers models take other paths under tracing than in eager: an S x S causal mask built as a tensor
-    and K/V repeated per head, where eager passes ``is_causal=True`` and ``enable_gqa=True``
-    (:func:`~fxforge.rewrites.attention.sdpa_calls.simplify_sdpa_calls` undoes both). A prediction of the
-    eager step has to see eager's inputs, not the trace's.
-    """
-    graph_module = capture(model, example_inputs).graph_module
-    simplify_sdpa_calls(graph_module)
-    # torch.export's metadata assertions are not eager ops (and the partitioner refuses to recompute around
-    # an op with effects); they check what the capture already proved.
-    for node in list(graph_module.graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
-            graph_module.graph.erase_node(node)
-    graph_module.graph.eliminate_dead_code()
-    graph_module.recompile()
-    return graph_module
 
 
 def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any = torch.optim.AdamW,

@@ -545,7 +545,8 @@ def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budge
         >>> plan.recomputed, plan.solver
         ([], 'none needed (the step fits unconstrained)')
     """
-    from fxforge.training.breakdown import eager_like_graph, split_inputs
+    from fxforge.training.breakdown import split_inputs
+    from fxforge.training.eager_graph import eager_like_graph
     from fxforge.training.measure import unique_bytes
 
     args, kwargs = split_inputs(example_inputs)

@@ -79,7 +79,7 @@ class CheckpointedModule(torch.nn.Module):
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from fxforge.training.breakdown import eager_like_graph
+        from fxforge.training.eager_graph import eager_like_graph
 
         graph_module = eager_like_graph(self.model, (*args, *kwargs.values()) if not kwargs else kwargs
                                         if not args else (*args,))

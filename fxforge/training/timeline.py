@@ -163,11 +163,12 @@ def _is_cpu_dropout(node: torch.fx.Node) -> bool:
 def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimulation:
     """Replay the step's forward then backward graph and follow every storage it allocates.
 
-    ``eager_dropout``: count dropout as eager runs it on CPU. AOTAutograd decomposes ``dropout`` into
-    ``native_dropout``, whose mask is bool; eager's CPU ``dropout`` does not take that kernel (torch uses it
-    on CUDA and other accelerators only) and keeps a mask of the input's dtype for the backward, 4 bytes per
-    element in float32 instead of 1. The prediction of an eager step sets it; a step fxforge runs from the
-    graphs (which do call ``native_dropout``) does not.
+    ``eager_dropout``: count the ``native_dropout`` nodes left in the graph as eager runs them on CPU.
+    AOTAutograd decomposes the dropout inside an op (SDPA's math path) into ``native_dropout``, whose mask is
+    bool; eager's CPU kernel keeps a noise tensor of the input's dtype for the backward instead, 4 bytes per
+    element in float32 (the plain dropouts of a model already compute eager's way: see
+    :mod:`fxforge.training.eager_graph`). The prediction of an eager step sets it; a step fxforge runs from
+    the graphs does not.
 
     Example:
         >>> from fxforge.training.step_graph import trace_step
