@@ -69,8 +69,9 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     its ``plan`` chose so that the simulated peak fits the budget with the least recompute time. ``"60%"`` is
     60 % of the unconstrained activation peak; bytes (an int, or ``"2GiB"``) cap the whole step's peak,
     weights, gradients and optimizer state included (``optimizer=``, default ``torch.optim.AdamW``, says
-    what the optimizer keeps). Outputs, gradients and batch-norm statistics are eager's; in eval mode or
-    without grad the model runs eagerly.
+    what the optimizer keeps; ``loss=``, the caller's loss over the outputs, lets the plan count what that
+    loss allocates). Outputs, gradients and batch-norm statistics are eager's; in eval mode or without grad
+    the model runs eagerly.
 
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
@@ -111,10 +112,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
     if memory_budget is not None:
-        unknown = sorted(set(target_options) - {"optimizer", "autocast"})
+        unknown = sorted(set(target_options) - {"optimizer", "loss", "autocast"})
         if target != "native" or unknown:
-            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer= and "
-                            f"autocast=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
+            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss= "
+                            f"and autocast=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
         return checkpointed(model, example_inputs, memory_budget, **target_options)
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")

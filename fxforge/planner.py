@@ -76,7 +76,7 @@ EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "d
 # ---------------------------------------------------------------------------------------------- native
 
 def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimizer: Any = torch.optim.AdamW,
-                 autocast: torch.dtype | None = None) -> CheckpointedModule:
+                 loss: Any = None, autocast: torch.dtype | None = None) -> CheckpointedModule:
     """The model's training step fitted under ``memory_budget`` by checkpointing (see
     :mod:`fxforge.training.module`): ``optimize(model, inputs, memory_budget=...)``.
 
@@ -93,7 +93,8 @@ def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimiz
     if not model.training:
         raise ValueError("memory_budget plans checkpointing for training: the model is in eval mode "
                          "(call model.train() first)")
-    return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, autocast=autocast)
+    return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
+                              autocast=autocast)
 
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,

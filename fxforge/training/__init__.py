@@ -15,8 +15,8 @@ Example:
 """
 
 from fxforge.training.breakdown import TrainingMemory, training_memory
-from fxforge.training.checkpointing import BudgetError, CheckpointPlan, plan_checkpointing
-from fxforge.training.module import CheckpointedModule
+from fxforge.training.checkpointing import BudgetError, CheckpointPlan
+from fxforge.training.module import CheckpointedModule, plan_checkpointing
 
 __all__ = ["BudgetError", "CheckpointPlan", "CheckpointedModule", "TrainingMemory", "plan_checkpointing",
            "training_memory"]

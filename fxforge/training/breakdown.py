@@ -256,7 +256,7 @@ def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any 
     loss = loss or default_loss
     graph_module = eager_like_graph(model, example_inputs)
     step = trace_step(graph_module, args, kwargs, loss=loss, autocast=autocast)
-    sim = simulate_step(step, eager_dropout=True)
+    sim = simulate_step(step, eager_dropout=True, eager_backward=True)
     params = list(dict.fromkeys(model.parameters()))
     opt = optimizer_memory(optimizer, params)
     weights = unique_bytes(model.parameters())

@@ -29,6 +29,7 @@ on the whole step's peak (weights, gradients, optimizer state and activations to
 Example:
     >>> layers = [m for _ in range(8) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())]
     >>> model = torch.nn.Sequential(*layers).train()
+    >>> from fxforge.training import plan_checkpointing
     >>> plan = plan_checkpointing(model, (torch.randn(512, 256),), "80%", optimizer=None)
     >>> plan.predicted_activation_peak_bytes <= plan.budget_bytes, len(plan.recomputed) > 0
     (True, True)
@@ -37,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 import re
@@ -50,8 +52,7 @@ from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
 from fxforge.runtime.roofline import Machine, measure_machine
 from fxforge.training.costs import graph_seconds, node_seconds
-from fxforge.training.optimizer_memory import optimizer_memory
-from fxforge.training.step_graph import StepGraphs, is_forward, is_random, trace_step
+from fxforge.training.step_graph import StepGraphs, is_forward, is_random
 from fxforge.training.timeline import StepSimulation, simulate_step
 
 MILP_TIME_LIMIT_S = 10.0
@@ -382,7 +383,8 @@ class BudgetError(ValueError):
 
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
-              machine: Machine | None = None, time_limit: float = MILP_TIME_LIMIT_S) -> CheckpointPlan:
+              loss_bytes: int = 0, machine: Machine | None = None, time_limit: float = MILP_TIME_LIMIT_S
+              ) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
     Args:
@@ -390,6 +392,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         budget: ``"60%"``, a float fraction, bytes, or ``"2GiB"``.
         persistent_bytes: weights, buffers, inputs and optimizer state (for a budget in bytes).
         optimizer_step_bytes: what the optimizer step allocates beyond the gradients.
+        loss_bytes: what the caller's loss allocates between the forward and the backward (its peak).
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -397,7 +400,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     started = time.perf_counter()
     kind, value = parse_budget(budget)
     machine = machine or measure_machine(_device(step))
-    base = simulate_step(step)
+    simulate = functools.partial(simulate_step, loss_bytes=loss_bytes)
+    base = simulate(step)
     optimizer_phase = persistent_bytes + base.gradient_bytes + base.output_bytes + optimizer_step_bytes
 
     def whole(sim: StepSimulation) -> int:
@@ -427,9 +431,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
     else:
         saved_total = float(sum(c.saved for c in choices if c.mode == "store"))
-        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds)
+        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds, simulate)
         if best is None:
-            best = _greedy(step, units, pieces, excess, limit, rounds)
+            best = _greedy(step, units, pieces, excess, limit, rounds, simulate)
     if best is None:
         least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
         what = "activation peak" if kind == "fraction" else "step peak"
@@ -454,7 +458,7 @@ def _names(units: list[Unit], chosen: set[int]) -> set[str]:
 
 
 def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], excess, limit: int,
-            saved_total: float, time_limit: float, rounds: list) -> tuple | None:
+            saved_total: float, time_limit: float, rounds: list, simulate) -> tuple | None:
     """Bisect the bound on saved bytes: the largest whose MILP choice fits the budget by simulation.
 
     Storing everything does not fit (else no search). A bound whose choice fits is a lower end (try saving
@@ -462,7 +466,7 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
     the MILP cannot meet at all raises the floor.
     """
     high, low, floor = saved_total, None, -1.0
-    bound = max(0.0, saved_total - excess_of_base(step, excess))
+    bound = max(0.0, saved_total - excess(simulate(step)))
     best = None
     for _ in range(MAX_ROUNDS):
         solved = _solve(choices, len(pieces), bound, time_limit) if bound > floor else None
@@ -474,7 +478,7 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
             continue
         chosen, note = solved
         candidate = step.repartition(_names(units, chosen))
-        sim = simulate_step(candidate)
+        sim = simulate(candidate)
         over = excess(sim)
         rounds.append((int(bound), int(limit + over), over <= 0))
         if over <= 0:
@@ -500,20 +504,15 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
     return best
 
 
-def excess_of_base(step: StepGraphs, excess) -> int:
-    """The excess of the unconstrained partition of ``step``."""
-    return excess(simulate_step(step))
-
-
 def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], int]], excess, limit: int,
-            rounds) -> tuple | None:
+            rounds, simulate) -> tuple | None:
     """Recompute every other piece's units, then more: the first of a few fixed patterns that fits."""
     best = None
     for stride in (2, 3, 4, 8, 1):
         chosen = {i for k, (inside, boundary) in enumerate(pieces) if k % stride != stride - 1 or stride == 1
                   for i in inside if units[i].recomputable and i != boundary}
         candidate = step.repartition(_names(units, chosen))
-        sim = simulate_step(candidate)
+        sim = simulate(candidate)
         over = excess(sim)
         rounds.append((stride, int(limit + over), over <= 0))
         if over <= 0:
@@ -529,32 +528,3 @@ def _device(step: StepGraphs) -> str:
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
             return str(value.device)
     return "cpu"
-
-
-def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
-                       optimizer: Any = torch.optim.AdamW, loss: Any = None,
-                       autocast: torch.dtype | None = None) -> CheckpointPlan:
-    """Plan checkpointing for ``model``'s training step on ``example_inputs`` under ``memory_budget``.
-
-    The step traced is the one ``fxforge.optimize(model, inputs, memory_budget=...)`` runs: the model's
-    outputs (the caller's loss is outside), its forward and backward graphs, the optimizer beside them.
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
-        >>> plan = plan_checkpointing(model.train(), (torch.randn(256, 64),), "100%", optimizer=None)
-        >>> plan.recomputed, plan.solver
-        ([], 'none needed (the step fits unconstrained)')
-    """
-    from fxforge.training.breakdown import split_inputs
-    from fxforge.training.eager_graph import eager_like_graph
-    from fxforge.training.measure import unique_bytes
-
-    args, kwargs = split_inputs(example_inputs)
-    graph_module = eager_like_graph(model, example_inputs)
-    step = trace_step(graph_module, args, kwargs, loss=loss, autocast=autocast)
-    opt = optimizer_memory(optimizer, list(dict.fromkeys(model.parameters())))
-    persistent = (unique_bytes(model.parameters()) + unique_bytes(model.buffers())
-                  + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
-    plan = plan_step(step, memory_budget, persistent_bytes=persistent, optimizer_step_bytes=opt.step_peak_bytes)
-    plan.graph_module = graph_module
-    return plan

@@ -28,12 +28,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxforge.core.memory import tensor_leaves
+from fxforge.core.symbolic import hint
 from fxforge.training.checkpointing import CheckpointPlan, parse_budget, plan_step
 from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
-from fxforge.training.step_graph import trace_step
+from fxforge.training.step_graph import StepGraphs, trace_step
+from fxforge.training.timeline import simulate_step
 
 
 def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -53,6 +56,33 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
                  for t in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
+def loss_peak_bytes(loss: Any, step: StepGraphs) -> int:
+    """The most a loss allocates at once over the step's outputs, forward and backward (the output gradients
+    it hands the step's backward included), traced on meta tensors of the outputs' shapes.
+
+    Example:
+        >>> step = trace_step(torch.nn.Linear(4, 16), (torch.randn(64, 4),), {}, loss=None)
+        >>> loss_peak_bytes(lambda out: out.pow(2).mean(), step) >= 64 * 16 * 4   # at least the gradient
+        True
+    """
+    (out,) = step.forward.graph.find_nodes(op="output")
+    values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in out.args[0][:step.num_fwd_outputs]]
+    wrapper = step.wrapper
+    metas = []
+    with unset_fake_temporarily():
+        for value in values[:len(wrapper.output_positions)]:
+            meta = torch.empty_strided([hint(d) for d in value.shape], [hint(d) for d in value.stride()],
+                                       dtype=value.dtype, device="meta")
+            metas.append(meta.requires_grad_(value.is_floating_point() or value.is_complex()))
+
+    class Loss(torch.nn.Module):
+        def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+            return loss(wrapper.rebuild(tensors))
+
+    with unset_fake_temporarily(), torch.enable_grad():  # called from inside AOTAutograd's trace of the step
+        return simulate_step(trace_step(Loss(), tuple(metas), {}), eager_backward=True).peak_bytes
+
+
 class CheckpointedModule(torch.nn.Module):
     """The model whose training step recomputes what :attr:`plan` says, to fit ``memory_budget``.
 
@@ -60,15 +90,20 @@ class CheckpointedModule(torch.nn.Module):
         model: the wrapped model (its parameters are this module's).
         plan: the :class:`~fxforge.training.checkpointing.CheckpointPlan` of the latest signature.
         plans: how many steps were traced (one per input signature, and after a parameter is replaced).
+
+    ``loss`` (outputs -> scalar, the one the caller will use) lets the plan count what the loss allocates
+    between the forward and the backward (for a language model, a few tensors the size of the logits);
+    without it, the plan counts one gradient per output, as a loss whose backward allocates nothing else.
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
-                 optimizer: Any = torch.optim.AdamW, autocast: torch.dtype | None = None):
+                 optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None):
         super().__init__()
         parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
         self.model = model
         self.memory_budget = memory_budget
         self.optimizer = optimizer
+        self.loss = loss
         self.autocast = autocast
         self._steps: dict[tuple, Any] = {}
         self.plans = 0
@@ -89,8 +124,9 @@ class CheckpointedModule(torch.nn.Module):
         chosen: dict[str, CheckpointPlan] = {}
 
         def choose(step):
+            loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else 0
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
-                                       optimizer_step_bytes=opt.step_peak_bytes)
+                                       optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes)
             return chosen["plan"].recomputed
 
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
@@ -119,3 +155,21 @@ class CheckpointedModule(torch.nn.Module):
     def train(self, mode: bool = True) -> CheckpointedModule:
         super().train(mode)
         return self
+
+
+def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
+                       optimizer: Any = torch.optim.AdamW, loss: Any = None,
+                       autocast: torch.dtype | None = None) -> CheckpointPlan:
+    """The plan ``fxforge.optimize(model, inputs, memory_budget=...)`` would run, without keeping the module.
+
+    Raises:
+        fxforge.training.checkpointing.BudgetError: no recomputation fits the budget.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+        >>> plan = plan_checkpointing(model.train(), (torch.randn(256, 64),), "100%", optimizer=None)
+        >>> plan.recomputed, plan.solver
+        ([], 'none needed (the step fits unconstrained)')
+    """
+    return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
+                              autocast=autocast).plan

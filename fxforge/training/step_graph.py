@@ -33,6 +33,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -127,6 +128,8 @@ class StepGraphs:
         trainable: per parameter, whether it requires grad.
         recomputed: the joint graph's forward nodes the partition recomputes in the backward.
         partition_kwargs: the keyword arguments the partitioner was called with.
+        wrapper: the :class:`StepModule` traced (it rebuilds the model's outputs).
+        compiled: AOTAutograd's callable over the flat inputs (runs the graphs when compilers were given).
 
     Example:
         >>> step = trace_step(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {})
@@ -144,6 +147,8 @@ class StepGraphs:
     trainable: list[bool]
     recomputed: set[str] = dataclasses.field(default_factory=set)
     partition_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wrapper: StepModule | None = None
+    compiled: Callable[..., Any] | None = None
 
     def saved_nodes(self) -> list[torch.fx.Node]:
         """The forward graph's nodes saved for backward (its outputs after the step's own)."""
@@ -311,7 +316,7 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             the same trace, so the callable it returns runs the plan).
 
     Returns:
-        The graphs, plus ``compiled``: AOTAutograd's callable over the flat inputs (in ``.compiled``).
+        The graphs (``.compiled``: AOTAutograd's callable over the flat inputs).
 
     Example:
         >>> step = trace_step(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {})
@@ -323,6 +328,11 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     recorded: dict[str, Any] = {}
 
     def partition_fn(joint, joint_inputs, **kw):
+        # Metadata assertions the trace emits (a cast's dtype and device) were checked on the fake tensors;
+        # left in, they are effects the partitioner will not recompute around.
+        for node in list(joint.graph.nodes):
+            if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+                joint.graph.erase_node(node)
         recorded.update(joint=joint, joint_inputs=joint_inputs, kwargs=kw)
         names = set(recompute)
         forward, backward = partition(joint, joint_inputs, names, **kw)
@@ -338,14 +348,17 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     device = next((t.device.type for t in flat if t.device.type != "meta"), "cpu")
     amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     annotations = contextlib.nullcontext() if isinstance(model, torch.fx.GraphModule) else module_annotations(model)
+    # Fake copies of the inputs made here, in a mode that lets the model and the loss read real tensors the
+    # caller closed over (labels, a mask): they enter the graphs as constants.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [fake_mode.from_tensor(t) for t in flat]
     with amp, annotations, fx_traceback.preserve_node_meta():
-        compiled = aot_module_simplified(wrapper, flat, fw_compiler=forward_compiler,
+        compiled = aot_module_simplified(wrapper, fake, fw_compiler=forward_compiler,
                                          bw_compiler=backward_compiler, partition_fn=partition_fn)
     if "joint" not in recorded:
         raise RuntimeError("the model has no parameter or input that requires grad: there is no backward to plan")
     step = _graphs(recorded, wrapper, recorded["forward"], recorded["backward"], recorded["recompute"])
     step.compiled = compiled
-    step.wrapper = wrapper
     return step
 
 
@@ -358,7 +371,7 @@ def _graphs(recorded: dict[str, Any], wrapper: StepModule, forward: torch.fx.Gra
     return StepGraphs(recorded["joint"], recorded["joint_inputs"], num_fwd_outputs, forward, backward,
                       [_strip(n) for n in params], [_strip(n) for n in buffers],
                       [p.requires_grad for p in params.values()], set(recompute),
-                      {"num_fwd_outputs": num_fwd_outputs, **kw})
+                      {"num_fwd_outputs": num_fwd_outputs, **kw}, wrapper)
 
 
 def _strip(name: str) -> str:

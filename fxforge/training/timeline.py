@@ -160,7 +160,8 @@ def _is_cpu_dropout(node: torch.fx.Node) -> bool:
             and isinstance(value, (tuple, list)) and value[0].device.type == "cpu")
 
 
-def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimulation:
+def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backward: bool = False,
+                  loss_bytes: int = 0) -> StepSimulation:
     """Replay the step's forward then backward graph and follow every storage it allocates.
 
     ``eager_dropout``: count the ``native_dropout`` nodes left in the graph as eager runs them on CPU.
@@ -169,6 +170,14 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimul
     element in float32 (the plain dropouts of a model already compute eager's way: see
     :mod:`fxforge.training.eager_graph`). The prediction of an eager step sets it; a step fxforge runs from
     the graphs does not.
+
+    ``eager_backward``: free the backward's values as eager's autograd engine does: one autograd node's
+    formula (the ops of one forward op's ``seq_nr``) keeps every value it computed until it returns, where
+    a graph frees each after its last use (``pow``'s backward holds ``x ** (n - 1)`` and two products).
+
+    ``loss_bytes``: what the caller's loss allocates at most in its own forward and backward, which run
+    between the two graphs (a step traced without its loss): one more sample at the start of the backward,
+    with everything the forward left alive.
 
     Example:
         >>> from fxforge.training.step_graph import trace_step
@@ -213,7 +222,7 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimul
     alive: set[int] = set()
     saved_live: list[int] = []
 
-    def run(phase: _Phase, name: str, pinned: set[int], initial: list[int]) -> None:
+    def run(phase: _Phase, name: str, pinned: set[int], initial: list[int], grouped: bool = False) -> None:
         for sid in initial:
             if sid not in alive:
                 alive.add(sid)
@@ -222,7 +231,12 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimul
         for node in phase.nodes:
             for sid in phase.touches(node):
                 remaining[sid] += 1
-        for node in phase.nodes:
+        made_in: dict[int, Any] = {}
+        pending: list[int] = []
+        for position, node in enumerate(phase.nodes):
+            group = node.meta.get("seq_nr") if grouped else None
+            for sid in phase.allocs[node]:
+                made_in[sid] = group
             for sid in phase.allocs[node]:
                 if sid not in alive:
                     alive.add(sid)
@@ -231,11 +245,18 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimul
             acts.append(live["activations"] + phase.scratch[node])
             grads.append(live["gradients"])
             saved_live.append(sum(storages[s].nbytes for s in alive if storages[s].saved))
+            following = phase.nodes[position + 1].meta.get("seq_nr") if grouped and position + 1 < len(
+                phase.nodes) else None
             for sid in phase.touches(node):
                 remaining[sid] -= 1
                 if remaining[sid] == 0 and sid not in pinned and sid in alive:
-                    alive.discard(sid)
-                    live[storages[sid].category] -= storages[sid].nbytes
+                    pending.append(sid)
+            # Eager's backward formula keeps what it computed until it returns: a value made inside one
+            # autograd node (one forward op's seq_nr) is freed when that node's last op has run.
+            for sid in [s for s in pending if group is None or made_in.get(s) != group or following != group]:
+                pending.remove(sid)
+                alive.discard(sid)
+                live[storages[sid].category] -= storages[sid].nbytes
 
     run(forward, "forward", pinned_fw, [])
     saved_bytes = sum(storages[s].nbytes for s in alive if storages[s].saved)
@@ -243,7 +264,12 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False) -> StepSimul
     output_bytes = sum(storages[s].nbytes for s in output_sids)
     # The outputs (loss) stay alive through the backward, held by the caller.
     tangent_sids = [s for n in tangents for s in backward.refs[n]]
-    run(backward, "backward", output_sids | gradient_storages, tangent_sids)
+    if loss_bytes:
+        nodes.append(("backward", "loss.backward"))
+        acts.append(live["activations"] + loss_bytes)
+        grads.append(live["gradients"])
+        saved_live.append(saved_bytes)
+    run(backward, "backward", output_sids | gradient_storages, tangent_sids, grouped=eager_backward)
     totals = [a + g for a, g in zip(acts, grads)]
     peak_index = max(range(len(totals)), key=totals.__getitem__) if totals else 0
     saved_by_module: dict[str, int] = defaultdict(int)

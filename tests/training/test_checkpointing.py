@@ -1,0 +1,106 @@
+"""Budgeted checkpointing: the plan fits its budget by simulation, the MILP is exact for its model (issue 22)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from fxforge.training import BudgetError, plan_checkpointing
+from fxforge.training.checkpointing import Choice, _solve, parse_budget
+from tests.training.models import gpt2, ids, resnet, images
+
+
+def _mlp(layers: int = 8, width: int = 128) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())])
+
+
+@pytest.mark.parametrize("text, expected", [("60%", ("fraction", 0.6)), (0.25, ("fraction", 0.25)),
+                                            (4096, ("bytes", 4096.0)), ("2 MiB", ("bytes", 2.0 * 2**20)),
+                                            ("1.5GB", ("bytes", 1.5e9)), ("100%", ("fraction", 1.0))])
+def test_budgets_are_read(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["0%", "120%", "lots", -5, 0, True, "5 parsecs"])
+def test_a_malformed_budget_is_refused_with_the_value(bad):
+    with pytest.raises(ValueError, match="memory_budget"):
+        parse_budget(bad)
+
+
+def test_the_peak_falls_with_the_budget_and_always_fits():
+    model, x = gpt2(dropout=0.0, layers=4), ids(0, seq=128)
+    plans = [plan_checkpointing(model, (x,), f"{f}%") for f in (100, 80, 60, 45)]
+    assert plans[0].recomputed == [] and plans[0].overhead == 0
+    for plan in plans:
+        assert plan.predicted_activation_peak_bytes <= plan.budget_bytes, str(plan)
+    peaks = [p.predicted_activation_peak_bytes for p in plans]
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < 0.5 * peaks[0]
+    overheads = [p.overhead for p in plans]
+    assert overheads == sorted(overheads) and 0 < overheads[-1] < 0.5
+    assert "milp (HiGHS" in plans[-1].solver
+    assert all(not n.startswith("bernoulli") for p in plans for n in p.recomputed)
+
+
+def test_a_budget_in_bytes_caps_the_whole_step():
+    model, x = resnet(), images(0, batch=8)
+    free = plan_checkpointing(model, (x,), "100%")
+    cap = int(free.unconstrained_peak_bytes * 0.85)
+    plan = plan_checkpointing(model, (x,), cap)
+    assert plan.budget_kind == "bytes" and plan.predicted_peak_bytes <= cap < plan.unconstrained_peak_bytes
+    assert plan.recomputed
+
+
+def test_an_unreachable_budget_says_what_can_be_reached():
+    with pytest.raises(BudgetError, match=r"below what recomputation reached: a activation peak of [0-9.]+ MiB"):
+        plan_checkpointing(_mlp(), (torch.randn(256, 128),), "10%", optimizer=None)
+    with pytest.raises(BudgetError, match="the optimizer step alone needs"):
+        plan_checkpointing(_mlp(), (torch.randn(256, 128),), 1000)
+
+
+def test_the_plan_is_printed_with_what_it_costs():
+    plan = plan_checkpointing(_mlp(), (torch.randn(256, 128),), "85%", optimizer=None)
+    text = str(plan)
+    for phrase in ("budget: 85% of the activation peak", "activation peak:", "recomputed:", "predicted overhead:",
+                   "solver: milp"):
+        assert phrase in text
+    assert len(plan.table()) == len(plan.recomputed)
+
+
+def _brute_force(choices: list[Choice], pieces: int, limit: float) -> float | None:
+    best = None
+    for r in range(1, pieces + 1):
+        for subset in itertools.combinations(range(len(choices)), r):
+            covered = sorted(k for i in subset for k in range(choices[i].pieces[0], choices[i].pieces[1] + 1))
+            if covered != list(range(pieces)):
+                continue
+            saved = sum(choices[i].saved for i in subset) + max(choices[i].rematerialized for i in subset)
+            if saved <= limit:
+                cost = sum(choices[i].seconds for i in subset)
+                best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_milp_is_the_brute_force_optimum_on_small_random_chains(seed):
+    rng = random.Random(seed)
+    pieces = rng.randint(2, 5)
+    choices = []
+    for first in range(pieces):
+        store = rng.randint(10, 100)
+        choices.append(Choice((first, first), set(), store, 0, 0.0, "store"))
+        for last in range(first, pieces):
+            choices.append(Choice((first, last), {100 * first + last}, rng.randint(1, 30), rng.randint(10, 200),
+                                  rng.uniform(0.1, 5.0), "recompute"))
+    limit = rng.uniform(30, 250)
+    expected = _brute_force(choices, pieces, limit)
+    solved = _solve(choices, pieces, limit, time_limit=10)
+    if expected is None:
+        assert solved is None
+        return
+    chosen, _ = solved
+    cost = sum(c.seconds for c in choices if c.recomputed and c.recomputed <= chosen)
+    assert cost == pytest.approx(expected, rel=1e-6)
