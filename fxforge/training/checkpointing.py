@@ -322,6 +322,8 @@ class CheckpointPlan:
         overhead: ``recompute_seconds / step_seconds``.
         solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)``.
         step: the chosen partition; ``simulation``: its replay.
+        loss_bytes: what the caller's loss was sized at (0 when no loss was given).
+        backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).
     """
 
     budget: Any
@@ -342,6 +344,8 @@ class CheckpointPlan:
     persistent_bytes: int = 0
     optimizer_peak_bytes: int = 0
     plan_seconds: float = 0.0
+    loss_bytes: int = 0
+    backward_reordered: bool = False
 
     @property
     def overhead(self) -> float:
@@ -364,6 +368,8 @@ class CheckpointPlan:
             f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
             f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)",
             f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
+            "backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
+            else "backward: in autograd's order (the memory scheduler found no lower peak)",
         ]
 
     def __str__(self) -> str:
@@ -446,7 +452,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     return CheckpointPlan(budget, kind, limit, base.activation_peak_bytes, sim.activation_peak_bytes,
                           whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
-                          chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started)
+                          chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,
+                          loss_bytes)
 
 
 def _is_recompute(node: torch.fx.Node, step: StepGraphs) -> bool:

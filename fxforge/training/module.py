@@ -32,6 +32,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
+from fxforge.rewrites.memory_reorder.planning import apply_order
+from fxforge.rewrites.memory_reorder.planning import plan as plan_order
 from fxforge.training.checkpointing import CheckpointPlan, parse_budget, plan_step
 from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
@@ -54,6 +56,27 @@ def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)
                  for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
+def reorder_backward(step: StepGraphs, loss_bytes: int = 0) -> bool:
+    """Put the backward graph in the order with the lowest simulated peak (:mod:`fxforge.rewrites.memory_reorder`),
+    kept only when the whole step's simulated peak falls; returns whether it changed.
+
+    Example:
+        >>> step = trace_step(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {}, loss=None)
+        >>> reorder_backward(step)
+        False
+    """
+    before = simulate_step(step, loss_bytes=loss_bytes).peak_bytes
+    order = [n for n in step.backward.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    schedule = plan_order(step.backward)
+    if not schedule.changed:
+        return False
+    apply_order(step.backward, schedule.order)
+    if simulate_step(step, loss_bytes=loss_bytes).peak_bytes < before:
+        return True
+    apply_order(step.backward, order)
+    return False
 
 
 def loss_peak_bytes(loss: Any, step: StepGraphs) -> int:
@@ -129,8 +152,11 @@ class CheckpointedModule(torch.nn.Module):
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes)
             return chosen["plan"].recomputed
 
+        def finish(step):
+            chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
+
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
-                          compilers=(_boxed, _boxed), choose=choose)
+                          compilers=(_boxed, _boxed), choose=choose, finish=finish)
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
         self.plans += 1

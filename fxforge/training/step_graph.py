@@ -299,6 +299,7 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                autocast: torch.dtype | None = None,
                compilers: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
                choose: Callable[[StepGraphs], Iterable[str]] | None = None,
+               finish: Callable[[StepGraphs], None] | None = None,
                ) -> StepGraphs:
     """Trace one training step of ``model`` on fake copies of ``args``/``kwargs`` into :class:`StepGraphs`.
 
@@ -314,6 +315,8 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         choose: called with the unconstrained partition while AOTAutograd waits for one; the names it
             returns are recomputed in the partition AOTAutograd compiles (a checkpointing plan chosen on
             the same trace, so the callable it returns runs the plan).
+        finish: called with the final partition before AOTAutograd compiles it (it may reorder the
+            backward graph in place).
 
     Returns:
         The graphs (``.compiled``: AOTAutograd's callable over the flat inputs).
@@ -340,6 +343,8 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             unconstrained = _graphs(recorded, wrapper, forward, backward, names)
             names = set(choose(unconstrained))
             forward, backward = partition(joint, joint_inputs, names, **kw)
+        if finish is not None:
+            finish(_graphs(recorded, wrapper, forward, backward, names))
         recorded.update(forward=forward, backward=backward, recompute=names)
         return forward, backward
 
