@@ -7,6 +7,8 @@
     fxforge export   MODEL --input ... -o OUT.onnx          (no rewrites)
     fxforge profile  MODEL --input ... [--csv table.csv]    (time, FLOPs, bytes per node)
     fxforge show     MODEL --input ... [-o graph.svg|graph.html]
+    fxforge memory   MODEL --input ... [--optimizer adamw] [--measure] [--budget 60%|2GiB]
+                                                             (one training step's memory; checkpointing plan)
     fxforge rewrites                                         (the built-in rewrites)
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
@@ -30,6 +32,7 @@ from fxforge.cli.args import (
     CommandError,
     check_output_suffix,
     load_model,
+    parse_budget,
     parse_input,
     parse_model_args,
     parse_rewrites,
@@ -42,6 +45,8 @@ from fxforge.cli.commands import (
     run_rewrites,
     run_show,
 )
+from fxforge.cli.memory import AUTOCAST, run_memory
+from fxforge.training.optimizer_memory import OPTIMIZERS
 
 __all__ = ["CommandError", "build_parser", "load_model", "main", "parse_input"]
 
@@ -50,6 +55,7 @@ examples:
   fxforge optimize examples/models/resnet_cnn.py:ResNetCNN --input 2x3x32x32 -o resnet.pt2 --report report.html
   fxforge optimize my_model.py:build --input 1x128:int64 --model-args '{"width": 8}' -o model.onnx
   fxforge show examples/models/resnet_cnn.py:ResNetCNN --input 1x3x32x32 -o graph.html
+  fxforge memory examples/models/transformer_encoder.py:example --input 8x64:int64 --measure --budget 60%
 """
 
 
@@ -132,9 +138,33 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("-o", "--output", metavar="OUT", help="graph.svg or graph.html")
     show.set_defaults(run=run_show, parser=show)
 
+    mem = commands.add_parser(
+        "memory", help="one training step's memory: weights, gradients, optimizer state, activations",
+        description="Predict the memory of one training step (forward, backward, optimizer step) from its graphs, "
+                    "before it runs: weights + gradients + optimizer state + activations saved for the backward, "
+                    "each phase's peak, and per module (fxforge.training_memory). The model is put in train mode "
+                    "(model.train()): dropout and batch norm run as in training. The loss is the sum of the "
+                    "model's floating-point outputs. With --budget, also the activation checkpointing plan that "
+                    "fits the budget with the least recomputation.")
+    _model_arguments(mem)
+    mem.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                     help="the optimizer whose state and step are counted (default adamw; sgd has momentum 0.9)")
+    mem.add_argument("--autocast", choices=tuple(AUTOCAST),
+                     help="run the forward under torch.autocast in this dtype, as mixed-precision training does")
+    mem.add_argument("--measure", action="store_true",
+                     help="also run one real step (after a warm-up step; the weights are restored) and show the "
+                          "measured figures beside the predicted ones, with the error of each")
+    mem.add_argument("--budget", type=parse_budget, metavar="BUDGET",
+                     help="plan activation checkpointing under this budget: a percentage of the activation peak "
+                          "without checkpointing (60%%), or a cap on the whole step's peak (2GiB, 512MiB, bytes)")
+    mem.add_argument("--depth", type=int, default=1, metavar="N",
+                     help="module names cut to N dots in the per-module table (default 1; 0: the innermost modules)")
+    mem.add_argument("--csv", metavar="TABLE.csv", help="save the breakdown (bytes per figure)")
+    mem.set_defaults(run=run_memory, parser=mem)
+
     commands.add_parser("rewrites", help="list the built-in rewrites",
                         description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
-    for sub in (opt, exp, prof, show):  # --debug also after the command's name
+    for sub in (opt, exp, prof, show, mem):  # --debug also after the command's name
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
     return parser
 
@@ -163,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_suffix(args.report, (".html", ".htm"), "--report")
         elif args.command == "show" and args.output:
             check_output_suffix(args.output, (".svg", ".html", ".htm"), "-o")
-        elif args.command == "profile" and args.csv:
+        elif args.command in ("profile", "memory") and args.csv:
             check_output_suffix(args.csv, (".csv",), "--csv")
+        if args.command == "memory" and args.depth < 0:
+            raise argparse.ArgumentTypeError("--depth must be 0 or more")
         if getattr(args, "bench_reps", 1) < 0:
             raise argparse.ArgumentTypeError("--bench-reps must be 0 or more")
     except argparse.ArgumentTypeError as error:

@@ -9,6 +9,8 @@ Example:
     ((2, 3, 8, 8), torch.float32)
     >>> parse_rewrites("cleanup,conv_bn_fold")
     ['cleanup', 'conv_bn_fold']
+    >>> parse_budget("60%")
+    '60%'
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.flo
           "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
           "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
+_BUDGET = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb)?$", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 class CommandError(Exception):
@@ -89,6 +94,32 @@ def parse_rewrites(text: str) -> list[str]:
     except UnknownRewriteError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
     return names
+
+
+def parse_budget(text: str) -> int | str:
+    """A memory budget: ``60%`` (of the step's activation peak without checkpointing, kept as the text
+    ``"60%"``), or a size in bytes (``2GiB``, ``512MiB``, ``1.5GB``, ``3000000``) as an int.
+
+    Raises:
+        argparse.ArgumentTypeError: not a percentage or a size, a percentage outside (0, 100], or 0 bytes.
+
+    Example:
+        >>> parse_budget("60%"), parse_budget("2GiB"), parse_budget("1.5kb"), parse_budget("4096")
+        ('60%', 2147483648, 1500, 4096)
+    """
+    match = _BUDGET.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"malformed budget {text!r}; write a percentage (60%) or a size "
+                                         "(2GiB, 512MiB, 1.5GB or bytes)")
+    number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise argparse.ArgumentTypeError(f"budget {text!r}: a percentage must be above 0% and at most 100%")
+        return f"{number:g}%"
+    size = int(number * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"budget {text!r}: a size must be at least 1 byte")
+    return size
 
 
 def parse_model_args(text: str) -> dict[str, Any]:

@@ -83,17 +83,19 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------- shared steps
 
-def _model_and_inputs(args: argparse.Namespace, steps: Steps) -> tuple[torch.nn.Module, tuple, Any]:
-    """Load the model (and weights), make the example inputs, run the model once on them."""
+def _model_and_inputs(args: argparse.Namespace, steps: Steps, *,
+                      train: bool = False) -> tuple[torch.nn.Module, tuple, Any]:
+    """Load the model (and weights), put it in eval mode (train mode with ``train``), make the example
+    inputs, run the model once on them."""
     with steps.step("load model") as step:
         model = load_model(args.model, args.model_args)
         if getattr(args, "weights", None):
             load_weights(model, args.weights)
-        model.eval()
+        model.train(train)
         inputs = example_inputs(args.input)
         reference = check_eager(model, inputs, args.input)
         parameters = sum(p.numel() for p in model.parameters())
-        step.note(f"{type(model).__name__}, {parameters:,} parameters")
+        step.note(f"{type(model).__name__}, {parameters:,} parameters" + (", train mode" if train else ""))
     return model, inputs, reference
 
 

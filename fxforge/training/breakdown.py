@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from fxforge.core.memory import tensor_leaves
+from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.measure import StepMeasurement, measure_step, unique_bytes
 from fxforge.training.optimizer_memory import OptimizerMemory, optimizer_memory
-from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.step_graph import LossFn, StepGraphs, default_loss, trace_step
 from fxforge.training.timeline import StepSimulation, simulate_step
 
@@ -101,6 +101,24 @@ class TrainingMemory:
                 "forward_peak": self.forward_peak_bytes, "backward_peak": self.backward_peak_bytes,
                 "optimizer_peak": self.optimizer_peak_bytes, "peak": self.peak_bytes}
 
+    def measured_figures(self) -> dict[str, int | None]:
+        """The measured figures under the names of :meth:`figures` (None for what is not measured apart:
+        temporaries); empty before :meth:`measure`.
+
+        Example:
+            >>> tm = training_memory(torch.nn.Linear(8, 8), (torch.randn(2, 8),), optimizer=None)
+            >>> tm.measured_figures(), tm.measure().measured_figures()["gradients"]
+            ({}, 288)
+        """
+        m = self.measured
+        if m is None:
+            return {}
+        return {"weights": m.weights_bytes, "buffers": m.buffers_bytes, "inputs": m.inputs_bytes,
+                "gradients": m.gradient_bytes, "optimizer_state": m.optimizer_state_bytes,
+                "activations": m.saved_bytes, "temporaries": None, "forward_peak": m.forward_peak_bytes,
+                "backward_peak": m.backward_peak_bytes, "optimizer_peak": m.optimizer_peak_bytes,
+                "peak": m.peak_bytes}
+
     @property
     def table(self):
         """A pandas table, one row per figure: ``predicted_MiB`` and, after :meth:`measure`, ``measured_MiB``
@@ -108,7 +126,7 @@ class TrainingMemory:
         import pandas as pd
 
         rows = []
-        measured = _measured_figures(self.measured) if self.measured is not None else {}
+        measured = self.measured_figures()
         for name, value in self.figures().items():
             row = {"figure": name, "predicted_MiB": _mib(value)}
             if self.measured is not None:
@@ -183,14 +201,6 @@ class TrainingMemory:
         return (f"TrainingMemory(peak={_mib(self.peak_bytes)} MiB in the {self.peak_phase}, weights="
                 f"{_mib(self.weights_bytes)}, gradients={_mib(self.gradients_bytes)}, optimizer_state="
                 f"{_mib(self.optimizer_state_bytes)}, activations={_mib(self.activations_bytes)} MiB)")
-
-
-def _measured_figures(m: StepMeasurement) -> dict[str, int | None]:
-    return {"weights": m.weights_bytes, "buffers": m.buffers_bytes, "inputs": m.inputs_bytes,
-            "gradients": m.gradient_bytes, "optimizer_state": m.optimizer_state_bytes,
-            "activations": m.saved_bytes, "temporaries": None, "forward_peak": m.forward_peak_bytes,
-            "backward_peak": m.backward_peak_bytes, "optimizer_peak": m.optimizer_peak_bytes,
-            "peak": m.peak_bytes}
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

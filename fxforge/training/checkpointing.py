@@ -71,11 +71,9 @@ def parse_budget(budget: Any) -> tuple[str, float]:
         >>> parse_budget("60%"), parse_budget("1.5GiB"), parse_budget(1000)
         (('fraction', 0.6), ('bytes', 1610612736.0), ('bytes', 1000.0))
     """
-    if isinstance(budget, bool):
-        raise ValueError(f"memory_budget must be bytes or a percentage, not {budget!r}")
     if isinstance(budget, float) and 0 < budget <= 1:
         return "fraction", float(budget)
-    if isinstance(budget, int) and budget > 0:
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
         return "bytes", float(budget)
     if isinstance(budget, str):
         text = budget.strip().lower().replace(" ", "")
@@ -297,7 +295,7 @@ def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: f
                   integrality=np.array([1] * m + [0]), bounds=Bounds(np.zeros(m + 1), np.array([1.0] * m + [math.inf])),
                   options={"time_limit": time_limit, "mip_rel_gap": 1e-4})
     if result.x is None:
-        return None if result.status != 2 else None
+        return None
     chosen: set[int] = set()
     for col, choice in enumerate(choices):
         if result.x[col] > 0.5:
@@ -354,22 +352,20 @@ class CheckpointPlan:
 
     def lines(self) -> list[str]:
         """The plan as report lines."""
-        mib = 2**20
-        what = (f"{self.budget} of the activation peak" if self.budget_kind == "fraction"
-                else f"{self.budget_bytes / mib:.1f} MiB for the whole step")
+        what = (f"{self.budget} of the activation peak -> activations <= {_size(self.budget_bytes)}"
+                if self.budget_kind == "fraction" else f"{_size(self.budget_bytes)} for the whole step")
         return [
-            f"budget: {what} -> activations <= {self.budget_bytes / mib:.1f} MiB" if self.budget_kind == "fraction"
-            else f"budget: {what}",
-            f"activation peak: {self.unconstrained_activation_bytes / mib:.1f} MiB -> "
-            f"{self.predicted_activation_peak_bytes / mib:.1f} MiB (simulated, backward liveness included)",
-            f"step peak: {self.unconstrained_peak_bytes / mib:.1f} MiB -> {self.predicted_peak_bytes / mib:.1f} MiB",
-            f"saved for backward: {len(self.saved)} values ({self.simulation.saved_bytes / mib:.1f} MiB); "
-            f"recomputed: {len(self.recomputed)} nodes",
-            f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
-            f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)",
+            f"budget: {what}",
+            (f"activation peak: {_size(self.unconstrained_activation_bytes)} -> "
+             f"{_size(self.predicted_activation_peak_bytes)} (simulated, backward liveness included)"),
+            f"step peak: {_size(self.unconstrained_peak_bytes)} -> {_size(self.predicted_peak_bytes)}",
+            (f"saved for backward: {len(self.saved)} values ({_size(self.simulation.saved_bytes)}); "
+             f"recomputed: {len(self.recomputed)} nodes"),
+            (f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
+             f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)"),
             f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
-            "backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
-            else "backward: in autograd's order (the memory scheduler found no lower peak)",
+            ("backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
+             else "backward: in autograd's order (the memory scheduler found no lower peak)"),
         ]
 
     def __str__(self) -> str:
@@ -382,6 +378,14 @@ class CheckpointPlan:
         by_name = {n.name: n for n in self.step.joint.graph.nodes}
         return pd.DataFrame([{"node": name, "op": str(by_name[name].target) if name in by_name else ""}
                              for name in self.recomputed])
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the unit that reads best: ``512 B``, ``3.2 KiB``, ``12.5 MiB``, ``1.25 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 class BudgetError(ValueError):
@@ -422,7 +426,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         limit = int(value)
         if optimizer_phase > limit:
             raise BudgetError(f"memory_budget {budget!r}: the optimizer step alone needs "
-                              f"{optimizer_phase / 2**20:.1f} MiB (weights, state, gradients, its temporaries)")
+                              f"{_size(optimizer_phase)} (weights, state, gradients, its temporaries)")
 
         def excess(sim: StepSimulation) -> int:
             return whole(sim) - limit
@@ -442,22 +446,17 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             best = _greedy(step, units, pieces, excess, limit, rounds, simulate)
     if best is None:
         least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
-        what = "activation peak" if kind == "fraction" else "step peak"
-        raise BudgetError(f"memory_budget {budget!r} ({limit / 2**20:.1f} MiB) is below what recomputation reached: "
-                          f"a {what} of {least / 2**20:.1f} MiB at best (unconstrained "
-                          f"{(limit + excess(base)) / 2**20:.1f} MiB)")
-    cost, chosen, chosen_step, sim, solver = best
+        what = "an activation peak" if kind == "fraction" else "a step peak"
+        raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}) is below what recomputation reached: "
+                          f"{what} of {_size(least)} at best (unconstrained {_size(limit + excess(base))})")
+    _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine) for n in chosen_step.backward.graph.nodes
-                            if n.name in chosen_step.recomputed or _is_recompute(n, chosen_step))
+                            if n.name in chosen_step.recomputed)
     return CheckpointPlan(budget, kind, limit, base.activation_peak_bytes, sim.activation_peak_bytes,
                           whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
                           chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,
                           loss_bytes)
-
-
-def _is_recompute(node: torch.fx.Node, step: StepGraphs) -> bool:
-    return node.name in step.recomputed
 
 
 def _names(units: list[Unit], chosen: set[int]) -> set[str]:

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -38,17 +38,19 @@ def unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
         >>> unique_bytes([w, w.view(2, 2), torch.ones(2)])
         24
     """
-    seen: set[int] = set()
-    total = 0
+    storages = {}
     for tensor in tensors:
-        try:
-            storage = tensor.untyped_storage()
-        except Exception:  # noqa: BLE001 - no storage (sparse, nested)
-            continue
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += int(storage.nbytes())
-    return total
+        storage = _storage(tensor)
+        if storage is not None:
+            storages[storage._cdata] = int(storage.nbytes())
+    return sum(storages.values())
+
+
+def _storage(tensor: torch.Tensor) -> Any:
+    try:
+        return tensor.untyped_storage()
+    except Exception:  # noqa: BLE001 - no storage (sparse, nested): nothing to count
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,7 @@ class _Meter:
         self.tracker = StorageTracker() if device.type == "cpu" else None
         self.base = 0
 
-    def __enter__(self) -> _Meter:
+    def __enter__(self) -> Self:
         if self.tracker is not None:
             self.tracker.__enter__()
         else:

@@ -10,7 +10,8 @@ plan's simulation assumes.
 It is the model, not a snapshot: the parameters are the model's own (an optimizer stepping them is seen
 by the next call; a parameter replaced by another tensor re-plans), buffers (batch-norm statistics) are
 updated as in eager, and in eval mode or without grad the model runs eagerly (there is no backward to plan
-for). Outputs come back in the model's structure. Random ops are never recomputed, so dropout's masks are
+for). Inputs of another signature (shapes, dtypes, which require grad) get a plan of their own; where no
+plan fits the budget for them, they run eagerly after one warning that says why. Outputs come back in the model's structure. Random ops are never recomputed, so dropout's masks are
 drawn once, in the forward.
 
 Example:
@@ -25,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
 from fxforge.rewrites.memory_reorder.planning import apply_order
 from fxforge.rewrites.memory_reorder.planning import plan as plan_order
-from fxforge.training.checkpointing import CheckpointPlan, parse_budget, plan_step
+from fxforge.training.checkpointing import BudgetError, CheckpointPlan, parse_budget, plan_step
 from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
 from fxforge.training.step_graph import StepGraphs, trace_step
@@ -129,6 +131,7 @@ class CheckpointedModule(torch.nn.Module):
         self.loss = loss
         self.autocast = autocast
         self._steps: dict[tuple, Any] = {}
+        self._unplannable: set[tuple] = set()
         self.plans = 0
         self.plan: CheckpointPlan | None = None
         from fxforge.training.breakdown import split_inputs
@@ -167,9 +170,18 @@ class CheckpointedModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return self.model(*args, **kwargs)
-        entry = self._steps.get(_signature(args, kwargs))
+        signature = _signature(args, kwargs)
+        entry = self._steps.get(signature)
         if entry is None or entry[1] != [id(p) for p in self.model.parameters()]:
-            entry = self._build(args, kwargs)
+            if signature in self._unplannable:
+                return self.model(*args, **kwargs)
+            try:
+                entry = self._build(args, kwargs)
+            except BudgetError as error:
+                self._unplannable.add(signature)
+                warnings.warn(f"fxforge: no checkpointing plan fits these inputs ({error}); this input "
+                              "signature runs the model eagerly, without checkpointing", stacklevel=2)
+                return self.model(*args, **kwargs)
         step = entry[0]
         flat = step.wrapper.flat_inputs(args, kwargs)
         amp = torch.autocast(flat[0].device.type if flat else "cpu", dtype=self.autocast) \

@@ -380,7 +380,7 @@ def _graphs(recorded: dict[str, Any], wrapper: StepModule, forward: torch.fx.Gra
 
 
 def _strip(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name.removeprefix("model.")
 
 
 def getitem_users(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -23,7 +23,7 @@ def _import(path):
 def test_help_lists_every_command():
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("optimize", "export", "profile", "show", "rewrites"):
+    for command in ("optimize", "export", "profile", "show", "memory", "rewrites"):
         assert command in result.stdout
     rewrites = run_cli("rewrites")
     assert rewrites.returncode == 0 and rewrites.stdout.startswith("cleanup")

@@ -13,6 +13,7 @@ The committed notebooks carry no outputs; ``test_notebooks_are_stored_without_ou
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import sys
@@ -26,12 +27,14 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "examples" / "notebooks"
-NAMES = ["01_cnn_conv_fusion.ipynb", "02_attention_sequence_length.ipynb", "03_memory_reorder_branchy.ipynb"]
+NAMES = ["01_cnn_conv_fusion.ipynb", "02_attention_sequence_length.ipynb", "03_memory_reorder_branchy.ipynb",
+         "04_training_memory.ipynb"]
 # Where each notebook's kernel starts: both places a user runs them from are covered.
 WORKDIR = {
     "01_cnn_conv_fusion.ipynb": ROOT,
     "02_attention_sequence_length.ipynb": NOTEBOOKS,
     "03_memory_reorder_branchy.ipynb": ROOT,
+    "04_training_memory.ipynb": NOTEBOOKS,
 }
 CELL_TIMEOUT_S = 300
 MARKER = "NOTEBOOK_SUMMARY "
@@ -136,3 +139,37 @@ def test_memory_reorder_branchy_notebook(tmp_path):
     for name, row in s["others"].items():
         assert row["outputs_equal"] and row["sim_after_le_before"], name
     assert _count_outputs(nb, "image/png") >= 1  # the timeline plot
+
+
+@pytest.mark.slow
+def test_training_memory_notebook(tmp_path):
+    nb, s = _execute("04_training_memory.ipynb", tmp_path)
+    # weights + gradients + AdamW's two moments: 16 bytes per fp32 parameter (plus a step count per tensor)
+    assert s["bytes_per_param_fixed"] == pytest.approx(16, abs=0.01)
+    assert abs(s["peak_error_percent"]) < 5
+    assert s["predicted_peak"] == pytest.approx(s["measured_peak"], rel=0.05)
+    assert all(abs(e) < 5 for e in s["sweep_peak_errors_percent"]), s["sweep_peak_errors_percent"]
+    # the fixed part does not move; the activations grow with the batch (linearly) and the sequence (faster)
+    assert len(s["fixed_by_point"]) == 1
+    by_batch = [s["activations_by_batch"][k] for k in sorted(s["activations_by_batch"], key=int)]
+    by_seq = [s["activations_by_seq"][k] for k in sorted(s["activations_by_seq"], key=int)]
+    assert all(a < b for a, b in itertools.pairwise(by_batch)) and len(by_batch) >= 3
+    assert all(a < b for a, b in itertools.pairwise(by_seq)) and len(by_seq) >= 3
+    batches = sorted(map(int, s["activations_by_batch"]))
+    assert by_batch[-1] / by_batch[0] == pytest.approx(batches[-1] / batches[0], rel=0.15)  # linear in B
+    assert s["activations_by_seq"]["256"] > 2 * s["activations_by_seq"]["128"]  # faster than linear in S
+    # checkpointing: nothing recomputed at 100 %; the measured peak falls as the budget falls (a budget below
+    # what recomputation reaches is refused with a BudgetError, which the notebook reports)
+    budgets = sorted(s["budgets"], key=int, reverse=True)
+    assert budgets[:3] == ["100", "80", "60"], (budgets, s["unreachable_budgets"])
+    assert s["budgets"]["100"]["recomputed"] == 0
+    assert all(s["budgets"][b]["recomputed"] > 0 for b in budgets[1:])
+    assert all(int(u) < int(budgets[-1]) for u in s["unreachable_budgets"])  # refused only below those met
+    peaks = [s["budgets"][b]["measured_peak_mib"] for b in budgets]
+    assert all(later <= earlier * 1.01 for earlier, later in itertools.pairwise(peaks)), peaks
+    assert peaks[-1] < 0.8 * peaks[0], peaks
+    for b in budgets:
+        row = s["budgets"][b]
+        assert row["measured_peak_mib"] == pytest.approx(row["predicted_peak_mib"], rel=0.05), (b, row)
+        assert row["time_ratio"] > 0
+    assert _count_outputs(nb, "image/png") >= 3  # the step's timeline, the sweep, memory against time

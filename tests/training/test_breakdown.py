@@ -75,7 +75,7 @@ def test_optimizer_state_follows_the_optimizer(optimizer, factor):
 def test_keyword_inputs_and_a_loss_of_ones_own():
     model = gpt2(dropout=0.0)
     x = ids(4)
-    loss = lambda out: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), x.flatten())  # noqa: E731
+    loss = lambda out: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), x.flatten())
     tm = fxforge.training_memory(model, {"input_ids": x}, loss=loss)
     m = tm.measure().measured
     assert abs(tm.peak_bytes - m.peak_bytes) <= 0.01 * m.peak_bytes, tm.table

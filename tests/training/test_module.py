@@ -56,7 +56,7 @@ def test_batch_norm_statistics_and_gradients_follow_eager():
 def test_the_measured_step_fits_the_plan():
     model = gpt2(dropout=0.0, layers=4)
     x = ids(0, seq=128)
-    loss = lambda out: out.logits.pow(2).mean()  # noqa: E731 - the gradient of the logits is a full tensor
+    loss = lambda out: out.logits.pow(2).mean()
     eager = measure_step(model, (x,), {}, loss=loss, optimizer=torch.optim.AdamW)
     for budget in ("70%", "45%"):
         optimized = fxforge.optimize(model, (x,), memory_budget=budget, loss=loss)
@@ -119,3 +119,18 @@ def test_usage_errors():
         fxforge.optimize(model, (ids(0),), memory_budget="half")
     with pytest.raises(BudgetError, match="below what recomputation reached"):
         fxforge.optimize(model, (ids(0),), memory_budget="5%")
+
+
+def test_a_signature_no_plan_fits_runs_eagerly_after_one_warning():
+    model = gpt2(dropout=0.0)
+    optimized = fxforge.optimize(model, (ids(0),), memory_budget="75%")
+    optimized.memory_budget = "5%"  # as if these inputs could not be fitted
+    with pytest.warns(UserWarning, match="no checkpointing plan fits these inputs"):
+        out = optimized(ids(1, seq=16))
+    torch.testing.assert_close(out.logits, model(ids(1, seq=16)).logits)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized(ids(2, seq=16))  # the same signature: eager, no second warning
+    assert optimized.plans == 1
