@@ -100,7 +100,8 @@ def _drops_on_cpu(node: torch.fx.Node) -> bool:
         and p > 0
 
 
-def eager_like_graph(model: torch.nn.Module, example_inputs: Any) -> torch.fx.GraphModule:
+def eager_like_graph(model: torch.nn.Module, example_inputs: Any,
+                     example_kwargs: dict[str, Any] | None = None) -> torch.fx.GraphModule:
     """``model`` captured on ``example_inputs`` and made to compute as eager does (module docstring).
 
     Example:
@@ -109,7 +110,7 @@ def eager_like_graph(model: torch.nn.Module, example_inputs: Any) -> torch.fx.Gr
         >>> [getattr(n.target, "__name__", n.target) for n in gm.graph.nodes if n.op.startswith("call")]
         ['0', 'eager_cpu_dropout']
     """
-    graph_module = capture(model, example_inputs).graph_module
+    graph_module = capture(model, example_inputs, example_kwargs=example_kwargs or None).graph_module
     simplify_sdpa_calls(graph_module)
     for node in list(graph_module.graph.nodes):
         if node.op == "call_module" and type(graph_module.get_submodule(node.target)) is torch.nn.Dropout:

@@ -142,8 +142,7 @@ class CheckpointedModule(torch.nn.Module):
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from fxforge.training.eager_graph import eager_like_graph
 
-        graph_module = eager_like_graph(self.model, (*args, *kwargs.values()) if not kwargs else kwargs
-                                        if not args else (*args,))
+        graph_module = eager_like_graph(self.model, args, kwargs)
         opt = optimizer_memory(self.optimizer, list(dict.fromkeys(self.model.parameters())))
         persistent = (unique_bytes(self.model.parameters()) + unique_bytes(self.model.buffers())
                       + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
