@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import Iterable
-from typing import Any, Self
+from typing import Any
 
 import torch
 
@@ -106,7 +106,7 @@ class _Meter:
         self.tracker = StorageTracker() if device.type == "cpu" else None
         self.base = 0
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> _Meter:  # noqa: PYI034 - a private helper, never subclassed
         if self.tracker is not None:
             self.tracker.__enter__()
         else:
