@@ -320,7 +320,7 @@ class CheckpointPlan:
         overhead: ``recompute_seconds / step_seconds``.
         solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)``.
         step: the chosen partition; ``simulation``: its replay.
-        loss_bytes: what the caller's loss was sized at (0 when no loss was given).
+        loss_bytes: what the caller's loss was sized at (None when no loss was given).
         backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).
     """
 
@@ -342,7 +342,7 @@ class CheckpointPlan:
     persistent_bytes: int = 0
     optimizer_peak_bytes: int = 0
     plan_seconds: float = 0.0
-    loss_bytes: int = 0
+    loss_bytes: int | None = None
     backward_reordered: bool = False
 
     @property
@@ -393,7 +393,8 @@ class BudgetError(ValueError):
 
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
-              loss_bytes: int = 0, machine: Machine | None = None, time_limit: float = MILP_TIME_LIMIT_S
+              loss_bytes: int | None = None, machine: Machine | None = None,
+              time_limit: float = MILP_TIME_LIMIT_S
               ) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
@@ -402,7 +403,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         budget: ``"60%"``, a float fraction, bytes, or ``"2GiB"``.
         persistent_bytes: weights, buffers, inputs and optimizer state (for a budget in bytes).
         optimizer_step_bytes: what the optimizer step allocates beyond the gradients.
-        loss_bytes: what the caller's loss allocates between the forward and the backward (its peak).
+        loss_bytes: what the caller's loss allocates between the forward and the backward (its peak), or
+            None when it is not known: then the outputs are taken as held by the caller to the end of the
+            step (the optimizer's too), as a caller keeping ``out = model(x)`` does.
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -412,7 +415,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     machine = machine or measure_machine(_device(step))
     simulate = functools.partial(simulate_step, loss_bytes=loss_bytes)
     base = simulate(step)
-    optimizer_phase = persistent_bytes + base.gradient_bytes + base.output_bytes + optimizer_step_bytes
+    held = base.output_bytes if loss_bytes is None else 0
+    optimizer_phase = persistent_bytes + base.gradient_bytes + held + optimizer_step_bytes
 
     def whole(sim: StepSimulation) -> int:
         return max(persistent_bytes + sim.peak_bytes, optimizer_phase)
@@ -512,19 +516,22 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
 
 def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], int]], excess, limit: int,
             rounds, simulate) -> tuple | None:
-    """Recompute every other piece's units, then more: the first of a few fixed patterns that fits."""
+    """Fixed patterns, when the MILP's choices do not fit: keep one boundary every ``stride`` pieces (at each
+    offset) and recompute the rest, as checkpointing every block does when a block is ``stride`` pieces;
+    the cheapest pattern that fits by simulation."""
     best = None
-    for stride in (2, 3, 4, 8, 1):
-        chosen = {i for k, (inside, boundary) in enumerate(pieces) if k % stride != stride - 1 or stride == 1
-                  for i in inside if units[i].recomputable and i != boundary}
-        candidate = step.repartition(_names(units, chosen))
-        sim = simulate(candidate)
-        over = excess(sim)
-        rounds.append((stride, int(limit + over), over <= 0))
-        if over <= 0:
-            cost = sum(units[i].seconds for i in chosen)
-            if best is None or cost < best[0]:
-                best = (cost, chosen, candidate, sim, f"greedy (checkpoint every {stride} pieces)")
+    for stride in (2, 3, 4, 6, 8, 1):
+        for offset in range(stride):
+            chosen = {i for k, (inside, boundary) in enumerate(pieces) for i in inside
+                      if units[i].recomputable and not (i == boundary and k % stride == offset)}
+            candidate = step.repartition(_names(units, chosen))
+            sim = simulate(candidate)
+            over = excess(sim)
+            rounds.append((stride, int(limit + over), over <= 0))
+            if over <= 0:
+                cost = sum(units[i].seconds for i in chosen)
+                if best is None or cost < best[0]:
+                    best = (cost, chosen, candidate, sim, f"pattern (a boundary kept every {stride} pieces)")
     return best
 
 

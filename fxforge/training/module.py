@@ -30,7 +30,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
@@ -60,7 +60,7 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
                  for t in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
-def reorder_backward(step: StepGraphs, loss_bytes: int = 0) -> bool:
+def reorder_backward(step: StepGraphs, loss_bytes: int | None = None) -> bool:
     """Put the backward graph in the order with the lowest simulated peak (:mod:`fxforge.rewrites.memory_reorder`),
     kept only when the whole step's simulated peak falls; returns whether it changed.
 
@@ -82,30 +82,46 @@ def reorder_backward(step: StepGraphs, loss_bytes: int = 0) -> bool:
 
 
 def loss_peak_bytes(loss: Any, step: StepGraphs) -> int:
-    """The most a loss allocates at once over the step's outputs, forward and backward (the output gradients
-    it hands the step's backward included), traced on meta tensors of the outputs' shapes.
+    """The most a loss holds at once over the step's outputs, forward and backward: its inputs (the outputs)
+    while it uses them, what it allocates, the output gradients it hands the step's backward; traced on fake
+    tensors of the outputs' shapes.
 
     Example:
         >>> step = trace_step(torch.nn.Linear(4, 16), (torch.randn(64, 4),), {}, loss=None)
-        >>> loss_peak_bytes(lambda out: out.pow(2).mean(), step) >= 64 * 16 * 4   # at least the gradient
+        >>> loss_peak_bytes(lambda out: out.pow(2).mean(), step) >= 2 * 64 * 16 * 4   # the input and its gradient
         True
     """
     (out,) = step.forward.graph.find_nodes(op="output")
     values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in out.args[0][:step.num_fwd_outputs]]
     wrapper = step.wrapper
-    metas = []
+    fakes = []
     with unset_fake_temporarily():
-        for value in values[:len(wrapper.output_positions)]:
-            meta = torch.empty_strided([hint(d) for d in value.shape], [hint(d) for d in value.stride()],
-                                       dtype=value.dtype, device="meta")
-            metas.append(meta.requires_grad_(value.is_floating_point() or value.is_complex()))
+        # Fake tensors on the outputs' own device: the loss may read real tensors there (the labels).
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            for value in values[:len(wrapper.output_positions)]:
+                fake = torch.empty_strided([hint(d) for d in value.shape], [hint(d) for d in value.stride()],
+                                           dtype=value.dtype, device=value.device)
+                fakes.append(fake.requires_grad_(value.is_floating_point() or value.is_complex()))
 
     class Loss(torch.nn.Module):
         def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
             return loss(wrapper.rebuild(tensors))
 
     with unset_fake_temporarily(), torch.enable_grad():  # called from inside AOTAutograd's trace of the step
-        return simulate_step(trace_step(Loss(), tuple(metas), {}), eager_backward=True).peak_bytes
+        step = trace_step(Loss(), tuple(fakes), {})
+        sim = simulate_step(step, eager_backward=True)
+    # The loss's inputs (the step's outputs) are alive through its forward, and through its backward only
+    # where it saved them (cross-entropy saves its log-softmax, not the logits).
+    inputs = {n.name: n for n in step.forward.graph.find_nodes(op="placeholder")}
+    saved = {n.name for n in step.saved_nodes()}
+    total = sum(unique_bytes([n.meta["val"]]) for n in inputs.values())
+    kept = sum(unique_bytes([n.meta["val"]]) for name, n in inputs.items() if name in saved)
+    forward = max((a + g for (phase, _), a, g in zip(sim.nodes, sim.activations, sim.gradients)
+                   if phase == "forward"), default=0)
+    backward = max((a + g for (phase, _), a, g in zip(sim.nodes, sim.activations, sim.gradients)
+                    if phase == "backward"), default=0)
+    return max(forward + total, backward + kept)
 
 
 class CheckpointedModule(torch.nn.Module):
@@ -149,7 +165,7 @@ class CheckpointedModule(torch.nn.Module):
         chosen: dict[str, CheckpointPlan] = {}
 
         def choose(step):
-            loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else 0
+            loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes)
             return chosen["plan"].recomputed

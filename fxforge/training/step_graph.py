@@ -33,7 +33,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -355,8 +356,8 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     annotations = contextlib.nullcontext() if isinstance(model, torch.fx.GraphModule) else module_annotations(model)
     # Fake copies of the inputs made here, in a mode that lets the model and the loss read real tensors the
     # caller closed over (labels, a mask): they enter the graphs as constants.
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [fake_mode.from_tensor(t) for t in flat]
+    fake_mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in flat]
     with amp, annotations, fx_traceback.preserve_node_meta():
         compiled = aot_module_simplified(wrapper, fake, fw_compiler=forward_compiler,
                                          bw_compiler=backward_compiler, partition_fn=partition_fn)

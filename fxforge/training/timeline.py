@@ -161,7 +161,7 @@ def _is_cpu_dropout(node: torch.fx.Node) -> bool:
 
 
 def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backward: bool = False,
-                  loss_bytes: int = 0) -> StepSimulation:
+                  loss_bytes: int | None = None) -> StepSimulation:
     """Replay the step's forward then backward graph and follow every storage it allocates.
 
     ``eager_dropout``: count the ``native_dropout`` nodes left in the graph as eager runs them on CPU.
@@ -177,7 +177,9 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backwa
 
     ``loss_bytes``: what the caller's loss allocates at most in its own forward and backward, which run
     between the two graphs (a step traced without its loss): one more sample at the start of the backward,
-    with everything the forward left alive.
+    with everything the forward left alive but the outputs, which the loss's figure counts for as long as it
+    holds them (it saves what its backward needs); the backward graph starts without them. None (the loss is not known): the
+    outputs stay alive to the end, as if the caller held them.
 
     Example:
         >>> from fxforge.training.step_graph import trace_step
@@ -264,12 +266,18 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backwa
     output_bytes = sum(storages[s].nbytes for s in output_sids)
     # The outputs (loss) stay alive through the backward, held by the caller.
     tangent_sids = [s for n in tangents for s in backward.refs[n]]
-    if loss_bytes:
+    held = output_sids
+    if loss_bytes is not None:  # the loss holds the outputs from here (its figure counts them)
+        held = set()
+        for sid in output_sids:
+            if sid in alive and not storages[sid].saved:
+                alive.discard(sid)
+                live[storages[sid].category] -= storages[sid].nbytes
         nodes.append(("backward", "loss.backward"))
         acts.append(live["activations"] + loss_bytes)
         grads.append(live["gradients"])
         saved_live.append(saved_bytes)
-    run(backward, "backward", output_sids | gradient_storages, tangent_sids, grouped=eager_backward)
+    run(backward, "backward", held | gradient_storages, tangent_sids, grouped=eager_backward)
     totals = [a + g for a, g in zip(acts, grads)]
     peak_index = max(range(len(totals)), key=totals.__getitem__) if totals else 0
     saved_by_module: dict[str, int] = defaultdict(int)
