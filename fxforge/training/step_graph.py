@@ -31,8 +31,6 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
@@ -225,6 +223,8 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, recompute: set[str
         node.meta.pop("recompute", None)
         if node.name in recompute:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    from torch._functorch.partitioners import default_partition  # imports Inductor: only when partitioning
+
     try:
         forward, backward = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     finally:
@@ -327,6 +327,8 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         >>> sorted(step.trainable), step.buffer_names
         ([True, True], [])
     """
+    from torch._functorch.aot_autograd import aot_module_simplified  # imports Inductor: only when tracing
+
     wrapper = StepModule(model, args, kwargs, loss)
     flat = wrapper.flat_inputs(args, kwargs)
     recorded: dict[str, Any] = {}
