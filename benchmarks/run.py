@@ -23,6 +23,7 @@ Example:
     python -m benchmarks --suite conv
     python -m benchmarks --suite attention
     python -m benchmarks --suite dynamic    # a runner of its own, :mod:`benchmarks.dynamic` (RUNNER_SECTIONS)
+    python -m benchmarks --suite training   # the same: :mod:`benchmarks.training`
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ RUNNER_SECTIONS: dict[str, tuple[str, str]] = {
     "dynamic": ("benchmarks.dynamic", ("a 200-request trace of changing batch and sequence length on BERT, "
                 "GPT-2 and LLaMA, every call timed, first-time work included (issue 19; --calls, --models, "
                 "--contenders: see python -m benchmarks.dynamic --help)")),
+    "training": ("benchmarks.training", ("a training step's memory: fxforge's prediction against a measured step, "
+                 "then fxforge's checkpointing under budgets against per-block checkpointing and Inductor's "
+                 "activation memory budget, whole-step peak and step time, on GPT-2, BERT, LLaMA, ResNet-50 and "
+                 "ViT-S (issue 22; --models, --fractions, --quick: see python -m benchmarks.training --help)")),
 }
 
 

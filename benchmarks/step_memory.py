@@ -1,0 +1,206 @@
+"""Peak memory of one training step on CPU, measured the same way whatever runs the step.
+
+A step (forward, loss, backward, optimizer step) runs under ``torch.profiler`` with ``profile_memory=True``:
+PyTorch's CPU allocator reports every allocation and free to the profiler, whoever asks for the memory:
+ATen ops, a kernel's scratch buffers, the buffers the code Inductor generates allocates itself
+(``empty_strided_cpu``, outside the dispatcher, where fxforge's dispatch-mode ``StorageTracker`` does not
+look). Summed in time order, the records give the bytes held at every moment above the level at the
+step's start; the peak is the largest (:func:`benchmarks.memory.peak_from_records` does the sum).
+
+Two markers go into the same timeline, as ``record_function`` events on the profiler's clock:
+
+- a parameter's gradient is *accumulated* (a post-accumulate-grad hook, the first time per parameter):
+  from then on its bytes count as gradients, not activations; a gradient the backward has computed but
+  not yet accumulated counts as a working value (an activation);
+- the backward has returned (:func:`mark`, called by the step): the activation peak is taken over the
+  forward and the backward only, the optimizer step's temporaries are not activations.
+
+So ``activation_peak_bytes`` = max over forward and backward of (held above the start - gradients
+accumulated so far): the most bytes alive at once beyond weights, buffers, optimizer state, inputs and
+parameter gradients, the definition fxforge's checkpointing budget uses.
+
+Example:
+    >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    >>> x = torch.randn(64, 256)
+    >>> def step():
+    ...     model(x).sum().backward()
+    ...     mark("backward")
+    ...     for p in model.parameters():
+    ...         p.grad = None
+    >>> m = step_peak(step, model.parameters())
+    >>> m.gradient_bytes, m.end_bytes
+    (264196, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from benchmarks.memory import peak_from_records
+
+GRAD_MARK = "step_memory::grad:"
+PHASE_MARK = "step_memory::phase:"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPeak:
+    """What one measured step held, in bytes above the level at its start.
+
+    Attributes:
+        peak_bytes: the most bytes held at once during the whole step.
+        activation_peak_bytes: the most held at once during the forward and backward (up to the
+            ``"backward"`` mark, or the whole step without it), less the gradients accumulated by then.
+        gradient_bytes: the gradients accumulated during the step (first accumulation per parameter).
+        allocated_bytes, allocations: the sum and count of the step's allocations.
+        end_bytes: held at the end above the start (0 in a steady state where the step drops its gradients).
+
+    Example:
+        >>> StepPeak(3 * 2**20, 2**20, 0, 0, 0, 0).peak_mib
+        3.0
+    """
+
+    peak_bytes: int
+    activation_peak_bytes: int
+    gradient_bytes: int
+    allocated_bytes: int
+    allocations: int
+    end_bytes: int
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / 2**20
+
+
+def mark(name: str) -> None:
+    """A point of the step the measurement can find in the profiler's timeline (``"backward"``: the
+    backward has returned). Costs nothing outside :func:`step_peak`.
+
+    Example:
+        >>> mark("backward")
+    """
+    with torch.profiler.record_function(PHASE_MARK + name):
+        pass
+
+
+@contextlib.contextmanager
+def _gradient_marks(params: Iterable[torch.Tensor]):
+    """Within it, the first accumulation of each parameter's gradient leaves a mark with its bytes."""
+    seen: set[int] = set()
+
+    def hook(p: torch.Tensor) -> None:
+        if id(p) in seen:
+            return
+        seen.add(id(p))
+        with torch.profiler.record_function(f"{GRAD_MARK}{p.numel() * p.element_size()}"):
+            pass
+
+    handles = [p.register_post_accumulate_grad_hook(hook)
+               for p in dict.fromkeys(params) if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def timeline(events: Iterable[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[str, int]]:
+    """``(memory, gradients, phases)`` from kineto events: ``(time ns, bytes)`` allocator records (bytes < 0
+    free), ``(time ns, bytes)`` gradient marks, and the time of each phase mark by name."""
+    memory, grads, phases = [], [], {}
+    cpu = torch.autograd.DeviceType.CPU
+    for event in events:
+        name = event.name()
+        if name == "[memory]":
+            if event.device_type() == cpu:
+                memory.append((event.start_ns(), event.nbytes()))
+        elif name.startswith(GRAD_MARK):
+            grads.append((event.start_ns(), int(name[len(GRAD_MARK):])))
+        elif name.startswith(PHASE_MARK):
+            phases.setdefault(name[len(PHASE_MARK):], event.start_ns())
+    return memory, grads, phases
+
+
+def activation_peak(memory: list[tuple[int, int]], grads: list[tuple[int, int]], until: int | None = None) -> int:
+    """The most bytes held at once before ``until`` (ns; None: all), gradients accumulated by then left out.
+
+    Example:
+        >>> activation_peak([(0, 100), (1, 40), (3, -100), (5, 60)], [(2, 40)])   # 40 B become a gradient
+        140
+    """
+    # At equal times a gradient mark comes after the allocation it follows.
+    merged = sorted([(t, 0, n) for t, n in memory] + [(t, 1, -n) for t, n in grads])
+    held = peak = 0
+    for t, _, delta in merged:
+        if until is not None and t > until:
+            break
+        held += delta
+        peak = max(peak, held)
+    return peak
+
+
+def step_peak(step: Callable[[], Any], params: Iterable[torch.Tensor]) -> StepPeak:
+    """Run ``step()`` once under the profiler and return its :class:`StepPeak`.
+
+    ``step`` should drop what it creates (loss, outputs, gradients with ``zero_grad(set_to_none=True)``) and
+    call :func:`mark` ``("backward")`` once its backward has returned. Run it after a warm-up step (the
+    optimizer's state, compiled code), apart from timed steps: recording every allocation slows it down.
+    The cyclic garbage collector is paused during the step (garbage from before would be freed inside it).
+
+    Args:
+        step: one training step.
+        params: the parameters whose gradients the step accumulates (their marks split gradients from
+            activations).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(1024))
+        >>> m = step_peak(lambda: (w * 2).sum().backward(), [w])
+        >>> m.gradient_bytes, m.end_bytes           # the gradient (4 KiB) is still alive at the end
+        (4096, 4096)
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with _gradient_marks(params), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        if enabled:
+            gc.enable()
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:
+        raise RuntimeError("torch.profiler recorded no events: cannot measure CPU memory")
+    memory, grads, phases = timeline(results.events())
+    peak, allocated, count = peak_from_records(memory)
+    return StepPeak(peak, activation_peak(memory, grads, phases.get("backward")), sum(n for _, n in grads),
+                    allocated, count, sum(n for _, n in memory))
+
+
+def tracker_peak(step: Callable[[], Any]) -> int:
+    """The step's peak above its start by fxforge's dispatch-mode tracker (:class:`StorageTracker`): every
+    storage an ATen op returns, freed when its finalizer runs. The cross-check of :func:`step_peak` on code
+    that goes through the dispatcher (eager); it does not see kernels' scratch nor Inductor's buffers.
+
+    Example:
+        >>> tracker_peak(lambda: torch.ones(1024) * 2)
+        8192
+    """
+    from fxforge.runtime.memory import StorageTracker
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with StorageTracker() as tracker:
+            step()
+    finally:
+        if enabled:
+            gc.enable()
+    return tracker.peak
