@@ -748,12 +748,7 @@ def markdown_block(result: dict[str, Any]) -> str:
 
 def write_markdown(path: str, result: dict[str, Any]) -> None:
     """Replace this section's block of ``path`` (appended if missing); the rest is kept byte for byte."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-    except FileNotFoundError:
-        old = report.SKELETON
-    report.write_atomic(path, report.replace_block(old, markdown_block(result), SECTION))
+    report.write_block(path, markdown_block(result), SECTION)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -644,14 +644,21 @@ def replace_block(text: str, block: str, section: str | None = None) -> str:
     return text.rstrip("\n") + "\n\n" + new + "\n"
 
 
-def write_markdown(path: str, result: dict[str, Any], section: str | None = None) -> None:
-    """Replace the block of ``section`` (default: the main harness block) in ``path`` with ``result``."""
+def write_block(path: str, block: str, section: str | None = None) -> None:
+    """Replace the block of ``section`` (default: the main harness block) in ``path`` with the markdown
+    ``block`` (appended if missing; a missing file starts from :data:`SKELETON`); the rest is kept byte for
+    byte."""
     try:
         with open(path, encoding="utf-8") as f:
             old = f.read()
     except FileNotFoundError:
         old = SKELETON
-    write_atomic(path, replace_block(old, markdown_block(result), section))
+    write_atomic(path, replace_block(old, block, section))
+
+
+def write_markdown(path: str, result: dict[str, Any], section: str | None = None) -> None:
+    """Replace the block of ``section`` (default: the main harness block) in ``path`` with ``result``."""
+    write_block(path, markdown_block(result), section)
 
 
 def _json_safe(value: Any) -> Any:

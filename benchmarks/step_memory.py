@@ -7,17 +7,21 @@ ATen ops, a kernel's scratch buffers, the buffers the code Inductor generates al
 look). Summed in time order, the records give the bytes held at every moment above the level at the
 step's start; the peak is the largest (:func:`benchmarks.memory.peak_from_records` does the sum).
 
-Two markers go into the same timeline, as ``record_function`` events on the profiler's clock:
+The records are read from the profiler's event tree, where each allocation carries its address. Two
+markers go into the same timeline, as ``record_function`` events on the profiler's clock:
 
-- a parameter's gradient is *accumulated* (a post-accumulate-grad hook, the first time per parameter):
-  from then on its bytes count as gradients, not activations; a gradient the backward has computed but
-  not yet accumulated counts as a working value (an activation);
+- a parameter's gradient is accumulated (a post-accumulate-grad hook, the first time per parameter); the
+  mark carries the gradient's address, which finds the allocation of its storage: from that allocation on,
+  its bytes count as a gradient, not an activation. This matters for compiled backwards (Inductor,
+  fxforge, any AOTAutograd graph), which compute every parameter gradient inside one graph and hand them all
+  to autograd when the graph returns: counted from the accumulation, a gradient computed early would count as
+  an activation until the end of the backward;
 - the backward has returned (:func:`mark`, called by the step): the activation peak is taken over the
   forward and the backward only, the optimizer step's temporaries are not activations.
 
-So ``activation_peak_bytes`` = max over forward and backward of (held above the start - gradients
-accumulated so far): the most bytes alive at once beyond weights, buffers, optimizer state, inputs and
-parameter gradients, the definition fxforge's checkpointing budget uses.
+So ``activation_peak_bytes`` = max over forward and backward of (held above the start - parameter gradients
+allocated so far): the most bytes alive at once beyond weights, buffers, optimizer state, inputs and parameter
+gradients, the definition fxforge's checkpointing budget uses.
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
@@ -55,8 +59,8 @@ class StepPeak:
     Attributes:
         peak_bytes: the most bytes held at once during the whole step.
         activation_peak_bytes: the most held at once during the forward and backward (up to the
-            ``"backward"`` mark, or the whole step without it), less the gradients accumulated by then.
-        gradient_bytes: the gradients accumulated during the step (first accumulation per parameter).
+            ``"backward"`` mark, or the whole step without it), less the parameter gradients allocated by then.
+        gradient_bytes: the parameter gradients the step accumulated (first accumulation per parameter).
         allocated_bytes, allocations: the sum and count of the step's allocations.
         end_bytes: held at the end above the start (0 in a steady state where the step drops its gradients).
 
@@ -97,7 +101,7 @@ def _gradient_marks(params: Iterable[torch.Tensor]):
         if id(p) in seen:
             return
         seen.add(id(p))
-        with torch.profiler.record_function(f"{GRAD_MARK}{p.numel() * p.element_size()}"):
+        with torch.profiler.record_function(f"{GRAD_MARK}{p.numel() * p.element_size()}@{p.grad.data_ptr()}"):
             pass
 
     handles = [p.register_post_accumulate_grad_hook(hook)
@@ -109,31 +113,52 @@ def _gradient_marks(params: Iterable[torch.Tensor]):
             handle.remove()
 
 
-def timeline(events: Iterable[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[str, int]]:
-    """``(memory, gradients, phases)`` from kineto events: ``(time ns, bytes)`` allocator records (bytes < 0
-    free), ``(time ns, bytes)`` gradient marks, and the time of each phase mark by name."""
-    memory, grads, phases = [], [], {}
-    cpu = torch.autograd.DeviceType.CPU
+def _walk(events: Iterable[Any]) -> Iterable[Any]:
     for event in events:
-        name = event.name()
-        if name == "[memory]":
-            if event.device_type() == cpu:
-                memory.append((event.start_ns(), event.nbytes()))
-        elif name.startswith(GRAD_MARK):
-            grads.append((event.start_ns(), int(name[len(GRAD_MARK):])))
-        elif name.startswith(PHASE_MARK):
-            phases.setdefault(name[len(PHASE_MARK):], event.start_ns())
-    return memory, grads, phases
+        yield event
+        yield from _walk(event.children)
+
+
+def timeline(roots: Iterable[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[str, int]]:
+    """``(memory, gradients, phases)`` from the profiler's event tree: ``(time ns, bytes)`` CPU allocator records
+    (bytes < 0: a free), ``(time ns, bytes)`` per gradient at the allocation of its storage (at its mark where
+    no allocation holds its address: it was allocated before the step), and the time of each phase mark."""
+    from torch._C._profiler import _EventType
+
+    allocations, marks, phases = [], [], {}
+    for event in _walk(roots):
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            if fields.device.type == "cpu":
+                allocations.append((event.start_time_ns, fields.alloc_size, fields.ptr))
+        elif event.name.startswith(GRAD_MARK):
+            nbytes, _, ptr = event.name[len(GRAD_MARK):].partition("@")
+            marks.append((event.start_time_ns, int(nbytes), int(ptr)))
+        elif event.name.startswith(PHASE_MARK):
+            phases.setdefault(event.name[len(PHASE_MARK):], event.start_time_ns)
+    allocations.sort(key=lambda a: a[0])
+    grads, live, i = [], {}, 0
+    for t_mark, nbytes, ptr in sorted(marks):
+        while i < len(allocations) and allocations[i][0] <= t_mark:
+            t, size, address = allocations[i]
+            if size > 0:
+                live[address] = (t, size)
+            else:
+                live.pop(address, None)
+            i += 1
+        block = live.get(ptr) or next((v for a, v in live.items() if a <= ptr < a + v[1]), None)
+        grads.append((block[0] if block else t_mark, nbytes))
+    return [(t, size) for t, size, _ in allocations], grads, phases
 
 
 def activation_peak(memory: list[tuple[int, int]], grads: list[tuple[int, int]], until: int | None = None) -> int:
-    """The most bytes held at once before ``until`` (ns; None: all), gradients accumulated by then left out.
+    """The most bytes held at once before ``until`` (ns; None: all), the gradients allocated by then left out.
 
     Example:
         >>> activation_peak([(0, 100), (1, 40), (3, -100), (5, 60)], [(2, 40)])   # 40 B become a gradient
         140
     """
-    # At equal times a gradient mark comes after the allocation it follows.
+    # At equal times a gradient is taken out after the allocation that holds it.
     merged = sorted([(t, 0, n) for t, n in memory] + [(t, 1, -n) for t, n in grads])
     held = peak = 0
     for t, _, delta in merged:
@@ -154,7 +179,7 @@ def step_peak(step: Callable[[], Any], params: Iterable[torch.Tensor]) -> StepPe
 
     Args:
         step: one training step.
-        params: the parameters whose gradients the step accumulates (their marks split gradients from
+        params: the parameters whose gradients the step accumulates (their marks tell gradients from
             activations).
 
     Example:
@@ -177,7 +202,7 @@ def step_peak(step: Callable[[], Any], params: Iterable[torch.Tensor]) -> StepPe
     results = getattr(prof.profiler, "kineto_results", None)
     if results is None:
         raise RuntimeError("torch.profiler recorded no events: cannot measure CPU memory")
-    memory, grads, phases = timeline(results.events())
+    memory, grads, phases = timeline(results.experimental_event_tree())
     peak, allocated, count = peak_from_records(memory)
     return StepPeak(peak, activation_peak(memory, grads, phases.get("backward")), sum(n for _, n in grads),
                     allocated, count, sum(n for _, n in memory))

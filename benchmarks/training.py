@@ -22,12 +22,14 @@ of the floating-point outputs (fxforge's default). Per model, in one process:
    optimizer step) against eager's: max abs difference over all parameters (and that over the largest
    eager gradient); the first such call is part of "prepare s" (the compile happens there);
 4. **memory**: in the steady state (the gradient check ran the code once, compiling it; a warm-up step first
-   where the optimizer has no state yet), one step measured with the profiler's allocator records (:mod:`benchmarks.step_memory`), the same way for every contender; the
-   whole-step peak = weights + buffers + optimizer state + inputs + the most held above them during the
-   step; the activation peak = the most held during forward and backward beyond those and the gradients
-   accumulated by then; on eager the figure is checked against fxforge's dispatch tracker;
-5. **time**: one untimed step per contender, then ``--rounds`` rounds; in round r the contenders run in an order rotated by r, ``--reps`` steps
-   each, each step timed on its own; median per contender, quoted as a ratio to eager's median.
+   where the optimizer has no state yet), one step measured with the profiler's allocator records
+   (:mod:`benchmarks.step_memory`), the same way for every contender; the whole-step peak = weights +
+   buffers + optimizer state + inputs + the most held above them during the step; the activation peak = the
+   most held during forward and backward beyond those and the parameter gradients allocated by then; on
+   eager the figure is checked against fxforge's dispatch tracker;
+5. **time**: one untimed step per contender, then ``--rounds`` rounds; in round r the contenders run in an
+   order rotated by r, ``--reps`` steps each, each step timed on its own; median per contender, quoted as a
+   ratio to eager's median (and the fastest step's, as a check on other work loading the machine).
 
 The tables, the summary lines and the block of ``RESULTS.md`` are :mod:`benchmarks.training_report`'s.
 
@@ -80,7 +82,7 @@ ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
 
 FRACTIONS = (0.8, 0.6, 0.4)
 KINDS = ("eager", "checkpoint", "inductor", "fxforge", "fxforge-peer")
-TIMING = {"rounds": 3, "reps": 1}
+TIMING = {"rounds": 5, "reps": 1}
 QUICK_TIMING = {"rounds": 1, "reps": 1}
 LR = 1e-5  # small steps: the timed steps keep training the same weights without drifting far
 

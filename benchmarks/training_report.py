@@ -71,7 +71,8 @@ def _note(row: dict[str, Any]) -> str:
         parts.append(f"noisy (IQR {100 * iqr / median:.0f} % of the median)")
     if info.get("profiler_vs_tracker_pct") is not None:
         parts.append(f"profiler {_mib(info['profiler_peak_bytes'])} MiB vs dispatch tracker "
-                     f"{_mib(info['tracker_peak_bytes'])} MiB above the start ({info['profiler_vs_tracker_pct']:+.1f} %)")
+                     f"{_mib(info['tracker_peak_bytes'])} MiB above the start "
+                     f"({info['profiler_vs_tracker_pct']:+.1f} %)")
     return "; ".join(parts)
 
 
@@ -223,11 +224,14 @@ def markdown_block(result: dict[str, Any]) -> str:
          "allocation and free of PyTorch's CPU allocator, Inductor's buffers included; `benchmarks/step_memory.py`), "
          "the same for every contender. step peak = weights + buffers + optimizer state + inputs + the most held "
          "above them during the step; act. peak = the most held during forward and backward beyond those and the "
-         "gradients accumulated so far. fits: act. peak ≤ fraction × the unconstrained activation peak (of "
+         "parameter gradients allocated so far (a gradient counts from the allocation of its storage, found by its "
+         "address when autograd accumulates it: a compiled backward hands every gradient over only at its end). "
+         "fits: act. peak ≤ fraction × the unconstrained activation peak (of "
          "fxforge's plan), or step peak ≤ the byte budget (`fxforge ≤ peer`: memory_budget = the peer's measured "
          "step peak); for per-block checkpointing, the smallest fraction it fits."),
-        (f"- Time: one untimed step per contender, then {meta['timing']['rounds']} round(s) × {meta['timing']['reps']} step(s) per contender, contenders "
-         "rotated each round, each step timed alone; median; step time ÷ eager = contender median / eager median "
+        (f"- Time: one untimed step per contender, then {meta['timing']['rounds']} round(s) × "
+         f"{meta['timing']['reps']} step(s) per contender, contenders rotated each round, each step timed alone; "
+         "median; step time ÷ eager = contender median / eager median "
          "(< 1 is faster); fastest ÷ eager's = the same with each contender's fastest step (less sensitive to other "
          "work on the machine). prepare s = optimize / compile + the first forward and backward (fxforge with a "
          "fresh cache directory; Inductor with its on-disk caches as found, warm where an earlier run compiled "
@@ -258,9 +262,4 @@ def markdown_block(result: dict[str, Any]) -> str:
 
 def write_markdown(path: str, result: dict[str, Any]) -> None:
     """Replace this section's block of ``path`` (appended if missing); the rest is kept byte for byte."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-    except FileNotFoundError:
-        old = report.SKELETON
-    report.write_atomic(path, report.replace_block(old, markdown_block(result), SECTION))
+    report.write_block(path, markdown_block(result), SECTION)
