@@ -14,11 +14,12 @@ from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.exporters import ExportError, OnnxRuntimeModule
 from fxforge.exporters.pt2 import load
+from fxforge.pipeline import Partition, partition
 from fxforge.planner import export_onnx, profile, rewrite
 from fxforge.rewrites.passes import Pass
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile import Profile
 from fxforge.training import TrainingMemory, training_memory
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Pass", "Profile", "Report", "TrainingMemory",
-           "capture", "export_onnx", "load", "optimize", "profile", "rewrite", "training_memory"]
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass", "Profile", "Report", "TrainingMemory",
+           "capture", "export_onnx", "load", "optimize", "partition", "profile", "rewrite", "training_memory"]

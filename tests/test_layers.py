@@ -27,6 +27,7 @@ LAYERS = {
     "runtime": 4,
     "exporters": 4,
     "training": 5,  # a stage over runtime: traces, simulates and runs training steps
+    "pipeline": 5,  # a stage over training: splits the traced step into pipeline stages
     "planner": 5,
     "api": 6,
     "cli": 6,

@@ -285,11 +285,11 @@ def module_of(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
     if stack:
         path = list(stack.values())[-1][0]
-        return _clean_path(path)
+        return clean_module_path(path)
     return ""
 
 
-def _clean_path(path: str) -> str:
+def clean_module_path(path: str) -> str:
     """``L['self'].transformer.h[0]`` (dynamo's spelling) or ``transformer.h.0`` -> ``transformer.h.0``."""
     path = path.replace("L['self'].", "").replace("L['self']", "")
     return path.replace("[", ".").replace("]", "").replace("'", "")

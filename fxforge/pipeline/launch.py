@@ -1,0 +1,251 @@
+"""Running a :class:`~fxforge.pipeline.partition.Partition` for real: one local process per stage, on
+``torch.distributed`` (gloo on CPU, NCCL on GPUs) and ``torch.distributed.pipelining``'s schedules, then
+checking its outputs and gradients against the model run in one process.
+
+The model, the batch and the split travel to the workers in one ``torch.save`` file (the model pickled:
+its class must be importable, which the workers ensure by sharing this process's ``sys.path``); each
+worker builds its stage with :meth:`Partition.build_stage`'s route (``pipeline()`` at the split spec),
+runs the schedule for a number of steps, and writes back its parameters' gradients (and, on the last
+stage, the outputs). The reference runs the same microbatches one after another in this process, each
+loss divided by their count, as the schedules scale the gradients.
+
+Example (slow: starts processes)::
+
+    part = fxforge.partition(model.eval(), (x,), stages=2, microbatches=4)
+    run = run_pipeline(part, (x,))
+    run.ok, run.output_error, run.gradient_error
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fxforge.core.memory import tensor_leaves
+from fxforge.pipeline.partition import Partition
+
+RTOL, ATOL = 1e-4, 1e-5
+"""How close the pipeline's outputs and gradients must be to the single process's (float32 sums in
+another order: microbatches' gradients are accumulated per stage)."""
+
+
+def square_mean_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """The loss the check runs when none is given: the mean square of every floating-point output
+    (``target`` is ignored).
+
+    Example:
+        >>> square_mean_loss((torch.ones(2), torch.full((3,), 2.0))).item()
+        5.0
+    """
+    leaves = [t for t in tensor_leaves(output) if t.is_floating_point()]
+    return sum(t.float().square().mean() for t in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRun:
+    """What a local pipeline run did, against the single-process model.
+
+    Attributes:
+        stages, microbatches, schedule, backend: what ran.
+        output_error: the largest absolute difference of the last stage's outputs from the model's.
+        gradient_error: the largest absolute difference of a parameter's gradient (summed over the stages
+            holding a copy of it) from the model's.
+        outputs_match, gradients_match: within ``rtol=1e-4, atol=1e-5``.
+        step_seconds: per step, the slowest rank's wall time (the first step included: it warms up).
+        reference_seconds: per step, the single process's time for the same microbatches.
+    """
+
+    stages: int
+    microbatches: int
+    schedule: str
+    backend: str
+    output_error: float
+    gradient_error: float
+    outputs_match: bool
+    gradients_match: bool
+    step_seconds: tuple[float, ...]
+    reference_seconds: tuple[float, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.outputs_match and self.gradients_match
+
+    def __str__(self) -> str:
+        steady = self.step_seconds[1:] or self.step_seconds
+        ref = self.reference_seconds[1:] or self.reference_seconds
+        verdict = "match" if self.ok else "DIFFER"
+        return (f"{self.stages} processes ({self.backend}, {self.schedule}, {self.microbatches} microbatches): "
+                f"outputs and gradients {verdict} the single process (max abs error {self.output_error:.2e} "
+                f"outputs, {self.gradient_error:.2e} gradients); step {statistics.median(steady) * 1e3:.1f} ms "
+                f"vs {statistics.median(ref) * 1e3:.1f} ms in one process")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def microbatches_of(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[tuple[tuple, dict]]:
+    """The batch sliced along dim 0 into ``count`` microbatches, as the schedules slice it.
+
+    Example:
+        >>> [a[0].shape[0] for a, _ in microbatches_of((torch.ones(6, 2),), {}, 3)]
+        [2, 2, 2]
+    """
+    def piece(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.tensor_split(count)[i]
+        return value
+
+    return [(tuple(piece(a, i) for a in args), {k: piece(v, i) for k, v in kwargs.items()}) for i in range(count)]
+
+
+def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatches: int, loss_fn: Any
+                   ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None], float]:
+    """The single-process step the pipeline must equal: the microbatches in turn, each loss / count.
+
+    Returns the outputs' tensors (concatenated over the microbatches), each parameter's gradient by
+    name, and the seconds it took.
+    """
+    model.zero_grad(set_to_none=True)
+    outputs = []
+    start = time.perf_counter()
+    for mb_args, mb_kwargs in microbatches_of(args, kwargs, microbatches):
+        out = model(*mb_args, **mb_kwargs)
+        (loss_fn(out, None) / microbatches).backward()
+        outputs.append([t.detach() for t in tensor_leaves(out)])
+    seconds = time.perf_counter() - start
+    joined = [torch.cat(parts) if parts[0].dim() else torch.stack(parts) for parts in zip(*outputs)]
+    grads = {name: (p.grad.detach().clone() if p.grad is not None else None)
+             for name, p in model.named_parameters(remove_duplicate=False)}
+    return joined, grads, seconds
+
+
+def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None = None, loss_fn: Any = None,
+                 steps: int = 1, backend: str | None = None, threads: int | None = None,
+                 timeout: float = 600.0) -> PipelineRun:
+    """Run ``part`` in ``part.stages`` local processes and check it against the model in this one.
+
+    Args:
+        part: the partition (its model is pickled to the workers; keep dropout off for an exact check).
+        example_inputs: the whole batch.
+        schedule: ``"1F1B"`` or ``"GPipe"`` (default: the partition's).
+        loss_fn: ``(output, target) -> loss`` on each microbatch's outputs (default
+            :func:`square_mean_loss`); it must be importable by name (a module-level function).
+        steps: steps to run and time (gradients are checked on the first).
+        backend: ``"gloo"`` (default on CPU) or ``"nccl"`` (default when CUDA has a GPU per stage).
+        threads: torch threads per process (default: this machine's cores shared among the stages).
+        timeout: seconds to wait for the workers.
+
+    Raises:
+        RuntimeError: a worker failed (its last error line is given) or did not finish in time.
+    """
+    schedule = schedule or part.schedule
+    loss_fn = loss_fn or square_mean_loss
+    use_cuda = backend == "nccl" or (backend is None and torch.cuda.device_count() >= part.stages)
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    threads = threads or max(1, (os.cpu_count() or 1) // part.stages)
+    args, kwargs = _split_inputs(example_inputs)
+    reference_model = copy.deepcopy(part.model)
+    with tempfile.TemporaryDirectory(prefix="fxforge-pipeline-") as tmp:
+        folder = Path(tmp)
+        payload = folder / "payload.pt"
+        torch.save({"model": part.model, "microbatch": part.units.microbatch, "split_points": part.split_points,
+                    "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
+                    "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
+                    "backend": backend, "cuda": use_cuda}, payload)
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(threads))
+        procs = [subprocess.Popen([sys.executable, "-m", "fxforge.pipeline.worker", str(payload), str(rank),
+                                   str(part.stages), str(folder)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for rank in range(part.stages)]
+        deadline = time.monotonic() + timeout
+        errors = {}
+        for rank, proc in enumerate(procs):
+            try:
+                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"the pipeline's workers did not finish in {timeout:.0f} s") from None
+            if proc.returncode:
+                lines = [line for line in err.strip().splitlines() if line.strip()]
+                errors[rank] = lines[-1] if lines else f"exit code {proc.returncode}"
+        if errors:
+            rank, line = min(errors.items())
+            raise RuntimeError(f"pipeline stage {rank} failed: {line}")
+        results = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(part.stages)]
+    return _compare(part, reference_model, args, kwargs, loss_fn, results, schedule, backend, steps)
+
+
+def _compare(part: Partition, model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any,
+             results: list[dict[str, Any]], schedule: str, backend: str, steps: int) -> PipelineRun:
+    reference_seconds = []
+    outputs, grads = None, None
+    for _ in range(steps):
+        out, g, seconds = reference_step(model, args, kwargs, part.microbatches, loss_fn)
+        outputs, grads = (outputs, grads) if outputs is not None else (out, g)
+        reference_seconds.append(seconds)
+    got_outputs = [t for t in pytree.tree_leaves(results[-1]["output"]) if isinstance(t, torch.Tensor)]
+    output_error, outputs_match = _difference(outputs, got_outputs)
+    # A parameter several stages hold (tied embeddings) gets a gradient on each: they add up.
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    summed: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, grad in result["grads"].items():
+            if grad is not None:
+                summed[name] = summed[name] + grad if name in summed else grad
+    expected, got = [], []
+    for names in names_of.values():
+        reference = grads[names[0]]
+        parts = [summed[n] for n in names if n in summed]
+        expected.append(reference if reference is not None else None)
+        got.append(sum(parts) if parts else None)
+    gradient_error, gradients_match = 0.0, True
+    for ref, mine in zip(expected, got):
+        if ref is None or mine is None:
+            if (ref is None) != (mine is None) and (ref if ref is not None else mine).abs().max() > 0:
+                gradients_match = False
+                gradient_error = float("inf")
+            continue
+        error, close = _difference([ref], [mine])
+        gradient_error = max(gradient_error, error)
+        gradients_match &= close
+    step_seconds = tuple(max(r["seconds"][i] for r in results) for i in range(steps))
+    return PipelineRun(part.stages, part.microbatches, schedule, backend, output_error, gradient_error,
+                       outputs_match, gradients_match, step_seconds, tuple(reference_seconds))
+
+
+def _difference(expected: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, bool]:
+    if len(expected) != len(got) or any(e.shape != g.shape for e, g in zip(expected, got)):
+        return float("inf"), False
+    error, close = 0.0, True
+    for e, g in zip(expected, got):
+        e, g = e.detach().float().cpu(), g.detach().float().cpu()
+        if e.numel():
+            error = max(error, float((e - g).abs().max()))
+        close &= bool(torch.allclose(e, g, rtol=RTOL, atol=ATOL, equal_nan=True))
+    return error, close

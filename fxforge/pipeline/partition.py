@@ -1,0 +1,293 @@
+"""``fxforge.partition``: cost-balanced pipeline stages, and this rank's stage on PyTorch's engine.
+
+The model's training step is traced on one microbatch (:mod:`fxforge.pipeline.units`), the places a
+stage may begin are the submodules called once, and a dynamic program picks the ``k - 1`` of them that
+minimise the slowest stage (forward + backward + what it sends), every stage within
+``memory_per_stage`` (:mod:`fxforge.pipeline.split`). The result gives ``split_spec`` in the form
+``torch.distributed.pipelining.pipeline()`` takes, the per-stage figures, the simulated step of the 1F1B
+and GPipe schedules (:mod:`fxforge.pipeline.simulate`), and :meth:`Partition.build_stage`.
+
+Example:
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    >>> part = partition(model, (torch.randn(8, 64),), stages=2, microbatches=4)
+    >>> part.split_spec
+    {'3': <SplitPoint.BEGINNING: 1>}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+import torch
+
+from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
+from fxforge.pipeline.split import (
+    SCHEDULES,
+    StageTables,
+    best_split,
+    even_layer_split,
+    in_flight,
+    parameter_split,
+)
+from fxforge.pipeline.units import StageUnits, stage_units
+from fxforge.runtime.roofline import Machine
+from fxforge.training.checkpointing import parse_budget
+
+POLICIES = ("fxforge", "even-layers", "parameters")
+"""How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or
+PiPPy's old even split of the parameter bytes."""
+
+LINK_GBS = 12.5
+"""The default link between stages, GB/s (100 Gbit/s)."""
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+@dataclasses.dataclass
+class Partition:
+    """Where each pipeline stage begins, what each costs and holds, and how a step would run.
+
+    Attributes:
+        stages, microbatches, schedule: the pipeline planned for (the schedule sets the memory in flight).
+        policy: how the split points were chosen (:data:`POLICIES`).
+        split_points: the submodules stages 1..k-1 begin with.
+        stage_forward_seconds, stage_backward_seconds: per stage, per microbatch (roofline estimates).
+        stage_costs: per stage, forward + backward + the time to send its activations and gradients.
+        stage_memory: per stage, bytes at its peak: weights, their gradients, and the activations of the
+            microbatches it holds at once (saved ones and those received).
+        transfer_bytes: per boundary between stage s and s + 1, activation bytes crossing it per
+            microbatch (a skip connection counts at every boundary it crosses; gradients flow back the same).
+        memory_per_stage: the cap the split was chosen under (bytes), or None.
+        units: the traced chain of units the split was made on.
+    """
+
+    model: torch.nn.Module
+    stages: int
+    microbatches: int
+    schedule: str
+    policy: str
+    split_points: list[str]
+    cuts: list[int]
+    stage_forward_seconds: list[float]
+    stage_backward_seconds: list[float]
+    stage_costs: list[float]
+    stage_memory: list[int]
+    transfer_bytes: list[int]
+    memory_per_stage: float | None
+    units: StageUnits
+    link_gbs: float
+    _pipe: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def split_spec(self) -> dict[str, Any]:
+        """``{submodule: SplitPoint.BEGINNING}`` for ``torch.distributed.pipelining.pipeline()``."""
+        from torch.distributed.pipelining import SplitPoint
+
+        return {name: SplitPoint.BEGINNING for name in self.split_points}
+
+    @property
+    def bottleneck_ratio(self) -> float:
+        """The slowest stage's cost over the mean stage's (1.0 is perfect balance)."""
+        return max(self.stage_costs) / (sum(self.stage_costs) / len(self.stage_costs))
+
+    @property
+    def microbatch_size(self) -> int:
+        leaves = [t for t in (*self.units.microbatch[0], *self.units.microbatch[1].values())
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return int(leaves[0].shape[0]) if leaves else 1
+
+    def simulate(self, schedule: str | None = None) -> SimulatedPipeline:
+        """One step of ``schedule`` (default: the partition's) with these stages, simulated."""
+        send_forward = [b / (self.link_gbs * 1e9) for b in self.transfer_bytes] + [0.0]
+        send_backward = [0.0] + send_forward[:-1]
+        return simulate_pipeline(self.stage_forward_seconds, self.stage_backward_seconds,
+                                 microbatches=self.microbatches, schedule=schedule or self.schedule,
+                                 send_forward=send_forward, send_backward=send_backward,
+                                 microbatch_size=self.microbatch_size)
+
+    @property
+    def throughput(self) -> dict[str, float]:
+        """Simulated samples per second under each schedule."""
+        return {name: self.simulate(name).throughput for name in SCHEDULES}
+
+    def table(self) -> Any:
+        """One row per stage (pandas): where it begins, its time, memory and what it sends on."""
+        import pandas as pd
+
+        rows = []
+        for s in range(self.stages):
+            rows.append({"stage": s, "begins_at": (["(model start)"] + self.split_points)[s],
+                         "units": self._edges()[s + 1] - self._edges()[s],
+                         "forward_ms": self.stage_forward_seconds[s] * 1e3,
+                         "backward_ms": self.stage_backward_seconds[s] * 1e3,
+                         "cost_ms": self.stage_costs[s] * 1e3, "memory_mib": self.stage_memory[s] / 2**20,
+                         "sends_mib": (self.transfer_bytes[s] / 2**20) if s < self.stages - 1 else 0.0})
+        return pd.DataFrame(rows)
+
+    def _edges(self) -> list[int]:
+        return [0, *self.cuts, len(self.units)]
+
+    def pipe(self) -> Any:
+        """The model split by ``torch.distributed.pipelining.pipeline()`` at :attr:`split_spec` (traced
+        with ``torch.export`` on one microbatch; built once). The model itself is left as it was."""
+        if self._pipe is None:
+            self._pipe = build_pipe(self.model, self.units.microbatch, self.split_spec, self.stages)
+        return self._pipe
+
+    def build_stage(self, rank: int, device: Any, group: Any = None) -> Any:
+        """This rank's ``torch.distributed.pipelining`` stage (``_PipelineStage``), ready for a schedule
+        (``Schedule1F1B(stage, n_microbatches=part.microbatches, loss_fn=...)``).
+
+        Example (in each of ``k`` processes of an initialised process group)::
+
+            stage = part.build_stage(dist.get_rank(), torch.device("cpu"))
+            schedule = Schedule1F1B(stage, part.microbatches, loss_fn=loss_fn)
+        """
+        if not 0 <= rank < self.stages:
+            raise ValueError(f"rank {rank} has no stage: the partition has stages 0..{self.stages - 1}")
+        return self.pipe().build_stage(rank, torch.device(device), group)
+
+    def __str__(self) -> str:
+        lines = [f"Partition into {self.stages} stages ({self.policy}), {self.microbatches} microbatches, "
+                 f"{self.schedule}: bottleneck ratio {self.bottleneck_ratio:.3f}"]
+        for s in range(self.stages):
+            begins = (["(model start)"] + self.split_points)[s]
+            sends = f", sends {_mib(self.transfer_bytes[s])}" if s < self.stages - 1 else ""
+            lines.append(f"  stage {s}: from {begins}: forward {_ms(self.stage_forward_seconds[s])} + backward "
+                         f"{_ms(self.stage_backward_seconds[s])} = {_ms(self.stage_costs[s])} per microbatch, "
+                         f"memory {_mib(self.stage_memory[s])}{sends}")
+        for name, sim in ((n, self.simulate(n)) for n in SCHEDULES):
+            lines.append(f"  {name}: step {_ms(sim.makespan)}, {sim.throughput:.1f} samples/s, "
+                         f"bubble {sim.bubble:.0%}")
+        if self.memory_per_stage is not None:
+            lines.append(f"  memory cap per stage: {_mib(self.memory_per_stage)}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = html.escape(str(self).splitlines()[0])
+        return f"<p><b>{head}</b></p>" + self.table().to_html(index=False, float_format=lambda v: f"{v:.3f}")
+
+
+def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[str, Any]],
+               split_spec: dict[str, Any], stages: int) -> Any:
+    """``torch.distributed.pipelining.pipeline(model, ...)`` at ``split_spec``, undoing the split markers it
+    wraps around the submodules' ``forward`` once traced, and checking it made ``stages`` stages."""
+    from torch.distributed.pipelining import pipeline
+
+    try:
+        pipe = pipeline(model, microbatch[0], microbatch[1] or None, split_spec=split_spec)
+    finally:
+        for name in split_spec:
+            module = model.get_submodule(name)
+            if "_orig_forward" in module.__dict__:
+                module.__dict__.pop("forward", None)
+                del module.__dict__["_orig_forward"]
+    if pipe.num_stages != stages:
+        raise RuntimeError(f"torch.distributed.pipelining made {pipe.num_stages} stages of the split at "
+                           f"{list(split_spec)}, not {stages}: torch.export traced the model differently from "
+                           "fxforge's capture")
+    return pipe
+
+
+def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: int, microbatches: int,
+             schedule: str) -> tuple[list[float], list[float], list[float], list[int], list[int]]:
+    edges = [0, *cuts, len(units)]
+    time = tables.time_table()
+    spans = list(zip(edges[:-1], edges[1:]))
+    forward = [float(tables.forward[a, b]) for a, b in spans]
+    backward = [float(tables.backward[a, b]) for a, b in spans]
+    costs = [float(time[a, b]) for a, b in spans]
+    memory = [int(tables.memory_table(in_flight(schedule, s, stages, microbatches))[a, b])
+              for s, (a, b) in enumerate(spans)]
+    crossing = [sum(v.nbytes for v in units.values if v.unit < edge <= v.uses[-1]) for edge in edges[1:-1]]
+    return forward, backward, costs, memory, crossing
+
+
+def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memory_per_stage: Any = None,
+              microbatches: int = 1, schedule: str = "1F1B", link_gbs: float = LINK_GBS,
+              machine: Machine | None = None, policy: str = "fxforge", units: StageUnits | None = None) -> Partition:
+    """Split ``model`` into ``stages`` pipeline stages that balance forward + backward time.
+
+    Args:
+        model: the model to pipeline (left as it is).
+        example_inputs: one whole batch (tuple, tensor, or dict of keywords); sliced into ``microbatches``
+            along dim 0 as the schedule will.
+        stages: how many stages.
+        memory_per_stage: bytes (or ``"2GiB"``) each stage may hold at its peak; None for no cap.
+        microbatches: microbatches per step.
+        schedule: ``"1F1B"`` or ``"GPipe"``: how many microbatches' activations a stage holds at once.
+        link_gbs: bandwidth between stages, GB/s, for the cost of sending activations and gradients.
+        machine: the device the costs are estimated for (default: this machine's CPU, measured once).
+        policy: ``"fxforge"`` (balance costs), ``"even-layers"`` or ``"parameters"`` (the peers' splits,
+            for comparison).
+        units: the traced units, when already traced (to compare policies without tracing again).
+
+    Raises:
+        ValueError: bad arguments, a model with fewer split points than stages, a cap no split fits (with
+            the least cap that would), or a peer's policy the model has no blocks for.
+
+    Example:
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+        >>> part = partition(model, (torch.randn(4, 32),), stages=2, microbatches=2)
+        >>> part.split_points, part.bottleneck_ratio < 1.2
+        (['2'], True)
+    """
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be a positive int, got {stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
+    cap = None
+    if memory_per_stage is not None:
+        kind, cap = parse_budget(memory_per_stage)
+        if kind != "bytes":
+            raise ValueError(f"memory_per_stage {memory_per_stage!r}: give bytes (an int or '2GiB')")
+    units = units or stage_units(model, example_inputs, microbatches=microbatches, machine=machine)
+    tables = StageTables.of_units(units, link_gbs)
+    if policy == "fxforge":
+        cuts = best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule)
+    elif policy == "even-layers":
+        cuts = even_layer_split(units.names, model, stages)
+    else:
+        cuts = parameter_split(units, stages)
+    if cuts is None:
+        raise ValueError(f"the {policy} split has no {stages} non-empty stages for this model")
+    forward, backward, costs, memory, crossing = _figures(tables, units, cuts, stages, microbatches, schedule)
+    if cap is not None and max(memory) > cap and policy == "fxforge":  # best_split guarantees it
+        raise AssertionError("the chosen split exceeds the memory cap")
+    return Partition(model, stages, microbatches, schedule, policy, [units.names[c] for c in cuts], list(cuts),
+                     forward, backward, costs, memory, crossing, cap, units, link_gbs)
+
+
+def compare_policies(model: torch.nn.Module, example_inputs: Any, stages: int, **options: Any) -> dict[str, Any]:
+    """The partition of every policy (None where a policy has no split for this model), traced once.
+
+    Example:
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8)) for _ in range(4)])
+        >>> sorted(compare_policies(model, (torch.randn(2, 8),), 2))
+        ['even-layers', 'fxforge', 'parameters']
+    """
+    units = options.pop("units", None) or stage_units(model, example_inputs,
+                                                      microbatches=options.get("microbatches", 1),
+                                                      machine=options.get("machine"))
+    found: dict[str, Any] = {}
+    for policy in POLICIES:
+        try:
+            found[policy] = partition(model, example_inputs, stages, policy=policy, units=units, **options)
+        except ValueError:
+            if policy == "fxforge":
+                raise
+            found[policy] = None
+    return found
+

@@ -1,0 +1,89 @@
+"""One stage of a local pipeline run (:func:`fxforge.pipeline.launch.run_pipeline` starts one per rank).
+
+::
+
+    python -m fxforge.pipeline.worker PAYLOAD RANK WORLD OUT_DIR
+
+with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
+``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
+and writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's
+outputs, and each step's wall time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxforge.pipeline.partition import build_pipe
+
+
+def _schedule_class(name: str) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[name]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """Build this rank's stage and run the payload's steps on it (the process group is initialised)."""
+    torch.set_num_threads(payload["threads"])
+    from torch.distributed.pipelining import SplitPoint
+
+    spec = {name: SplitPoint.BEGINNING for name in payload["split_points"]}
+    pipe = build_pipe(payload["model"], payload["microbatch"], spec, payload["stages"])
+    stage = pipe.build_stage(rank, device, None)
+    schedule = _schedule_class(payload["schedule"])(stage, payload["microbatches"], loss_fn=payload["loss_fn"])
+    args = tuple(_to(a, device) for a in payload["args"])
+    kwargs = {k: _to(v, device) for k, v in payload["kwargs"].items()}
+    batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
+    target = torch.zeros(batch, device=device)
+    grads, output, seconds = None, None, []
+    for _ in range(payload["steps"]):
+        stage.submod.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0 and world == 1:
+            out = schedule.step(*args, target=target, **kwargs)
+        elif rank == 0:
+            out = schedule.step(*args, **kwargs)
+        elif rank == world - 1:
+            out = schedule.step(target=target)
+        else:
+            out = schedule.step()
+        dist.barrier()
+        seconds.append(time.perf_counter() - start)
+        if grads is None:
+            grads = {name: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                     for name, p in stage.submod.named_parameters()}
+            output = torch.utils._pytree.tree_map(
+                lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
+    return {"grads": grads, "output": output if rank == world - 1 else None, "seconds": seconds}
+
+
+def main(argv: list[str]) -> int:
+    payload_path, rank, world, out_dir = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    payload = torch.load(payload_path, weights_only=False)
+    if payload["cuda"]:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(payload["backend"], rank=rank, world_size=world)
+    try:
+        result = run_rank(payload, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
