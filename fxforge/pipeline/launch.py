@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 import socket
 import statistics
 import subprocess
@@ -132,9 +133,10 @@ def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatch
     outputs = []
     start = time.perf_counter()
     for mb_args, mb_kwargs in microbatches_of(args, kwargs, microbatches):
-        out = model(*mb_args, **mb_kwargs)
-        (loss_fn(out, None) / microbatches).backward()
-        outputs.append([t.detach() for t in tensor_leaves(out)])
+        leaves = tensor_leaves(model(*mb_args, **mb_kwargs))
+        # The last stage hands the loss the model's output tensors: one, or a tuple of them.
+        (loss_fn(leaves[0] if len(leaves) == 1 else tuple(leaves), None) / microbatches).backward()
+        outputs.append([t.detach() for t in leaves])
     seconds = time.perf_counter() - start
     joined = [torch.cat(parts) if parts[0].dim() else torch.stack(parts) for parts in zip(*outputs)]
     grads = {name: (p.grad.detach().clone() if p.grad is not None else None)
@@ -151,8 +153,9 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         part: the partition (its model is pickled to the workers; keep dropout off for an exact check).
         example_inputs: the whole batch.
         schedule: ``"1F1B"`` or ``"GPipe"`` (default: the partition's).
-        loss_fn: ``(output, target) -> loss`` on each microbatch's outputs (default
-            :func:`square_mean_loss`); it must be importable by name (a module-level function).
+        loss_fn: ``(output, target) -> loss`` on each microbatch's outputs: the model's output tensor (or a
+            tuple of its output tensors), and ``target`` None; default :func:`square_mean_loss`. It must be
+            importable by name (a module-level function): the workers receive it pickled.
         steps: steps to run and time (gradients are checked on the first).
         backend: ``"gloo"`` (default on CPU) or ``"nccl"`` (default when CUDA has a GPU per stage).
         threads: torch threads per process (default: this machine's cores shared among the stages).
@@ -171,6 +174,10 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
     with tempfile.TemporaryDirectory(prefix="fxforge-pipeline-") as tmp:
         folder = Path(tmp)
         payload = folder / "payload.pt"
+        try:
+            pickle.dumps(loss_fn)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            raise ValueError(f"loss_fn cannot be sent to the workers ({error}): give a module-level function") from None
         torch.save({"model": part.model, "microbatch": part.units.microbatch, "split_points": part.split_points,
                     "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
                     "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
@@ -193,7 +200,11 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
                 lines = [line for line in err.strip().splitlines() if line.strip()]
                 errors[rank] = lines[-1] if lines else f"exit code {proc.returncode}"
         if errors:
-            rank, line = min(errors.items())
+            # A rank's own exception first; the others only report that a peer hung up.
+            own = {rank: (folder / f"rank{rank}.error").read_text() for rank in errors
+                   if (folder / f"rank{rank}.error").is_file()}
+            first = [(r, line) for r, line in sorted(own.items()) if "Connection closed by peer" not in line]
+            rank, line = (first or sorted(own.items()) or sorted(errors.items()))[0]
             raise RuntimeError(f"pipeline stage {rank} failed: {line}")
         results = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(part.stages)]
     return _compare(part, reference_model, args, kwargs, loss_fn, results, schedule, backend, steps)

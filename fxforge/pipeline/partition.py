@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -38,6 +40,9 @@ from fxforge.training.checkpointing import parse_budget
 POLICIES = ("fxforge", "even-layers", "parameters")
 """How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or
 PiPPy's old even split of the parameter bytes."""
+
+MAX_REFUSALS = 16
+"""Split points refused on torch's engine before the search gives up."""
 
 LINK_GBS = 12.5
 """The default link between stages, GB/s (100 Gbit/s)."""
@@ -67,6 +72,8 @@ class Partition:
             microbatch (a skip connection counts at every boundary it crosses; gradients flow back the same).
         memory_per_stage: the cap the split was chosen under (bytes), or None.
         units: the traced chain of units the split was made on.
+        refused: split points a stage could not begin at on torch's engine, with the error (a stage that
+            changes a received tensor in place: ``out += identity`` right after the split).
     """
 
     model: torch.nn.Module
@@ -84,14 +91,13 @@ class Partition:
     memory_per_stage: float | None
     units: StageUnits
     link_gbs: float
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
     _pipe: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def split_spec(self) -> dict[str, Any]:
         """``{submodule: SplitPoint.BEGINNING}`` for ``torch.distributed.pipelining.pipeline()``."""
-        from torch.distributed.pipelining import SplitPoint
-
-        return {name: SplitPoint.BEGINNING for name in self.split_points}
+        return _spec(self.split_points)
 
     @property
     def bottleneck_ratio(self) -> float:
@@ -156,8 +162,8 @@ class Partition:
         return self.pipe().build_stage(rank, torch.device(device), group)
 
     def __str__(self) -> str:
-        lines = [f"Partition into {self.stages} stages ({self.policy}), {self.microbatches} microbatches, "
-                 f"{self.schedule}: bottleneck ratio {self.bottleneck_ratio:.3f}"]
+        lines = [(f"Partition into {self.stages} stages ({self.policy}), {self.microbatches} microbatches, "
+                 f"{self.schedule}: bottleneck ratio {self.bottleneck_ratio:.3f}")]
         for s in range(self.stages):
             begins = (["(model start)"] + self.split_points)[s]
             sends = f", sends {_mib(self.transfer_bytes[s])}" if s < self.stages - 1 else ""
@@ -169,11 +175,19 @@ class Partition:
                          f"bubble {sim.bubble:.0%}")
         if self.memory_per_stage is not None:
             lines.append(f"  memory cap per stage: {_mib(self.memory_per_stage)}")
+        for name, reason in self.refused.items():
+            lines.append(f"  refused to begin a stage at {name}: {reason}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         head = html.escape(str(self).splitlines()[0])
         return f"<p><b>{head}</b></p>" + self.table().to_html(index=False, float_format=lambda v: f"{v:.3f}")
+
+
+def _spec(names: list[str]) -> dict[str, Any]:
+    from torch.distributed.pipelining import SplitPoint
+
+    return {name: SplitPoint.BEGINNING for name in names}
 
 
 def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[str, Any]],
@@ -183,7 +197,9 @@ def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[s
     from torch.distributed.pipelining import pipeline
 
     try:
-        pipe = pipeline(model, microbatch[0], microbatch[1] or None, split_spec=split_spec)
+        with warnings.catch_warnings():  # pytree deprecations inside torch's own tracing
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = pipeline(model, microbatch[0], microbatch[1] or None, split_spec=split_spec)
     finally:
         for name in split_spec:
             module = model.get_submodule(name)
@@ -197,11 +213,58 @@ def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[s
     return pipe
 
 
+def first_failing_stage(pipe: Any, microbatch: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[int, str] | None:
+    """Run one microbatch through ``pipe``'s stages in this process, each stage receiving its inputs as
+    the engine hands them over (detached leaves that require grad), and return the first stage that fails
+    with the error's first line (None when all run). A stage that changes a received tensor in place
+    (``x += residual`` right after a split) fails here as it would on the workers.
+
+    The model's buffers (batch-norm statistics) and the random state are restored afterwards.
+    """
+    module = pipe.split_gm
+    stage_names = [n.target for n in module.graph.nodes if n.op == "call_module"]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    placeholders = [n.target for n in module.graph.find_nodes(op="placeholder")]
+    args, kwargs = microbatch
+    inputs = list(args) + [kwargs[name] for name in placeholders[len(args):] if name in kwargs]
+
+    class Handover(torch.fx.Interpreter):
+        def call_module(self, target: Any, call_args: Any, call_kwargs: Any) -> Any:
+            def received(value: Any) -> Any:
+                if isinstance(value, torch.Tensor):
+                    return value.detach().requires_grad_(value.requires_grad)
+                return value
+
+            call_args, call_kwargs = torch.utils._pytree.tree_map(received, (call_args, call_kwargs))
+            try:
+                return super().call_module(target, call_args, call_kwargs)
+            except Exception as error:
+                lines = [line for line in str(error).splitlines() if line.strip()]
+                raise _StageFailed(stage_names.index(target), lines[0] if lines else type(error).__name__) from error
+
+    try:
+        with torch.random.fork_rng(), torch.enable_grad():
+            Handover(module).run(*inputs)
+    except _StageFailed as failed:
+        return failed.stage, failed.reason
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return None
+
+
+class _StageFailed(Exception):
+    def __init__(self, stage: int, reason: str):
+        super().__init__(reason)
+        self.stage, self.reason = stage, reason
+
+
 def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: int, microbatches: int,
              schedule: str) -> tuple[list[float], list[float], list[float], list[int], list[int]]:
     edges = [0, *cuts, len(units)]
     time = tables.time_table()
-    spans = list(zip(edges[:-1], edges[1:]))
+    spans = list(itertools.pairwise(edges))
     forward = [float(tables.forward[a, b]) for a, b in spans]
     backward = [float(tables.backward[a, b]) for a, b in spans]
     costs = [float(time[a, b]) for a, b in spans]
@@ -212,8 +275,9 @@ def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: in
 
 
 def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memory_per_stage: Any = None,
-              microbatches: int = 1, schedule: str = "1F1B", link_gbs: float = LINK_GBS,
-              machine: Machine | None = None, policy: str = "fxforge", units: StageUnits | None = None) -> Partition:
+              microbatches: int | None = None, schedule: str = "1F1B", link_gbs: float = LINK_GBS,
+              machine: Machine | None = None, policy: str = "fxforge", units: StageUnits | None = None,
+              validate: bool = True) -> Partition:
     """Split ``model`` into ``stages`` pipeline stages that balance forward + backward time.
 
     Args:
@@ -222,13 +286,16 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
             along dim 0 as the schedule will.
         stages: how many stages.
         memory_per_stage: bytes (or ``"2GiB"``) each stage may hold at its peak; None for no cap.
-        microbatches: microbatches per step.
+        microbatches: microbatches per step (default: one per stage, the fewest 1F1B runs with).
         schedule: ``"1F1B"`` or ``"GPipe"``: how many microbatches' activations a stage holds at once.
         link_gbs: bandwidth between stages, GB/s, for the cost of sending activations and gradients.
         machine: the device the costs are estimated for (default: this machine's CPU, measured once).
         policy: ``"fxforge"`` (balance costs), ``"even-layers"`` or ``"parameters"`` (the peers' splits,
             for comparison).
         units: the traced units, when already traced (to compare policies without tracing again).
+        validate: build the stages with ``torch.distributed.pipelining`` and run one microbatch through
+            them in this process (a forward with real data); a split point where a stage fails is refused
+            (:attr:`Partition.refused`) and the search runs again without it. fxforge's policy only.
 
     Raises:
         ValueError: bad arguments, a model with fewer split points than stages, a cap no split fits (with
@@ -242,10 +309,14 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     """
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive int, got {stages!r}")
+    microbatches = stages if microbatches is None else microbatches
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if schedule == "1F1B" and microbatches < stages:
+        raise ValueError(f"1F1B needs at least as many microbatches as stages ({microbatches} < {stages}): "
+                         "give more microbatches, or schedule='GPipe'")
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
     cap = None
@@ -255,8 +326,27 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
             raise ValueError(f"memory_per_stage {memory_per_stage!r}: give bytes (an int or '2GiB')")
     units = units or stage_units(model, example_inputs, microbatches=microbatches, machine=machine)
     tables = StageTables.of_units(units, link_gbs)
+    refused: dict[str, str] = {}
+    pipe = None
     if policy == "fxforge":
-        cuts = best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule)
+        for _ in range(MAX_REFUSALS + 1):
+            forbidden = frozenset(units.names.index(name) for name in refused)
+            cuts = best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
+                              forbidden=forbidden)
+            if not validate:
+                break
+            pipe = build_pipe(model, units.microbatch, _spec([units.names[c] for c in cuts]), stages)
+            failed = first_failing_stage(pipe, units.microbatch)
+            if failed is None:
+                break
+            stage, reason = failed
+            if stage == 0:
+                raise RuntimeError(f"the model's first pipeline stage fails on torch.distributed.pipelining: {reason}")
+            refused[units.names[cuts[stage - 1]]] = reason
+            pipe = None
+        else:
+            raise RuntimeError(f"{MAX_REFUSALS} split points failed on torch.distributed.pipelining; the last: "
+                               f"{reason}")
     elif policy == "even-layers":
         cuts = even_layer_split(units.names, model, stages)
     else:
@@ -267,7 +357,7 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     if cap is not None and max(memory) > cap and policy == "fxforge":  # best_split guarantees it
         raise AssertionError("the chosen split exceeds the memory cap")
     return Partition(model, stages, microbatches, schedule, policy, [units.names[c] for c in cuts], list(cuts),
-                     forward, backward, costs, memory, crossing, cap, units, link_gbs)
+                     forward, backward, costs, memory, crossing, cap, units, link_gbs, refused, pipe)
 
 
 def compare_policies(model: torch.nn.Module, example_inputs: Any, stages: int, **options: Any) -> dict[str, Any]:

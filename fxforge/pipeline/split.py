@@ -154,9 +154,10 @@ class StageTables:
 
 
 def best_split(tables: StageTables, stages: int, *, memory_per_stage: float | None = None,
-               microbatches: int = 1, schedule: str = "1F1B") -> list[int]:
+               microbatches: int = 1, schedule: str = "1F1B", forbidden: frozenset[int] = frozenset()) -> list[int]:
     """The units where stages 1..k-1 begin, minimising the slowest stage's time with every stage's memory
-    within ``memory_per_stage`` (exact over the chain of units; ties go to the least total time).
+    within ``memory_per_stage`` (exact over the chain of units; ties go to the least total time). No stage
+    begins at a unit in ``forbidden``.
 
     Raises:
         ValueError: fewer units than stages, or no split fits the memory cap (the message gives the
@@ -186,7 +187,9 @@ def best_split(tables: StageTables, stages: int, *, memory_per_stage: float | No
     total[0] = best[0]
     for s in range(1, stages):
         for b in range(s + 1, count + 1):
-            a = np.arange(s, b)
+            a = np.array([u for u in range(s, b) if u not in forbidden], dtype=np.int64)
+            if not len(a):
+                continue
             worst = np.maximum(best[s - 1][a], np.where(fits[s][a, b], time[a, b], inf))
             summed = total[s - 1][a] + time[a, b]
             order = np.lexsort((summed, worst))

@@ -7,13 +7,15 @@
 with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
 and writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's
-outputs, and each step's wall time.
+outputs, and each step's wall time; or, when it fails, ``OUT_DIR/rank{RANK}.error``: the exception
+and its cause, on one line.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,6 +81,14 @@ def main(argv: list[str]) -> int:
     dist.init_process_group(payload["backend"], rank=rank, world_size=world)
     try:
         result = run_rank(payload, rank, world, device)
+    except Exception as error:
+        # What went wrong here, for the launcher: the other ranks only see their peer hang up.
+        cause = error.__cause__ or error.__context__
+        text = " ".join(str(error).split())[:400]
+        if cause is not None:
+            text += f" (from {type(cause).__name__}: {' '.join(str(cause).split())[:300]})"
+        Path(out_dir, f"rank{rank}.error").write_text(f"{type(error).__name__}: {text}")
+        raise
     finally:
         dist.destroy_process_group()
     torch.save(result, f"{out_dir}/rank{rank}.pt")
