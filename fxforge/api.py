@@ -71,7 +71,8 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     weights, gradients and optimizer state included (``optimizer=``, default ``torch.optim.AdamW``, says
     what the optimizer keeps; ``loss=``, the caller's loss over the outputs, lets the plan count what that
     loss allocates). Outputs, gradients and batch-norm statistics are eager's; in eval mode or without grad
-    the model runs eagerly.
+    the model runs eagerly. ``target="inductor"`` compiles the plan's forward and backward graphs with
+    Inductor (fused kernels, the plan's saved values; outputs and gradients eager's to float rounding).
 
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
@@ -113,10 +114,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     """
     if memory_budget is not None:
         unknown = sorted(set(target_options) - {"optimizer", "loss", "autocast"})
-        if target != "native" or unknown:
+        if target not in ("native", "inductor") or unknown:
             raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss= "
                             f"and autocast=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
-        return checkpointed(model, example_inputs, memory_budget, **target_options)
+        return checkpointed(model, example_inputs, memory_budget, target=target, **target_options)
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")
     allowed = TARGET_OPTIONS[target]

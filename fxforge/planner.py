@@ -76,9 +76,10 @@ EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "d
 # ---------------------------------------------------------------------------------------------- native
 
 def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimizer: Any = torch.optim.AdamW,
-                 loss: Any = None, autocast: torch.dtype | None = None) -> CheckpointedModule:
+                 loss: Any = None, autocast: torch.dtype | None = None, target: str = "native") -> CheckpointedModule:
     """The model's training step fitted under ``memory_budget`` by checkpointing (see
-    :mod:`fxforge.training.module`): ``optimize(model, inputs, memory_budget=...)``.
+    :mod:`fxforge.training.module`): ``optimize(model, inputs, memory_budget=...)``; ``target="inductor"``
+    compiles the plan's forward and backward graphs with Inductor (:mod:`fxforge.training.compiled`).
 
     Raises:
         TypeError: not a model instance, no example inputs.
@@ -94,7 +95,7 @@ def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimiz
         raise ValueError("memory_budget plans checkpointing for training: the model is in eval mode "
                          "(call model.train() first)")
     return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
-                              autocast=autocast)
+                              autocast=autocast, target=target)
 
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,

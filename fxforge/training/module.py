@@ -5,7 +5,8 @@
 recompute on that very trace, and runs AOTAutograd's forward and backward graphs of the chosen partition:
 the forward keeps only the planned values; the backward recomputes the rest right before use. The graphs
 run in the boxed calling convention, so each input (a saved activation) is freed after its last use, as the
-plan's simulation assumes.
+plan's simulation assumes. With ``target="inductor"`` Inductor compiles the same two graphs instead
+(:mod:`fxforge.training.compiled`): the plan's saved values, fused kernels.
 
 It is the model, not a snapshot: the parameters are the model's own (an optimizer stepping them is seen
 by the next call; a parameter replaced by another tensor re-plans), buffers (batch-norm statistics) are
@@ -41,6 +42,10 @@ from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
 from fxforge.training.step_graph import StepGraphs, trace_step
 from fxforge.training.timeline import simulate_step
+
+TARGETS = ("native", "inductor")
+"""What runs the plan's graphs: ``"native"`` op by op (ATen, as eager), ``"inductor"`` Inductor's kernels
+(:mod:`fxforge.training.compiled`)."""
 
 
 def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -131,6 +136,9 @@ class CheckpointedModule(torch.nn.Module):
         model: the wrapped model (its parameters are this module's).
         plan: the :class:`~fxforge.training.checkpointing.CheckpointPlan` of the latest signature.
         plans: how many steps were traced (one per input signature, and after a parameter is replaced).
+        target: what runs the plan's graphs (:data:`TARGETS`): ``"native"`` ATen op by op, ``"inductor"``
+            Inductor's compiled kernels (:mod:`fxforge.training.compiled`; outputs and gradients eager's to float
+            rounding, dropout's masks eager's).
 
     ``loss`` (outputs -> scalar, the one the caller will use) lets the plan count what the loss allocates
     between the forward and the backward (for a language model, a few tensors the size of the logits);
@@ -138,10 +146,14 @@ class CheckpointedModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
-                 optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None):
+                 optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None,
+                 target: str = "native"):
         super().__init__()
         parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
+        if target not in TARGETS:
+            raise ValueError(f"target {target!r}: a checkpointed step runs on {' or '.join(map(repr, TARGETS))}")
         self.model = model
+        self.target = target
         self.memory_budget = memory_budget
         self.optimizer = optimizer
         self.loss = loss
@@ -173,8 +185,15 @@ class CheckpointedModule(torch.nn.Module):
         def finish(step):
             chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
 
+        if self.target == "inductor":
+            from fxforge.training.compiled import inductor_compilers
+
+            compilers = inductor_compilers()
+        else:
+            compilers = (_boxed, _boxed)
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
-                          compilers=(_boxed, _boxed), choose=choose, finish=finish)
+                          compilers=compilers, choose=choose, finish=finish,
+                          strides_from_compiler=self.target == "inductor")
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
         self.plans += 1

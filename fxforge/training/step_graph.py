@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._guards import detect_fake_mode
+from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
@@ -301,6 +301,7 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                compilers: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
                choose: Callable[[StepGraphs], Iterable[str]] | None = None,
                finish: Callable[[StepGraphs], None] | None = None,
+               strides_from_compiler: bool = False,
                ) -> StepGraphs:
     """Trace one training step of ``model`` on fake copies of ``args``/``kwargs`` into :class:`StepGraphs`.
 
@@ -318,6 +319,9 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             the same trace, so the callable it returns runs the plan).
         finish: called with the final partition before AOTAutograd compiles it (it may reorder the
             backward graph in place).
+        strides_from_compiler: the forward compiler chooses the strides of the values it saves (Inductor
+            does): AOTAutograd runs in a ``TracingContext`` of its own, through which the compiler reports them
+            and the backward is compiled for them (as under ``torch.compile``).
 
     Returns:
         The graphs (``.compiled``: AOTAutograd's callable over the flat inputs).
@@ -358,11 +362,15 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     annotations = contextlib.nullcontext() if isinstance(model, torch.fx.GraphModule) else module_annotations(model)
     # Fake copies of the inputs made here, in a mode that lets the model and the loss read real tensors the
     # caller closed over (labels, a mask): they enter the graphs as constants.
-    fake_mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in flat]
-    with amp, annotations, fx_traceback.preserve_node_meta():
-        compiled = aot_module_simplified(wrapper, fake, fw_compiler=forward_compiler,
-                                         bw_compiler=backward_compiler, partition_fn=partition_fn)
+    # A trace inside another's (a loss sized while the step's partition is chosen) has fake tensors of its own,
+    # not those of the enclosing trace's context.
+    with tracing(None):
+        fake_mode = detect_fake_mode(flat) or FakeTensorMode(allow_non_fake_inputs=True)
+        fake = [t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t) for t in flat]
+        context = TracingContext(fake_mode) if strides_from_compiler else None
+        with tracing(context), amp, annotations, fx_traceback.preserve_node_meta():
+            compiled = aot_module_simplified(wrapper, fake, fw_compiler=forward_compiler,
+                                             bw_compiler=backward_compiler, partition_fn=partition_fn)
     if "joint" not in recorded:
         raise RuntimeError("the model has no parameter or input that requires grad: there is no backward to plan")
     step = _graphs(recorded, wrapper, recorded["forward"], recorded["backward"], recorded["recompute"])

@@ -1,0 +1,70 @@
+"""A checkpointing plan's forward and backward graphs compiled by Inductor (``target="inductor"``).
+
+:class:`~fxforge.training.module.CheckpointedModule` hands AOTAutograd a pair of compilers for the two
+graphs of the partition its plan chose. By default they run the graphs op by op (ATen, as eager does);
+:func:`inductor_compilers` gives Inductor's instead, so the plan's choices (what the forward saves, what the
+backward recomputes, where) are kept, and the recomputed ops are fused with their users into Inductor's
+kernels.
+
+Each graph is the one the plan was simulated on; Inductor lowers only decomposed ATen ops, so each is first
+retraced with Inductor's decompositions (``make_fx`` on the graph's fake example inputs), which changes
+neither its inputs nor its outputs: the saved values stay the plan's. Then ``compile_fx_inner`` compiles it,
+as ``torch.compile``'s forward and backward compilers do (AOTAutograd passes the strides Inductor chose for
+the saved values on to the backward). Inductor's joint-graph passes (which run before its own partitioner)
+are not run: the joint graph is the plan's.
+
+Random numbers: ``torch._inductor.config.fallback_random`` is set while compiling, so random ops (dropout)
+run ATen's kernels and draw the numbers eager draws for the same seed, in the graph's order; the plan never
+recomputes them. Numbers are Inductor's: fused kernels reorder float arithmetic, so outputs and gradients
+equal eager's to about 1e-6 relative in float32, not bitwise.
+
+Memory: Inductor allocates its own buffers (fusions make fewer of them, buffer reuse shares them), so the
+plan's simulation of the ATen graphs is an estimate of the compiled step, not a replay of it;
+``benchmarks/step_memory.py`` measures what it really holds (``python -m benchmarks --suite training``,
+the ``fxforge-inductor`` rows).
+
+Example:
+    >>> forward, backward = inductor_compilers()
+    >>> forward.__name__, backward.__name__
+    ('inductor_forward', 'inductor_backward')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+Compiler = Callable[[torch.fx.GraphModule, Sequence[Any]], Any]
+
+INDUCTOR_CONFIG = {"fallback_random": True, "layout_optimization": False}
+"""Inductor's settings while it compiles a plan's graphs: random ops on ATen's kernels (eager's numbers);
+no layout optimization (it would keep channels-last copies of the convolutions' weights and activations
+beside the plan's saved values: measured, twice the activation peak of a small ResNet's step)."""
+
+
+def _decomposed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
+    """``gm`` retraced with Inductor's decompositions (its inputs and outputs unchanged)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+
+def _inductor(is_backward: bool) -> Compiler:
+    def compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner  # imports Inductor: only when compiling
+
+        with config.patch(INDUCTOR_CONFIG):
+            return compile_fx_inner(_decomposed(gm, example_inputs), example_inputs, is_backward=is_backward)
+
+    compile.__name__ = f"inductor_{'backward' if is_backward else 'forward'}"
+    return compile
+
+
+def inductor_compilers() -> tuple[Compiler, Compiler]:
+    """AOTAutograd's ``(fw_compiler, bw_compiler)``: each graph decomposed and compiled by Inductor, random ops
+    on ATen's kernels (eager's numbers). See the module docstring."""
+    return _inductor(False), _inductor(True)
