@@ -16,8 +16,9 @@ of the floating-point outputs (fxforge's default). Per model, in one process:
 2. **contenders**: ``eager``; ``per-block checkpoint`` (:func:`benchmarks.training_models.checkpoint_blocks`
    on a copy of the model); ``inductor f``: ``torch.compile`` with Inductor under
    ``torch._functorch.config.activation_memory_budget = f`` (set while compiling and around every call);
-   ``fxforge f``: ``fxforge.optimize(model, inputs, memory_budget="<f*100>%", loss=loss)``; then ``fxforge <= peer``:
-   ``memory_budget=<bytes>`` equal to each peer's measured whole-step peak;
+   ``fxforge f``: ``fxforge.optimize(model, inputs, memory_budget="<f*100>%", loss=loss)``; ``fxforge-inductor f``:
+   the same with ``target="inductor"`` (the same plan, its graphs compiled by Inductor); then ``fxforge <= peer``
+   and ``fxforge-inductor <= peer``: ``memory_budget=<bytes>`` equal to each peer's measured whole-step peak;
 3. **gradients**: at the initial weights, each contender's gradients (one forward and backward, no
    optimizer step) against eager's: max abs difference over all parameters (and that over the largest
    eager gradient); the first such call is part of "prepare s" (the compile happens there);
@@ -81,7 +82,12 @@ DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
 ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
 
 FRACTIONS = (0.8, 0.6, 0.4)
-KINDS = ("eager", "checkpoint", "inductor", "fxforge", "fxforge-peer")
+KINDS = ("eager", "checkpoint", "inductor", "fxforge", "fxforge-peer", "fxforge-inductor", "fxforge-inductor-peer")
+OURS = {"fxforge": "native", "fxforge-peer": "native", "fxforge-inductor": "inductor",
+        "fxforge-inductor-peer": "inductor"}
+"""fxforge's kinds and the ``target`` each runs its plan on."""
+PEER_KINDS = {"fxforge-peer": "fxforge", "fxforge-inductor-peer": "fxforge-inductor"}
+"""The kinds budgeted at each peer's measured peak, and their rows' name (``fxforge-inductor ≤ inductor 0.6``)."""
 TIMING = {"rounds": 5, "reps": 1}
 QUICK_TIMING = {"rounds": 1, "reps": 1}
 LR = 1e-5  # small steps: the timed steps keep training the same weights without drifting far
@@ -355,6 +361,8 @@ def run_model(name: str, spec: models_mod.Spec, opts: RunOptions, *, seed: int =
         contenders.append(contender(f"inductor {f:g}", "inductor", fraction=f, context=_budget_context(f)))
     for f in opts.fractions if "fxforge" in opts.kinds else ():
         contenders.append(contender(f"fxforge {f:g}", "fxforge", fraction=f))
+    for f in opts.fractions if "fxforge-inductor" in opts.kinds else ():
+        contenders.append(contender(f"fxforge-inductor {f:g}", "fxforge-inductor", fraction=f))
 
     reference = gradients(contenders[0], inputs, loss)
     if opts.float64:
@@ -366,8 +374,10 @@ def run_model(name: str, spec: models_mod.Spec, opts: RunOptions, *, seed: int =
     for c in alive:
         _measure(c, inputs, loss, log)
     unconstrained, source = _unconstrained(contenders, prediction)
-    if "fxforge-peer" in opts.kinds:
-        peers = _peer_contenders(name, contenders, model, shared_opt)
+    for kind in PEER_KINDS:
+        if kind not in opts.kinds:
+            continue
+        peers = _peer_contenders(name, contenders, model, shared_opt, kind)
         contenders += peers
         for c in peers:
             if _prepare(c, model, inputs, loss, initial, reference, log):
@@ -414,10 +424,10 @@ def _prepare(c: Contender, model: nn.Module, inputs: tuple[Any, ...], loss: Call
     try:
         if c.kind == "inductor":
             c.fn = torch.compile(model, backend=inductor_backend(c.fraction))
-        elif c.kind in ("fxforge", "fxforge-peer"):
-            budget = f"{round(c.fraction * 100)}%" if c.kind == "fxforge" else c.budget_bytes
+        elif c.kind in OURS:
+            budget = c.budget_bytes if c.kind in PEER_KINDS else f"{round(c.fraction * 100)}%"
             # The step's own loss, so the plan counts what it holds between forward and backward.
-            c.fn = fxforge.optimize(model, inputs, memory_budget=budget, loss=loss)
+            c.fn = fxforge.optimize(model, inputs, memory_budget=budget, loss=loss, target=OURS[c.kind])
             c.row["info"].update(_plan_info(getattr(c.fn, "plan", None)))
         restore(c.model, initial)
         grads = gradients(c, inputs, loss)
@@ -502,7 +512,7 @@ def _unconstrained(contenders: list[Contender], prediction: dict[str, Any] | Non
     """The unconstrained activation peak: fxforge's plan's, else eager's measured one; and where it is from."""
     for c in contenders:
         value = c.row["info"].get("unconstrained_activation_bytes")
-        if c.kind == "fxforge" and c.row["status"] == "ok" and value:
+        if c.kind in ("fxforge", "fxforge-inductor") and c.row["status"] == "ok" and value:
             return int(value), "fxforge plan"
     eager = contenders[0].row.get("activation_peak_bytes")
     return (eager, "eager measured") if eager else (None, "none")
@@ -512,10 +522,11 @@ PEER_MERGE = 0.03  # peers whose peaks are within 3 % of a lower one share that 
 
 
 def _peer_contenders(name: str, contenders: list[Contender], model: nn.Module,
-                     optimizer: torch.optim.Optimizer) -> list[Contender]:
-    """``fxforge ≤ peer``: fxforge with ``memory_budget`` = a peer's (per-block checkpointing's, an Inductor
-    budget's) measured whole-step peak. Peers whose peaks lie within :data:`PEER_MERGE` above a lower peer's
-    share that lower budget (one plan, one row: fewer minutes, and a budget no looser for fxforge)."""
+                     optimizer: torch.optim.Optimizer, kind: str = "fxforge-peer") -> list[Contender]:
+    """``fxforge ≤ peer`` (``kind``: ``"fxforge-peer"``; ``"fxforge-inductor-peer"``: ``fxforge-inductor ≤ peer``):
+    fxforge with ``memory_budget`` = a peer's (per-block checkpointing's, an Inductor budget's) measured
+    whole-step peak. Peers whose peaks lie within :data:`PEER_MERGE` above a lower peer's share that lower budget
+    (one plan, one row: fewer minutes, and a budget no looser for fxforge)."""
     measured = sorted((c.row["peak_bytes"], c.name) for c in contenders
                       if c.kind in ("checkpoint", "inductor") and c.row["status"] == "ok" and c.row["peak_bytes"])
     groups: list[tuple[int, list[str]]] = []
@@ -526,7 +537,7 @@ def _peer_contenders(name: str, contenders: list[Contender], model: nn.Module,
             groups.append((nbytes, [peer]))
     peers = []
     for nbytes, names in groups:
-        c = Contender(f"fxforge ≤ {', '.join(names)}", "fxforge-peer", None, model, optimizer, budget_bytes=nbytes)
+        c = Contender(f"{PEER_KINDS[kind]} ≤ {', '.join(names)}", kind, None, model, optimizer, budget_bytes=nbytes)
         c.row = new_row(name, c.name, c.kind)
         c.row.update(budget_bytes=nbytes, info={"peers": names})
         peers.append(c)
@@ -538,7 +549,7 @@ def _fits(c: Contender, unconstrained: int | None, fractions: Sequence[float]) -
     row = c.row
     if row["status"] != "ok" or row.get("peak_bytes") is None:
         return None
-    if c.kind == "fxforge-peer":
+    if c.kind in PEER_KINDS:
         return row["peak_bytes"] <= c.budget_bytes
     if unconstrained is None:
         return None

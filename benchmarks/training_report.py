@@ -150,10 +150,15 @@ def _times(row: dict[str, Any]) -> str:
     return ", ".join(f"{label} {report.fmt_ratio(row.get(key))}" for key, label in FIGURES if row.get(key) is not None)
 
 
+FAMILIES = (("fxforge", ("fxforge", "fxforge-peer")), ("fxforge-inductor", ("fxforge-inductor", "fxforge-inductor-peer")))
+"""fxforge's rows, judged apart: the plan's graphs run op by op, and the same plans compiled by Inductor (judged only
+where the run has such rows)."""
+
+
 def summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per model and peer (per-block checkpointing, each Inductor budget): fxforge's fastest row whose measured
     whole-step peak is at most the peer's, against the peer's step time, by medians and by fastest steps; then
-    one line per model.
+    one line per model. The same for ``fxforge-inductor`` rows (:data:`FAMILIES`), where there are any.
 
     Example:
         >>> rows = [{"model": "m", "contender": "per-block checkpoint", "kind": "checkpoint", "status": "ok",
@@ -166,32 +171,37 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for model in report.row_models(rows):
         mine = _rows_of(rows, model)
-        ours = [r for r in mine if r["kind"] in ("fxforge", "fxforge-peer") and _timed(r)]
-        verdicts: dict[str, list[tuple[str, bool]]] = {label: [] for _, label in FIGURES}
+        families = [(name, [r for r in mine if r["kind"] in kinds and _timed(r)]) for name, kinds in FAMILIES
+                    if name == "fxforge" or any(r["kind"] in kinds for r in mine)]
+        verdicts: dict[str, dict[str, list[tuple[str, bool]]]] = {
+            name: {label: [] for _, label in FIGURES} for name, _ in families}
         for peer in (r for r in mine if r["kind"] in ("checkpoint", "inductor")):
             if not _timed(peer):
                 lines.append(f"- {model} vs {peer['contender']}: the peer did not run ({peer.get('stage') or '?'})")
                 continue
             head = f"- {model} vs {peer['contender']} ({_mib(peer['peak_bytes'])} MiB; {_times(peer)} eager)"
-            found, parts = [], []
-            for key, label in FIGURES:
-                best, faster = _verdict(ours, peer, key)
-                verdicts[label].append((peer["contender"], faster))
-                if best is not None and best not in found:
-                    found.append(best)
-                parts.append(f"by {'fastest step' if label == 'fastest' else label}: {'yes' if faster else '**no**'}")
-            if not found:
-                lines.append(f"{head}: no fxforge row at ≤ its peak: **no**")
-                continue
-            rows_text = "; ".join(f"{r['contender']} at {_mib(r['peak_bytes'])} MiB ({_times(r)})" for r in found)
-            lines.append(f"{head}: {rows_text}: faster at ≤ its peak {', '.join(parts)}")
-        if verdicts["median"]:
-            counts = {label: sum(ok for _, ok in v) for label, v in verdicts.items()}
-            total = len(verdicts["median"])
-            not_beaten = [p for p, ok in verdicts["median"] if not ok]
-            lines.append(f"- **{model}**: fxforge is faster at an equal or lower peak than {counts['median']} of "
-                         f"{total} peers by medians" + (f" (not: {', '.join(not_beaten)})" if not_beaten else "")
-                         + f", {counts['fastest']} of {total} by fastest steps")
+            for name, ours in families:
+                found, parts = [], []
+                for key, label in FIGURES:
+                    best, faster = _verdict(ours, peer, key)
+                    verdicts[name][label].append((peer["contender"], faster))
+                    if best is not None and best not in found:
+                        found.append(best)
+                    parts.append(f"by {'fastest step' if label == 'fastest' else label}: {'yes' if faster else '**no**'}")
+                if not found:
+                    lines.append(f"{head}: no {name} row at ≤ its peak: **no**")
+                    continue
+                rows_text = "; ".join(f"{r['contender']} at {_mib(r['peak_bytes'])} MiB ({_times(r)})" for r in found)
+                lines.append(f"{head}: {rows_text}: faster at ≤ its peak {', '.join(parts)}")
+        for name, _ in families:
+            judged = verdicts[name]
+            if judged["median"]:
+                counts = {label: sum(ok for _, ok in v) for label, v in judged.items()}
+                total = len(judged["median"])
+                not_beaten = [p for p, ok in judged["median"] if not ok]
+                lines.append(f"- **{model}**: {name} is faster at an equal or lower peak than {counts['median']} of "
+                             f"{total} peers by medians" + (f" (not: {', '.join(not_beaten)})" if not_beaten else "")
+                             + f", {counts['fastest']} of {total} by fastest steps")
         refused = [r["contender"] for r in mine if r["status"] == "refused"]
         if refused:
             lines.append(f"- {model}: budgets fxforge refused as out of reach: {', '.join(refused)}")
@@ -243,7 +253,9 @@ def markdown_block(result: dict[str, Any]) -> str:
          "every repeated block (children of a ModuleList/Sequential of one block class: transformer layers, "
          "ResNet bottlenecks, ViT blocks); inductor f = `torch.compile` with Inductor's `compile_fx` under "
          "`torch._functorch.config.activation_memory_budget = f` (one backend object per budget so that dynamo "
-         "does not reuse one budget's graph for another)."),
+         "does not reuse one budget's graph for another). fxforge-inductor = fxforge's plan for the same budget "
+         "(`target=\"inductor\"`), its forward and backward graphs compiled by Inductor (`compile_fx_inner`, "
+         "random ops on ATen's kernels, no layout optimization)."),
         "",
         ("Prediction (`fxforge.training_memory(model, inputs, optimizer=torch.optim.AdamW)`) against its measured "
          "step (`tm.measure()`, fxforge's dispatch tracker):"),

@@ -168,3 +168,37 @@ def test_the_command_line_writes_its_json(tmp_path):
     saved = json.loads((tmp_path / "results-training.json").read_text(encoding="utf-8"))
     assert saved["meta"]["complete"] and [r["contender"] for r in saved["rows"]] == ["eager", "per-block checkpoint"]
     assert all(r["status"] == "ok" for r in saved["rows"])
+
+
+def test_summary_judges_fxforge_inductor_rows_apart():
+    def row(name, kind, peak, median, fastest):
+        return {"model": "m", "contender": name, "kind": kind, "status": "ok", "peak_bytes": peak,
+                "step_vs_eager": median, "min_vs_eager": fastest}
+
+    rows = [row("eager", "eager", 100, 1.0, 1.0), row("inductor 0.6", "inductor", 50, 0.9, 0.9),
+            row("fxforge 0.6", "fxforge", 50, 1.05, 1.0),
+            row("fxforge-inductor ≤ inductor 0.6", "fxforge-inductor-peer", 49, 0.85, 0.8)]
+    lines = training_report.summary(rows)
+    assert "fxforge 0.6 at" in lines[0] and lines[0].endswith("by median: **no**, by fastest step: **no**")
+    assert "fxforge-inductor ≤ inductor 0.6 at" in lines[1] and lines[1].endswith("by median: yes, by fastest step: yes")
+    assert "**m**: fxforge is faster at an equal or lower peak than 0 of 1 peers" in lines[2]
+    assert "**m**: fxforge-inductor is faster at an equal or lower peak than 1 of 1 peers" in lines[3]
+    assert not any("fxforge-inductor" in line for line in training_report.summary(rows[:3]))
+
+
+def test_fxforge_inductor_contender_runs_the_plan_compiled():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        opts = training.RunOptions(fractions=(0.6,), kinds=("eager", "fxforge-inductor"), rounds=1, reps=1,
+                                   cross_check=False, float64=False)
+        prediction, rows = training.run_model("gpt2", TINY, opts, log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert prediction["status"] == "skipped"  # the prediction row belongs to the "fxforge" kind
+    assert [r["contender"] for r in rows] == ["eager", "fxforge-inductor 0.6"]
+    compiled = rows[1]
+    assert compiled["contender"] == "fxforge-inductor 0.6" and compiled["status"] == "ok", compiled["error"]
+    assert compiled["rel_grad_err"] < 1e-5  # Inductor's rounding, not bitwise
+    assert compiled["info"]["recomputed_nodes"] > 0 and compiled["unconstrained_source"] == "fxforge plan"
+    assert isinstance(compiled["fits"], bool) and compiled["median_ms"] > 0
