@@ -9,6 +9,8 @@
     fxforge show     MODEL --input ... [-o graph.svg|graph.html]
     fxforge memory   MODEL --input ... [--optimizer adamw] [--measure] [--budget 60%|2GiB]
                                                              (one training step's memory; checkpointing plan)
+    fxforge partition MODEL --input ... --stages K [--microbatches M] [--memory-per-stage 2GiB] [--run]
+                                                             (pipeline stages; --run: run and check them)
     fxforge rewrites                                         (the built-in rewrites)
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
@@ -46,6 +48,7 @@ from fxforge.cli.commands import (
     run_show,
 )
 from fxforge.cli.memory import AUTOCAST, run_memory
+from fxforge.cli.partition import add_partition_command
 from fxforge.training.optimizer_memory import OPTIMIZERS
 
 __all__ = ["CommandError", "build_parser", "load_model", "main", "parse_input"]
@@ -56,6 +59,7 @@ examples:
   fxforge optimize my_model.py:build --input 1x128:int64 --model-args '{"width": 8}' -o model.onnx
   fxforge show examples/models/resnet_cnn.py:ResNetCNN --input 1x3x32x32 -o graph.html
   fxforge memory examples/models/transformer_encoder.py:example --input 8x64:int64 --measure --budget 60%
+  fxforge partition examples/models/transformer_encoder.py:example --input 8x64:int64 --stages 2 --run
 """
 
 
@@ -162,9 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--csv", metavar="TABLE.csv", help="save the breakdown (bytes per figure)")
     mem.set_defaults(run=run_memory, parser=mem)
 
+    part = add_partition_command(commands, _model_arguments)
+
     commands.add_parser("rewrites", help="list the built-in rewrites",
                         description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
-    for sub in (opt, exp, prof, show, mem):  # --debug also after the command's name
+    for sub in (opt, exp, prof, show, mem, part):  # --debug also after the command's name
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
     return parser
 

@@ -368,8 +368,8 @@ def compare_policies(model: torch.nn.Module, example_inputs: Any, stages: int, *
         >>> sorted(compare_policies(model, (torch.randn(2, 8),), 2))
         ['even-layers', 'fxforge', 'parameters']
     """
-    units = options.pop("units", None) or stage_units(model, example_inputs,
-                                                      microbatches=options.get("microbatches", 1),
+    options["microbatches"] = options.get("microbatches") or stages
+    units = options.pop("units", None) or stage_units(model, example_inputs, microbatches=options["microbatches"],
                                                       machine=options.get("machine"))
     found: dict[str, Any] = {}
     for policy in POLICIES:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
 from typing import Any
 
 import numpy as np
@@ -241,8 +240,8 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         grad[node] = floating and any(grad.get(i, False) for i in node.all_input_nodes)
         made = unit_of.get(node, 0)  # the model's inputs enter with the first stage
         used = uses(node)
-        if node.target is operator.getitem or not used or used == (made,):
-            continue
+        if isinstance(node.meta.get("val"), (tuple, list)) or not used or used == (made,):
+            continue  # a multi-output op's tensors are its getitem nodes
         values.append(Item(node.name, _nbytes(node.meta.get("val")), made, used, grad[node]))
 
     saved = np.zeros(count)
