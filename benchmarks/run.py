@@ -24,6 +24,7 @@ Example:
     python -m benchmarks --suite attention
     python -m benchmarks --suite dynamic    # a runner of its own, :mod:`benchmarks.dynamic` (RUNNER_SECTIONS)
     python -m benchmarks --suite training   # the same: :mod:`benchmarks.training`
+    python -m benchmarks --suite pipeline   # the same: :mod:`benchmarks.pipeline`
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ RUNNER_SECTIONS: dict[str, tuple[str, str]] = {
                  "then fxforge's checkpointing under budgets against per-block checkpointing and Inductor's "
                  "activation memory budget, whole-step peak and step time, on GPT-2, BERT, LLaMA, ResNet-50 and "
                  "ViT-S (issue 22; --models, --fractions, --quick: see python -m benchmarks.training --help)")),
+    "pipeline": ("benchmarks.pipeline", ("pipeline stages of GPT-2, LLaMA, ResNet-50 and ViT-S at 2/4/8 stages: "
+                 "fxforge's split against the even-by-layer and parameter-size splits (bottleneck ratio, simulated "
+                 "1F1B/GPipe throughput), and 2 stages measured on gloo (issue 23; see python -m benchmarks.pipeline "
+                 "--help)")),
 }
 
 

@@ -105,6 +105,12 @@ class Partition:
         return max(self.stage_costs) / (sum(self.stage_costs) / len(self.stage_costs))
 
     @property
+    def floor_ratio(self) -> float:
+        """The largest unit's time over the mean stage's: no split at these split points has a bottleneck
+        ratio below it (a GPT-2 LM head over a 50k vocabulary is one unit: a quarter of the model's time)."""
+        return float(self.units.seconds.max()) / (sum(self.stage_costs) / len(self.stage_costs))
+
+    @property
     def microbatch_size(self) -> int:
         leaves = [t for t in (*self.units.microbatch[0], *self.units.microbatch[1].values())
                   if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -163,7 +169,8 @@ class Partition:
 
     def __str__(self) -> str:
         lines = [(f"Partition into {self.stages} stages ({self.policy}), {self.microbatches} microbatches, "
-                 f"{self.schedule}: bottleneck ratio {self.bottleneck_ratio:.3f}")]
+                  f"{self.schedule}: bottleneck ratio {self.bottleneck_ratio:.3f} (the largest unit alone: "
+                  f"{self.floor_ratio:.3f})")]
         for s in range(self.stages):
             begins = (["(model start)"] + self.split_points)[s]
             sends = f", sends {_mib(self.transfer_bytes[s])}" if s < self.stages - 1 else ""
@@ -260,6 +267,47 @@ class _StageFailed(Exception):
         self.stage, self.reason = stage, reason
 
 
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _engine_split(model: torch.nn.Module, units: StageUnits, stages: int,
+                  search: Any) -> tuple[list[int], dict[str, str], Any]:
+    """The best split (``search(forbidden units)``) that torch's engine builds and runs: a split point where
+    ``pipeline()`` cannot split, or where the stage beginning there fails on one microbatch, is refused
+    with the error, and the search runs again without it."""
+    refused: dict[str, str] = {}
+    for _ in range(MAX_REFUSALS + 1):
+        cuts = search(frozenset(units.names.index(name) for name in refused))
+        names = [units.names[c] for c in cuts]
+        try:
+            pipe = build_pipe(model, units.microbatch, _spec(names), stages)
+        except Exception as error:  # noqa: BLE001 - torch's splitter failing is the answer, whatever it raises
+            reason = f"torch.distributed.pipelining cannot split here ({_first_line(error)})"
+            culprits = [n for n in names if not _builds(model, units, n)] if len(names) > 1 else names
+            refused.update(dict.fromkeys(culprits or names, reason))
+            continue
+        failed = first_failing_stage(pipe, units.microbatch)
+        if failed is None:
+            return cuts, refused, pipe
+        stage, reason = failed
+        if stage == 0:
+            raise RuntimeError(f"torch.distributed.pipelining cannot run this model's first stage ({reason}) at the "
+                               f"split {names}")
+        refused[names[stage - 1]] = reason
+    raise RuntimeError(f"{len(refused)} split points failed on torch.distributed.pipelining; the last: "
+                       f"{list(refused.values())[-1]}")
+
+
+def _builds(model: torch.nn.Module, units: StageUnits, name: str) -> bool:
+    try:
+        build_pipe(model, units.microbatch, _spec([name]), 2)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: int, microbatches: int,
              schedule: str) -> tuple[list[float], list[float], list[float], list[int], list[int]]:
     edges = [0, *cuts, len(units)]
@@ -329,24 +377,11 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     refused: dict[str, str] = {}
     pipe = None
     if policy == "fxforge":
-        for _ in range(MAX_REFUSALS + 1):
-            forbidden = frozenset(units.names.index(name) for name in refused)
-            cuts = best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
+        def search(forbidden: frozenset[int]) -> list[int]:
+            return best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
                               forbidden=forbidden)
-            if not validate:
-                break
-            pipe = build_pipe(model, units.microbatch, _spec([units.names[c] for c in cuts]), stages)
-            failed = first_failing_stage(pipe, units.microbatch)
-            if failed is None:
-                break
-            stage, reason = failed
-            if stage == 0:
-                raise RuntimeError(f"the model's first pipeline stage fails on torch.distributed.pipelining: {reason}")
-            refused[units.names[cuts[stage - 1]]] = reason
-            pipe = None
-        else:
-            raise RuntimeError(f"{MAX_REFUSALS} split points failed on torch.distributed.pipelining; the last: "
-                               f"{reason}")
+
+        cuts, refused, pipe = _engine_split(model, units, stages, search) if validate else (search(frozenset()), {}, None)
     elif policy == "even-layers":
         cuts = even_layer_split(units.names, model, stages)
     else:
