@@ -7,7 +7,9 @@ mean stage cost) and simulated 1F1B and GPipe throughput, all under fxforge's on
 forward + backward per unit on this machine, bytes sent at 12.5 GB/s). Then, at 2 stages, a measured
 step on CPU with gloo (one process per stage, one thread each) for fxforge's split and the even split,
 interleaved, with the single process (two threads) beside them, and the check that each run's outputs
-and gradients equal the single process's.
+and gradients equal the single process's: in float32 (within 1e-4 relative, 1e-5 absolute) and once more
+in float64, where a pipeline error would stay and the rounding that train-mode batch norm over a few
+samples per microbatch amplifies in float32 does not.
 
 What the measurement can show on a 2-core machine: that the stages run on torch's engine and give the
 single process's numbers, and how the two splits compare when each stage has one core. It cannot show a
@@ -147,7 +149,7 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
             if policy in failed:
                 continue
             try:
-                run = run_pipeline(parts[policy], inputs, steps=steps)
+                run = run_pipeline(parts[policy], inputs, steps=steps, worker_setup=_worker_setup(name))
             except (RuntimeError, ValueError) as exc:
                 failed[policy] = _error(exc)
                 log(f"[{name}] {policy} run failed: {failed[policy]}")
@@ -157,6 +159,15 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
             checks[policy].append(run.ok)
             errors[policy] = max(errors[policy], run.output_error, run.gradient_error)
             log(f"[{name}] {policy}: {run}")
+    exact: dict[str, Any] = {}
+    for policy, part in parts.items():
+        if policy in failed:
+            continue
+        try:  # the same check in float64: a pipeline error stays, float32 rounding goes
+            run = run_pipeline(part, inputs, dtype=torch.float64, worker_setup=_worker_setup(name))
+            exact[policy] = (run.ok, max(run.output_error, run.gradient_error))
+        except (RuntimeError, ValueError) as exc:
+            exact[policy] = (False, _error(exc))
     rows = []
     single = statistics.median(reference) if reference else None
     for policy, part in parts.items():
@@ -170,7 +181,8 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
         rows.append({**row, "status": "ok", "step_ms": median * 1e3, "iqr_ms": (q[2] - q[0]) * 1e3,
                      "samples": len(times[policy]), "single_process_ms": single * 1e3 if single else None,
                      "vs_single": single / median if single else None, "matches": all(checks[policy]),
-                     "max_error": errors[policy]})
+                     "max_error": errors[policy], "float64_matches": exact[policy][0],
+                     "float64_error": exact[policy][1]})
     ours = next((r for r in rows if r["policy"] == "fxforge" and r["status"] == "ok"), None)
     for row in rows:
         if ours and row["status"] == "ok":
@@ -205,6 +217,15 @@ def run_model(name: str, spec: models_mod.Spec, opts: argparse.Namespace) -> tup
             log(f"[{name}] measured run failed: {_error(exc)}")
             measured = [{"model": name, "stages": 2, "policy": "fxforge", "status": "failed", "error": _error(exc)}]
     return plans, measured
+
+
+def _worker_setup(name: str) -> Any:
+    """What the workers call before unpickling a zoo model: torchvision's op schemas (see benchmarks.zoo)."""
+    if name in models_mod.ZOO_MODELS:
+        from benchmarks.zoo import define_torchvision_op_schemas
+
+        return define_torchvision_op_schemas
+    return None
 
 
 def _settle_batch_norm(name: str, model: torch.nn.Module, inputs: tuple) -> None:
@@ -270,18 +291,25 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", ("Measured at 2 stages on CPU with gloo (one process per stage, 1 thread each; the single process "
               "has 2 threads), 4 microbatches, 1F1B, steps after the first, policies in turns:"), "",
               ("| model | policy | bottleneck (model) | step ms (median) | IQR ms | steps | single process ms | "
-              "single / pipeline | even / fxforge | outputs & gradients = single process |"),
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "single / pipeline | even / fxforge | float32: outputs & gradients = single process | float64: the same |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in result["measured"]:
         if r.get("status") != "ok":
             lines.append(f"| {r['model']} | {r.get('policy')} | | {r.get('status')}: {r.get('error', '')} | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['policy']} | {r['bottleneck']:.3f} | {r['step_ms']:.1f} | {r['iqr_ms']:.1f} | "
                      f"{r['samples']} | {_fmt(r.get('single_process_ms'), '.1f')} | {_fmt(r.get('vs_single'), '.2f')}x | "
-                     f"{_fmt(r.get('fxforge_speedup'), '.2f')}x | {'yes' if r['matches'] else 'NO'} "
-                     f"(max abs error {r['max_error']:.1e}) |")
+                     f"{_fmt(r.get('fxforge_speedup'), '.2f')}x | {'yes' if r['matches'] else 'no'} "
+                     f"(max abs error {r['max_error']:.1e}) | {_float64_cell(r)} |")
     lines += [""] + summary(result)
     return "\n".join(lines)
+
+
+def _float64_cell(row: dict[str, Any]) -> str:
+    error = row.get("float64_error")
+    if isinstance(error, str):
+        return f"failed: {error}"
+    return f"{'yes' if row.get('float64_matches') else 'NO'} (max abs error {_fmt(error, '.1e')})"
 
 
 def summary(result: dict[str, Any]) -> list[str]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.pipeline.partition import Partition
 
@@ -99,14 +100,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
 def microbatches_of(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[tuple[tuple, dict]]:
     """The batch sliced along dim 0 into ``count`` microbatches, as the schedules slice it.
 
@@ -146,7 +139,7 @@ def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatch
 
 def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None = None, loss_fn: Any = None,
                  steps: int = 1, backend: str | None = None, threads: int | None = None,
-                 timeout: float = 600.0) -> PipelineRun:
+                 timeout: float = 600.0, worker_setup: Any = None, dtype: torch.dtype | None = None) -> PipelineRun:
     """Run ``part`` in ``part.stages`` local processes and check it against the model in this one.
 
     Args:
@@ -160,6 +153,11 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         backend: ``"gloo"`` (default on CPU) or ``"nccl"`` (default when CUDA has a GPU per stage).
         threads: torch threads per process (default: this machine's cores shared among the stages).
         timeout: seconds to wait for the workers.
+        dtype: run the check with the model and the floating-point inputs in this dtype (copies):
+            ``torch.float64`` tells a pipeline error from float32 rounding that ill-conditioned layers
+            amplify (batch norm in train mode over a few samples per microbatch).
+        worker_setup: a module-level function each worker calls before it unpickles the model (what this
+            process did before building it, e.g. registering ops a model's library needs at import).
 
     Raises:
         RuntimeError: a worker failed (its last error line is given) or did not finish in time.
@@ -169,8 +167,12 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
     use_cuda = backend == "nccl" or (backend is None and torch.cuda.device_count() >= part.stages)
     backend = backend or ("nccl" if use_cuda else "gloo")
     threads = threads or max(1, (os.cpu_count() or 1) // part.stages)
-    args, kwargs = _split_inputs(example_inputs)
-    reference_model = copy.deepcopy(part.model)
+    args, kwargs = normalize_inputs(example_inputs)
+    model, microbatch = part.model, part.units.microbatch
+    if dtype is not None:  # the model and the floating-point inputs in ``dtype``, on copies
+        model = copy.deepcopy(model).to(dtype)
+        args, kwargs, microbatch = _cast((args, kwargs, microbatch), dtype)
+    reference_model = copy.deepcopy(model)
     with tempfile.TemporaryDirectory(prefix="fxforge-pipeline-") as tmp:
         folder = Path(tmp)
         payload = folder / "payload.pt"
@@ -178,14 +180,15 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
             pickle.dumps(loss_fn)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise ValueError(f"loss_fn cannot be sent to the workers ({error}): give a module-level function") from None
-        torch.save({"model": part.model, "microbatch": part.units.microbatch, "split_points": part.split_points,
+        torch.save({"model": model, "microbatch": microbatch, "split_points": part.split_points,
                     "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
                     "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
                     "backend": backend, "cuda": use_cuda}, payload)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(threads))
+        setup = [f"{worker_setup.__module__}:{worker_setup.__qualname__}"] if worker_setup else []
         procs = [subprocess.Popen([sys.executable, "-m", "fxforge.pipeline.worker", str(payload), str(rank),
-                                   str(part.stages), str(folder)], env=env, stdout=subprocess.DEVNULL,
+                                   str(part.stages), str(folder), *setup], env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True) for rank in range(part.stages)]
         deadline = time.monotonic() + timeout
         errors = {}
@@ -208,6 +211,11 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
             raise RuntimeError(f"pipeline stage {rank} failed: {line}")
         results = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(part.stages)]
     return _compare(part, reference_model, args, kwargs, loss_fn, results, schedule, backend, steps)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                           value)
 
 
 def _compare(part: Partition, model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any,

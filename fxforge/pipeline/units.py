@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.nodes import is_view_op
 from fxforge.core.symbolic import hint
@@ -175,12 +176,7 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         machine: the device the stages run on (default: this machine's CPU, measured once).
         loss: outputs -> the scalar the backward starts from (only its cost depends on it).
     """
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), dict(example_inputs)
-    elif isinstance(example_inputs, (tuple, list)):
-        args, kwargs = tuple(example_inputs), {}
-    else:
-        args, kwargs = (example_inputs,), {}
+    args, kwargs = normalize_inputs(example_inputs)
     mb_args, mb_kwargs = _microbatch(args, kwargs, microbatches)
     machine = machine or measure_machine("cpu")
     if args and kwargs:

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m fxforge.pipeline.worker PAYLOAD RANK WORLD OUT_DIR
+    python -m fxforge.pipeline.worker PAYLOAD RANK WORLD OUT_DIR [SETUP_MODULE:FUNCTION]
 
 with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
@@ -13,6 +13,7 @@ and its cause, on one line.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,9 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
 
 def main(argv: list[str]) -> int:
     payload_path, rank, world, out_dir = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    if len(argv) > 4:  # module:function to call before the model is unpickled
+        module, _, name = argv[4].partition(":")
+        getattr(importlib.import_module(module), name)()
     payload = torch.load(payload_path, weights_only=False)
     if payload["cuda"]:
         device = torch.device("cuda", rank % torch.cuda.device_count())
