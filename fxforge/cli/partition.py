@@ -4,7 +4,8 @@
 ::
 
     fxforge partition MODEL --input SHAPE[:DTYPE] ... --stages K [--microbatches M] [--schedule 1F1B|GPipe]
-                      [--memory-per-stage 2GiB] [--link-gbs 12.5] [--compare] [--run [--steps N]] [--train]
+                      [--memory-per-stage 2GiB] [--link-gbs 12.5] [--costs roofline|measured] [--compare]
+                      [--run [--steps N]] [--train]
 
 The model runs in eval mode unless ``--train`` (dropout would make the single-process check inexact);
 gradients flow either way. ``--run`` uses gloo on CPU, NCCL when there is a GPU per stage.
@@ -55,7 +56,8 @@ def policy_rows(found: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 def _partition(model: Any, inputs: tuple, args: argparse.Namespace, compare: bool) -> tuple[Any, dict[str, Any]]:
     from fxforge.pipeline.partition import compare_policies, partition
 
-    options = {"microbatches": args.microbatches, "schedule": args.schedule, "link_gbs": args.link_gbs}
+    options = {"microbatches": args.microbatches, "schedule": args.schedule, "link_gbs": args.link_gbs,
+               "costs": args.costs}
     try:
         if compare:
             found = compare_policies(model, inputs, args.stages, memory_per_stage=args.memory_per_stage, **options)
@@ -133,6 +135,8 @@ def add_partition_command(commands: Any, model_arguments: Any) -> argparse.Argum
                      help="the most a stage may hold: weights, gradients, activations in flight (2GiB, 512MiB)")
     sub.add_argument("--link-gbs", type=float, default=12.5, metavar="GB/s",
                      help="bandwidth between stages for sending activations and gradients (default 12.5)")
+    sub.add_argument("--costs", choices=("roofline", "measured"), default="roofline",
+                     help="each op's time: the roofline estimate (default) or timed on one microbatch")
     sub.add_argument("--compare", action="store_true",
                      help="also show the even-by-layer and the parameter-size splits under the same cost model")
     sub.add_argument("--run", action="store_true", dest="launch",

@@ -325,7 +325,7 @@ def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: in
 def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memory_per_stage: Any = None,
               microbatches: int | None = None, schedule: str = "1F1B", link_gbs: float = LINK_GBS,
               machine: Machine | None = None, policy: str = "fxforge", units: StageUnits | None = None,
-              validate: bool = True) -> Partition:
+              validate: bool = True, costs: str = "roofline") -> Partition:
     """Split ``model`` into ``stages`` pipeline stages that balance forward + backward time.
 
     Args:
@@ -341,6 +341,8 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         policy: ``"fxforge"`` (balance costs), ``"even-layers"`` or ``"parameters"`` (the peers' splits,
             for comparison).
         units: the traced units, when already traced (to compare policies without tracing again).
+        costs: ``"roofline"`` (FLOPs and bytes on the measured machine; the default, deterministic) or
+            ``"measured"`` (every node of the step timed on one microbatch, this process's threads).
         validate: build the stages with ``torch.distributed.pipelining`` and run one microbatch through
             them in this process (a forward with real data); a split point where a stage fails is refused
             (:attr:`Partition.refused`) and the search runs again without it. fxforge's policy only.
@@ -372,7 +374,7 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         kind, cap = parse_budget(memory_per_stage)
         if kind != "bytes":
             raise ValueError(f"memory_per_stage {memory_per_stage!r}: give bytes (an int or '2GiB')")
-    units = units or stage_units(model, example_inputs, microbatches=microbatches, machine=machine)
+    units = units or stage_units(model, example_inputs, microbatches=microbatches, machine=machine, costs=costs)
     tables = StageTables.of_units(units, link_gbs)
     refused: dict[str, str] = {}
     pipe = None
@@ -405,7 +407,8 @@ def compare_policies(model: torch.nn.Module, example_inputs: Any, stages: int, *
     """
     options["microbatches"] = options.get("microbatches") or stages
     units = options.pop("units", None) or stage_units(model, example_inputs, microbatches=options["microbatches"],
-                                                      machine=options.get("machine"))
+                                                      machine=options.get("machine"),
+                                                      costs=options.get("costs", "roofline"))
     found: dict[str, Any] = {}
     for policy in POLICIES:
         try:

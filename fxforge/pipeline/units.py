@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -165,8 +166,51 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+COSTS = ("roofline", "measured")
+"""Where a node's time comes from: the roofline estimate (FLOPs and bytes on the measured machine;
+deterministic), or the node itself timed running the step's graphs on real data (one microbatch)."""
+
+
+class _TimedInterpreter(torch.fx.Interpreter):
+    """Runs a graph on real tensors and keeps each call's wall time (the least over the runs)."""
+
+    def __init__(self, module: torch.fx.GraphModule, seconds: dict[torch.fx.Node, float]):
+        super().__init__(module)
+        self.seconds = seconds
+
+    def run_node(self, node: torch.fx.Node) -> Any:
+        if node.op != "call_function":
+            return super().run_node(node)
+        start = time.perf_counter()
+        result = super().run_node(node)
+        took = time.perf_counter() - start
+        self.seconds[node] = min(took, self.seconds.get(node, took))
+        return result
+
+
+def measured_node_seconds(step: Any, flat_inputs: tuple[Any, ...], repeats: int = 3) -> dict[torch.fx.Node, float]:
+    """Each forward and backward node's time, run on the model's real parameters and ``flat_inputs`` (the
+    least of ``repeats`` runs: the first one pays for kernels' set-up). The model is not changed: the
+    graphs are functional (batch-norm statistics come out as values)."""
+    params = [p.detach() for _, p in step.wrapper.named_parameters(remove_duplicate=False)]
+    buffers = [b.detach().clone() for _, b in step.wrapper.named_buffers(remove_duplicate=False)]
+    forward_inputs = [*params, *buffers, *(t for t in flat_inputs if isinstance(t, torch.Tensor))]
+    placeholders = list(step.forward.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(forward_inputs):
+        raise ValueError(f"the forward graph takes {len(placeholders)} inputs, not {len(forward_inputs)}")
+    seconds: dict[torch.fx.Node, float] = {}
+    with torch.no_grad(), torch.random.fork_rng():
+        for _ in range(repeats):
+            outputs = _TimedInterpreter(step.forward, seconds).run(*forward_inputs)
+            saved = list(outputs[step.num_fwd_outputs:])
+            tangents = [torch.ones(n.meta["val"].shape, dtype=n.meta["val"].dtype)
+                        for n in step.backward.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+            _TimedInterpreter(step.backward, seconds).run(*saved, *tangents)
+    return seconds
+
+
 def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: int = 1,
-                machine: Machine | None = None, loss: Any = default_loss) -> StageUnits:
+                machine: Machine | None = None, loss: Any = default_loss, costs: str = "roofline") -> StageUnits:
     """Trace one microbatch of ``model``'s training step and cut it into units (module docstring).
 
     Args:
@@ -175,7 +219,11 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         microbatches: the batch is sliced into this many along dim 0; costs are per slice.
         machine: the device the stages run on (default: this machine's CPU, measured once).
         loss: outputs -> the scalar the backward starts from (only its cost depends on it).
+        costs: ``"roofline"`` (default) or ``"measured"`` (:data:`COSTS`): the latter runs the step's graphs
+            three times on one microbatch with this process's threads.
     """
+    if costs not in COSTS:
+        raise ValueError(f"costs {costs!r}: one of {', '.join(COSTS)}")
     args, kwargs = normalize_inputs(example_inputs)
     mb_args, mb_kwargs = _microbatch(args, kwargs, microbatches)
     machine = machine or measure_machine("cpu")
@@ -187,6 +235,10 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
     names = [n.target for n in graph_module.graph.find_nodes(op="placeholder")]
     flat = tuple(mb_kwargs[name] for name in names) if mb_kwargs else mb_args
     step = trace_step(graph_module, flat, {}, loss=loss)
+    timed = measured_node_seconds(step, flat) if costs == "measured" else None
+
+    def seconds_of(node: torch.fx.Node) -> float:
+        return timed.get(node, 0.0) if timed is not None else node_seconds(node, machine)
 
     forward = [n for n in step.forward.graph.nodes if n.op == "call_function"]
     starts = split_candidates([module_stack(n) for n in forward])
@@ -202,7 +254,7 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
     by_path: dict[str, int] = {}
     for node in forward:
         unit = unit_of[node]
-        fwd_s[unit] += node_seconds(node, machine)
+        fwd_s[unit] += seconds_of(node)
         flops[unit] += node_flops(node)
         if (seq := node.meta.get("seq_nr")) is not None:
             by_seq.setdefault(seq, unit)
@@ -211,7 +263,7 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         if node.op != "call_function":
             continue
         unit = by_seq.get(node.meta.get("seq_nr"), by_path.get(module_of(node), count - 1))
-        bwd_s[unit] += node_seconds(node, machine)
+        bwd_s[unit] += seconds_of(node)
 
     placeholders = [n for n in step.forward.graph.nodes if n.op == "placeholder"]
     n_params, n_buffers = len(step.parameter_names), len(step.buffer_names)

@@ -171,3 +171,13 @@ def test_a_split_point_that_fails_on_torchs_engine_is_refused_with_its_reason():
     assert list(part.refused) == ["b"] and "in-place" in part.refused["b"]
     assert "refused to begin a stage at b" in str(part)
     assert part.pipe().num_stages == 2
+
+
+def test_measured_costs_time_every_unit_on_real_data(gpt2):
+    units = stage_units(gpt2, {"input_ids": models.ids(batch=4)}, microbatches=2, costs="measured")
+    assert (units.forward_seconds > 0).sum() >= len(units) - 1        # the first unit may hold only a view
+    assert units.backward_seconds.sum() > 0
+    part = fxforge.partition(gpt2, None, 2, units=units, validate=False)
+    assert len(part.split_points) == 1
+    with pytest.raises(ValueError, match="costs 'guess'"):
+        stage_units(gpt2, {"input_ids": models.ids(batch=4)}, costs="guess")
