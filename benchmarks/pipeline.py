@@ -25,13 +25,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -40,6 +37,7 @@ import torch
 
 from benchmarks import report
 from benchmarks import training_models as models_mod
+from benchmarks.zoo import zoo_passthrough
 
 SECTION = "pipeline"
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -237,21 +235,12 @@ def _settle_batch_norm(name: str, model: torch.nn.Module, inputs: tuple) -> None
 
 def run_in_zoo_env(models: list[str], argv_rest: list[str], python: str) -> dict[str, Any]:
     """This runner for the zoo ``models`` in the zoo environment; failed rows when it cannot run."""
-    def failed(why: str) -> dict[str, Any]:
-        return {"meta": {}, "plans": [{"model": m, "status": "failed", "error": why} for m in models], "measured": []}
+    from benchmarks.zoo import run_runner_in_zoo
 
-    if not os.path.exists(python):
-        return failed(f"the zoo environment is missing ({python}; `make zoo` builds it)")
-    with tempfile.TemporaryDirectory(prefix="fxforge-bench-pipeline-") as out:
-        cmd = [python, "-m", "benchmarks.pipeline", "--models", ",".join(models), "--out", out, "--no-markdown",
-               *argv_rest]
-        log(f"zoo models: {shlex.join(cmd[1:])}")
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, check=False)
-        path = os.path.join(out, f"results-{SECTION}.json")
-        if not os.path.exists(path):
-            return failed(f"the zoo run exited with status {proc.returncode} and wrote no results")
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+    result, why = run_runner_in_zoo("benchmarks.pipeline", SECTION, models, argv_rest, python, log)
+    if result is None:
+        return {"meta": {}, "plans": [{"model": m, "status": "failed", "error": why} for m in models], "measured": []}
+    return result
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
@@ -260,7 +249,7 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
-    lines = [f"### {meta['title']}", "",
+    lines = [f"## {meta['title']}", "",
              f"- Command: `{meta['command']}`", f"- Commit: `{meta.get('commit')}`, {meta['date']}",
              f"- Machine: {meta['machine']}",
              "- Planned: " + "; ".join(f"{m}: {d}" for m, d in meta["models"].items()),
@@ -353,18 +342,6 @@ def build_parser(prog: str = "python -m benchmarks.pipeline") -> argparse.Argume
     return p
 
 
-def _passthrough(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--models", "--out", "--markdown", "--zoo-python"):
-            skip = True
-        elif arg.split("=")[0] not in ("--models", "--out", "--markdown", "--zoo-python", "--no-markdown"):
-            out.append(arg)
-    return out
-
-
 def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.pipeline") -> int:
     from benchmarks.run import git_commit
 
@@ -404,7 +381,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.pip
         result["measured"] += measured
         report.write_json(json_path, result)
     if elsewhere:
-        zoo = run_in_zoo_env(elsewhere, _passthrough(argv), opts.zoo_python)
+        zoo = run_in_zoo_env(elsewhere, zoo_passthrough(argv), opts.zoo_python)
         result["plans"] += zoo["plans"]
         result["measured"] += zoo["measured"]
     result["meta"]["complete"] = True

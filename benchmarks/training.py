@@ -52,12 +52,10 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import json
 import math
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +71,7 @@ from benchmarks import report
 from benchmarks import training_models as models_mod
 from benchmarks.step_memory import mark, step_peak, tracker_peak
 from benchmarks.training_report import COLUMNS, PREDICTION_COLUMNS, summary, write_markdown
+from benchmarks.zoo import zoo_passthrough
 
 SECTION = "training"
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -610,21 +609,10 @@ def run_in_zoo_env(models: list[str], argv_rest: list[str], python: str = ZOO_PY
                    log: Callable[[str], None] = log) -> dict[str, Any]:
     """Run this runner for ``models`` in the zoo environment's ``python`` (a subprocess, its log on our stderr)
     and return its result; a result with failed rows when it cannot run."""
-    if not os.path.exists(python):
-        return _failed_result(models, f"the zoo environment is missing ({python}; `make zoo` builds it)")
-    with tempfile.TemporaryDirectory(prefix="fxforge-bench-training-") as out:
-        cmd = [python, "-m", "benchmarks.training", "--models", ",".join(models), "--out", out, "--no-markdown",
-               *argv_rest]
-        log(f"zoo models in {os.path.dirname(os.path.dirname(python))}: {shlex.join(cmd[1:])}")
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, check=False)
-        path = os.path.join(out, f"results-{SECTION}.json")
-        if not os.path.exists(path):
-            return _failed_result(models, f"the zoo run exited with status {proc.returncode} and wrote no results")
-        with open(path, encoding="utf-8") as f:
-            result = json.load(f)
-    if proc.returncode != 0:
-        result["meta"]["zoo_returncode"] = proc.returncode
-    return result
+    from benchmarks.zoo import run_runner_in_zoo
+
+    result, why = run_runner_in_zoo("benchmarks.training", SECTION, models, argv_rest, python, log)
+    return result if result is not None else _failed_result(models, why)
 
 
 def _failed_result(models: list[str], why: str) -> dict[str, Any]:
@@ -697,22 +685,6 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.tra
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-def _passthrough(argv: list[str]) -> list[str]:
-    """The arguments a zoo subprocess gets: all but ``--models``, ``--out``, the markdown ones."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--models", "--out", "--markdown", "--zoo-python"):
-            skip = True
-            continue
-        if arg.split("=")[0] in ("--models", "--out", "--markdown", "--zoo-python") or arg == "--no-markdown":
-            continue
-        out.append(arg)
-    return out
-
-
 def _run(opts: argparse.Namespace, argv: list[str], timing: dict[str, int], command: str) -> int:
     from benchmarks.run import git_commit
 
@@ -758,7 +730,7 @@ def _run(opts: argparse.Namespace, argv: list[str], timing: dict[str, int], comm
         result["rows"].extend(rows)
         report.write_json(json_path, result)  # partial results survive a crash or ^C
     if elsewhere:
-        zoo = run_in_zoo_env(elsewhere, _passthrough(argv), python=opts.zoo_python)
+        zoo = run_in_zoo_env(elsewhere, zoo_passthrough(argv), python=opts.zoo_python)
         result["predictions"] += zoo["predictions"]
         result["rows"] += zoo["rows"]
         zoo_meta = zoo.get("meta") or {}

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
@@ -293,3 +294,54 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------------------------------
+# other runners' zoo models
+
+
+ZOO_RUNNER_OPTIONS = ("--models", "--out", "--markdown", "--zoo-python")
+"""Options a runner sets itself for its zoo subprocess (the rest of its command line passes through)."""
+
+
+def zoo_passthrough(argv: list[str]) -> list[str]:
+    """The arguments a runner's zoo subprocess gets: all but :data:`ZOO_RUNNER_OPTIONS` (with their values)
+    and ``--no-markdown``.
+
+    Example:
+        >>> zoo_passthrough(["--models", "a,b", "--quick", "--out=x", "--no-markdown", "--rounds", "2"])
+        ['--quick', '--rounds', '2']
+    """
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ZOO_RUNNER_OPTIONS:
+            skip = True
+        elif arg.split("=")[0] not in ZOO_RUNNER_OPTIONS and arg != "--no-markdown":
+            out.append(arg)
+    return out
+
+
+def run_runner_in_zoo(module: str, section: str, models: list[str], argv_rest: list[str], python: str,
+                      log: Callable[[str], None] = print) -> tuple[dict | None, str | None]:
+    """``python -m MODULE --models ... --out TMP --no-markdown ARGV_REST`` in the zoo environment's ``python``
+    (its log on our stderr): ``(its results-SECTION.json, None)``, or ``(None, why)`` when it cannot run."""
+    import json
+    import subprocess
+
+    if not os.path.exists(python):
+        return None, f"the zoo environment is missing ({python}; `make zoo` builds it)"
+    with tempfile.TemporaryDirectory(prefix=f"fxforge-bench-{section}-") as out:
+        cmd = [python, "-m", module, "--models", ",".join(models), "--out", out, "--no-markdown", *argv_rest]
+        log(f"zoo models in {os.path.dirname(os.path.dirname(python))}: {shlex.join(cmd[1:])}")
+        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              stdout=subprocess.DEVNULL, check=False)
+        path = os.path.join(out, f"results-{section}.json")
+        if not os.path.exists(path):
+            return None, f"the zoo run exited with status {proc.returncode} and wrote no results"
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    if proc.returncode != 0:
+        result.setdefault("meta", {})["zoo_returncode"] = proc.returncode
+    return result, None
