@@ -5,8 +5,8 @@ For GPT-2, LLaMA (transformers, random weights), torchvision ResNet-50 and timm 
 environment) at 2, 4 and 8 stages with ``2k`` microbatches: each policy's bottleneck ratio (slowest /
 mean stage cost) and simulated 1F1B and GPipe throughput, all under fxforge's one cost model (roofline
 forward + backward per unit on this machine, bytes sent at 12.5 GB/s). Then, at 2 stages, a measured
-step on CPU with gloo (one process per stage, one thread each) for fxforge's split and the even split,
-interleaved, with the single process (two threads) beside them, and the check that each run's outputs
+step on CPU with gloo (one process per stage, one thread each) for fxforge's split, fxforge's split from
+measured costs (``costs="measured"``, where it differs) and the even split, interleaved, with the single process (two threads) beside them, and the check that each run's outputs
 and gradients equal the single process's: in float32 (within 1e-4 relative, 1e-5 absolute) and once more
 in float64, where a pipeline error would stay and the rounding that train-mode batch norm over a few
 samples per microbatch amplifies in float32 does not.
@@ -137,6 +137,18 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
                                          units=parts["fxforge"].units)
     except ValueError as exc:
         log(f"[{name}] no even split: {exc}")
+    # fxforge's split from measured costs: every node timed on one microbatch with one thread, as each
+    # stage's process runs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        measured_split = partition(model, inputs, 2, microbatches=4, costs="measured")
+    finally:
+        torch.set_num_threads(threads)
+    if measured_split.split_points != parts["fxforge"].split_points:
+        parts["fxforge-measured"] = measured_split
+    else:
+        log(f"[{name}] measured costs choose the roofline split too ({measured_split.split_points})")
     times: dict[str, list[float]] = {p: [] for p in parts}
     reference: list[float] = []
     checks: dict[str, list[bool]] = {p: [] for p in parts}
@@ -278,7 +290,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"\n{model}: torch.distributed.pipelining cannot run fxforge's split (nor, in our tries, any "
                      f"split): {why}. Its rows are the cost model's.")
     lines += ["", ("Measured at 2 stages on CPU with gloo (one process per stage, 1 thread each; the single process "
-              "has 2 threads), 4 microbatches, 1F1B, steps after the first, policies in turns:"), "",
+              "has 2 threads), 4 microbatches, 1F1B, steps after the first, policies in turns; fxforge-measured: "
+              "the split from `costs=\"measured\"` (each node timed on one microbatch, one thread), shown where it "
+              "differs from the roofline one; its bottleneck is by its own costs:"), "",
               ("| model | policy | bottleneck (model) | step ms (median) | IQR ms | steps | single process ms | "
               "single / pipeline | even / fxforge | float32: outputs & gradients = single process | float64: the same |"),
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
