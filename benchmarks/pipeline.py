@@ -294,7 +294,7 @@ def markdown(result: dict[str, Any]) -> str:
               "the split from `costs=\"measured\"` (each node timed on one microbatch, one thread), shown where it "
               "differs from the roofline one; its bottleneck is by its own costs:"), "",
               ("| model | policy | bottleneck (model) | step ms (median) | IQR ms | steps | single process ms | "
-              "single / pipeline | even / fxforge | float32: outputs & gradients = single process | float64: the same |"),
+              "single / pipeline | step / fxforge's (roofline split) | float32: outputs & gradients = single process | float64: the same |"),
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in result["measured"]:
         if r.get("status") != "ok":

@@ -1,5 +1,6 @@
 """Smoke test of the pipeline benchmark (``python -m benchmarks --suite pipeline``, issue 23): the whole
-runner on a tiny GPT-2 at 2 and 4 stages with one measured round at 2 stages (two gloo runs), its rows, its
+runner on a tiny GPT-2 at 2 and 4 stages with one measured round at 2 stages (gloo runs of each split, and
+the float64 check), its rows, its
 markdown block and the section's registration. ``benchmarks/RESULTS.md`` is never touched."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def test_every_policy_has_a_row_per_stage_count(result):
 def test_the_measured_runs_match_the_single_process(result):
     data, _ = result
     measured = {r["policy"]: r for r in data["measured"]}
-    assert set(measured) == {"fxforge", "even-layers"}
+    # fxforge-measured (the split from measured costs) runs only where it differs from the roofline split.
+    assert {"fxforge", "even-layers"} <= set(measured) <= {"fxforge", "even-layers", "fxforge-measured"}
     for row in measured.values():
         assert row["status"] == "ok" and row["matches"] and row["step_ms"] > 0 and row["single_process_ms"] > 0
     assert measured["fxforge"]["fxforge_speedup"] == pytest.approx(1.0)
