@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.pipeline.partition import Partition
+from fxforge.pipeline.units import microbatches_of
 
 RTOL, ATOL = 1e-4, 1e-5
 """How close the pipeline's outputs and gradients must be to the single process's (float32 sums in
@@ -98,21 +99,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def microbatches_of(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[tuple[tuple, dict]]:
-    """The batch sliced along dim 0 into ``count`` microbatches, as the schedules slice it.
-
-    Example:
-        >>> [a[0].shape[0] for a, _ in microbatches_of((torch.ones(6, 2),), {}, 3)]
-        [2, 2, 2]
-    """
-    def piece(value: Any, i: int) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.tensor_split(count)[i]
-        return value
-
-    return [(tuple(piece(a, i) for a in args), {k: piece(v, i) for k, v in kwargs.items()}) for i in range(count)]
 
 
 def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatches: int, loss_fn: Any

@@ -75,6 +75,12 @@ def _sent_on(values: Sequence[Item], units: int) -> np.ndarray:
     return np.cumsum(np.cumsum(table, axis=0), axis=1)[:units + 1, :units + 1]
 
 
+def _span(per_unit: Sequence[float]) -> np.ndarray:
+    """``T[a, b]``: the sum of ``per_unit`` over the units ``[a, b)``."""
+    prefix = np.concatenate([[0.0], np.cumsum(per_unit)])
+    return prefix[None, :] - prefix[:, None]
+
+
 @dataclasses.dataclass
 class StageTables:
     """Per candidate stage ``[a, b)`` of units (``0 <= a < b <= U``): what it costs and holds.
@@ -106,15 +112,10 @@ class StageTables:
     def of_units(cls, units: StageUnits, link_gbs: float = 12.5) -> StageTables:
         """The tables of a traced model (:func:`fxforge.pipeline.units.stage_units`)."""
         count = len(units)
-
-        def span(per_unit: np.ndarray) -> np.ndarray:
-            prefix = np.concatenate([[0.0], np.cumsum(per_unit)])
-            return prefix[None, :] - prefix[:, None]
-
         state = [*units.parameters, *units.buffers]
-        return cls(span(units.forward_seconds), span(units.backward_seconds), _sent_on(units.values, count),
+        return cls(_span(units.forward_seconds), _span(units.backward_seconds), _sent_on(units.values, count),
                    _any_use([v for v in units.values if v.grad], count, made_before=True),
-                   _any_use(units.values, count, made_before=True), span(units.saved_bytes),
+                   _any_use(units.values, count, made_before=True), _span(units.saved_bytes),
                    _any_use(state, count), _any_use([p for p in units.parameters if p.grad], count), link_gbs)
 
     @classmethod
@@ -129,16 +130,11 @@ class StageTables:
         """
         count = len(seconds)
         zero = np.zeros((count + 1, count + 1))
-
-        def span(per_unit: Sequence[float]) -> np.ndarray:
-            prefix = np.concatenate([[0.0], np.cumsum(per_unit)])
-            return prefix[None, :] - prefix[:, None]
-
         crossing = np.zeros((count + 1, count + 1))
         for b in range(1, count):
             crossing[:b, b] = (sent or [0.0] * count)[b - 1]
-        return cls(span(seconds), zero.copy(), crossing, zero.copy(), zero.copy(), zero.copy(),
-                   span(memory or [0.0] * count), zero.copy(), link_gbs)
+        return cls(_span(seconds), zero.copy(), crossing, zero.copy(), zero.copy(), zero.copy(),
+                   _span(memory or [0.0] * count), zero.copy(), link_gbs)
 
     def seconds(self, a: int, b: int) -> float:
         """Stage ``[a, b)``'s time per microbatch: compute plus what it sends at the link's bandwidth."""

@@ -138,26 +138,36 @@ def split_candidates(stacks: list[list[str]]) -> dict[int, str]:
     return starts
 
 
+def microbatches_of(args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[tuple[tuple, dict]]:
+    """The batch sliced along dim 0 into ``count`` microbatches, as the schedules slice it.
+
+    Example:
+        >>> [a[0].shape[0] for a, _ in microbatches_of((torch.ones(6, 2),), {}, 3)]
+        [2, 2, 2]
+    """
+    def piece(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.tensor_split(count)[i]
+        return value
+
+    return [(tuple(piece(a, i) for a in args), {k: piece(v, i) for k, v in kwargs.items()}) for i in range(count)]
+
+
 def _microbatch(args: tuple[Any, ...], kwargs: dict[str, Any], microbatches: int):
-    """The first of ``microbatches`` equal slices of every tensor input along dim 0."""
-    leaves = tensor_leaves((args, kwargs))
-    sizes = {t.shape[0] for t in leaves if t.dim() > 0}
+    """The first of ``microbatches`` equal slices of every tensor input along dim 0 (copies: the slices are
+    pickled to the workers, and a view would carry the whole batch)."""
     if microbatches == 1:
         return args, kwargs
+    sizes = {t.shape[0] for t in tensor_leaves((args, kwargs)) if t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(f"cannot split the inputs into {microbatches} microbatches: their first dimensions "
                          f"differ ({sorted(sizes)}); pipelining slices every input tensor along dim 0")
     (batch,) = sizes
     if batch % microbatches:
         raise ValueError(f"the batch of {batch} does not split into {microbatches} equal microbatches")
-    size = batch // microbatches
-
-    def first(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value[:size].clone()
-        return value
-
-    return (tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()})
+    first_args, first_kwargs = microbatches_of(args, kwargs, microbatches)[0]
+    return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                        (first_args, first_kwargs))
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.measure import StepMeasurement, measure_step, unique_bytes
@@ -203,15 +204,6 @@ class TrainingMemory:
                 f"{_mib(self.optimizer_state_bytes)}, activations={_mib(self.activations_bytes)} MiB)")
 
 
-def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` from what users pass as example inputs: a tuple, one tensor, or a dict of keywords."""
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
-
-
 def _module_table(model: torch.nn.Module, step: StepGraphs, sim: StepSimulation, opt: OptimizerMemory):
     import pandas as pd
 
@@ -262,7 +254,7 @@ def training_memory(model: torch.nn.Module, example_inputs: Any, optimizer: Any 
         >>> round(tm.optimizer_state_bytes / 2**20, 2)     # SGD with momentum: one buffer per parameter
         4.0
     """
-    args, kwargs = split_inputs(example_inputs)
+    args, kwargs = normalize_inputs(example_inputs)
     loss = loss or default_loss
     graph_module = eager_like_graph(model, example_inputs)
     step = trace_step(graph_module, args, kwargs, loss=loss, autocast=autocast)

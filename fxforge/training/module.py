@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
 from fxforge.rewrites.memory_reorder.planning import apply_order
@@ -162,9 +163,7 @@ class CheckpointedModule(torch.nn.Module):
         self._unplannable: set[tuple] = set()
         self.plans = 0
         self.plan: CheckpointPlan | None = None
-        from fxforge.training.breakdown import split_inputs
-
-        args, kwargs = split_inputs(example_inputs)
+        args, kwargs = normalize_inputs(example_inputs)
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
