@@ -71,9 +71,6 @@ from benchmarks import report
 from benchmarks.contenders import ort_providers, ort_session, ort_session_options
 
 SECTION = "dynamic"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
-DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
 
 MODELS = ("bert", "gpt2", "llama")
 DEFAULT_CONTENDERS = ("eager", "compile", "ort", "fxforge", "fxforge_ort")
@@ -772,9 +769,7 @@ def build_parser(prog: str = "python -m benchmarks.dynamic") -> argparse.Argumen
                    help=f"calls left out of p99/p50 after warm-up (default {WARMUP_CALLS})")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and ORT intra-op threads "
                    "(default 2, as the harness)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results-dynamic.json (default benchmarks/out/)")
-    p.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="markdown file whose dynamic block is replaced")
-    p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+    report.add_output_options(p, SECTION)
     return p
 
 

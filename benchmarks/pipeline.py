@@ -37,14 +37,9 @@ import torch
 
 from benchmarks import report
 from benchmarks import training_models as models_mod
-from benchmarks.zoo import zoo_passthrough
+from benchmarks.zoo import ZOO_PYTHON, zoo_passthrough
 
 SECTION = "pipeline"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(PACKAGE_DIR)
-DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
-DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
-ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
 
 MODELS = ("gpt2", "llama", "resnet50", "vit_small")
 STAGES = (2, 4, 8)
@@ -350,9 +345,7 @@ def build_parser(prog: str = "python -m benchmarks.pipeline") -> argparse.Argume
     p.add_argument("--quick", action="store_true", help="tiny models, one round of 2 steps: a smoke run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zoo-python", default=ZOO_PYTHON)
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results-pipeline.json")
-    p.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="markdown file whose pipeline block is replaced")
-    p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+    report.add_output_options(p, SECTION)
     return p
 
 

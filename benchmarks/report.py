@@ -28,6 +28,27 @@ from typing import Any
 
 from fxforge.core.disk_cache import cpu_model
 
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(PACKAGE_DIR)
+DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
+"""Where the runners write their results-*.json."""
+DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
+"""The results file whose blocks the runners replace."""
+
+
+def add_output_options(parser, section: str) -> None:
+    """A runner's ``--out``, ``--markdown`` and ``--no-markdown`` (its JSON and its block of RESULTS.md).
+
+    Example:
+        >>> import argparse; p = argparse.ArgumentParser(); add_output_options(p, "pipeline")
+        >>> p.parse_args(["--no-markdown"]).out == DEFAULT_OUT
+        True
+    """
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"directory for results-{section}.json (default benchmarks/out/)")
+    parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help=f"markdown file whose {section} block is replaced")
+    parser.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+
 BEGIN = "<!-- harness:begin -->"
 END = "<!-- harness:end -->"
 

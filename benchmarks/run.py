@@ -61,9 +61,6 @@ from benchmarks import (
 )
 from benchmarks import suite as suite_mod
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
-DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
 DEFAULT_CONTENDERS = ["eager", "torch.compile", "ort", "fxforge"]
 
 DEFAULTS = {"rounds": 5, "reps": 10, "warmup": 3}
@@ -212,7 +209,7 @@ def make_sync(device: torch.device) -> Callable[[], None]:
 
 def git_commit() -> str | None:
     """``git describe``-like short commit of the repository (read-only), or None."""
-    root = os.path.dirname(PACKAGE_DIR)
+    root = report.REPO_ROOT
     try:
         sha = subprocess.run(
             ["git", "-C", root, "rev-parse", "--short", "HEAD"],
@@ -481,9 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and ORT intra-op threads "
                    "(default 2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run (default cpu)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results.json (results-SUITE.json with "
+    p.add_argument("--out", default=report.DEFAULT_OUT, help="directory for results.json (results-SUITE.json with "
                    "--suite; default benchmarks/out/)")
-    p.add_argument("--markdown", default=DEFAULT_MARKDOWN,
+    p.add_argument("--markdown", default=report.DEFAULT_MARKDOWN,
                    help="markdown file whose harness block (or the section's) is replaced (default "
                    "benchmarks/RESULTS.md)")
     p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")

@@ -71,14 +71,9 @@ from benchmarks import report
 from benchmarks import training_models as models_mod
 from benchmarks.step_memory import mark, step_peak, tracker_peak
 from benchmarks.training_report import COLUMNS, PREDICTION_COLUMNS, summary, write_markdown
-from benchmarks.zoo import zoo_passthrough
+from benchmarks.zoo import ZOO_PYTHON, zoo_passthrough
 
 SECTION = "training"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(PACKAGE_DIR)
-DEFAULT_OUT = os.path.join(PACKAGE_DIR, "out")
-DEFAULT_MARKDOWN = os.path.join(PACKAGE_DIR, "RESULTS.md")
-ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
 
 FRACTIONS = (0.8, 0.6, 0.4)
 KINDS = ("eager", "checkpoint", "inductor", "fxforge", "fxforge-peer", "fxforge-inductor", "fxforge-inductor-peer")
@@ -648,9 +643,7 @@ def build_parser(prog: str = "python -m benchmarks.training") -> argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--zoo-python", default=ZOO_PYTHON, help="the zoo environment's python (default .venv-zoo)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for results-training.json (default benchmarks/out/)")
-    p.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="markdown file whose training block is replaced")
-    p.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
+    report.add_output_options(p, SECTION)
     return p
 
 

@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 import torch
 from torch import nn
 
+from benchmarks.report import REPO_ROOT
+
 SECTION = "zoo"
 IMAGE_SIZE = 224
 SEED = 0
@@ -300,6 +302,9 @@ if __name__ == "__main__":
 # other runners' zoo models
 
 
+ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
+"""The zoo environment's interpreter (``make zoo`` builds it)."""
+
 ZOO_RUNNER_OPTIONS = ("--models", "--out", "--markdown", "--zoo-python")
 """Options a runner sets itself for its zoo subprocess (the rest of its command line passes through)."""
 
@@ -335,8 +340,7 @@ def run_runner_in_zoo(module: str, section: str, models: list[str], argv_rest: l
     with tempfile.TemporaryDirectory(prefix=f"fxforge-bench-{section}-") as out:
         cmd = [python, "-m", module, "--models", ",".join(models), "--out", out, "--no-markdown", *argv_rest]
         log(f"zoo models in {os.path.dirname(os.path.dirname(python))}: {shlex.join(cmd[1:])}")
-        proc = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              stdout=subprocess.DEVNULL, check=False)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, check=False)
         path = os.path.join(out, f"results-{section}.json")
         if not os.path.exists(path):
             return None, f"the zoo run exited with status {proc.returncode} and wrote no results"
