@@ -99,6 +99,10 @@ def run_partition(args: argparse.Namespace) -> int:
     console.print(f"bottleneck ratio (slowest / mean stage): {part.bottleneck_ratio:.3f}", markup=False)
     console.print("split_spec: {" + ", ".join(f"{n!r}: SplitPoint.BEGINNING" for n in part.split_points) + "}",
                   markup=False, highlight=False, soft_wrap=True)
+    if part.column_blocks:
+        console.print(f"  (the split points name fxforge.pipeline.columns.with_column_blocks(model, {part.column_blocks!r}),"
+                      " which shares the model's parameters: Partition.pipeline_model)", markup=False,
+                      highlight=False, soft_wrap=True)
     if found:
         table = Table(title="against the peers' splits (same cost model)", title_justify="left")
         for column in ("policy", "bottleneck", "1F1B samples/s", "GPipe samples/s", "split points"):

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
+from fxforge.pipeline.columns import with_column_blocks
 from fxforge.pipeline.partition import Partition
 from fxforge.pipeline.units import microbatches_of
 
@@ -159,6 +160,14 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         model = copy.deepcopy(model).to(dtype)
         args, kwargs, microbatch = _cast((args, kwargs, microbatch), dtype)
     reference_model = copy.deepcopy(model)
+    # The stages are built from the model the split points name (with column blocks, a root sharing
+    # the model's parameters); each parameter's gradient is checked under the model's own first name.
+    staged = with_column_blocks(model, part.column_blocks) if part.column_blocks else model
+    aliases: dict[int, tuple[str, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), (name, []))
+    for name, p in staged.named_parameters(remove_duplicate=False):
+        aliases[id(p)][1].append(name)
     with tempfile.TemporaryDirectory(prefix="fxforge-pipeline-") as tmp:
         folder = Path(tmp)
         payload = folder / "payload.pt"
@@ -166,7 +175,7 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
             pickle.dumps(loss_fn)
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise ValueError(f"loss_fn cannot be sent to the workers ({error}): give a module-level function") from None
-        torch.save({"model": model, "microbatch": microbatch, "split_points": part.split_points,
+        torch.save({"model": staged, "microbatch": microbatch, "split_points": part.split_points,
                     "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
                     "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
                     "backend": backend, "cuda": use_cuda}, payload)
@@ -196,7 +205,8 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
             rank, line = (first or sorted(own.items()) or sorted(errors.items()))[0]
             raise RuntimeError(f"pipeline stage {rank} failed: {line}")
         results = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(part.stages)]
-    return _compare(part, reference_model, args, kwargs, loss_fn, results, schedule, backend, steps)
+    return _compare(part, reference_model, list(aliases.values()), args, kwargs, loss_fn, results, schedule,
+                    backend, steps)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -204,8 +214,9 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
                            value)
 
 
-def _compare(part: Partition, model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any,
-             results: list[dict[str, Any]], schedule: str, backend: str, steps: int) -> PipelineRun:
+def _compare(part: Partition, model: torch.nn.Module, aliases: list[tuple[str, list[str]]], args: tuple,
+             kwargs: dict, loss_fn: Any, results: list[dict[str, Any]], schedule: str, backend: str,
+             steps: int) -> PipelineRun:
     reference_seconds = []
     outputs, grads = None, None
     for _ in range(steps):
@@ -214,20 +225,17 @@ def _compare(part: Partition, model: torch.nn.Module, args: tuple, kwargs: dict,
         reference_seconds.append(seconds)
     got_outputs = [t for t in pytree.tree_leaves(results[-1]["output"]) if isinstance(t, torch.Tensor)]
     output_error, outputs_match = _difference(outputs, got_outputs)
-    # A parameter several stages hold (tied embeddings) gets a gradient on each: they add up.
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
+    # A parameter several stages hold (tied embeddings, a layer's column blocks) gets a gradient on each,
+    # under any of its names: they add up.
     summed: dict[str, torch.Tensor] = {}
     for result in results:
         for name, grad in result["grads"].items():
             if grad is not None:
                 summed[name] = summed[name] + grad if name in summed else grad
     expected, got = [], []
-    for names in names_of.values():
-        reference = grads[names[0]]
+    for reference_name, names in aliases:
         parts = [summed[n] for n in names if n in summed]
-        expected.append(reference if reference is not None else None)
+        expected.append(grads[reference_name])
         got.append(sum(parts) if parts else None)
     gradient_error, gradients_match = 0.0, True
     for ref, mine in zip(expected, got):

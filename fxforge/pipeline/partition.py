@@ -17,13 +17,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import itertools
+import math
 import warnings
 from typing import Any
 
 import torch
 
+from fxforge.pipeline.columns import column_plans, with_column_blocks
 from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
 from fxforge.pipeline.split import (
     SCHEDULES,
@@ -40,6 +43,9 @@ from fxforge.training.checkpointing import parse_budget
 POLICIES = ("fxforge", "even-layers", "parameters")
 """How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or
 PiPPy's old even split of the parameter bytes."""
+
+BLOCKS_GAIN = 0.99
+"""Column blocks are kept only when they make the slowest stage at least this much faster (a factor)."""
 
 MAX_REFUSALS = 16
 """Split points refused on torch's engine before the search gives up."""
@@ -74,6 +80,10 @@ class Partition:
         units: the traced chain of units the split was made on.
         refused: split points a stage could not begin at on torch's engine, with the error (a stage that
             changes a received tensor in place: ``out += identity`` right after the split).
+        column_blocks: the ``Linear`` layers computed in blocks of output features so that stages can share
+            them (:mod:`fxforge.pipeline.columns`), with their number of blocks; empty when none is.
+        pipeline_model: the model the split points name: the model itself, or, with column blocks, a new
+            root sharing its parameters (:func:`~fxforge.pipeline.columns.with_column_blocks`).
     """
 
     model: torch.nn.Module
@@ -92,7 +102,13 @@ class Partition:
     units: StageUnits
     link_gbs: float
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    column_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    pipeline_model: Any = dataclasses.field(default=None, repr=False)
     _pipe: Any = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pipeline_model is None:
+            self.pipeline_model = self.model
 
     @property
     def split_spec(self) -> dict[str, Any]:
@@ -149,9 +165,10 @@ class Partition:
 
     def pipe(self) -> Any:
         """The model split by ``torch.distributed.pipelining.pipeline()`` at :attr:`split_spec` (traced
-        with ``torch.export`` on one microbatch; built once). The model itself is left as it was."""
+        with ``torch.export`` on one microbatch; built once) of :attr:`pipeline_model`. The model itself is
+        left as it was."""
         if self._pipe is None:
-            self._pipe = build_pipe(self.model, self.units.microbatch, self.split_spec, self.stages)
+            self._pipe = build_pipe(self.pipeline_model, self.units.microbatch, self.split_spec, self.stages)
         return self._pipe
 
     def build_stage(self, rank: int, device: Any, group: Any = None) -> Any:
@@ -180,6 +197,9 @@ class Partition:
         for name, sim in ((n, self.simulate(n)) for n in SCHEDULES):
             lines.append(f"  {name}: step {_ms(sim.makespan)}, {sim.throughput:.1f} samples/s, "
                          f"bubble {sim.bubble:.0%}")
+        for name, count in self.column_blocks.items():
+            lines.append(f"  {name} (Linear) computed in {count} blocks of its output features, so that stages "
+                         f"can share it: {name}.blocks.0 .. {name}.blocks.{count - 1}")
         if self.memory_per_stage is not None:
             lines.append(f"  memory cap per stage: {_mib(self.memory_per_stage)}")
         for name, reason in self.refused.items():
@@ -325,7 +345,7 @@ def _figures(tables: StageTables, units: StageUnits, cuts: list[int], stages: in
 def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memory_per_stage: Any = None,
               microbatches: int | None = None, schedule: str = "1F1B", link_gbs: float = LINK_GBS,
               machine: Machine | None = None, policy: str = "fxforge", units: StageUnits | None = None,
-              validate: bool = True, costs: str = "roofline") -> Partition:
+              validate: bool = True, costs: str = "roofline", column_blocks: bool = True) -> Partition:
     """Split ``model`` into ``stages`` pipeline stages that balance forward + backward time.
 
     Args:
@@ -346,6 +366,10 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         validate: build the stages with ``torch.distributed.pipelining`` and run one microbatch through
             them in this process (a forward with real data); a split point where a stage fails is refused
             (:attr:`Partition.refused`) and the search runs again without it. fxforge's policy only.
+        column_blocks: where a ``Linear`` layer alone takes more than a mean stage (an LM head over a large
+            vocabulary), also plan the model with that layer computed in blocks of its output features
+            (:mod:`fxforge.pipeline.columns`; blocks of 1/2, 1/4 and 1/6 of a mean stage are tried), and
+            keep the best of those plans when its slowest stage is at least 1 % faster. fxforge's policy only; the split points then name :attr:`Partition.pipeline_model`.
 
     Raises:
         ValueError: bad arguments, a model with fewer split points than stages, a cap no split fits (with
@@ -378,12 +402,27 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     tables = StageTables.of_units(units, link_gbs)
     refused: dict[str, str] = {}
     pipe = None
+    pipeline_model, blocks = model, {}
     if policy == "fxforge":
-        def search(forbidden: frozenset[int]) -> list[int]:
+        def search(forbidden: frozenset[int], tables: StageTables = tables) -> list[int]:
             return best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
                               forbidden=forbidden)
 
-        cuts, refused, pipe = _engine_split(model, units, stages, search) if validate else (search(frozenset()), {}, None)
+        if column_blocks:
+            slowest = BLOCKS_GAIN * _slowest(tables, search)
+            for plan in column_plans(model, units.names, units.seconds, stages):
+                blocked = with_column_blocks(model, plan)
+                blocked_units = stage_units(blocked, units.microbatch[1] or units.microbatch[0],
+                                            machine=units.machine, costs=costs)   # the same microbatch
+                blocked_tables = StageTables.of_units(blocked_units, link_gbs)
+                if (candidate := _slowest(blocked_tables, search)) < slowest:
+                    slowest, pipeline_model, blocks, units, tables = (candidate, blocked, plan, blocked_units,
+                                                                      blocked_tables)
+            search = functools.partial(search, tables=tables)
+        if validate:
+            cuts, refused, pipe = _engine_split(pipeline_model, units, stages, search)
+        else:
+            cuts = search(frozenset())
     elif policy == "even-layers":
         cuts = even_layer_split(units.names, model, stages)
     else:
@@ -394,7 +433,19 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     if cap is not None and max(memory) > cap and policy == "fxforge":  # best_split guarantees it
         raise AssertionError("the chosen split exceeds the memory cap")
     return Partition(model, stages, microbatches, schedule, policy, [units.names[c] for c in cuts], list(cuts),
-                     forward, backward, costs, memory, crossing, cap, units, link_gbs, refused, pipe)
+                     forward, backward, costs, memory, crossing, cap, units, link_gbs, refused, blocks,
+                     pipeline_model, pipe)
+
+
+def _slowest(tables: StageTables, search: Any) -> float:
+    """The slowest stage of ``search``'s best split of ``tables`` (infinite when no split fits)."""
+    try:
+        cuts = search(frozenset(), tables=tables)
+    except ValueError:
+        return math.inf
+    time = tables.time_table()
+    edges = [0, *cuts, tables.units]
+    return max(float(time[a, b]) for a, b in itertools.pairwise(edges))
 
 
 def compare_policies(model: torch.nn.Module, example_inputs: Any, stages: int, **options: Any) -> dict[str, Any]:

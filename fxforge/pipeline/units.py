@@ -269,10 +269,18 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         if (seq := node.meta.get("seq_nr")) is not None:
             by_seq.setdefault(seq, unit)
         by_path.setdefault(module_of(node), unit)
+    backward_unit: dict[torch.fx.Node, int] = {}
     for node in step.backward.graph.nodes:
         if node.op != "call_function":
             continue
-        unit = by_seq.get(node.meta.get("seq_nr"), by_path.get(module_of(node), count - 1))
+        inputs = [backward_unit[i] for i in node.all_input_nodes if i in backward_unit]
+        if node.target is torch.ops.aten.add.Tensor and not module_of(node) and len(inputs) == 2:
+            # Autograd adding up the gradients of a tensor several units use (a tied weight, the blocks
+            # of a split layer): the earlier unit's stage adds them when both are its own.
+            unit = min(inputs)
+        else:
+            unit = by_seq.get(node.meta.get("seq_nr"), by_path.get(module_of(node), count - 1))
+        backward_unit[node] = unit
         bwd_s[unit] += seconds_of(node)
 
     placeholders = [n for n in step.forward.graph.nodes if n.op == "placeholder"]

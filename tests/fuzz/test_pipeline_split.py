@@ -45,3 +45,29 @@ def test_the_dp_is_exact_and_respects_the_cap(chain, link, microbatches, schedul
     if cap is not None:
         for s, (a, b) in enumerate(itertools.pairwise(edges)):
             assert tables.memory_table(in_flight(schedule, s, stages, microbatches))[a, b] <= cap
+
+
+@given(in_features=st.integers(1, 48), out_features=st.integers(1, 700), blocks=st.integers(1, 12),
+       bias=st.booleans(), lead=st.lists(st.integers(1, 3), max_size=2), tied=st.booleans(), seed=st.integers(0, 99))
+def test_column_blocks_equal_the_layer_on_random_shapes(in_features, out_features, blocks, bias, lead, tied, seed):
+    """A Linear layer computed in column blocks (the pipeline's rewrite of a layer heavier than a stage) gives
+    its outputs and gradients, on its own parameters, tied or not."""
+    import torch
+
+    from fxforge.pipeline.columns import with_column_blocks
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(out_features, in_features),
+                                torch.nn.Linear(in_features, out_features, bias=bias))
+    if tied:                                          # the output layer shares the embedding's weight
+        model[1].weight = model[0].weight
+    blocked = with_column_blocks(model, {"1": blocks})
+    x = torch.randint(0, out_features, (*lead, 5))
+    results = []
+    for m in (model, blocked):
+        model.zero_grad(set_to_none=True)
+        out = m(x)
+        (out * torch.linspace(-1, 1, out_features)).sum().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -45,7 +45,9 @@ def test_the_check_fails_when_gradients_or_outputs_differ():
 
     def compare(output, gradients):
         worker = {"grads": gradients, "output": output, "seconds": [0.1]}
-        return launch._compare(part, model, (), batch, square_mean_loss, [worker], "1F1B", "gloo", 1)
+        aliases = [("transformer.wte.weight", ["transformer.wte.weight", "lm_head.weight"])]
+        aliases += [(n, [n]) for n, _ in model.named_parameters() if n != "transformer.wte.weight"]
+        return launch._compare(part, model, aliases, (), batch, square_mean_loss, [worker], "1F1B", "gloo", 1)
 
     # Each stage reports the copies it holds: the tied embedding's gradient comes in two parts that add up.
     one_copy = {n: g for n, g in grads.items() if n != "lm_head.weight"}
