@@ -84,16 +84,18 @@ def env_name() -> str:
 def plan_rows(name: str, model: torch.nn.Module, inputs: tuple, stages: int) -> list[dict[str, Any]]:
     """One row per policy at ``stages`` stages and ``2 * stages`` microbatches."""
     from fxforge.pipeline.partition import compare_policies, partition
+    from fxforge.pipeline.units import stage_units
 
     microbatches = 2 * stages
     start = time.perf_counter()
-    found = compare_policies(model, inputs, stages, microbatches=microbatches, validate=False)
+    units = stage_units(model, inputs, microbatches=microbatches)
+    found = compare_policies(model, inputs, stages, microbatches=microbatches, validate=False, units=units)
     seconds = time.perf_counter() - start
     # fxforge's split as partition() returns it: checked on torch's engine (split points it cannot run are
     # refused). Where the engine cannot run the model at all, the unchecked split stays, marked.
     engine = "runs"
     try:
-        found["fxforge"] = partition(model, inputs, stages, microbatches=microbatches, units=found["fxforge"].units)
+        found["fxforge"] = partition(model, inputs, stages, microbatches=microbatches, units=units)
     except RuntimeError as exc:
         engine = _error(exc, 300)
     even = found.get("even-layers")
@@ -125,11 +127,12 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
     """fxforge's and the even split at 2 stages, run on gloo in turns (``rounds`` x ``steps`` steps each)."""
     from fxforge.pipeline.launch import run_pipeline
     from fxforge.pipeline.partition import partition
+    from fxforge.pipeline.units import stage_units
 
-    parts = {"fxforge": partition(model, inputs, 2, microbatches=4)}
+    units = stage_units(model, inputs, microbatches=4)
+    parts = {"fxforge": partition(model, inputs, 2, microbatches=4, units=units)}
     try:
-        parts["even-layers"] = partition(model, inputs, 2, microbatches=4, policy="even-layers",
-                                         units=parts["fxforge"].units)
+        parts["even-layers"] = partition(model, inputs, 2, microbatches=4, policy="even-layers", units=units)
     except ValueError as exc:
         log(f"[{name}] no even split: {exc}")
     # fxforge's split from measured costs: every node timed on one microbatch with one thread, as each

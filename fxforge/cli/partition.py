@@ -100,7 +100,7 @@ def run_partition(args: argparse.Namespace) -> int:
     console.print("split_spec: {" + ", ".join(f"{n!r}: SplitPoint.BEGINNING" for n in part.split_points) + "}",
                   markup=False, highlight=False, soft_wrap=True)
     if part.column_blocks:
-        console.print(f"  (the split points name fxforge.pipeline.columns.with_column_blocks(model, {part.column_blocks!r}),"
+        console.print(f"  (the split points name fxforge.pipeline.restructure.pipeline_ready(model, {part.column_blocks!r}),"
                       " which shares the model's parameters: Partition.pipeline_model)", markup=False,
                       highlight=False, soft_wrap=True)
     if found:

@@ -19,22 +19,20 @@ This is the idea of vocabulary parallelism for pipelines (Yeung et al., 2024: th
 the first and last stages the bottleneck), here restricted to what ``split_spec`` can express: the blocks
 go to consecutive stages.
 
+:func:`fxforge.pipeline.restructure.with_column_blocks` makes the model with such layers replaced.
+
 Example:
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 256))
-    >>> split = with_column_blocks(model, {"1": 4})
-    >>> [name for name, _ in split.named_children()], type(split[1]).__name__
-    (['0', '1'], 'ColumnBlocks')
+    >>> layer = torch.nn.Linear(8, 256)
+    >>> blocks = ColumnBlocks(layer, 4)
     >>> x = torch.randn(2, 8)
-    >>> torch.allclose(split(x), model(x), atol=1e-6), split[0] is model[0], split[1].blocks[2].weight is model[1].weight
-    (True, True, True)
+    >>> torch.allclose(blocks(x), layer(x), atol=1e-6), blocks.blocks[2].weight is layer.weight
+    (True, True)
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -145,44 +143,6 @@ def splittable_linear(model: nn.Module, name: str) -> nn.Linear | None:
     if module.weight.dim() != 2:
         return None
     return module
-
-
-def with_column_blocks(model: nn.Module, blocks: dict[str, int]) -> nn.Module:
-    """``model`` with each ``Linear`` named in ``blocks`` computed as that many :class:`ColumnBlocks`.
-
-    ``model`` is left as it is: the result is a new root sharing every parameter, buffer and submodule
-    with it except the modules on the path to each replaced layer, which are shallow copies.
-
-    Raises:
-        ValueError: a name that is not a layer :func:`splittable_linear` accepts.
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 128))
-        >>> type(with_column_blocks(model, {"0": 2})[0]).__name__, type(model[0]).__name__
-        ('ColumnBlocks', 'Linear')
-    """
-    root = _shallow(model)
-    for name, count in blocks.items():
-        linear = splittable_linear(model, name)
-        if linear is None or not name:
-            raise ValueError(f"{name!r} is not a Linear layer that can be split into column blocks")
-        *path, leaf = name.split(".")
-        parent = root
-        for part in path:
-            child = _shallow(parent._modules[part])
-            parent._modules[part] = child
-            parent = child
-        parent._modules[leaf] = ColumnBlocks(linear, count)
-    return root
-
-
-def _shallow(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` sharing everything but its table of submodules (which may then be changed)."""
-    if isinstance(module, ColumnBlocks):
-        raise TypeError("a layer already split into column blocks cannot be split again")
-    clone = copy.copy(module)
-    clone.__dict__["_modules"] = OrderedDict(module._modules)
-    return clone
 
 
 GRANULARITIES = (2, 4, 6)

@@ -36,8 +36,8 @@ from torch.utils import _pytree as pytree
 
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
-from fxforge.pipeline.columns import with_column_blocks
 from fxforge.pipeline.partition import Partition
+from fxforge.pipeline.restructure import pipeline_ready
 from fxforge.pipeline.units import microbatches_of
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -160,9 +160,9 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         model = copy.deepcopy(model).to(dtype)
         args, kwargs, microbatch = _cast((args, kwargs, microbatch), dtype)
     reference_model = copy.deepcopy(model)
-    # The stages are built from the model the split points name (with column blocks, a root sharing
-    # the model's parameters); each parameter's gradient is checked under the model's own first name.
-    staged = with_column_blocks(model, part.column_blocks) if part.column_blocks else model
+    # The stages are built from the model as the engine runs it (a root sharing the model's parameters
+    # where submodules were replaced); each parameter's gradient is checked under the model's own name.
+    staged = pipeline_ready(model, part.column_blocks)
     aliases: dict[int, tuple[str, list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), (name, []))

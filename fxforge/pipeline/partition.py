@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import html
@@ -26,7 +27,8 @@ from typing import Any
 
 import torch
 
-from fxforge.pipeline.columns import column_plans, with_column_blocks
+from fxforge.pipeline.columns import column_plans
+from fxforge.pipeline.restructure import pipeline_ready
 from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
 from fxforge.pipeline.split import (
     SCHEDULES,
@@ -82,8 +84,10 @@ class Partition:
             changes a received tensor in place: ``out += identity`` right after the split).
         column_blocks: the ``Linear`` layers computed in blocks of output features so that stages can share
             them (:mod:`fxforge.pipeline.columns`), with their number of blocks; empty when none is.
-        pipeline_model: the model the split points name: the model itself, or, with column blocks, a new
-            root sharing its parameters (:func:`~fxforge.pipeline.columns.with_column_blocks`).
+        pipeline_model: the model the split points name, as torch's engine runs it: the model itself, or a
+            new root sharing its parameters where submodules had to be replaced (column blocks, and
+            ``torch.no_grad()`` submodules the engine cannot split around;
+            :func:`~fxforge.pipeline.restructure.pipeline_ready`).
     """
 
     model: torch.nn.Module
@@ -112,7 +116,8 @@ class Partition:
 
     @property
     def split_spec(self) -> dict[str, Any]:
-        """``{submodule: SplitPoint.BEGINNING}`` for ``torch.distributed.pipelining.pipeline()``."""
+        """``{submodule: SplitPoint.BEGINNING}`` for ``torch.distributed.pipelining.pipeline()`` of
+        :attr:`pipeline_model` (the model itself unless submodules had to be replaced)."""
         return _spec(self.split_points)
 
     @property
@@ -237,7 +242,48 @@ def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[s
         raise RuntimeError(f"torch.distributed.pipelining made {pipe.num_stages} stages of the split at "
                            f"{list(split_spec)}, not {stages}: torch.export traced the model differently from "
                            "fxforge's capture")
+    for stage in range(stages):
+        _send_contiguous(pipe.get_stage_module(stage))
     return pipe
+
+
+def contiguous(value: Any) -> Any:
+    """``value.contiguous()`` for a tensor, else ``value``: what a stage sends (gloo and NCCL send only
+    contiguous tensors; a split inside attention sends transposed q and k).
+
+    Example:
+        >>> contiguous(torch.ones(2, 3).t()).is_contiguous(), contiguous(4)
+        (True, 4)
+    """
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
+def _send_contiguous(stage: Any) -> None:
+    """Make every tensor ``stage`` (a GraphModule of the pipe) returns contiguous, and say so in the
+    metadata the engine sizes its send and receive buffers from (the outputs' and the inputs' ``val``)."""
+    graph = stage.graph
+    output = graph.output_node()
+
+    def made_contiguous(node: torch.fx.Node) -> torch.fx.Node:
+        new = graph.call_function(contiguous, (node,))
+        if "val" in node.meta:
+            new.meta["val"] = _contiguous_val(node.meta["val"])
+        return new
+
+    with graph.inserting_before(output):
+        output.args = torch.fx.node.map_arg(output.args, made_contiguous)
+    for placeholder in graph.find_nodes(op="placeholder"):
+        if "val" in placeholder.meta:
+            placeholder.meta["val"] = _contiguous_val(placeholder.meta["val"])
+    stage.recompile()
+
+
+def _contiguous_val(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.is_contiguous():
+        return value
+    with contextlib.suppress(Exception):          # a fake tensor runs ``contiguous`` in its own mode
+        return value.contiguous()
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
 
 def first_failing_stage(pipe: Any, microbatch: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[int, str] | None:
@@ -398,11 +444,15 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         kind, cap = parse_budget(memory_per_stage)
         if kind != "bytes":
             raise ValueError(f"memory_per_stage {memory_per_stage!r}: give bytes (an int or '2GiB')")
-    units = units or stage_units(model, example_inputs, microbatches=microbatches, machine=machine, costs=costs)
+    ready = pipeline_ready(model)
+    if units is not None and not all(_names_a_submodule(ready, name) for name in units.names):
+        raise ValueError("the units given were traced on another model: a Partition with column blocks has the "
+                         "units of its pipeline_model; pass those traced on this model (stage_units)")
+    units = units or stage_units(ready, example_inputs, microbatches=microbatches, machine=machine, costs=costs)
     tables = StageTables.of_units(units, link_gbs)
     refused: dict[str, str] = {}
     pipe = None
-    pipeline_model, blocks = model, {}
+    pipeline_model, blocks = ready, {}
     if policy == "fxforge":
         def search(forbidden: frozenset[int], tables: StageTables = tables) -> list[int]:
             return best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
@@ -410,8 +460,8 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
 
         if column_blocks:
             slowest = BLOCKS_GAIN * _slowest(tables, search)
-            for plan in column_plans(model, units.names, units.seconds, stages):
-                blocked = with_column_blocks(model, plan)
+            for plan in column_plans(ready, units.names, units.seconds, stages):
+                blocked = pipeline_ready(model, plan)
                 blocked_units = stage_units(blocked, units.microbatch[1] or units.microbatch[0],
                                             machine=units.machine, costs=costs)   # the same microbatch
                 blocked_tables = StageTables.of_units(blocked_units, link_gbs)
@@ -435,6 +485,14 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     return Partition(model, stages, microbatches, schedule, policy, [units.names[c] for c in cuts], list(cuts),
                      forward, backward, costs, memory, crossing, cap, units, link_gbs, refused, blocks,
                      pipeline_model, pipe)
+
+
+def _names_a_submodule(model: torch.nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _slowest(tables: StageTables, search: Any) -> float:

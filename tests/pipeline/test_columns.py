@@ -19,9 +19,9 @@ from fxforge.pipeline.columns import (
     block_edges,
     column_plans,
     splittable_linear,
-    with_column_blocks,
 )
 from fxforge.pipeline.launch import run_pipeline
+from fxforge.pipeline.restructure import with_column_blocks
 from fxforge.runtime.roofline import Machine
 from tests.training import models
 
@@ -100,6 +100,8 @@ def test_partition_shares_the_lm_head_between_stages_and_gloo_runs_it():
     assert "forward" not in model.transformer.__dict__                # no split marker left on the model
     run = run_pipeline(part, {"input_ids": ids(seed=5)})              # the tied weight's copies add up
     assert run.ok, str(run)
+    with pytest.raises(ValueError, match="traced on another model"):  # the blocked model's units
+        fxforge.partition(model, batch, 4, microbatches=4, units=part.units, policy="even-layers")
 
 
 def test_a_model_without_a_heavy_layer_is_planned_as_before():
