@@ -1,8 +1,8 @@
 """The model as ``torch.distributed.pipelining`` runs it: a new root sharing every parameter and buffer
 with the model, where a few submodules are replaced by ones the engine can split.
 
-- **A submodule whose ``forward`` is decorated with ``torch.no_grad()``** (transformers' rotary
-  embeddings: LLaMA, Mistral, Qwen...) runs as :class:`GradFree`: the undecorated ``forward``, its
+- **A submodule whose ``forward`` is decorated with ``torch.no_grad()``** (the rotary embeddings of
+  LLaMA, Mistral, Qwen... up to transformers 5.23) runs as :class:`GradFree`: the undecorated ``forward``, its
   outputs detached. The values are the same and no gradient flows through them either way, but
   ``torch.export`` records a ``no_grad`` region as a higher-order op with a submodule of its own, which
   the pipeline's splitter (torch 2.13) turns into a missing input of the first stage: no split of

@@ -96,7 +96,8 @@ def test_a_stage_sends_contiguous_tensors():
 def test_llama_is_split_and_runs_on_gloo_like_one_process():
     model = models.llama().eval()
     part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, 2, microbatches=4)
-    assert isinstance(part.pipeline_model.model.rotary_emb, GradFree)
+    if no_grad_forward(model.model.rotary_emb) is not None:   # transformers <= 5.23 runs it under no_grad
+        assert isinstance(part.pipeline_model.model.rotary_emb, GradFree)
     assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
     run = run_pipeline(part, {"input_ids": models.ids(seed=4, batch=8)})
     assert run.ok, str(run)
