@@ -415,7 +415,8 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         column_blocks: where a ``Linear`` layer alone takes more than a mean stage (an LM head over a large
             vocabulary), also plan the model with that layer computed in blocks of its output features
             (:mod:`fxforge.pipeline.columns`; blocks of 1/2, 1/4 and 1/6 of a mean stage are tried), and
-            keep the best of those plans when its slowest stage is at least 1 % faster. fxforge's policy only; the split points then name :attr:`Partition.pipeline_model`.
+            keep the best of those plans when its slowest stage is at least 1 % faster. fxforge's policy
+            only; the split points then name :attr:`Partition.pipeline_model`.
 
     Raises:
         ValueError: bad arguments, a model with fewer split points than stages, a cap no split fits (with
