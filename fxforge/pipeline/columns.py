@@ -126,14 +126,16 @@ def block_edges(features: int, blocks: int, align: int = ALIGN) -> list[int]:
 
 def splittable_linear(model: nn.Module, name: str) -> nn.Linear | None:
     """The ``nn.Linear`` layer called ``name`` in ``model`` that :class:`ColumnBlocks` can compute (its own
-    ``forward``, no hooks), else None.
+    ``forward``, no hooks; not the root, which cannot be replaced), else None.
 
     Example:
         >>> splittable_linear(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0") is not None
         True
     """
+    if not name:
+        return None
     try:
-        module = model.get_submodule(name) if name else model
+        module = model.get_submodule(name)
     except AttributeError:
         return None
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
@@ -169,7 +171,7 @@ def column_plans(model: nn.Module, names: list[str], seconds: Any, stages: int) 
         return []
     mean = total / stages
     heavy = [(name, cost) for name, cost in zip(names, seconds)
-             if cost > mean and name and splittable_linear(model, name) is not None]
+             if cost > mean and splittable_linear(model, name) is not None]
     plans: list[dict[str, int]] = []
     for g in GRANULARITIES:
         plan = {name: min(g * stages, math.ceil(g * cost / mean)) for name, cost in heavy}

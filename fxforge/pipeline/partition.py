@@ -455,21 +455,21 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     pipe = None
     pipeline_model, blocks = ready, {}
     if policy == "fxforge":
-        def search(forbidden: frozenset[int], tables: StageTables = tables) -> list[int]:
+        def best(tables: StageTables, forbidden: frozenset[int] = frozenset()) -> list[int]:
             return best_split(tables, stages, memory_per_stage=cap, microbatches=microbatches, schedule=schedule,
                               forbidden=forbidden)
 
         if column_blocks:
-            slowest = BLOCKS_GAIN * _slowest(tables, search)
+            slowest = BLOCKS_GAIN * _slowest(tables, best)
             for plan in column_plans(ready, units.names, units.seconds, stages):
                 blocked = pipeline_ready(model, plan)
                 blocked_units = stage_units(blocked, units.microbatch[1] or units.microbatch[0],
                                             machine=units.machine, costs=costs)   # the same microbatch
                 blocked_tables = StageTables.of_units(blocked_units, link_gbs)
-                if (candidate := _slowest(blocked_tables, search)) < slowest:
+                if (candidate := _slowest(blocked_tables, best)) < slowest:
                     slowest, pipeline_model, blocks, units, tables = (candidate, blocked, plan, blocked_units,
                                                                       blocked_tables)
-            search = functools.partial(search, tables=tables)
+        search = functools.partial(best, tables)
         if validate:
             cuts, refused, pipe = _engine_split(pipeline_model, units, stages, search)
         else:
@@ -496,10 +496,10 @@ def _names_a_submodule(model: torch.nn.Module, name: str) -> bool:
     return True
 
 
-def _slowest(tables: StageTables, search: Any) -> float:
-    """The slowest stage of ``search``'s best split of ``tables`` (infinite when no split fits)."""
+def _slowest(tables: StageTables, best: Any) -> float:
+    """The slowest stage of ``best(tables)``'s split (infinite when no split fits)."""
     try:
-        cuts = search(frozenset(), tables=tables)
+        cuts = best(tables)
     except ValueError:
         return math.inf
     time = tables.time_table()

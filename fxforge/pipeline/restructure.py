@@ -159,7 +159,7 @@ def with_column_blocks(model: nn.Module, blocks: dict[str, int]) -> nn.Module:
 def _column_blocks(model: nn.Module, blocks: dict[str, int]) -> dict[str, nn.Module]:
     found = {}
     for name, count in blocks.items():
-        linear = splittable_linear(model, name) if name else None
+        linear = splittable_linear(model, name)
         if linear is None:
             raise ValueError(f"{name!r} is not a Linear layer that can be split into column blocks")
         found[name] = ColumnBlocks(linear, count)
