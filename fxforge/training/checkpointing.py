@@ -106,7 +106,7 @@ class Unit:
     producers: list[int] = dataclasses.field(default_factory=list)
 
 
-def _units(step: StepGraphs, machine: Machine) -> list[Unit]:
+def _units(step: StepGraphs, machine: Machine, fused: bool = False) -> list[Unit]:
     joint = step.joint
     primal_keys = set()
     for node in joint.graph.find_nodes(op="placeholder"):
@@ -132,7 +132,8 @@ def _units(step: StepGraphs, machine: Machine) -> list[Unit]:
         value = node.meta.get("val")
         multi = isinstance(value, (tuple, list))
         tensors = tensor_leaves(value)
-        unit = Unit(node.name, [node.name], 0 if multi else _bytes(node, primal_keys), node_seconds(node, machine),
+        unit = Unit(node.name, [node.name], 0 if multi else _bytes(node, primal_keys),
+                    node_seconds(node, machine, fused=fused),
                     bool(tensors) and not is_random(node) and node not in step_outputs
                     and not node.is_impure(impure_random=False),
                     any(not is_forward(u) for u in node.users if u.op != "output"))
@@ -394,7 +395,7 @@ class BudgetError(ValueError):
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
               loss_bytes: int | None = None, machine: Machine | None = None,
-              time_limit: float = MILP_TIME_LIMIT_S
+              time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False
               ) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
@@ -406,6 +407,10 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         loss_bytes: what the caller's loss allocates between the forward and the backward (its peak), or
             None when it is not known: then the outputs are taken as held by the caller to the end of the
             step (the optimizer's too), as a caller keeping ``out = model(x)`` does.
+        fused: the graphs will be compiled by Inductor, which computes a recomputed elementwise op inside
+            the kernel that uses it: such recomputation is costed at writing its output once
+            (:func:`~fxforge.training.costs.node_seconds`), so the plan prefers it to recomputing a
+            matrix product or a convolution.
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -435,12 +440,13 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         def excess(sim: StepSimulation) -> int:
             return whole(sim) - limit
 
-    units = _units(step, machine)
+    units = _units(step, machine, fused)
     pieces = _pieces(units)
     choices = _choices(units, pieces)
     rounds: list[tuple[int, int, bool]] = []
     best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
-    step_seconds = graph_seconds(step.forward, machine) + graph_seconds(step.backward, machine)
+    step_seconds = graph_seconds(step.forward, machine, fused=fused) + graph_seconds(step.backward, machine,
+                                                                                     fused=fused)
     if excess(base) <= 0:
         best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
     else:
@@ -454,7 +460,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}) is below what recomputation reached: "
                           f"{what} of {_size(least)} at best (unconstrained {_size(limit + excess(base))})")
     _, _, chosen_step, sim, solver = best
-    recompute_seconds = sum(node_seconds(n, machine) for n in chosen_step.backward.graph.nodes
+    recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes
                             if n.name in chosen_step.recomputed)
     return CheckpointPlan(budget, kind, limit, base.activation_peak_bytes, sim.activation_peak_bytes,
                           whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],

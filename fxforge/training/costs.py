@@ -65,16 +65,37 @@ def node_bytes(node: torch.fx.Node) -> int:
     return total
 
 
-def node_seconds(node: torch.fx.Node, machine: Machine) -> float:
-    """The roofline estimate of the node's run time on ``machine`` (0 for views and ``getitem``)."""
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an elementwise ATen op (``torch.Tag.pointwise``): one a compiler fuses into its users.
+
+    Example:
+        >>> g = torch.fx.Graph(); a = g.placeholder("a")
+        >>> is_pointwise(g.call_function(torch.ops.aten.relu.default, (a,)))
+        True
+        >>> is_pointwise(g.call_function(torch.ops.aten.mm.default, (a, a)))
+        False
+    """
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def node_seconds(node: torch.fx.Node, machine: Machine, *, fused: bool = False) -> float:
+    """The roofline estimate of the node's run time on ``machine`` (0 for views and ``getitem``).
+
+    ``fused``: the graph is compiled by a fusing compiler (Inductor), where an elementwise op is computed
+    inside the kernel of its users: it costs writing its output once, no read of its own and no launch (an
+    upper bound: fused into a user that reads it anyway, it costs nothing).
+    """
     if node.op != "call_function" or node.target is operator.getitem or is_view_op(node):
         return 0.0
+    if fused and is_pointwise(node):
+        written = sum(hint(t.numel()) * t.element_size() for t in tensor_leaves(node.meta.get("val")))
+        return written / (machine.bandwidth_gbs * 1e9)
     compute = node_flops(node) / (machine.peak_gflops * 1e9)
     memory = node_bytes(node) / (machine.bandwidth_gbs * 1e9)
     launch = LAUNCH_SECONDS.get(machine.device.split(":")[0], LAUNCH_SECONDS["cpu"])
     return max(compute, memory) + launch
 
 
-def graph_seconds(graph_module: torch.fx.GraphModule, machine: Machine) -> float:
+def graph_seconds(graph_module: torch.fx.GraphModule, machine: Machine, *, fused: bool = False) -> float:
     """The sum of the estimates over a graph's nodes."""
-    return sum(node_seconds(n, machine) for n in graph_module.graph.nodes)
+    return sum(node_seconds(n, machine, fused=fused) for n in graph_module.graph.nodes)

@@ -178,21 +178,23 @@ class CheckpointedModule(torch.nn.Module):
         def choose(step):
             loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
-                                       optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes)
+                                       optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
+                                       fused=self.target == "inductor")
             return chosen["plan"].recomputed
 
         def finish(step):
             chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
 
+        decompositions = None
         if self.target == "inductor":
-            from fxforge.training.compiled import inductor_compilers
+            from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
-            compilers = inductor_compilers()
+            compilers, decompositions = inductor_compilers(), inductor_decompositions()
         else:
             compilers = (_boxed, _boxed)
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
                           compilers=compilers, choose=choose, finish=finish,
-                          strides_from_compiler=self.target == "inductor")
+                          strides_from_compiler=self.target == "inductor", decompositions=decompositions)
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
         self.plans += 1

@@ -302,6 +302,7 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                choose: Callable[[StepGraphs], Iterable[str]] | None = None,
                finish: Callable[[StepGraphs], None] | None = None,
                strides_from_compiler: bool = False,
+               decompositions: dict[Any, Callable[..., Any]] | None = None,
                ) -> StepGraphs:
     """Trace one training step of ``model`` on fake copies of ``args``/``kwargs`` into :class:`StepGraphs`.
 
@@ -322,6 +323,9 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         strides_from_compiler: the forward compiler chooses the strides of the values it saves (Inductor
             does): AOTAutograd runs in a ``TracingContext`` of its own, through which the compiler reports them
             and the backward is compiled for them (as under ``torch.compile``).
+        decompositions: ATen decompositions applied while tracing (Inductor's, for a step Inductor
+            compiles: the plan then chooses among the ops Inductor will see, a batch norm's statistics apart
+            from its elementwise normalization).
 
     Returns:
         The graphs (``.compiled``: AOTAutograd's callable over the flat inputs).
@@ -370,7 +374,8 @@ def trace_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         context = TracingContext(fake_mode) if strides_from_compiler else None
         with tracing(context), amp, annotations, fx_traceback.preserve_node_meta():
             compiled = aot_module_simplified(wrapper, fake, fw_compiler=forward_compiler,
-                                             bw_compiler=backward_compiler, partition_fn=partition_fn)
+                                             bw_compiler=backward_compiler, partition_fn=partition_fn,
+                                             decompositions=decompositions)
     if "joint" not in recorded:
         raise RuntimeError("the model has no parameter or input that requires grad: there is no backward to plan")
     step = _graphs(recorded, wrapper, recorded["forward"], recorded["backward"], recorded["recompute"])
