@@ -451,9 +451,13 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
     else:
         saved_total = float(sum(c.saved for c in choices if c.mode == "store"))
-        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds, simulate)
+        closest: dict = {}
+        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds, simulate,
+                       closest)
         if best is None:
-            best = _greedy(step, units, pieces, excess, limit, rounds, simulate)
+            best = _greedy(step, units, pieces, excess, limit, rounds, simulate, closest)
+        if best is None:
+            best = _descend(step, units, choices, excess, limit, rounds, simulate, closest)
     if best is None:
         least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
@@ -474,12 +478,12 @@ def _names(units: list[Unit], chosen: set[int]) -> set[str]:
 
 
 def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], excess, limit: int,
-            saved_total: float, time_limit: float, rounds: list, simulate) -> tuple | None:
+            saved_total: float, time_limit: float, rounds: list, simulate, closest: dict) -> tuple | None:
     """Bisect the bound on saved bytes: the largest whose MILP choice fits the budget by simulation.
 
     Storing everything does not fit (else no search). A bound whose choice fits is a lower end (try saving
     more); one that does not, an upper end (lowered by the simulated excess first, then halfway); a bound
-    the MILP cannot meet at all raises the floor.
+    the MILP cannot meet at all raises the floor. ``closest`` keeps the choice that came nearest to fitting.
     """
     high, low, floor = saved_total, None, -1.0
     bound = max(0.0, saved_total - excess(simulate(step)))
@@ -497,6 +501,7 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
         sim = simulate(candidate)
         over = excess(sim)
         rounds.append((int(bound), int(limit + over), over <= 0))
+        _keep_closest(closest, over, chosen)
         if over <= 0:
             cost = sum(units[i].seconds for i in chosen)
             if best is None or cost < best[0]:
@@ -521,7 +526,7 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
 
 
 def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], int]], excess, limit: int,
-            rounds, simulate) -> tuple | None:
+            rounds, simulate, closest: dict) -> tuple | None:
     """Fixed patterns, when the MILP's choices do not fit: keep one boundary every ``stride`` pieces (at each
     offset) and recompute the rest, as checkpointing every block does when a block is ``stride`` pieces;
     the cheapest pattern that fits by simulation."""
@@ -534,11 +539,58 @@ def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], i
             sim = simulate(candidate)
             over = excess(sim)
             rounds.append((stride, int(limit + over), over <= 0))
+            _keep_closest(closest, over, chosen)
             if over <= 0:
                 cost = sum(units[i].seconds for i in chosen)
                 if best is None or cost < best[0]:
                     best = (cost, chosen, candidate, sim, f"pattern (a boundary kept every {stride} pieces)")
     return best
+
+
+def _keep_closest(closest: dict, over: int, chosen: set[int]) -> None:
+    if "over" not in closest or over < closest["over"]:
+        closest.update(over=over, chosen=set(chosen))
+
+
+DESCENT_ROUNDS = 8
+"""The most steps :func:`_descend` takes."""
+
+
+def _descend(step: StepGraphs, units: list[Unit], choices: list[Choice], excess, limit: int, rounds, simulate,
+             closest: dict) -> tuple | None:
+    """When neither the MILP's bound nor a pattern fits: a descent on the simulation itself, from the choice
+    that came nearest. Each step adds the recomputation that lowers the simulated excess most, among one
+    piece's cheap units, one piece, or two consecutive pieces; it stops when the step fits or no addition
+    lowers the excess.
+
+    The MILP bounds saved bytes plus the largest run the backward rematerializes at once, a proxy that can
+    stall just above a budget whose peak is reached before any rematerialization (at a language model's
+    head, every saved value is still alive): there, saving one value less is what fits, and only the
+    simulation sees it.
+    """
+    if "chosen" not in closest:
+        return None
+    local = [c for c in choices if c.mode != "store" and c.pieces[1] - c.pieces[0] <= 1]
+    chosen, current = closest["chosen"], closest["over"]
+    for _ in range(DESCENT_ROUNDS):
+        best = None
+        for choice in local:
+            if choice.recomputed <= chosen:
+                continue
+            trial = chosen | choice.recomputed
+            candidate = step.repartition(_names(units, trial))
+            sim = simulate(candidate)
+            over = excess(sim)
+            if best is None or over < best[0]:
+                best = (over, trial, candidate, sim)
+        if best is None or best[0] >= current:
+            return None
+        current, chosen = best[0], best[1]
+        rounds.append((len(chosen), int(limit + current), current <= 0))
+        if current <= 0:
+            return (sum(units[i].seconds for i in chosen), chosen, best[2], best[3],
+                    f"descent on the simulation ({len(rounds)} rounds)")
+    return None
 
 
 def _device(step: StepGraphs) -> str:

@@ -12,6 +12,7 @@ import torch
 
 import fxforge
 from fxforge.training import CheckpointedModule
+from fxforge.training.costs import is_pointwise
 from tests.training.models import gpt2, ids, images
 
 # Inductor reorders float arithmetic inside its fused kernels: float32 rounding, not bitwise equality.
@@ -124,3 +125,20 @@ def test_an_unknown_target_is_refused():
     model = torch.nn.Linear(4, 4).train()
     with pytest.raises(ValueError, match="target 'onnxruntime': a checkpointed step runs on 'native' or 'inductor'"):
         CheckpointedModule(model, (torch.randn(2, 4),), "60%", target="onnxruntime")
+
+
+def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses():
+    """Traced with Inductor's decompositions, a batch norm is statistics plus elementwise ops: under a budget the
+    plan keeps the convolutions' outputs and recomputes the normalization and the ReLU after them (costed at
+    one write each, fused by Inductor), not a convolution."""
+    model = _conv_bn(layers=6)
+    compiled = fxforge.optimize(model, (images(0, batch=8),), memory_budget="70%", target="inductor")
+    plan = compiled.plan
+    step = plan.step
+    targets = {n.target for n in step.joint.graph.nodes if n.op == "call_function"}
+    assert not any("batch_norm" in str(t) for t in targets)  # decomposed
+    recomputed = [n for n in step.backward.graph.nodes if n.name in plan.recomputed]
+    assert recomputed and plan.predicted_activation_peak_bytes <= plan.budget_bytes
+    assert not [n.name for n in recomputed if n.target is torch.ops.aten.convolution.default]
+    assert any(n.target is torch.ops.aten.relu.default and is_pointwise(n) for n in recomputed)
+    assert torch.ops.aten.convolution.default in {n.target for n in step.saved_nodes()}
