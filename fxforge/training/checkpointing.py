@@ -12,7 +12,9 @@ joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute
    (recompute) and ``s[u]`` (save) per unit; a unit the backward uses is saved or recomputed; a unit a
    recomputed unit needs is saved or recomputed too; the saved bytes stay under the bound; the recompute
    time is minimal. When HiGHS stops at its time limit its best solution is used (the report gives the
-   gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead.
+   gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead;
+   when no bound and no pattern fits, a descent on the simulation itself adds one or two pieces'
+   recomputation at a time from the closest choice (:func:`_descend`).
 3. **The whole step simulated** (:mod:`fxforge.training.timeline`, backward liveness included: each saved
    value freed after its last use, recomputed values alive only around their use, gradients growing): the
    bound on saved bytes is only a proxy, so it is lowered by the simulated excess until the simulated peak
