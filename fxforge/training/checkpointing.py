@@ -321,7 +321,8 @@ class CheckpointPlan:
         saved: forward nodes whose values the backward keeps; ``recomputed``: forward nodes it recomputes.
         recompute_seconds, step_seconds: estimated recompute time and the unconstrained forward+backward.
         overhead: ``recompute_seconds / step_seconds``.
-        solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)``.
+        solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)`` (for a
+            pattern the stride in place of the bound, for a step of the descent the units recomputed).
         step: the chosen partition; ``simulation``: its replay.
         loss_bytes: what the caller's loss was sized at (None when no loss was given).
         backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).

@@ -80,6 +80,7 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 def inductor_compilers() -> tuple[Compiler, Compiler]:
-    """AOTAutograd's ``(fw_compiler, bw_compiler)``: each graph decomposed and compiled by Inductor, random ops
-    on ATen's kernels (eager's numbers). See the module docstring."""
+    """AOTAutograd's ``(fw_compiler, bw_compiler)``: each graph of a step traced with
+    :func:`inductor_decompositions` compiled by Inductor, random ops on ATen's kernels (eager's numbers). See
+    the module docstring."""
     return _inductor(False), _inductor(True)
