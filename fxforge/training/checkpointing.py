@@ -558,24 +558,35 @@ def _keep_closest(closest: dict, over: int, chosen: set[int]) -> None:
 DESCENT_ROUNDS = 8
 """The most steps :func:`_descend` takes."""
 
+DESCENT_MARGIN = 0.05
+""":func:`_descend` starts only from a choice this close to fitting (its excess a fraction of the budget): a
+budget far out of reach is refused without it."""
+
+DESCENT_SECONDS = 30.0
+""":func:`_descend` stops after the step that passes this many seconds."""
+
 
 def _descend(step: StepGraphs, units: list[Unit], choices: list[Choice], excess, limit: int, rounds, simulate,
              closest: dict) -> tuple | None:
     """When neither the MILP's bound nor a pattern fits: a descent on the simulation itself, from the choice
     that came nearest. Each step adds the recomputation that lowers the simulated excess most, among one
     piece's cheap units, one piece, or two consecutive pieces; it stops when the step fits or no addition
-    lowers the excess.
+    lowers the excess. It starts only within :data:`DESCENT_MARGIN` of the budget and stops after
+    :data:`DESCENT_ROUNDS` steps or :data:`DESCENT_SECONDS`.
 
     The MILP bounds saved bytes plus the largest run the backward rematerializes at once, a proxy that can
     stall just above a budget whose peak is reached before any rematerialization (at a language model's
     head, every saved value is still alive): there, saving one value less is what fits, and only the
     simulation sees it.
     """
-    if "chosen" not in closest:
+    if "chosen" not in closest or closest["over"] > DESCENT_MARGIN * limit:
         return None
     local = [c for c in choices if c.mode != "store" and c.pieces[1] - c.pieces[0] <= 1]
     chosen, current = closest["chosen"], closest["over"]
+    started = time.perf_counter()
     for _ in range(DESCENT_ROUNDS):
+        if time.perf_counter() - started > DESCENT_SECONDS:
+            return None
         best = None
         for choice in local:
             if choice.recomputed <= chosen:
