@@ -102,6 +102,16 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
+def value_bytes(value: Any) -> int:
+    """Bytes of the tensors inside a value (a tensor or any pytree of them; symbolic sizes at their hint).
+
+    Example:
+        >>> value_bytes({"a": torch.ones(2, 3), "b": [torch.ones(4, dtype=torch.int8), 7]})
+        28
+    """
+    return sum(hint(t.numel()) * t.element_size() for t in tensor_leaves(value))
+
+
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(identity, bytes)`` of a tensor's storage, or None where it has none we can read."""
     try:

@@ -34,9 +34,8 @@ import numpy as np
 import torch
 
 from fxforge.capture.model import normalize_inputs
-from fxforge.core.memory import tensor_leaves
+from fxforge.core.memory import tensor_leaves, value_bytes
 from fxforge.core.nodes import is_view_op
-from fxforge.core.symbolic import hint
 from fxforge.runtime.roofline import Machine, measure_machine
 from fxforge.training.costs import node_flops, node_seconds
 from fxforge.training.eager_graph import eager_like_graph
@@ -96,10 +95,6 @@ class StageUnits:
     def seconds(self) -> np.ndarray:
         """Forward + backward time per unit."""
         return self.forward_seconds + self.backward_seconds
-
-
-def _nbytes(value: Any) -> int:
-    return sum(hint(t.numel()) * t.element_size() for t in tensor_leaves(value))
 
 
 def module_stack(node: torch.fx.Node) -> list[str]:
@@ -290,9 +285,9 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
     def uses(node: torch.fx.Node) -> tuple[int, ...]:
         return tuple(sorted({unit_of[u] for u in node.users if u in unit_of}))
 
-    parameters = [Item(name, _nbytes(node.meta.get("val")), -1, uses(node), trainable)
+    parameters = [Item(name, value_bytes(node.meta.get("val")), -1, uses(node), trainable)
                   for name, node, trainable in zip(step.parameter_names, placeholders, step.trainable)]
-    buffers = [Item(name, _nbytes(node.meta.get("val")), -1, uses(node), False)
+    buffers = [Item(name, value_bytes(node.meta.get("val")), -1, uses(node), False)
                for name, node in zip(step.buffer_names, placeholders[n_params:])]
 
     grad: dict[torch.fx.Node, bool] = {}
@@ -308,7 +303,7 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         used = uses(node)
         if isinstance(node.meta.get("val"), (tuple, list)) or not used or used == (made,):
             continue  # a multi-output op's tensors are its getitem nodes
-        values.append(Item(node.name, _nbytes(node.meta.get("val")), made, used, grad[node]))
+        values.append(Item(node.name, value_bytes(node.meta.get("val")), made, used, grad[node]))
 
     saved = np.zeros(count)
     seen: set[torch.fx.Node] = set()
@@ -317,6 +312,6 @@ def stage_units(model: torch.nn.Module, example_inputs: Any, *, microbatches: in
         if base in seen or base in state or base.op == "placeholder":
             continue
         seen.add(base)
-        saved[unit_of.get(base, 0)] += _nbytes(base.meta.get("val"))
+        saved[unit_of.get(base, 0)] += value_bytes(base.meta.get("val"))
     return StageUnits(names, fwd_s, bwd_s, flops, saved, parameters, buffers, values, (mb_args, mb_kwargs),
                       machine)

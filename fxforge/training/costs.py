@@ -25,7 +25,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from fxforge.core.memory import tensor_leaves
+from fxforge.core.memory import value_bytes
 from fxforge.core.nodes import is_view_op
 from fxforge.core.symbolic import hint
 from fxforge.runtime.roofline import Machine
@@ -58,11 +58,7 @@ def node_flops(node: torch.fx.Node) -> int:
 
 def node_bytes(node: torch.fx.Node) -> int:
     """Bytes the node reads and writes: its tensor inputs and outputs."""
-    total = 0
-    for value in [*(i.meta.get("val") for i in node.all_input_nodes), node.meta.get("val")]:
-        for leaf in tensor_leaves(value):
-            total += hint(leaf.numel()) * leaf.element_size()
-    return total
+    return sum(value_bytes(v) for v in [*(i.meta.get("val") for i in node.all_input_nodes), node.meta.get("val")])
 
 
 def is_pointwise(node: torch.fx.Node) -> bool:
@@ -88,8 +84,7 @@ def node_seconds(node: torch.fx.Node, machine: Machine, *, fused: bool = False) 
     if node.op != "call_function" or node.target is operator.getitem or is_view_op(node):
         return 0.0
     if fused and is_pointwise(node):
-        written = sum(hint(t.numel()) * t.element_size() for t in tensor_leaves(node.meta.get("val")))
-        return written / (machine.bandwidth_gbs * 1e9)
+        return value_bytes(node.meta.get("val")) / (machine.bandwidth_gbs * 1e9)
     compute = node_flops(node) / (machine.peak_gflops * 1e9)
     memory = node_bytes(node) / (machine.bandwidth_gbs * 1e9)
     launch = LAUNCH_SECONDS.get(machine.device.split(":")[0], LAUNCH_SECONDS["cpu"])
