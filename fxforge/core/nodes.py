@@ -79,10 +79,19 @@ def submodule(node: torch.fx.Node, gm: torch.fx.GraphModule) -> nn.Module | None
         >>> [type(submodule(n, gm)).__name__ for n in gm.graph.nodes if n.op == "call_module"]
         ['ReLU']
     """
-    if node.op != "call_module":
-        return None
+    return named_submodule(gm, node.target) if node.op == "call_module" else None
+
+
+def named_submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule called ``name`` in ``model`` (``""``: the model), else None.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.ReLU())
+        >>> type(named_submodule(model, "0")).__name__, named_submodule(model, "1")
+        ('ReLU', None)
+    """
     try:
-        return gm.get_submodule(node.target)
+        return model.get_submodule(name)
     except AttributeError:
         return None
 

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fxforge.core.nodes import named_submodule
+
 ALIGN = 64
 """Block edges fall on multiples of this many output features (whole SIMD rows for the matrix multiply)."""
 
@@ -132,12 +134,7 @@ def splittable_linear(model: nn.Module, name: str) -> nn.Linear | None:
         >>> splittable_linear(torch.nn.Sequential(torch.nn.Linear(2, 2)), "0") is not None
         True
     """
-    if not name:
-        return None
-    try:
-        module = model.get_submodule(name)
-    except AttributeError:
-        return None
+    module = named_submodule(model, name) if name else None
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return None
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:

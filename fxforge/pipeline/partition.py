@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fxforge.core.nodes import named_submodule
 from fxforge.pipeline.columns import column_plans
 from fxforge.pipeline.restructure import pipeline_ready
 from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
@@ -446,7 +447,7 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
         if kind != "bytes":
             raise ValueError(f"memory_per_stage {memory_per_stage!r}: give bytes (an int or '2GiB')")
     ready = pipeline_ready(model)
-    if units is not None and not all(_names_a_submodule(ready, name) for name in units.names):
+    if units is not None and not all(named_submodule(ready, name) is not None for name in units.names):
         raise ValueError("the units given were traced on another model: a Partition with column blocks has the "
                          "units of its pipeline_model; pass those traced on this model (stage_units)")
     units = units or stage_units(ready, example_inputs, microbatches=microbatches, machine=machine, costs=costs)
@@ -486,14 +487,6 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
     return Partition(model, stages, microbatches, schedule, policy, [units.names[c] for c in cuts], list(cuts),
                      forward, backward, costs, memory, crossing, cap, units, link_gbs, refused, blocks,
                      pipeline_model, pipe)
-
-
-def _names_a_submodule(model: torch.nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _slowest(tables: StageTables, best: Any) -> float:
