@@ -74,6 +74,9 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
         >>> torch.ops.aten.native_batch_norm.default in inductor_decompositions()
         True
     """
+    # Some decompositions ask Inductor's lowerings whether to apply (max pooling's): loaded here, since
+    # nothing else has imported them before the step is traced.
+    import torch._inductor.lowering  # noqa: F401
     from torch._inductor.decomposition import select_decomp_table  # imports Inductor: only when compiling
 
     return select_decomp_table()

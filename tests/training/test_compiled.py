@@ -142,3 +142,21 @@ def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses():
     assert not [n.name for n in recomputed if n.target is torch.ops.aten.convolution.default]
     assert any(n.target is torch.ops.aten.relu.default and is_pointwise(n) for n in recomputed)
     assert torch.ops.aten.convolution.default in {n.target for n in step.saved_nodes()}
+
+
+def test_a_fresh_process_plans_a_model_with_max_pooling():
+    """Inductor's max-pool decomposition asks its lowerings whether to apply; in a process that has compiled
+    nothing yet they are not imported, and the trace failed (``torch._inductor`` has no ``lowering``)."""
+    import subprocess
+    import sys
+
+    program = (
+        "import torch, fxforge\n"
+        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),\n"
+        "                        torch.nn.Flatten(), torch.nn.Linear(8 * 7 * 7, 2)).train()\n"
+        "o = fxforge.optimize(m, (torch.randn(2, 3, 16, 16),), memory_budget='90%', target='inductor')\n"
+        "print(type(o).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "CheckpointedModule"
