@@ -45,6 +45,7 @@ import math
 import operator
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,9 @@ from fxforge.training.timeline import StepSimulation, simulate_step
 
 MILP_TIME_LIMIT_S = 10.0
 MAX_ROUNDS = 12
+OFFERED_MILP_TIME_LIMIT_S = 4.0
+OFFERED_SEARCH_SECONDS = 30.0
+"""With offered choices (``candidates=``), each MILP stops after 4 s and no round starts after 30 s."""
 
 _UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
 
@@ -165,6 +169,10 @@ EXPENSIVE_SECONDS_PER_BYTE = 2e-10
 about 10x a copy) is kept in a segment's ``"cheap"`` mode; pointwise ops and views are recomputed."""
 
 
+def _cheap(unit: Unit) -> bool:
+    return unit.seconds <= EXPENSIVE_SECONDS_PER_BYTE * max(unit.nbytes, 1) or unit.nbytes == 0
+
+
 MAX_SPAN = 24
 """The most pieces of the forward one recomputed segment may span (bounds the MILP's size)."""
 
@@ -219,38 +227,49 @@ def _pieces(units: list[Unit]) -> list[tuple[list[int], int]]:
     return pieces
 
 
+def _choice(units: list[Unit], pieces: tuple[int, int], inside: list[int], boundary: int, chosen: set[int],
+            mode: str) -> Choice:
+    """Keeping the pieces ``pieces`` (units ``inside``, ``boundary`` at the end) by recomputing ``chosen``: it
+    saves what the backward uses and what a recomputed unit needs, and the boundary (the next piece may be
+    recomputed from it); it rematerializes in the backward what it does not save of what the backward uses."""
+    saved = sum(units[i].nbytes for i in inside if i not in chosen and (
+        units[i].needed_by_backward or i == boundary or any(i in units[j].producers for j in chosen)))
+    stored = sum(units[i].nbytes for i in inside if units[i].needed_by_backward)
+    return Choice(pieces, set(chosen), saved, max(0, stored - saved) if chosen else 0,
+                  sum(units[i].seconds for i in chosen), mode)
+
+
 def _choices(units: list[Unit], pieces: list[tuple[list[int], int]]) -> list[Choice]:
     """Per piece: store it, or recompute its cheap units; per run of up to :data:`MAX_SPAN` pieces:
     recompute everything in it but the boundary at its end."""
-
-    def stored(inside: list[int]) -> int:
-        return sum(units[i].nbytes for i in inside if units[i].needed_by_backward)
-
-    def kept(inside: list[int], chosen: set[int], boundary: int) -> int:
-        return sum(units[i].nbytes for i in inside if i not in chosen and (
-            units[i].needed_by_backward or i == boundary or any(i in units[j].producers for j in chosen)))
-
     choices: list[Choice] = []
     for k, (inside, boundary) in enumerate(pieces):
-        # The boundary is saved whatever the choice: the next piece may be recomputed from it.
-        choices.append(Choice((k, k), set(), kept(inside, set(), boundary), 0, 0.0, "store"))
-        cheap = {i for i in inside if units[i].recomputable and i != boundary and (
-            units[i].seconds <= EXPENSIVE_SECONDS_PER_BYTE * max(units[i].nbytes, 1) or units[i].nbytes == 0)}
+        choices.append(_choice(units, (k, k), inside, boundary, set(), "store"))
+        cheap = {i for i in inside if units[i].recomputable and i != boundary and _cheap(units[i])}
         if cheap:
-            saved = kept(inside, cheap, boundary)
-            choices.append(Choice((k, k), cheap, saved, max(0, stored(inside) - saved),
-                                  sum(units[i].seconds for i in cheap), "cheap"))
+            choices.append(_choice(units, (k, k), inside, boundary, cheap, "cheap"))
     for first in range(len(pieces)):
         inside: list[int] = []
         for last in range(first, min(len(pieces), first + MAX_SPAN)):
             inside = inside + pieces[last][0]
             boundary = pieces[last][1]
             chosen = {i for i in inside if units[i].recomputable and i != boundary}
-            if not chosen:
-                continue
-            saved = kept(inside, chosen, boundary)
-            choices.append(Choice((first, last), chosen, saved, max(0, stored(inside) - saved),
-                                  sum(units[i].seconds for i in chosen), "recompute"))
+            if chosen:
+                choices.append(_choice(units, (first, last), inside, boundary, chosen, "recompute"))
+    return choices
+
+
+def _offered_choices(units: list[Unit], pieces: list[tuple[list[int], int]], offered: list[set[int]]
+                     ) -> list[Choice]:
+    """Per piece, the part of each offered recomputation (another partitioner's) that falls in it, as one more
+    way to keep that piece (duplicates left out)."""
+    choices, seen = [], set()
+    for chosen_all in offered:
+        for k, (inside, boundary) in enumerate(pieces):
+            chosen = frozenset(i for i in inside if i in chosen_all)
+            if chosen and (k, chosen) not in seen:
+                seen.add((k, chosen))
+                choices.append(_choice(units, (k, k), inside, boundary, set(chosen), "offered"))
     return choices
 
 
@@ -398,8 +417,8 @@ class BudgetError(ValueError):
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
               loss_bytes: int | None = None, machine: Machine | None = None,
-              time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False
-              ) -> CheckpointPlan:
+              time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False,
+              candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
     Args:
@@ -414,6 +433,11 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             the kernel that uses it: such recomputation is costed at writing its output once
             (:func:`~fxforge.training.costs.node_seconds`), so the plan prefers it to recomputing a
             matrix product or a convolution.
+        candidates: called with ``step`` when the step does not fit unconstrained: recomputations another
+            partitioner chose (a label -> forward node names; Inductor's min cut at several budgets,
+            :func:`~fxforge.training.inductor_partitions.mincut_candidates`): each is simulated and
+            costed like the planner's own choices (the cheapest that fits wins, its label the solver), and
+            each piece's part of each is one more choice for that piece in the MILP.
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -445,8 +469,11 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
 
     units = _units(step, machine, fused)
     pieces = _pieces(units)
-    choices = _choices(units, pieces)
-    rounds: list[tuple[int, int, bool]] = []
+    offered = {label: {i for i, unit in enumerate(units) if unit.recomputable and set(unit.nodes) & names}
+               for label, names in (candidates(step) if candidates and excess(base) > 0 else {}).items()}
+    own = _choices(units, pieces)
+    choices = own + _offered_choices(units, pieces, list(offered.values()))
+    trials = _Trials(step, units, excess, limit, simulate)
     best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
     step_seconds = graph_seconds(step.forward, machine, fused=fused) + graph_seconds(step.backward, machine,
                                                                                      fused=fused)
@@ -454,13 +481,22 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
     else:
         saved_total = float(sum(c.saved for c in choices if c.mode == "store"))
-        closest: dict = {}
-        best = _search(step, units, pieces, choices, excess, limit, saved_total, time_limit, rounds, simulate,
-                       closest)
+        if offered:
+            # The offered choices make the MILP harder to prove infeasible at a low bound, and its answers can
+            # lead the bisection to no fit where its own choices alone find one (ResNet-50 at 40 %): a
+            # bounded search with them, then the plain one if they found nothing.
+            best = _cheapest(_offered(trials, offered),
+                             _search(trials, pieces, choices, saved_total, OFFERED_MILP_TIME_LIMIT_S,
+                                     OFFERED_SEARCH_SECONDS))
         if best is None:
-            best = _greedy(step, units, pieces, excess, limit, rounds, simulate, closest)
+            best = _search(trials, pieces, own, saved_total, time_limit)
         if best is None:
-            best = _descend(step, units, choices, excess, limit, rounds, simulate, closest)
+            best = _greedy(trials, pieces)
+        if best is None:
+            best = _descend(trials, choices)
+        if best is not None:
+            best = _relax(trials, pieces, best)
+    rounds = trials.rounds
     if best is None:
         least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
@@ -480,18 +516,55 @@ def _names(units: list[Unit], chosen: set[int]) -> set[str]:
     return {name for i in chosen for name in units[i].nodes}
 
 
-def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], excess, limit: int,
-            saved_total: float, time_limit: float, rounds: list, simulate, closest: dict) -> tuple | None:
+@dataclasses.dataclass
+class _Trials:
+    """One step against one budget: simulates a choice of recomputed units, records it as a round
+    ``(mark, simulated figure, fits)``, and keeps the choice that came closest to fitting."""
+
+    step: StepGraphs
+    units: list[Unit]
+    excess: Any
+    limit: int
+    simulate: Any
+    rounds: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
+    closest: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def run(self, chosen: set[int], mark: float | None = None) -> tuple[int, StepGraphs, StepSimulation]:
+        """``(excess, partition, simulation)`` of recomputing ``chosen``; a round is recorded when ``mark``
+        is given."""
+        candidate = self.step.repartition(_names(self.units, chosen))
+        sim = self.simulate(candidate)
+        over = self.excess(sim)
+        if mark is not None:
+            self.rounds.append((int(mark), int(self.limit + over), over <= 0))
+        if "over" not in self.closest or over < self.closest["over"]:
+            self.closest.update(over=over, chosen=set(chosen))
+        return over, candidate, sim
+
+    def seconds(self, chosen: set[int]) -> float:
+        return sum(self.units[i].seconds for i in chosen)
+
+
+def _cheapest(*found: tuple | None) -> tuple | None:
+    """The cheapest of the fitting choices found (``None`` where a search found none)."""
+    return min((f for f in found if f is not None), key=lambda f: f[0], default=None)
+
+
+def _search(trials: _Trials, pieces, choices: list[Choice], saved_total: float, time_limit: float,
+            seconds: float = math.inf) -> tuple | None:
     """Bisect the bound on saved bytes: the largest whose MILP choice fits the budget by simulation.
 
     Storing everything does not fit (else no search). A bound whose choice fits is a lower end (try saving
     more); one that does not, an upper end (lowered by the simulated excess first, then halfway); a bound
-    the MILP cannot meet at all raises the floor. ``closest`` keeps the choice that came nearest to fitting.
+    the MILP cannot meet at all raises the floor. No round starts after ``seconds``.
     """
     high, low, floor = saved_total, None, -1.0
-    bound = max(0.0, saved_total - excess(simulate(step)))
+    bound = max(0.0, saved_total - trials.excess(trials.simulate(trials.step)))
     best = None
+    started = time.perf_counter()
     for _ in range(MAX_ROUNDS):
+        if time.perf_counter() - started > seconds:
+            break
         solved = _solve(choices, len(pieces), bound, time_limit) if bound > floor else None
         if solved is None:
             floor = max(floor, bound)
@@ -500,15 +573,9 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
             bound = (max(floor, low or floor) + high) / 2
             continue
         chosen, note = solved
-        candidate = step.repartition(_names(units, chosen))
-        sim = simulate(candidate)
-        over = excess(sim)
-        rounds.append((int(bound), int(limit + over), over <= 0))
-        _keep_closest(closest, over, chosen)
+        over, candidate, sim = trials.run(chosen, bound)
         if over <= 0:
-            cost = sum(units[i].seconds for i in chosen)
-            if best is None or cost < best[0]:
-                best = (cost, chosen, candidate, sim, note)
+            best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim, note))
             low = bound if low is None else max(low, bound)
             if high - low < 0.01 * max(saved_total, 1):
                 break
@@ -528,8 +595,17 @@ def _search(step: StepGraphs, units: list[Unit], pieces, choices: list[Choice], 
     return best
 
 
-def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], int]], excess, limit: int,
-            rounds, simulate, closest: dict) -> tuple | None:
+def _offered(trials: _Trials, offered: dict[str, set[int]]) -> tuple | None:
+    """The cheapest offered recomputation (another partitioner's) that fits by simulation."""
+    best = None
+    for label, chosen in offered.items():
+        over, candidate, sim = trials.run(chosen, len(chosen))
+        if over <= 0:
+            best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim, label))
+    return best
+
+
+def _greedy(trials: _Trials, pieces: list[tuple[list[int], int]]) -> tuple | None:
     """Fixed patterns, when the MILP's choices do not fit: keep one boundary every ``stride`` pieces (at each
     offset) and recompute the rest, as checkpointing every block does when a block is ``stride`` pieces;
     the cheapest pattern that fits by simulation."""
@@ -537,22 +613,12 @@ def _greedy(step: StepGraphs, units: list[Unit], pieces: list[tuple[list[int], i
     for stride in (2, 3, 4, 6, 8, 1):
         for offset in range(stride):
             chosen = {i for k, (inside, boundary) in enumerate(pieces) for i in inside
-                      if units[i].recomputable and not (i == boundary and k % stride == offset)}
-            candidate = step.repartition(_names(units, chosen))
-            sim = simulate(candidate)
-            over = excess(sim)
-            rounds.append((stride, int(limit + over), over <= 0))
-            _keep_closest(closest, over, chosen)
+                      if trials.units[i].recomputable and not (i == boundary and k % stride == offset)}
+            over, candidate, sim = trials.run(chosen, stride)
             if over <= 0:
-                cost = sum(units[i].seconds for i in chosen)
-                if best is None or cost < best[0]:
-                    best = (cost, chosen, candidate, sim, f"pattern (a boundary kept every {stride} pieces)")
+                best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim,
+                                        f"pattern (a boundary kept every {stride} pieces)"))
     return best
-
-
-def _keep_closest(closest: dict, over: int, chosen: set[int]) -> None:
-    if "over" not in closest or over < closest["over"]:
-        closest.update(over=over, chosen=set(chosen))
 
 
 DESCENT_ROUNDS = 8
@@ -566,8 +632,7 @@ DESCENT_SECONDS = 30.0
 """:func:`_descend` stops after the step that passes this many seconds."""
 
 
-def _descend(step: StepGraphs, units: list[Unit], choices: list[Choice], excess, limit: int, rounds, simulate,
-             closest: dict) -> tuple | None:
+def _descend(trials: _Trials, choices: list[Choice]) -> tuple | None:
     """When neither the MILP's bound nor a pattern fits: a descent on the simulation itself, from the choice
     that came nearest. Each step adds the recomputation that lowers the simulated excess most, among one
     piece's cheap units, one piece, or two consecutive pieces; it stops when the step fits or no addition
@@ -579,7 +644,8 @@ def _descend(step: StepGraphs, units: list[Unit], choices: list[Choice], excess,
     head, every saved value is still alive): there, saving one value less is what fits, and only the
     simulation sees it.
     """
-    if "chosen" not in closest or closest["over"] > DESCENT_MARGIN * limit:
+    closest = trials.closest
+    if "chosen" not in closest or closest["over"] > DESCENT_MARGIN * trials.limit:
         return None
     local = [c for c in choices if c.mode != "store" and c.pieces[1] - c.pieces[0] <= 1]
     chosen, current = closest["chosen"], closest["over"]
@@ -589,22 +655,54 @@ def _descend(step: StepGraphs, units: list[Unit], choices: list[Choice], excess,
             return None
         best = None
         for choice in local:
-            if choice.recomputed <= chosen:
-                continue
-            trial = chosen | choice.recomputed
-            candidate = step.repartition(_names(units, trial))
-            sim = simulate(candidate)
-            over = excess(sim)
-            if best is None or over < best[0]:
-                best = (over, trial, candidate, sim)
+            if not choice.recomputed <= chosen:
+                trial = chosen | choice.recomputed
+                over, candidate, sim = trials.run(trial)
+                if best is None or over < best[0]:
+                    best = (over, trial, candidate, sim)
         if best is None or best[0] >= current:
             return None
         current, chosen = best[0], best[1]
-        rounds.append((len(chosen), int(limit + current), current <= 0))
+        trials.rounds.append((len(chosen), int(trials.limit + current), current <= 0))
         if current <= 0:
-            return (sum(units[i].seconds for i in chosen), chosen, best[2], best[3],
-                    f"descent on the simulation ({len(rounds)} rounds)")
+            return (trials.seconds(chosen), chosen, best[2], best[3],
+                    f"descent on the simulation ({len(trials.rounds)} rounds)")
     return None
+
+
+RELAX_SECONDS = 15.0
+""":func:`_relax` stops after the trial that passes this many seconds."""
+
+
+def _relax(trials: _Trials, pieces: list[tuple[list[int], int]], best: tuple) -> tuple:
+    """Give back recomputation the simulation shows is not needed: from the plan found, drop one group of
+    recomputed units at a time, most seconds first (each expensive unit, a matrix product or a convolution,
+    on its own; each piece's cheap units together), and keep each drop whose step still fits. The searches
+    fit a proxy (a bound on saved bytes, a partitioner's estimate); the budget is the simulated peak, which
+    often has room left. Stops after :data:`RELAX_SECONDS`.
+    """
+    _, chosen, candidate, sim, solver = best
+    groups = []
+    for inside, _ in pieces:
+        part = chosen & set(inside)
+        expensive = [i for i in part if not _cheap(trials.units[i])]
+        groups += [{i} for i in expensive]
+        if part - set(expensive):
+            groups.append(part - set(expensive))
+    groups.sort(key=trials.seconds, reverse=True)
+    started, dropped = time.perf_counter(), 0
+    for group in groups:
+        if time.perf_counter() - started > RELAX_SECONDS or not trials.seconds(group):
+            break
+        trial = chosen - group
+        over, trial_step, trial_sim = trials.run(trial)
+        if over <= 0:
+            chosen, candidate, sim, dropped = trial, trial_step, trial_sim, dropped + len(group)
+    if not dropped:
+        return best
+    trials.rounds.append((len(chosen), int(trials.limit + trials.excess(sim)), True))
+    return (trials.seconds(chosen), chosen, candidate, sim,
+            f"{solver}; then {dropped} recomputed nodes given back where the simulated step still fits")
 
 
 def _device(step: StepGraphs) -> str:

@@ -177,9 +177,12 @@ class CheckpointedModule(torch.nn.Module):
 
         def choose(step):
             loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
+            candidates = None
+            if self.target == "inductor":
+                from fxforge.training.inductor_partitions import mincut_candidates as candidates
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
-                                       fused=self.target == "inductor")
+                                       fused=self.target == "inductor", candidates=candidates)
             return chosen["plan"].recomputed
 
         def finish(step):

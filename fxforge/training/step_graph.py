@@ -168,8 +168,13 @@ class StepGraphs:
             >>> [n.name for n in step.repartition({"relu", "detach"}).saved_nodes()]   # relu's input instead
             ['primals_5', 'addmm', 't_1']
         """
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
         recompute = set(recompute)
-        forward, backward = partition(self.joint, self.joint_inputs, recompute, **self.partition_kwargs)
+        # A plan tries many partitions and reads only their nodes: their Python code is generated on first
+        # call, not here (a third of a partition's time on ResNet-50).
+        with _use_lazy_graph_module(True):
+            forward, backward = partition(self.joint, self.joint_inputs, recompute, **self.partition_kwargs)
         return dataclasses.replace(self, forward=forward, backward=backward, recomputed=recompute)
 
 
