@@ -14,12 +14,17 @@ joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute
    time is minimal. When HiGHS stops at its time limit its best solution is used (the report gives the
    gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead;
    when no bound and no pattern fits, a descent on the simulation itself adds one or two pieces'
-   recomputation at a time from the closest choice (:func:`_descend`).
+   recomputation at a time from the closest choice (:func:`_descend`). Another partitioner's choices may be
+   offered (``candidates=``; for ``target="inductor"``, Inductor's min cut at several budgets,
+   :mod:`fxforge.training.inductor_partitions`): each is simulated whole, and each piece's part of each is
+   one more choice for that piece in the MILP; the cheapest that fits wins.
 3. **The whole step simulated** (:mod:`fxforge.training.timeline`, backward liveness included: each saved
    value freed after its last use, recomputed values alive only around their use, gradients growing): the
    bound on saved bytes is only a proxy, so it is lowered by the simulated excess until the simulated peak
-   fits the budget, then raised again while the peak still fits, to recompute as little as possible. The
-   plan returned always fits by simulation, so as the budget falls the predicted peak falls with it.
+   fits the budget, then raised again while the peak still fits, to recompute as little as possible.
+   Then, from the plan found, recomputation is given back group by group, most seconds first, while the
+   simulated step still fits (:func:`_relax`). The plan returned always fits by simulation, so as the
+   budget falls the predicted peak falls with it.
 
 Torch's default partitioner then splits the joint graph with the chosen units tagged ``MUST_RECOMPUTE``,
 placing each recomputation right before its first use in the backward.

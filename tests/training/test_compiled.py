@@ -157,6 +157,7 @@ def test_a_fresh_process_plans_a_model_with_max_pooling():
         "o = fxforge.optimize(m, (torch.randn(2, 3, 16, 16),), memory_budget='90%', target='inductor')\n"
         "print(type(o).__name__)\n"
     )
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", program], check=False, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "CheckpointedModule"
