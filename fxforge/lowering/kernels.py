@@ -251,7 +251,21 @@ def _mkldnn_refusal(what: str, input: Tensor, weight: Tensor) -> str | None:
         return f"oneDNN fused {what} runs on CPU (input on {input.device.type})"
     if input.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != input.dtype:
         return f"oneDNN fused {what} needs float32 or bfloat16 (got {input.dtype})"
+    if input.dtype == torch.bfloat16 and not mkldnn_bf16_supported():
+        return f"this CPU has no oneDNN bfloat16 {what} (it needs avx512bw/vl/dq or avx_ne_convert)"
     return None
+
+
+@functools.cache
+def mkldnn_bf16_supported() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 kernels (without it they raise at the first call).
+
+    Example:
+        >>> isinstance(mkldnn_bf16_supported(), bool)
+        True
+    """
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 # ---------------------------------------------------------------------------------------------- special values

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxforge.runtime.roofline import measure_machine
 from fxforge.training import checkpointing
 from fxforge.training.checkpointing import plan_step
 from fxforge.training.compiled import inductor_decompositions
+from fxforge.training.costs import node_seconds
 from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.inductor_partitions import mincut_candidates, mincut_recomputations
 from fxforge.training.step_graph import is_random, trace_step
@@ -64,20 +66,27 @@ def test_an_offer_that_fits_is_taken_when_the_search_finds_nothing(monkeypatch):
 
 
 def test_recomputation_the_simulation_does_not_need_is_given_back(monkeypatch):
-    """From a plan that recomputes everything it may, the planner drops recomputation group by group while the
-    simulated step still fits: fewer nodes recomputed, less predicted overhead, the budget still met."""
+    """From a plan that recomputes more than the budget needs (the MILP's search stalled, the densest pattern
+    found instead), the planner drops recomputation group by group while the simulated step still fits: fewer
+    nodes recomputed, less predicted overhead, the budget still met."""
     found = {}
+    patterns = checkpointing._greedy
 
-    def everything(trials, *args, **kwargs):
-        chosen = {i for i, unit in enumerate(trials.units) if unit.recomputable}
-        over, candidate, sim = trials.run(chosen, 0)
-        found.update(nodes=len(candidate.recomputed), seconds=trials.seconds(chosen))
-        return (trials.seconds(chosen), chosen, candidate, sim, "everything") if over <= 0 else None
+    def recorded(trials, pieces):
+        best = patterns(trials, pieces)
+        if best is not None:
+            pattern = best[2]
+            found.update(nodes=len(pattern.recomputed),
+                         seconds=sum(node_seconds(n, machine) for n in pattern.backward.graph.nodes
+                                     if n.name in pattern.recomputed))
+        return best
 
-    monkeypatch.setattr(checkpointing, "_search", everything)
+    monkeypatch.setattr(checkpointing, "_search", lambda *args, **kwargs: None)
+    monkeypatch.setattr(checkpointing, "_greedy", recorded)
     step = _traced(gpt2(dropout=0.0), ids(0))
-    plan = plan_step(step, "85%")
-    assert plan.solver.startswith("everything; then ") and "given back" in plan.solver
+    machine = measure_machine("cpu")
+    plan = plan_step(step, "85%", machine=machine)
+    assert plan.solver.startswith("pattern (") and "given back" in plan.solver
     assert len(plan.recomputed) < found["nodes"]
     assert plan.recompute_seconds < found["seconds"]
     assert plan.predicted_activation_peak_bytes <= plan.budget_bytes
