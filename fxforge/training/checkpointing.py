@@ -474,10 +474,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
 
     units = _units(step, machine, fused)
     pieces = _pieces(units)
-    offered = {label: {i for i, unit in enumerate(units) if unit.recomputable and set(unit.nodes) & names}
-               for label, names in (candidates(step) if candidates and excess(base) > 0 else {}).items()}
-    own = _choices(units, pieces)
-    choices = own + _offered_choices(units, pieces, list(offered.values()))
+    choices = own = _choices(units, pieces)
     trials = _Trials(step, units, excess, limit, simulate)
     best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
     step_seconds = graph_seconds(step.forward, machine, fused=fused) + graph_seconds(step.backward, machine,
@@ -485,8 +482,11 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     if excess(base) <= 0:
         best = (0.0, set(), step, base, "none needed (the step fits unconstrained)")
     else:
-        saved_total = float(sum(c.saved for c in choices if c.mode == "store"))
+        saved_total = float(sum(c.saved for c in own if c.mode == "store"))
+        offered = {label: {i for i, unit in enumerate(units) if unit.recomputable and set(unit.nodes) & names}
+                   for label, names in (candidates(step) if candidates else {}).items()}
         if offered:
+            choices = own + _offered_choices(units, pieces, list(offered.values()))
             # The offered choices make the MILP harder to prove infeasible at a low bound, and its answers can
             # lead the bisection to no fit where its own choices alone find one (ResNet-50 at 40 %): a
             # bounded search with them, then the plain one if they found nothing.
@@ -528,9 +528,9 @@ class _Trials:
 
     step: StepGraphs
     units: list[Unit]
-    excess: Any
+    excess: Callable[[StepSimulation], int]
     limit: int
-    simulate: Any
+    simulate: Callable[[StepGraphs], StepSimulation]
     rounds: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
     closest: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -690,10 +690,10 @@ def _relax(trials: _Trials, pieces: list[tuple[list[int], int]], best: tuple) ->
     groups = []
     for inside, _ in pieces:
         part = chosen & set(inside)
-        expensive = [i for i in part if not _cheap(trials.units[i])]
+        expensive = {i for i in part if not _cheap(trials.units[i])}
         groups += [{i} for i in expensive]
-        if part - set(expensive):
-            groups.append(part - set(expensive))
+        if part - expensive:
+            groups.append(part - expensive)
     groups.sort(key=trials.seconds, reverse=True)
     started, dropped = time.perf_counter(), 0
     for group in groups:

@@ -3,7 +3,7 @@
 Inductor splits a joint graph with ``min_cut_rematerialization_partition``: a min cut over the graph chooses,
 value by value, what the forward saves and what the backward recomputes from it (it keeps a layer norm's
 statistics and recomputes its normalization, it keeps a matrix product's output and recomputes the GELU after
-it), and under ``torch._functorch.config.activation_memory_budget`` a knapsack recomputes more. Its choice is
+it, as the example shows), and under ``torch._functorch.config.activation_memory_budget`` a knapsack recomputes more. Its choice is
 finer than the planner's pieces (:mod:`fxforge.training.checkpointing` chooses per run of the forward), but it
 does not simulate the backward's liveness: its budget bounds its estimate of the saved bytes, not the step's
 peak, and the peak is not monotonic in it.
@@ -19,7 +19,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     >>> step = trace_step(model.train(), (torch.randn(32, 64),), {}, decompositions=inductor_decompositions())
     >>> sets = mincut_recomputations(step, budgets=(1.0,))
-    >>> sorted({str(n.target) for n in step.joint.graph.nodes if n.name in sets[1.0]})  # GELU's, from the linear's output
+    >>> sorted({str(n.target) for n in step.joint.graph.nodes if n.name in sets[1.0]})  # GELU's
     ['aten.add.Tensor', 'aten.erf.default', 'aten.mul.Tensor']
 """
 
@@ -47,10 +47,8 @@ def mincut_recomputations(step: StepGraphs, budgets: tuple[float, ...] = MINCUT_
     from torch._functorch.partitioners import min_cut_rematerialization_partition  # imports Inductor
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    by_name = {n.name: n for n in step.joint.graph.nodes}
     forward = {n.name for n in step.forward_nodes() if not is_random(n)}
     found: dict[float, set[str]] = {}
-    seen: list[set[str]] = []
     for budget in budgets:
         joint = copy.deepcopy(step.joint)  # the partitioner cleans and re-tags the graph it is given
         try:
@@ -59,10 +57,8 @@ def mincut_recomputations(step: StepGraphs, budgets: tuple[float, ...] = MINCUT_
                                                                   **step.partition_kwargs)
         except Exception:  # noqa: BLE001, S112 - an offer that cannot be made is no error of the plan
             continue
-        recomputed = {n.name for n in backward.graph.nodes
-                      if n.op == "call_function" and n.name in forward and n.name in by_name}
-        if recomputed and recomputed not in seen:
-            seen.append(recomputed)
+        recomputed = {n.name for n in backward.graph.nodes if n.op == "call_function" and n.name in forward}
+        if recomputed and recomputed not in found.values():
             found[budget] = recomputed
     return found
 
