@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.memory import peak_from_records
+from fxforge.runtime.allocator import cpu_allocations, event_tree, walk
 
 GRAD_MARK = "step_memory::grad:"
 PHASE_MARK = "step_memory::phase:"
@@ -113,30 +114,19 @@ def _gradient_marks(params: Iterable[torch.Tensor]):
             handle.remove()
 
 
-def _walk(events: Iterable[Any]) -> Iterable[Any]:
-    for event in events:
-        yield event
-        yield from _walk(event.children)
-
-
 def timeline(roots: Iterable[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int]], dict[str, int]]:
     """``(memory, gradients, phases)`` from the profiler's event tree: ``(time ns, bytes)`` CPU allocator records
     (bytes < 0: a free), ``(time ns, bytes)`` per gradient at the allocation of its storage (at its mark where
     no allocation holds its address: it was allocated before the step), and the time of each phase mark."""
-    from torch._C._profiler import _EventType
-
-    allocations, marks, phases = [], [], {}
-    for event in _walk(roots):
-        if event.tag == _EventType.Allocation:
-            fields = event.extra_fields
-            if fields.device.type == "cpu":
-                allocations.append((event.start_time_ns, fields.alloc_size, fields.ptr))
-        elif event.name.startswith(GRAD_MARK):
+    events = list(walk(roots))
+    allocations = [(a.time_ns, a.nbytes, a.address) for a in cpu_allocations(events)]
+    marks, phases = [], {}
+    for event in events:
+        if event.name.startswith(GRAD_MARK):
             nbytes, _, ptr = event.name[len(GRAD_MARK):].partition("@")
             marks.append((event.start_time_ns, int(nbytes), int(ptr)))
         elif event.name.startswith(PHASE_MARK):
             phases.setdefault(event.name[len(PHASE_MARK):], event.start_time_ns)
-    allocations.sort(key=lambda a: a[0])
     grads, live, i = [], {}, 0
     for t_mark, nbytes, ptr in sorted(marks):
         while i < len(allocations) and allocations[i][0] <= t_mark:
@@ -199,10 +189,7 @@ def step_peak(step: Callable[[], Any], params: Iterable[torch.Tensor]) -> StepPe
     finally:
         if enabled:
             gc.enable()
-    results = getattr(prof.profiler, "kineto_results", None)
-    if results is None:
-        raise RuntimeError("torch.profiler recorded no events: cannot measure CPU memory")
-    memory, grads, phases = timeline(results.experimental_event_tree())
+    memory, grads, phases = timeline(event_tree(prof))
     peak, allocated, count = peak_from_records(memory)
     return StepPeak(peak, activation_peak(memory, grads, phases.get("backward")), sum(n for _, n in grads),
                     allocated, count, sum(n for _, n in memory))

@@ -11,7 +11,7 @@ The step is ``loss(fn(*inputs)).backward(); AdamW.step(); zero_grad(set_to_none=
 of the floating-point outputs (fxforge's default). Per model, in one process:
 
 1. **prediction**: ``fxforge.training_memory(model, inputs, optimizer=torch.optim.AdamW)`` (timed), then
-   ``.measure()`` (fxforge's own measured step, dispatch tracker): predicted and measured peak, activations,
+   ``.measure()`` (fxforge's own measured step, the CPU allocator's records): predicted and measured peak, activations,
    error %;
 2. **contenders**: ``eager``; ``per-block checkpoint`` (:func:`benchmarks.training_models.checkpoint_blocks`
    on a copy of the model); ``inductor f``: ``torch.compile`` with Inductor under
@@ -297,7 +297,7 @@ def _finite(value: Any) -> Any:
 
 
 def predict(name: str, model: nn.Module, inputs: tuple[Any, ...]) -> dict[str, Any]:
-    """fxforge's prediction of the step's memory, its measurement (dispatch tracker) and the time it took."""
+    """fxforge's prediction of the step's memory, its measurement (the allocator's records) and the time it took."""
     import fxforge
 
     row: dict[str, Any] = {"model": name, "env": env_name(), "status": "ok", "error": None}

@@ -258,7 +258,7 @@ def markdown_block(result: dict[str, Any]) -> str:
          "random ops on ATen's kernels, no layout optimization)."),
         "",
         ("Prediction (`fxforge.training_memory(model, inputs, optimizer=torch.optim.AdamW)`) against its measured "
-         "step (`tm.measure()`, fxforge's dispatch tracker):"),
+         "step (`tm.measure()`: the CPU allocator's records; fxforge's dispatch tracker before 2026-11-25):"),
         "",
         report.markdown_table(result.get("predictions", []), PREDICTION_COLUMNS),
         "",

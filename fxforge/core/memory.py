@@ -20,7 +20,7 @@ bytes are alive at once. :func:`simulate_peak` replays that rule on the shape me
 The peak is the largest number of bytes alive while a node runs: what was alive before it plus what it
 allocates (its inputs are still alive then), plus the *scratch* of the few ops known to create a tensor
 they drop before returning (:func:`scratch_bytes`: max pooling computes int64 indices, layer and group
-norm their mean and rstd). Other scratch memory an op uses inside its kernel is invisible to the
+norm their mean and rstd, a matrix product copies an operand BLAS cannot read in place). Other scratch memory an op uses inside its kernel is invisible to the
 simulation. :mod:`fxforge.runtime.memory` measures the same quantity on a real run.
 
 Example:
@@ -56,7 +56,9 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
 
     Known: max pooling in 2 and 3 dimensions (``F.max_pool2d``, ``nn.MaxPool3d``, adaptive ones...) without
     ``return_indices`` computes int64 indices the size of its result; layer norm and group norm compute a
-    mean and an rstd per normalized group.
+    mean and an rstd per normalized group; a matrix product (``mm``, ``addmm``, ``matmul`` of two matrices)
+    copies each operand BLAS cannot read in place (:func:`blas_copy_bytes`), such as the gradient of a sum,
+    an expanded tensor whose strides are 0.
 
     Example:
         >>> gm = fxforge.capture(torch.nn.MaxPool2d(2), (torch.ones(1, 1, 8, 8),)).graph_module
@@ -65,6 +67,11 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
     """
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or node.op not in ("call_function", "call_module"):
+        return 0
+    if node.op == "call_function" and node.target in _MATRIX_PRODUCTS:
+        operands = [_meta(a) for a in node.args[_MATRIX_PRODUCTS[node.target]:][:2]]
+        if len(operands) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in operands):
+            return sum(blas_copy_bytes(t) for t in operands)
         return 0
     # Max pooling computes the argmax (int64, the shape of the result) and returns only the values; layer
     # and group norm compute their mean and rstd (the input's dtype) and return only the normalized tensor.
@@ -82,6 +89,36 @@ def scratch_bytes(node: torch.fx.Node, gm: torch.nn.Module) -> int:
         groups = module.num_groups if module is not None else argument(node, 1, "num_groups", 1)
         return 2 * hint(value.shape[0]) * int(groups) * value.element_size()
     return 0
+
+
+# A matrix product's first matrix operand: ``mm(a, b)``, ``addmm(bias, a, b)``.
+_MATRIX_PRODUCTS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.mm: 0, torch.addmm: 1,
+                    torch.matmul: 0}
+
+
+def _meta(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def blas_copy_bytes(matrix: torch.Tensor) -> int:
+    """Bytes a matrix product copies ``matrix`` to before BLAS reads it (0 when BLAS reads it in place).
+
+    BLAS reads a matrix in row-major or column-major order: one stride 1, and the other at least the size
+    of that dimension (a dimension of size 1 may have any stride). ATen copies any other operand to a
+    contiguous temporary inside the kernel, where a dispatch mode does not see it (measured against the CPU
+    allocator's records for every layout in ``tests/core/test_memory.py``).
+
+    Example:
+        >>> blas_copy_bytes(torch.ones(4, 8)), blas_copy_bytes(torch.ones(8, 4).t())
+        (0, 0)
+        >>> blas_copy_bytes(torch.ones(()).expand(4, 8))    # a sum's gradient: strides (0, 0)
+        128
+    """
+    (rows, cols), (row_stride, col_stride) = matrix.shape, matrix.stride()
+    rows, cols, row_stride, col_stride = (hint(v) for v in (rows, cols, row_stride, col_stride))
+    row_major = col_stride == 1 and (row_stride >= max(1, cols) or rows == 1)
+    column_major = row_stride == 1 and (col_stride >= max(1, rows) or cols == 1)
+    return 0 if row_major or column_major else rows * cols * matrix.element_size()
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

@@ -2,10 +2,11 @@
 
 :func:`measure_step` runs a warm-up step (the optimizer creates its state there, as on any first step), then
 one measured step ``loss(model(*args, **kwargs)).backward(); optimizer.step(); optimizer.zero_grad()``, and
-restores the parameters, buffers and gradients it found, so measuring does not train the model. On CPU the
-bytes come from the dispatch tracker of :mod:`fxforge.runtime.memory` (every storage created during the
-step, freed when its finalizer runs); on CUDA from the caching allocator (``max_memory_allocated`` per
-phase, above what was allocated when the step began).
+restores the parameters, buffers and gradients it found, so measuring does not train the model. The bytes
+come from the allocator, above what was allocated when the step began: on CPU its own records of every
+allocation and free (:mod:`fxforge.runtime.allocator`, through ``torch.profiler``: they include the copies
+kernels make inside themselves, which a dispatch mode does not see), on CUDA the caching allocator's
+statistics (``max_memory_allocated`` per phase).
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from fxforge.core.memory import tensor_leaves
-from fxforge.runtime.memory import StorageTracker
+from fxforge.runtime.allocator import AllocatorRecords, Phase
 from fxforge.training.optimizer_memory import resolve_optimizer
 from fxforge.training.step_graph import LossFn, default_loss
 
@@ -64,7 +65,7 @@ class StepMeasurement:
         forward_peak_bytes, backward_peak_bytes, optimizer_peak_bytes: the most alive at once in each
             phase, everything that existed when the step began included.
         peak_bytes: the step's peak (the largest of the three).
-        device: ``"cpu"`` (dispatch tracker) or ``"cuda"`` (caching allocator).
+        device: ``"cpu"`` (the CPU allocator's records) or ``"cuda"`` (the caching allocator).
     """
 
     weights_bytes: int
@@ -99,16 +100,20 @@ def _device(model: torch.nn.Module, values: Any) -> torch.device:
 
 
 class _Meter:
-    """Per-phase peaks: the dispatch tracker on CPU, the caching allocator on CUDA (bytes above ``base``)."""
+    """Per-phase peaks and held bytes above the start: the CPU allocator's records (through the profiler) on
+    CPU, the caching allocator's statistics on CUDA. :meth:`end` closes a phase; :meth:`phases` reads them
+    all once the meter has exited."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.tracker = StorageTracker() if device.type == "cpu" else None
+        self.records = AllocatorRecords() if device.type == "cpu" else None
+        self.order: list[str] = []
+        self.cuda: dict[str, Phase] = {}
         self.base = 0
 
     def __enter__(self) -> _Meter:  # noqa: PYI034 - a private helper, never subclassed
-        if self.tracker is not None:
-            self.tracker.__enter__()
+        if self.records is not None:
+            self.records.__enter__()
         else:
             torch.cuda.synchronize(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
@@ -116,25 +121,22 @@ class _Meter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.tracker is not None:
-            self.tracker.__exit__(*exc)
+        if self.records is not None:
+            self.records.__exit__(*exc)
 
-    def live(self) -> int:
-        if self.tracker is not None:
-            return self.tracker.live
+    def end(self, phase: str) -> None:
+        """The phase ``phase`` ends here."""
+        self.order.append(phase)
+        if self.records is not None:
+            self.records.mark(phase)
+            return
         torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_allocated(self.device) - self.base
-
-    def phase_peak(self) -> int:
-        """The peak since the last call (above the base), and start the next phase's from the live bytes."""
-        if self.tracker is not None:
-            peak = self.tracker.peak
-            self.tracker.peak = self.tracker.live
-            return peak
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        self.cuda[phase] = Phase(torch.cuda.max_memory_allocated(self.device) - self.base,
+                                 torch.cuda.memory_allocated(self.device) - self.base)
         torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
+
+    def phases(self) -> dict[str, Phase]:
+        return self.records.phases(self.order) if self.records is not None else self.cuda
 
 
 @contextlib.contextmanager
@@ -172,24 +174,23 @@ def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     amp = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
     def run(meter: _Meter | None, opt: torch.optim.Optimizer | None) -> dict[str, int]:
-        figures: dict[str, int] = {}
         with amp():
             value = loss(model(*args, **kwargs))
+        sizes = {"loss": unique_bytes([value])}
         if meter is not None:
-            figures["forward"] = meter.phase_peak()
-            figures["saved"] = meter.live() - unique_bytes([value])
+            meter.end("forward")
         value.backward()
         del value
         if meter is not None:
-            figures["backward"] = meter.phase_peak()
-            figures["gradients"] = unique_bytes(p.grad for p in trainable if p.grad is not None)
+            meter.end("backward")
+        sizes["gradients"] = unique_bytes(p.grad for p in trainable if p.grad is not None)
         if opt is not None:
             opt.step()
         if meter is not None:
-            figures["optimizer"] = meter.phase_peak()
+            meter.end("optimizer")
         for p in trainable:
             p.grad = None
-        return figures
+        return sizes
 
     with restored(model):
         for p in trainable:
@@ -206,12 +207,12 @@ def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
             "state": unique_bytes(state),
         }
         with _Meter(device) as meter:
-            figures = run(meter, opt)
-    base = sum(persistent.values()) if device.type == "cpu" else 0
-    if device.type != "cpu":
-        # The allocator's figures are above what was allocated at the start, which is the persistent set.
-        base = sum(persistent.values())
-    phases = {k: base + figures[k] for k in ("forward", "backward", "optimizer")}
+            sizes = run(meter, opt)
+    measured = meter.phases()
+    # Both allocators' figures are above what was allocated when the step began: the persistent set.
+    base = sum(persistent.values())
+    peaks = {k: base + measured[k].peak_bytes for k in ("forward", "backward", "optimizer")}
+    saved = measured["forward"].held_bytes - sizes["loss"]
     return StepMeasurement(persistent["weights"], persistent["buffers"], persistent["inputs"], persistent["state"],
-                           figures["saved"], figures["gradients"], phases["forward"], phases["backward"],
-                           phases["optimizer"], max(phases.values()), device.type)
+                           saved, sizes["gradients"], peaks["forward"], peaks["backward"],
+                           peaks["optimizer"], max(peaks.values()), device.type)

@@ -233,12 +233,9 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backwa
         for node in phase.nodes:
             for sid in phase.touches(node):
                 remaining[sid] += 1
-        made_in: dict[int, Any] = {}
         pending: list[int] = []
         for position, node in enumerate(phase.nodes):
             group = node.meta.get("seq_nr") if grouped else None
-            for sid in phase.allocs[node]:
-                made_in[sid] = group
             for sid in phase.allocs[node]:
                 if sid not in alive:
                     alive.add(sid)
@@ -253,9 +250,10 @@ def simulate_step(step: StepGraphs, *, eager_dropout: bool = False, eager_backwa
                 remaining[sid] -= 1
                 if remaining[sid] == 0 and sid not in pinned and sid in alive:
                     pending.append(sid)
-            # Eager's backward formula keeps what it computed until it returns: a value made inside one
-            # autograd node (one forward op's seq_nr) is freed when that node's last op has run.
-            for sid in [s for s in pending if group is None or made_in.get(s) != group or following != group]:
+            # Eager's backward formula keeps what it computed, its gradient inputs and its saved values until
+            # it returns: a value last used inside one autograd node (one forward op's seq_nr) is freed when
+            # that node's last op has run.
+            for sid in [s for s in pending if group is None or following != group]:
                 pending.remove(sid)
                 alive.discard(sid)
                 live[storages[sid].category] -= storages[sid].nbytes

@@ -1,0 +1,163 @@
+"""The CPU allocator's own records of a block of code: every allocation and free, through ``torch.profiler``.
+
+With ``profile_memory=True`` PyTorch's CPU allocator reports each allocation and free to the profiler, whoever
+asks for the memory: an ATen op's result, the copy a kernel makes of an operand it cannot read in place
+(a matrix product of a sum's gradient copies it), the buffers compiled code allocates outside the dispatcher.
+A dispatch mode (:class:`fxforge.runtime.memory.StorageTracker`) sees only the storages ATen ops return, so
+these records are the CPU's counterpart of the CUDA caching allocator's statistics.
+
+:class:`AllocatorRecords` records a block; :meth:`AllocatorRecords.mark` drops named points into the same
+timeline (``record_function`` events on the profiler's clock); after the block, :meth:`AllocatorRecords.phases`
+gives the peak and the bytes held at each point, above the level at the block's start.
+
+Example:
+    >>> with AllocatorRecords() as records:
+    ...     a = torch.ones(1024)          # 4 KiB
+    ...     b = a.add(a)                  # 4 KiB more (a Python number would add a scalar tensor)
+    ...     records.mark("made")
+    ...     del a, b
+    >>> records.phases(["made"])["made"]
+    Phase(peak_bytes=8192, held_bytes=8192)
+    >>> records.held_bytes()              # both freed by the end
+    0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+MARK = "fxforge::allocator::"
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """One record of the CPU allocator: ``nbytes`` > 0 allocates at ``address``, < 0 frees it."""
+
+    time_ns: int
+    nbytes: int
+    address: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Between the previous mark (or the start) and a mark: the most bytes held at once, and the bytes held
+    at the mark, both above the level at the start of the records."""
+
+    peak_bytes: int
+    held_bytes: int
+
+
+def walk(events: Iterable[Any]) -> Iterable[Any]:
+    """Every event of the profiler's event tree, parents before their children.
+
+    Example:
+        >>> list(walk([]))
+        []
+    """
+    for event in events:
+        yield event
+        yield from walk(event.children)
+
+
+def event_tree(prof: Any) -> list[Any]:
+    """The roots of a finished ``torch.profiler.profile``'s event tree (one clear error if it recorded none).
+
+    Example:
+        >>> from torch.profiler import ProfilerActivity, profile
+        >>> with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        ...     _ = torch.ones(8)
+        >>> len(event_tree(prof)) > 0
+        True
+    """
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:
+        raise RuntimeError("torch.profiler recorded no events: cannot read the CPU allocator's records")
+    return results.experimental_event_tree()
+
+
+def cpu_allocations(events: Iterable[Any]) -> list[Allocation]:
+    """The CPU allocator's records among profiler events (:func:`walk` them first), in time order.
+
+    Example:
+        >>> cpu_allocations([])
+        []
+    """
+    from torch._C._profiler import _EventType
+
+    found = [Allocation(e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr) for e in events
+             if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"]
+    return sorted(found, key=lambda a: a.time_ns)
+
+
+class AllocatorRecords:
+    """A context manager that records the CPU allocator's allocations and frees inside it (see the module).
+
+    The cyclic garbage collector keeps running; call ``gc.collect()`` before the block if garbage from
+    before it could be freed inside it. Recording every allocation slows the block down: measure apart from
+    timed runs.
+
+    Example:
+        >>> with AllocatorRecords() as records:
+        ...     _ = torch.ones(256).mul(torch.ones(256))
+        >>> records.peak_bytes()          # two vectors of ones and their product at once
+        3072
+    """
+
+    def __init__(self) -> None:
+        self.allocations: list[Allocation] = []
+        self.marks: dict[str, int] = {}
+        self._prof: Any = None
+
+    def __enter__(self) -> AllocatorRecords:  # noqa: PYI034 - returns itself, as a context manager does
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        events = list(walk(event_tree(self._prof)))
+        self.allocations = cpu_allocations(events)
+        for event in events:
+            if event.name.startswith(MARK):
+                self.marks.setdefault(event.name[len(MARK):], event.start_time_ns)
+
+    @staticmethod
+    def mark(name: str) -> None:
+        """A named point of the recorded block (the first one of each name counts)."""
+        with torch.profiler.record_function(MARK + name):
+            pass
+
+    def phases(self, names: Sequence[str]) -> dict[str, Phase]:
+        """Per mark, in the order given (which must be the marks' order in time): the peak since the previous
+        mark and the bytes held at it."""
+        result: dict[str, Phase] = {}
+        held = peak = i = 0
+        for name in names:
+            until = self.marks[name]
+            while i < len(self.allocations) and self.allocations[i].time_ns <= until:
+                held += self.allocations[i].nbytes
+                peak = max(peak, held)
+                i += 1
+            result[name] = Phase(peak, held)
+            peak = held
+        return result
+
+    def peak_bytes(self) -> int:
+        """The most bytes held at once during the block, above its start."""
+        held = peak = 0
+        for record in self.allocations:
+            held += record.nbytes
+            peak = max(peak, held)
+        return peak
+
+    def held_bytes(self) -> int:
+        """Bytes allocated in the block and not freed by its end."""
+        return sum(record.nbytes for record in self.allocations)
