@@ -115,6 +115,10 @@ class AllocatorRecords:
     def __enter__(self) -> AllocatorRecords:  # noqa: PYI034 - returns itself, as a context manager does
         from torch.profiler import ProfilerActivity, profile
 
+        if torch.autograd.profiler._is_profiler_enabled:
+            # A second session would end the first one when it exits.
+            raise RuntimeError("torch.profiler is already recording: the CPU allocator's records need a profiler "
+                               "session of their own; measure outside the other one")
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self

@@ -40,3 +40,13 @@ def test_a_kernels_own_copy_is_seen_where_a_dispatch_mode_sees_none():
 def test_an_error_inside_the_block_propagates():
     with pytest.raises(ValueError, match="inside"), AllocatorRecords():
         raise ValueError("inside")
+
+
+def test_inside_another_profiler_session_it_refuses_rather_than_end_that_one():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as outer:
+        with pytest.raises(RuntimeError, match="already recording"), AllocatorRecords():
+            pass
+        torch.ones(8).add(1)
+    assert any(e.name == "aten::add" for e in outer.events())
