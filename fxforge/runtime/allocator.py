@@ -24,8 +24,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +96,26 @@ def cpu_allocations(events: Iterable[Any]) -> list[Allocation]:
     return sorted(found, key=lambda a: a.time_ns)
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null within it: the profiler's C++ side prints a line to stderr when a session
+    starts and stops (``USDT: ... profiler_start``), whatever its log level, which a command's user should not
+    see. Only the start and the stop run inside it, never the user's code."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no file descriptor 2 to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class AllocatorRecords:
     """A context manager that records the CPU allocator's allocations and frees inside it (see the module).
 
@@ -120,11 +143,13 @@ class AllocatorRecords:
             raise RuntimeError("torch.profiler is already recording: the CPU allocator's records need a profiler "
                                "session of their own; measure outside the other one")
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_stderr():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
         events = list(walk(event_tree(self._prof)))
