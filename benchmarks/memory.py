@@ -77,19 +77,12 @@ def peak_from_records(records: list[tuple[int, int]]) -> tuple[int, int, int]:
 
 
 def _cpu_records(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[int, int]]:
-    from torch.profiler import ProfilerActivity, profile
+    from fxforge.runtime.allocator import AllocatorRecords
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with AllocatorRecords() as records:
         out = fn(*args, **kwargs)
         del out  # the outputs' frees are in the records too; their bytes were held at the peak
-    results = getattr(prof.profiler, "kineto_results", None)
-    if results is None:
-        raise RuntimeError("torch.profiler recorded no events: cannot measure CPU memory")
-    return [
-        (event.start_ns(), event.nbytes())
-        for event in results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    ]
+    return [(a.time_ns, a.nbytes) for a in records.allocations]
 
 
 def peak_memory(fn: Callable[..., Any], *args: Any, device: str | torch.device = "cpu", **kwargs: Any) -> PeakMemory:

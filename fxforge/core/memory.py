@@ -20,8 +20,9 @@ bytes are alive at once. :func:`simulate_peak` replays that rule on the shape me
 The peak is the largest number of bytes alive while a node runs: what was alive before it plus what it
 allocates (its inputs are still alive then), plus the *scratch* of the few ops known to create a tensor
 they drop before returning (:func:`scratch_bytes`: max pooling computes int64 indices, layer and group
-norm their mean and rstd, a matrix product copies an operand BLAS cannot read in place). Other scratch memory an op uses inside its kernel is invisible to the
-simulation. :mod:`fxforge.runtime.memory` measures the same quantity on a real run.
+norm their mean and rstd, a matrix product copies an operand BLAS cannot read in place). Other scratch
+memory an op uses inside its kernel is invisible to the simulation. :mod:`fxforge.runtime.memory` measures
+the same quantity on a real run.
 
 Example:
     >>> class Net(torch.nn.Module):
@@ -106,7 +107,7 @@ def blas_copy_bytes(matrix: torch.Tensor) -> int:
     BLAS reads a matrix in row-major or column-major order: one stride 1, and the other at least the size
     of that dimension (a dimension of size 1 may have any stride). ATen copies any other operand to a
     contiguous temporary inside the kernel, where a dispatch mode does not see it (measured against the CPU
-    allocator's records for every layout in ``tests/core/test_memory.py``).
+    allocator's records for every layout in ``tests/core/test_memory_scratch.py``).
 
     Example:
         >>> blas_copy_bytes(torch.ones(4, 8)), blas_copy_bytes(torch.ones(8, 4).t())

@@ -13,8 +13,9 @@ which Inductor fuses into the kernel that uses them. The plan costs such a recom
 output (``fused=True`` in :func:`~fxforge.training.checkpointing.plan_step`), and Inductor's own min-cut
 partitions are offered to it as candidates (:mod:`fxforge.training.inductor_partitions`): they choose per
 value (a layer norm's statistics kept, its normalization recomputed), finer than the planner's pieces. Each
-graph is then the one the plan was simulated on; ``compile_fx_inner`` compiles it as ``torch.compile``'s forward and backward compilers
-do (AOTAutograd passes the strides Inductor chose for the saved values on to the backward). Inductor's
+graph is then the one the plan was simulated on; ``compile_fx_inner`` compiles it as ``torch.compile``'s
+forward and backward compilers do (AOTAutograd passes the strides Inductor chose for the saved values on to
+the backward). Inductor's
 joint-graph passes (which run before its own partitioner) are not run: the joint graph is the plan's.
 
 Random numbers: ``torch._inductor.config.fallback_random`` is set while compiling, so random ops (dropout)

@@ -3,10 +3,10 @@
 Inductor splits a joint graph with ``min_cut_rematerialization_partition``: a min cut over the graph chooses,
 value by value, what the forward saves and what the backward recomputes from it (it keeps a layer norm's
 statistics and recomputes its normalization, it keeps a matrix product's output and recomputes the GELU after
-it, as the example shows), and under ``torch._functorch.config.activation_memory_budget`` a knapsack recomputes more. Its choice is
-finer than the planner's pieces (:mod:`fxforge.training.checkpointing` chooses per run of the forward), but it
-does not simulate the backward's liveness: its budget bounds its estimate of the saved bytes, not the step's
-peak, and the peak is not monotonic in it.
+it, as the example shows), and under ``torch._functorch.config.activation_memory_budget`` a knapsack
+recomputes more. Its choice is finer than the planner's pieces (:mod:`fxforge.training.checkpointing`
+chooses per run of the forward), but it does not simulate the backward's liveness: its budget bounds its
+estimate of the saved bytes, not the step's peak, and the peak is not monotonic in it.
 
 :func:`mincut_recomputations` runs that partitioner on a copy of the step's joint graph at a few budgets and
 returns, for each, the forward nodes its backward recomputes. The planner takes them as candidates

@@ -183,7 +183,7 @@ def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
         del value
         if meter is not None:
             meter.end("backward")
-        sizes["gradients"] = unique_bytes(p.grad for p in trainable if p.grad is not None)
+            sizes["gradients"] = unique_bytes(p.grad for p in trainable if p.grad is not None)
         if opt is not None:
             opt.step()
         if meter is not None:
