@@ -16,3 +16,9 @@ os.environ.setdefault("FXFORGE_AUTOTUNE_CACHE", "0")
 def _doctest_names(doctest_namespace):
     doctest_namespace["torch"] = torch
     doctest_namespace["fxforge"] = fxforge
+
+# Under pytest-xdist (`make test` runs two workers on a two-core machine) each worker computes on one
+# thread: two workers of two threads each would fight over the cores, and an OpenMP thread that spins
+# waiting for a busy core makes every op slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)

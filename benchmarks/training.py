@@ -460,7 +460,7 @@ def _plan_info(plan: Any) -> dict[str, Any]:
         return {}
     info: dict[str, Any] = {}
     for key in ("budget_bytes", "unconstrained_activation_bytes", "predicted_activation_peak_bytes",
-                "predicted_peak_bytes", "overhead", "solver"):
+                "predicted_peak_bytes", "overhead", "solver", "measured_bytes", "margin_bytes"):
         value = getattr(plan, key, None)
         if value is not None:
             info[key] = value

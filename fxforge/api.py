@@ -70,7 +70,9 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     60 % of the unconstrained activation peak; bytes (an int, or ``"2GiB"``) cap the whole step's peak,
     weights, gradients and optimizer state included (``optimizer=``, default ``torch.optim.AdamW``, says
     what the optimizer keeps; ``loss=``, the caller's loss over the outputs, lets the plan count what that
-    loss allocates). Outputs, gradients and batch-norm statistics are eager's; in eval mode or without grad
+    loss allocates). On CPU each plan is checked on one measured step (``check=False`` skips it) and made again
+    with the excess kept back where that step held more than the budget. Outputs, gradients and batch-norm
+    statistics are eager's; in eval mode or without grad
     the model runs eagerly. ``target="inductor"`` compiles the plan's forward and backward graphs with
     Inductor (fused kernels, the plan's saved values; outputs and gradients eager's to float rounding).
 
@@ -113,10 +115,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
     if memory_budget is not None:
-        unknown = sorted(set(target_options) - {"optimizer", "loss", "autocast"})
+        unknown = sorted(set(target_options) - {"optimizer", "loss", "autocast", "check"})
         if target not in ("native", "inductor") or unknown:
-            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss= "
-                            f"and autocast=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
+            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss=, "
+                            f"autocast= and check=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
         return checkpointed(model, example_inputs, memory_budget, target=target, **target_options)
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")

@@ -76,7 +76,8 @@ EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "d
 # ---------------------------------------------------------------------------------------------- native
 
 def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimizer: Any = torch.optim.AdamW,
-                 loss: Any = None, autocast: torch.dtype | None = None, target: str = "native") -> CheckpointedModule:
+                 loss: Any = None, autocast: torch.dtype | None = None, target: str = "native",
+                 check: bool = True) -> CheckpointedModule:
     """The model's training step fitted under ``memory_budget`` by checkpointing (see
     :mod:`fxforge.training.module`): ``optimize(model, inputs, memory_budget=...)``; ``target="inductor"``
     compiles the plan's forward and backward graphs with Inductor (:mod:`fxforge.training.compiled`).
@@ -95,7 +96,7 @@ def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimiz
         raise ValueError("memory_budget plans checkpointing for training: the model is in eval mode "
                          "(call model.train() first)")
     return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
-                              autocast=autocast, target=target)
+                              autocast=autocast, target=target, check=check)
 
 
 def rewrite(captured: Captured, rewrites: Any = "default", verify: bool = True, *,

@@ -350,6 +350,9 @@ class CheckpointPlan:
         step: the chosen partition; ``simulation``: its replay.
         loss_bytes: what the caller's loss was sized at (None when no loss was given).
         backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).
+        margin_bytes: kept back from the budget, for what a measured step held beyond its simulation.
+        measured_bytes: the figure the budget bounds (the activation peak for a fraction, the forward and
+            backward's step peak for bytes), measured on one real step of the plan; None when not measured.
     """
 
     budget: Any
@@ -372,6 +375,8 @@ class CheckpointPlan:
     plan_seconds: float = 0.0
     loss_bytes: int | None = None
     backward_reordered: bool = False
+    margin_bytes: int = 0
+    measured_bytes: int | None = None
 
     @property
     def overhead(self) -> float:
@@ -394,7 +399,15 @@ class CheckpointPlan:
             f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
             ("backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
              else "backward: in autograd's order (the memory scheduler found no lower peak)"),
+            *([] if self.measured_bytes is None else [self._measured_line()]),
         ]
+
+    def _measured_line(self) -> str:
+        what = "activation peak" if self.budget_kind == "fraction" else "step peak"
+        verdict = "fits" if self.measured_bytes <= self.budget_bytes else "OVER the budget"
+        kept = (f"; planned {_size(self.margin_bytes)} under the budget, what an earlier measured plan held "
+                "beyond its simulation" if self.margin_bytes else "")
+        return f"measured on one step: {what} {_size(self.measured_bytes)}, {verdict}{kept}"
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -423,7 +436,8 @@ class BudgetError(ValueError):
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
               loss_bytes: int | None = None, machine: Machine | None = None,
               time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False,
-              candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None) -> CheckpointPlan:
+              candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None,
+              margin_bytes: int = 0) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
     Args:
@@ -443,6 +457,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             :func:`~fxforge.training.inductor_partitions.mincut_candidates`): each is simulated and
             costed like the planner's own choices (the cheapest that fits wins, its label the solver), and
             each piece's part of each is one more choice for that piece in the MILP.
+        margin_bytes: kept back from the budget: the plan fits ``budget - margin_bytes`` (a measured step held
+            that much more than its simulation; :class:`~fxforge.training.module.CheckpointedModule`'s check).
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -460,22 +476,24 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
 
     if kind == "fraction":
         limit = int(value * base.activation_peak_bytes)
+        target = limit - margin_bytes
 
         def excess(sim: StepSimulation) -> int:
-            return sim.activation_peak_bytes - limit
+            return sim.activation_peak_bytes - target
     else:
         limit = int(value)
+        target = limit - margin_bytes
         if optimizer_phase > limit:
             raise BudgetError(f"memory_budget {budget!r}: the optimizer step alone needs "
                               f"{_size(optimizer_phase)} (weights, state, gradients, its temporaries)")
 
         def excess(sim: StepSimulation) -> int:
-            return whole(sim) - limit
+            return whole(sim) - target
 
     units = _units(step, machine, fused)
     pieces = _pieces(units)
     choices = own = _choices(units, pieces)
-    trials = _Trials(step, units, excess, limit, simulate)
+    trials = _Trials(step, units, excess, target, simulate)
     best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
     step_seconds = graph_seconds(step.forward, machine, fused=fused) + graph_seconds(step.backward, machine,
                                                                                      fused=fused)
@@ -503,10 +521,12 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             best = _relax(trials, pieces, best)
     rounds = trials.rounds
     if best is None:
-        least = min((figure for _, figure, _ in rounds), default=limit + excess(base))
+        least = min((figure for _, figure, _ in rounds), default=target + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
-        raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}) is below what recomputation reached: "
-                          f"{what} of {_size(least)} at best (unconstrained {_size(limit + excess(base))})")
+        kept = f", {_size(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
+            if margin_bytes else ""
+        raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}{kept}) is below what recomputation reached: "
+                          f"{what} of {_size(least)} at best (unconstrained {_size(target + excess(base))})")
     _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes
                             if n.name in chosen_step.recomputed)
@@ -514,7 +534,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
                           whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
                           chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,
-                          loss_bytes)
+                          loss_bytes, margin_bytes=margin_bytes)
 
 
 def _names(units: list[Unit], chosen: set[int]) -> set[str]:

@@ -32,8 +32,9 @@ whole step 8-9 % under the plan's peak; a small ResNet (basic blocks of 64-512 c
 at 60 %, 69.4 MiB against 64.0 simulated (+8 %; the op-by-op runner 65.8, convolution scratch), the whole
 step +2.8 % over the plan's peak: Inductor's kernels hold more at once there than the ATen graph does (its
 fused batch-norm backward of a residual block's two branches writes both branches' gradients together, for
-one), which the plan does not model. The plan is not corrected for it: a byte budget that must hold on a
-convolutional model wants that margin. Layout optimization stays off: on torchvision's ResNet-50 (batch 8,
+one), which the plan does not model. :class:`~fxforge.training.module.CheckpointedModule` corrects for it
+on CPU: it measures one step of the compiled plan and, where that step holds more than the budget, plans
+again with what it held beyond its simulation kept back (its ``check``). Layout optimization stays off: on torchvision's ResNet-50 (batch 8,
 224 x 224) it made the step 4-7 % faster but held 25-36 MiB more than the plan predicted (channels-last
 copies of the weights and activations), and a budget the plan fits must hold when measured.
 

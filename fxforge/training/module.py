@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
@@ -38,11 +39,14 @@ from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
 from fxforge.rewrites.memory_reorder.planning import apply_order
 from fxforge.rewrites.memory_reorder.planning import plan as plan_order
-from fxforge.training.checkpointing import BudgetError, CheckpointPlan, parse_budget, plan_step
+from fxforge.training.checkpointing import BudgetError, CheckpointPlan, _size, parse_budget, plan_step
 from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
-from fxforge.training.step_graph import StepGraphs, trace_step
+from fxforge.training.step_graph import StepGraphs, default_loss, trace_step
 from fxforge.training.timeline import simulate_step
+
+CHECK_REPLANS = 2
+"""How many times a plan whose measured step holds more than the budget is made again, the excess kept back."""
 
 TARGETS = ("native", "inductor")
 """What runs the plan's graphs: ``"native"`` op by op (ATen, as eager), ``"inductor"`` Inductor's kernels
@@ -144,11 +148,19 @@ class CheckpointedModule(torch.nn.Module):
     ``loss`` (outputs -> scalar, the one the caller will use) lets the plan count what the loss allocates
     between the forward and the backward (for a language model, a few tensors the size of the logits);
     without it, the plan counts one gradient per output, as a loss whose backward allocates nothing else.
+
+    ``check`` (on by default): on CPU, each plan is measured on one real step of the example inputs (forward,
+    that loss or the sum of the outputs, backward; through the CPU allocator's records, :mod:`fxforge.runtime.allocator`), with the
+    parameters, buffers, gradients and random state restored after it. Where the step holds more than the
+    budget (Inductor's kernels hold buffers the plan's ATen graphs do not; a convolution's backward has
+    scratch the simulation does not model), the plan is made again with the excess kept back from the budget,
+    up to :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much.
+    The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                  optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None,
-                 target: str = "native"):
+                 target: str = "native", check: bool = True):
         super().__init__()
         parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
         if target not in TARGETS:
@@ -159,6 +171,7 @@ class CheckpointedModule(torch.nn.Module):
         self.optimizer = optimizer
         self.loss = loss
         self.autocast = autocast
+        self.check = check
         self._steps: dict[tuple, Any] = {}
         self._unplannable: set[tuple] = set()
         self.plans = 0
@@ -167,6 +180,78 @@ class CheckpointedModule(torch.nn.Module):
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        entry = self._plan(args, kwargs)
+        if not self._checkable(args, kwargs):
+            return entry
+        for replans in range(CHECK_REPLANS + 1):
+            over = self._measure(entry[0], args, kwargs)
+            if over <= 0 or replans == CHECK_REPLANS:
+                break
+            # Planned again to fit the budget less what this plan held beyond its simulation (which is at
+            # least its margin plus its excess): the next plan's simulation, off by as much, then fits.
+            margin = self.plan.measured_bytes - self._predicted(self.plan)
+            try:
+                entry = self._plan(args, kwargs, margin)
+            except BudgetError:
+                break
+        if over > 0:
+            warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
+                          "step, after planning again with the excess kept back; it is kept as the closest",
+                          stacklevel=3)
+        return entry
+
+    def _checkable(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        tensors = [*tensor_leaves((args, kwargs)), *self.model.parameters(), *self.model.buffers()]
+        return (self.check and all(t.device.type == "cpu" for t in tensors)
+                and not torch.autograd.profiler._is_profiler_enabled)
+
+    def _measure(self, step: StepGraphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Run one step of the plan under the allocator's records; set the plan's ``measured_bytes`` and return
+        how far it is over the budget (<= 0: it fits)."""
+        from fxforge.runtime.allocator import AllocatorRecords
+        from fxforge.training.measure import restored
+
+        params = list(self.model.parameters())
+        with restored(self.model), torch.random.fork_rng(devices=[]):
+            for p in params:
+                p.grad = None
+            gc.collect()
+            with AllocatorRecords(gradients_of=params) as records:
+                outputs = self._run(step, args, kwargs)
+                value = (self.loss or default_loss)(outputs)
+                # Without a loss the plan takes the outputs as held to the end, and counts no loss: the
+                # stand-in's own two scalars (its value and the seed of its backward) are not counted.
+                stand_in = 2 * value.element_size() if self.loss is None else 0
+                if self.loss is not None:
+                    outputs = None
+                value.backward()
+                del value
+                records.mark("backward")
+                del outputs
+        plan = self.plan
+        if plan.budget_kind == "fraction":
+            plan.measured_bytes = records.activation_peak_bytes("backward") - stand_in
+        else:
+            plan.measured_bytes = (plan.persistent_bytes + records.phases(["backward"])["backward"].peak_bytes
+                                   - stand_in)
+        return plan.measured_bytes - plan.budget_bytes
+
+    @staticmethod
+    def _predicted(plan: CheckpointPlan) -> int:
+        """The simulated counterpart of ``plan.measured_bytes``."""
+        if plan.budget_kind == "fraction":
+            return plan.predicted_activation_peak_bytes
+        return plan.persistent_bytes + plan.simulation.peak_bytes
+
+    def _run(self, step: StepGraphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat = step.wrapper.flat_inputs(args, kwargs)
+        amp = torch.autocast(flat[0].device.type if flat else "cpu", dtype=self.autocast) \
+            if self.autocast is not None else torch.autocast("cpu", enabled=False)
+        with amp:
+            outputs = step.compiled(*flat)
+        return step.wrapper.rebuild(outputs)
+
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], margin: int = 0) -> Any:
         from fxforge.training.eager_graph import eager_like_graph
 
         graph_module = eager_like_graph(self.model, args, kwargs)
@@ -182,7 +267,8 @@ class CheckpointedModule(torch.nn.Module):
                 from fxforge.training.inductor_partitions import mincut_candidates as candidates
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
-                                       fused=self.target == "inductor", candidates=candidates)
+                                       fused=self.target == "inductor", candidates=candidates,
+                                       margin_bytes=margin)
             return chosen["plan"].recomputed
 
         def finish(step):
@@ -220,13 +306,7 @@ class CheckpointedModule(torch.nn.Module):
                 warnings.warn(f"fxforge: no checkpointing plan fits these inputs ({error}); this input "
                               "signature runs the model eagerly, without checkpointing", stacklevel=2)
                 return self.model(*args, **kwargs)
-        step = entry[0]
-        flat = step.wrapper.flat_inputs(args, kwargs)
-        amp = torch.autocast(flat[0].device.type if flat else "cpu", dtype=self.autocast) \
-            if self.autocast is not None else torch.autocast("cpu", enabled=False)
-        with amp:
-            outputs = step.compiled(*flat)
-        return step.wrapper.rebuild(outputs)
+        return self._run(entry[0], args, kwargs)
 
     def train(self, mode: bool = True) -> CheckpointedModule:
         super().train(mode)
@@ -235,7 +315,7 @@ class CheckpointedModule(torch.nn.Module):
 
 def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                        optimizer: Any = torch.optim.AdamW, loss: Any = None,
-                       autocast: torch.dtype | None = None) -> CheckpointPlan:
+                       autocast: torch.dtype | None = None, check: bool = True) -> CheckpointPlan:
     """The plan ``fxforge.optimize(model, inputs, memory_budget=...)`` would run, without keeping the module.
 
     Raises:
@@ -248,4 +328,4 @@ def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budge
         ([], 'none needed (the step fits unconstrained)')
     """
     return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
-                              autocast=autocast).plan
+                              autocast=autocast, check=check).plan

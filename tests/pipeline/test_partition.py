@@ -10,6 +10,7 @@ import torch
 import fxforge
 from fxforge.pipeline.partition import build_pipe, compare_policies
 from fxforge.pipeline.units import split_candidates, stage_units
+from fxforge.runtime.roofline import Machine
 from tests.training import models
 
 
@@ -18,9 +19,14 @@ def gpt2():
     return models.gpt2(dropout=0.0, layers=4).eval()
 
 
+# A fixed machine: the units' roofline costs, and so the splits' balance, do not depend on what else runs (a
+# worker of pytest-xdist measured its CPU beside another one).
+MACHINE = Machine("cpu", 150.0, 25.0, "fixed")
+
+
 @pytest.fixture(scope="module")
 def gpt2_units(gpt2):
-    return stage_units(gpt2, {"input_ids": models.ids(batch=8)}, microbatches=4)
+    return stage_units(gpt2, {"input_ids": models.ids(batch=8)}, microbatches=4, machine=MACHINE)
 
 
 def test_stages_may_begin_at_each_block_and_inside_it(gpt2_units):
