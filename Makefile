@@ -24,8 +24,10 @@ $(VENV)/.installed-dev: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# Two workers, one per core (each computes on one thread: conftest.py); a file's tests stay on one worker,
+# so its module-scoped fixtures are built once.
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The differential fuzz suite at its long profile (250 programs per property; `make test` runs 12).
 fuzz: $(VENV)/.installed-dev

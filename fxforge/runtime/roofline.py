@@ -232,8 +232,13 @@ def measure_machine(device: torch.device | str | None = None, *, dtype: torch.dt
             if machine is not None:
                 _KNOWN[memo] = machine
                 return machine
-    peak = measure_peak_gflops(device, dtype=dtype)
-    bandwidth = measure_bandwidth_gbs(device)
+    # Real tensors, whatever mode the caller is in: measured under a FakeTensorMode (a trace that asks for
+    # costs) the products are not computed and the "machine" came out ten times faster than it is.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        peak = measure_peak_gflops(device, dtype=dtype)
+        bandwidth = measure_bandwidth_gbs(device)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     machine = Machine(name, round(peak, 3), round(bandwidth, 3), now, str(dtype).replace("torch.", ""))
     if cache:

@@ -19,8 +19,8 @@ def gpt2():
     return models.gpt2(dropout=0.0, layers=4).eval()
 
 
-# A fixed machine: the units' roofline costs, and so the splits' balance, do not depend on what else runs (a
-# worker of pytest-xdist measured its CPU beside another one).
+# A fixed machine: the units' roofline costs, and so the splits' balance, are the same on every machine and
+# whatever else runs beside the test.
 MACHINE = Machine("cpu", 150.0, 25.0, "fixed")
 
 

@@ -100,3 +100,22 @@ def test_real_measurement_is_quick_and_sane(monkeypatch):
     elapsed = time.perf_counter() - start
     assert m.peak_gflops > 0.1 and m.bandwidth_gbs > 0.1
     assert elapsed < 5.0  # about 0.3 s on an idle two-core machine
+
+
+def test_a_machine_measured_inside_a_fake_mode_is_measured_on_real_tensors(monkeypatch):
+    """A trace with fake tensors that asks for costs measures the machine (the first time in a process): the
+    products must run for real, not as fake ops that take no time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(roofline, "_KNOWN", {})
+    seen = []
+    real = roofline.measure_peak_gflops
+
+    def peak(device, **kwargs):
+        seen.append(type(torch.ones(1)))
+        return real(device, size=128, repeats=1)
+
+    monkeypatch.setattr(roofline, "measure_peak_gflops", peak)
+    with FakeTensorMode():
+        machine = measure_machine("cpu", cache=False)
+    assert seen == [torch.Tensor] and machine.peak_gflops > 0
