@@ -13,7 +13,7 @@ import torch
 import fxforge
 from fxforge.training import CheckpointedModule
 from fxforge.training.costs import is_pointwise
-from tests.training.models import gpt2, ids, images
+from tests.training.models import conv_bn, gpt2, ids, images
 
 # Inductor reorders float arithmetic inside its fused kernels: float32 rounding, not bitwise equality.
 RTOL, ATOL = 1e-5, 1e-5
@@ -102,16 +102,8 @@ def test_eval_mode_and_no_grad_run_the_model_itself(gpt2_inductor):
     assert compiled.plans == plans  # nothing was planned nor compiled for these
 
 
-def _conv_bn(layers: int = 4, width: int = 16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    blocks = [torch.nn.Conv2d(3, width, 3, padding=1)]
-    for _ in range(layers):
-        blocks += [torch.nn.BatchNorm2d(width), torch.nn.ReLU(), torch.nn.Conv2d(width, width, 3, padding=1)]
-    return torch.nn.Sequential(*blocks).train()
-
-
 def test_batch_norm_statistics_and_gradients_follow_eager():
-    model = _conv_bn()
+    model = conv_bn()
     eager = copy.deepcopy(model)
     compiled = fxforge.optimize(model, (images(0, batch=8),), memory_budget="70%", target="inductor")
     assert compiled.plan.recomputed
@@ -131,7 +123,7 @@ def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses():
     """Traced with Inductor's decompositions, a batch norm is statistics plus elementwise ops: under a budget the
     plan keeps the convolutions' outputs and recomputes the normalization and the ReLU after them (costed at
     one write each, fused by Inductor), not a convolution."""
-    model = _conv_bn(layers=6)
+    model = conv_bn(layers=6)
     # The plan as simulated: measured, the step holds a convolution backward's scratch beyond it, and the
     # check's plan for the budget less that recomputes convolutions too.
     compiled = fxforge.optimize(model, (images(0, batch=8),), memory_budget="70%", target="inductor",

@@ -12,7 +12,7 @@ import fxforge
 from fxforge.training import BudgetError, CheckpointedModule
 from fxforge.training.measure import measure_step
 from fxforge.training.module import CHECK_REPLANS
-from tests.training.models import gpt2, ids, images, llama, resnet
+from tests.training.models import conv_bn, gpt2, ids, images, llama, resnet
 
 
 def _step(module: torch.nn.Module, x: torch.Tensor, seed: int):
@@ -137,14 +137,6 @@ def test_a_signature_no_plan_fits_runs_eagerly_after_one_warning():
     assert optimized.plans == 1
 
 
-def _conv_bn(layers: int = 6, width: int = 16) -> torch.nn.Module:
-    torch.manual_seed(0)
-    blocks = [torch.nn.Conv2d(3, width, 3, padding=1)]
-    for _ in range(layers):
-        blocks += [torch.nn.BatchNorm2d(width), torch.nn.ReLU(), torch.nn.Conv2d(width, width, 3, padding=1)]
-    return torch.nn.Sequential(*blocks).train()
-
-
 def _activation_peak(module: torch.nn.Module, model: torch.nn.Module, x: torch.Tensor) -> int:
     """The benchmark's measurement: one step after a warm-up, its activation peak (gradients left out)."""
     from benchmarks.step_memory import mark, step_peak
@@ -166,7 +158,7 @@ def test_a_plan_the_measured_step_exceeds_is_made_again_with_the_excess_kept_bac
     simulation does not model: the plan it fits at 80 % measures over the budget. The check measures it,
     plans again with what the step held beyond its simulation kept back, and the new plan fits, measured by
     the benchmark's own reader too."""
-    model, x = _conv_bn(), images(0, batch=8)
+    model, x = conv_bn(layers=6), images(0, batch=8)
     unchecked = fxforge.optimize(model, (x,), memory_budget="80%", check=False)
     assert unchecked.plan.measured_bytes is None
     assert _activation_peak(unchecked, model, x) > unchecked.plan.budget_bytes  # the simulation's blind spot
@@ -182,7 +174,7 @@ def test_a_plan_the_measured_step_exceeds_is_made_again_with_the_excess_kept_bac
 
 
 def test_the_check_leaves_the_model_and_the_random_state_as_they_were():
-    model, x = _conv_bn(layers=2), images(0, batch=4)
+    model, x = conv_bn(layers=2), images(0, batch=4)
     model[0].weight.grad = torch.ones_like(model[0].weight)
     state = copy.deepcopy(model.state_dict())
     rng = torch.get_rng_state()
