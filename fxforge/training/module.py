@@ -150,8 +150,9 @@ class CheckpointedModule(torch.nn.Module):
     without it, the plan counts one gradient per output, as a loss whose backward allocates nothing else.
 
     ``check`` (on by default): on CPU, each plan is measured on one real step of the example inputs (forward,
-    that loss or the sum of the outputs, backward; through the CPU allocator's records, :mod:`fxforge.runtime.allocator`), with the
-    parameters, buffers, gradients and random state restored after it. Where the step holds more than the
+    that loss or the sum of the outputs, backward; through the CPU allocator's records,
+    :mod:`fxforge.runtime.allocator`), with the parameters, buffers, gradients (the inputs' too) and random
+    state restored after it. Where the step holds more than the
     budget (Inductor's kernels hold buffers the plan's ATen graphs do not; a convolution's backward has
     scratch the simulation does not model), the plan is made again with the excess kept back from the budget,
     up to :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much.
@@ -212,6 +213,7 @@ class CheckpointedModule(torch.nn.Module):
         from fxforge.training.measure import restored
 
         params = list(self.model.parameters())
+        inputs = [(t, t.grad) for t in tensor_leaves((args, kwargs)) if t.requires_grad]
         with restored(self.model), torch.random.fork_rng(devices=[]):
             for p in params:
                 p.grad = None
@@ -228,6 +230,8 @@ class CheckpointedModule(torch.nn.Module):
                 del value
                 records.mark("backward")
                 del outputs
+        for tensor, grad in inputs:
+            tensor.grad = grad
         plan = self.plan
         if plan.budget_kind == "fraction":
             plan.measured_bytes = records.activation_peak_bytes("backward") - stand_in

@@ -174,7 +174,7 @@ def test_a_plan_the_measured_step_exceeds_is_made_again_with_the_excess_kept_bac
 
 
 def test_the_check_leaves_the_model_and_the_random_state_as_they_were():
-    model, x = conv_bn(layers=2), images(0, batch=4)
+    model, x = conv_bn(layers=2), images(0, batch=4).requires_grad_()
     model[0].weight.grad = torch.ones_like(model[0].weight)
     state = copy.deepcopy(model.state_dict())
     rng = torch.get_rng_state()
@@ -185,6 +185,7 @@ def test_the_check_leaves_the_model_and_the_random_state_as_they_were():
         assert torch.equal(value, state[name]), name  # weights and batch-norm statistics
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
     assert all(p.grad is None for p in list(model.parameters())[1:])
+    assert x.grad is None  # the example input's gradient is not left behind either
 
 
 def test_without_a_loss_the_measured_step_is_the_simulated_one_to_the_byte():
