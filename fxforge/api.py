@@ -72,9 +72,9 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     what the optimizer keeps; ``loss=``, the caller's loss over the outputs, lets the plan count what that
     loss allocates). On CPU each plan is checked on one measured step (``check=False`` skips it) and made again
     with the excess kept back where that step held more than the budget. Outputs, gradients and batch-norm
-    statistics are eager's; in eval mode or without grad
-    the model runs eagerly. ``target="inductor"`` compiles the plan's forward and backward graphs with
-    Inductor (fused kernels, the plan's saved values; outputs and gradients eager's to float rounding).
+    statistics are eager's; in eval mode or without grad the model runs eagerly. ``target="inductor"``
+    compiles the plan's forward and backward graphs with Inductor (fused kernels, the plan's saved values;
+    outputs and gradients eager's to float rounding).
 
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).

@@ -157,7 +157,7 @@ class AllocatorRecords:
     def __enter__(self) -> AllocatorRecords:  # noqa: PYI034 - returns itself, as a context manager does
         from torch.profiler import ProfilerActivity, profile
 
-        if torch.autograd.profiler._is_profiler_enabled:
+        if not self.available():
             # A second session would end the first one when it exits.
             raise RuntimeError("torch.profiler is already recording: the CPU allocator's records need a profiler "
                                "session of their own; measure outside the other one")
@@ -193,6 +193,16 @@ class AllocatorRecords:
                 nbytes, _, address = event.name[len(GRADIENT_MARK):].partition("@")
                 gradients.append((event.start_time_ns, int(nbytes), int(address)))
         self.gradients = _gradient_allocations(self.allocations, gradients)
+
+    @staticmethod
+    def available() -> bool:
+        """Whether records can start here: not inside another ``torch.profiler`` session.
+
+        Example:
+            >>> AllocatorRecords.available()
+            True
+        """
+        return not torch.autograd.profiler._is_profiler_enabled
 
     @staticmethod
     def mark(name: str) -> None:

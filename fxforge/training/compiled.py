@@ -15,8 +15,8 @@ partitions are offered to it as candidates (:mod:`fxforge.training.inductor_part
 value (a layer norm's statistics kept, its normalization recomputed), finer than the planner's pieces. Each
 graph is then the one the plan was simulated on; ``compile_fx_inner`` compiles it as ``torch.compile``'s
 forward and backward compilers do (AOTAutograd passes the strides Inductor chose for the saved values on to
-the backward). Inductor's
-joint-graph passes (which run before its own partitioner) are not run: the joint graph is the plan's.
+the backward). Inductor's joint-graph passes (which run before its own partitioner) are not run: the joint
+graph is the plan's.
 
 Random numbers: ``torch._inductor.config.fallback_random`` is set while compiling, so random ops (dropout)
 run ATen's kernels and draw the numbers eager draws for the same seed, in the graph's order; the plan never
@@ -34,9 +34,10 @@ step +2.8 % over the plan's peak: Inductor's kernels hold more at once there tha
 fused batch-norm backward of a residual block's two branches writes both branches' gradients together, for
 one), which the plan does not model. :class:`~fxforge.training.module.CheckpointedModule` corrects for it
 on CPU: it measures one step of the compiled plan and, where that step holds more than the budget, plans
-again with what it held beyond its simulation kept back (its ``check``). Layout optimization stays off: on torchvision's ResNet-50 (batch 8,
-224 x 224) it made the step 4-7 % faster but held 25-36 MiB more than the plan predicted (channels-last
-copies of the weights and activations), and a budget the plan fits must hold when measured.
+again with what it held beyond its simulation kept back (its ``check``). Layout optimization stays off: on
+torchvision's ResNet-50 (batch 8, 224 x 224) it made the step 4-7 % faster but held 25-36 MiB more than the
+plan predicted (channels-last copies of the weights and activations), and a budget the plan fits must hold
+when measured.
 
 Example:
     >>> forward, backward = inductor_compilers()

@@ -203,8 +203,9 @@ class CheckpointedModule(torch.nn.Module):
 
     def _checkable(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         tensors = [*tensor_leaves((args, kwargs)), *self.model.parameters(), *self.model.buffers()]
-        return (self.check and all(t.device.type == "cpu" for t in tensors)
-                and not torch.autograd.profiler._is_profiler_enabled)
+        from fxforge.runtime.allocator import AllocatorRecords
+
+        return self.check and all(t.device.type == "cpu" for t in tensors) and AllocatorRecords.available()
 
     def _measure(self, step: StepGraphs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Run one step of the plan under the allocator's records; set the plan's ``measured_bytes`` and return
