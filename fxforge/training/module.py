@@ -53,6 +53,27 @@ TARGETS = ("native", "inductor")
 (:mod:`fxforge.training.compiled`)."""
 
 
+def next_margin(gaps: list[int]) -> int:
+    """What the next plan keeps back from its budget, given what each measured plan so far held beyond its
+    simulation (``gaps``, oldest first).
+
+    The last plan's gap is at least its own margin plus its excess, so a next plan off by as much fits. A plan
+    that recomputes more holds more beyond its simulation (each recomputed convolution's backward scratch,
+    each fused kernel's buffers), so where the gap grew from one plan to the next, the next is expected to
+    grow as much again (a linear extrapolation), rather than be met one re-plan too late.
+
+    Example:
+        >>> next_margin([4096])
+        4096
+        >>> next_margin([4096, 6144])  # grew by 2 KiB: 2 KiB more again
+        8192
+        >>> next_margin([6144, 4096])  # shrank: the last gap
+        4096
+    """
+    growth = gaps[-1] - gaps[-2] if len(gaps) > 1 else 0
+    return gaps[-1] + max(growth, 0)
+
+
 def _boxed(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     """Run ``gm`` taking its inputs as one list it clears: each input is freed after its last use."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
@@ -154,8 +175,9 @@ class CheckpointedModule(torch.nn.Module):
     :mod:`fxforge.runtime.allocator`), with the parameters, buffers, gradients (the inputs' too) and random
     state restored after it. Where the step holds more than the
     budget (Inductor's kernels hold buffers the plan's ATen graphs do not; a convolution's backward has
-    scratch the simulation does not model), the plan is made again with the excess kept back from the budget,
-    up to :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much.
+    scratch the simulation does not model), the plan is made again with what it held beyond its simulation
+    kept back from the budget (:func:`next_margin`: more again where that grew from one plan to the next), up to
+    :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much.
     The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
     """
 
@@ -184,15 +206,14 @@ class CheckpointedModule(torch.nn.Module):
         entry = self._plan(args, kwargs)
         if not self._checkable(args, kwargs):
             return entry
+        gaps: list[int] = []
         for replans in range(CHECK_REPLANS + 1):
             over = self._measure(entry[0], args, kwargs)
             if over <= 0 or replans == CHECK_REPLANS:
                 break
-            # Planned again to fit the budget less what this plan held beyond its simulation (which is at
-            # least its margin plus its excess): the next plan's simulation, off by as much, then fits.
-            margin = self.plan.measured_bytes - self._predicted(self.plan)
+            gaps.append(self.plan.measured_bytes - self._predicted(self.plan))
             try:
-                entry = self._plan(args, kwargs, margin)
+                entry = self._plan(args, kwargs, next_margin(gaps))
             except BudgetError:
                 break
         if over > 0:

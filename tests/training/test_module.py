@@ -213,3 +213,28 @@ def test_a_plan_still_over_after_planning_again_is_kept_with_a_warning(monkeypat
     assert len(measured) == optimized.plans <= 1 + CHECK_REPLANS
     assert measured[-1] is optimized.plan
     assert "OVER the budget" in str(optimized.plan)
+
+
+def test_a_gap_that_grows_with_each_plan_is_kept_back_as_it_grows(monkeypatch):
+    """Each plan that recomputes more holds more beyond its simulation (a convolution's backward scratch,
+    Inductor's buffers): here 8 KiB more with each plan. Keeping back only the last plan's gap is met one
+    re-plan too late; the growth is extrapolated, so the last plan allowed fits."""
+    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]).train()
+    grows = 8 * 1024
+    margins = []
+
+    def simulated(plan):  # as if each plan's simulation reached its kept-back budget exactly
+        return plan.budget_bytes - plan.margin_bytes
+
+    def growing(self, step_graphs, args, kwargs):
+        margins.append(self.plan.margin_bytes)
+        self.plan.measured_bytes = simulated(self.plan) + grows * len(margins)
+        return self.plan.measured_bytes - self.plan.budget_bytes
+
+    monkeypatch.setattr(CheckpointedModule, "_predicted", staticmethod(simulated))
+    monkeypatch.setattr(CheckpointedModule, "_measure", growing)
+    optimized = fxforge.optimize(model, (torch.randn(256, 128),), memory_budget="80%", optimizer=None)
+    # Gaps of 8 and 16 KiB: the third plan keeps back 16 + 8 KiB, where its own gap is 24 KiB.
+    assert margins == [0, grows, 3 * grows]
+    assert optimized.plan.measured_bytes == optimized.plan.budget_bytes
+    assert optimized.plans == 1 + CHECK_REPLANS
