@@ -437,7 +437,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
               loss_bytes: int | None = None, machine: Machine | None = None,
               time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False,
               candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None,
-              margin_bytes: int = 0) -> CheckpointPlan:
+              margin_bytes: int = 0, reference_activation_bytes: int | None = None) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
     Args:
@@ -459,6 +459,11 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             each piece's part of each is one more choice for that piece in the MILP.
         margin_bytes: kept back from the budget: the plan fits ``budget - margin_bytes`` (a measured step held
             that much more than its simulation; :class:`~fxforge.training.module.CheckpointedModule`'s check).
+        reference_activation_bytes: the unconstrained activation peak a fraction budget is a fraction of, and
+            the plan's ``unconstrained_activation_bytes``; default this step's own. A step traced with
+            Inductor's decompositions holds more than the model's step does unconstrained (a layer norm's
+            decomposition saves its intermediates), so its own peak would make "60 %" allow more than 60 % of
+            what the model holds: the module passes the peak of the model's own step here.
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -474,8 +479,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     def whole(sim: StepSimulation) -> int:
         return max(persistent_bytes + sim.peak_bytes, optimizer_phase)
 
+    unconstrained = base.activation_peak_bytes if reference_activation_bytes is None else reference_activation_bytes
     if kind == "fraction":
-        limit = int(value * base.activation_peak_bytes)
+        limit = int(value * unconstrained)
         target = limit - margin_bytes
 
         def excess(sim: StepSimulation) -> int:
@@ -525,12 +531,13 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         what = "an activation peak" if kind == "fraction" else "a step peak"
         kept = f", {_size(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
             if margin_bytes else ""
+        free = unconstrained if kind == "fraction" else whole(base)
         raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}{kept}) is below what recomputation reached: "
-                          f"{what} of {_size(least)} at best (unconstrained {_size(target + excess(base))})")
+                          f"{what} of {_size(least)} at best (unconstrained {_size(free)})")
     _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes
                             if n.name in chosen_step.recomputed)
-    return CheckpointPlan(budget, kind, limit, base.activation_peak_bytes, sim.activation_peak_bytes,
+    return CheckpointPlan(budget, kind, limit, unconstrained, sim.activation_peak_bytes,
                           whole(base), whole(sim), [n.name for n in chosen_step.saved_nodes()],
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
                           chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,

@@ -197,6 +197,7 @@ class CheckpointedModule(torch.nn.Module):
         self.check = check
         self._steps: dict[tuple, Any] = {}
         self._unplannable: set[tuple] = set()
+        self._references: dict[tuple, int] = {}
         self.plans = 0
         self.plan: CheckpointPlan | None = None
         args, kwargs = normalize_inputs(example_inputs)
@@ -294,15 +295,17 @@ class CheckpointedModule(torch.nn.Module):
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
                                        fused=self.target == "inductor", candidates=candidates,
-                                       margin_bytes=margin)
+                                       margin_bytes=margin, reference_activation_bytes=reference)
             return chosen["plan"].recomputed
 
         def finish(step):
             chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
 
-        decompositions = None
+        decompositions = reference = None
         if self.target == "inductor":
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
+
+            reference = self._model_activation_peak(graph_module, args, kwargs)
 
             compilers, decompositions = inductor_compilers(), inductor_decompositions()
         else:
@@ -316,6 +319,20 @@ class CheckpointedModule(torch.nn.Module):
         entry = (step, [id(p) for p in self.model.parameters()])
         self._steps[_signature(args, kwargs)] = entry
         return entry
+
+    def _model_activation_peak(self, graph_module: torch.fx.GraphModule, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> int | None:
+        """The unconstrained activation peak of the model's own step (ATen's ops, as eager runs them), which a
+        fraction budget is a fraction of whatever graphs run the plan; None for a budget in bytes. Traced once
+        per signature."""
+        if parse_budget(self.memory_budget)[0] != "fraction":
+            return None
+        key = _signature(args, kwargs)
+        if key not in self._references:
+            step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast)
+            loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
+            self._references[key] = simulate_step(step, loss_bytes=loss_bytes).activation_peak_bytes
+        return self._references[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
