@@ -350,7 +350,8 @@ class CheckpointPlan:
         step: the chosen partition; ``simulation``: its replay.
         loss_bytes: what the caller's loss was sized at (None when no loss was given).
         backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).
-        margin_bytes: kept back from the budget, for what a measured step held beyond its simulation.
+        margin_bytes: kept back from the budget, for what a measured step held beyond its simulation (negative:
+            added to it, for what a measured step held below its simulation).
         measured_bytes: the figure the budget bounds (the activation peak for a fraction, the forward and
             backward's step peak for bytes), measured on one real step of the plan; None when not measured.
     """
@@ -405,8 +406,14 @@ class CheckpointPlan:
     def _measured_line(self) -> str:
         what = "activation peak" if self.budget_kind == "fraction" else "step peak"
         verdict = "fits" if self.measured_bytes <= self.budget_bytes else "OVER the budget"
-        kept = (f"; planned {_size(self.margin_bytes)} under the budget, what an earlier measured plan held "
-                "beyond its simulation" if self.margin_bytes else "")
+        if self.margin_bytes > 0:
+            kept = (f"; planned {_size(self.margin_bytes)} under the budget, what an earlier measured plan held "
+                    "beyond its simulation")
+        elif self.margin_bytes < 0:
+            kept = (f"; planned {_size(-self.margin_bytes)} over the budget, what an earlier measured plan held "
+                    "below its simulation")
+        else:
+            kept = ""
         return f"measured on one step: {what} {_size(self.measured_bytes)}, {verdict}{kept}"
 
     def __str__(self) -> str:
@@ -458,7 +465,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             costed like the planner's own choices (the cheapest that fits wins, its label the solver), and
             each piece's part of each is one more choice for that piece in the MILP.
         margin_bytes: kept back from the budget: the plan fits ``budget - margin_bytes`` (a measured step held
-            that much more than its simulation; :class:`~fxforge.training.module.CheckpointedModule`'s check).
+            that much more than its simulation; :class:`~fxforge.training.module.CheckpointedModule`'s check);
+            negative where a measured step held less than its simulation.
         reference_activation_bytes: the unconstrained activation peak a fraction budget is a fraction of, and
             the plan's ``unconstrained_activation_bytes``; default this step's own. A step traced with
             Inductor's decompositions holds more than the model's step does unconstrained (a layer norm's
@@ -530,7 +538,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         least = min((figure for _, figure, _ in rounds), default=target + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
         kept = f", {_size(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
-            if margin_bytes else ""
+            if margin_bytes > 0 else ""
         free = unconstrained if kind == "fraction" else whole(base)
         raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}{kept}) is below what recomputation reached: "
                           f"{what} of {_size(least)} at best (unconstrained {_size(free)})")

@@ -48,6 +48,10 @@ from fxforge.training.timeline import simulate_step
 CHECK_REPLANS = 2
 """How many times a plan whose measured step holds more than the budget is made again, the excess kept back."""
 
+GIVE_BACK_MIN = 0.01
+"""A first plan whose measured step holds less than its simulation by at least this fraction of the budget is
+planned once more with the difference added (:meth:`CheckpointedModule._give_back`)."""
+
 TARGETS = ("native", "inductor")
 """What runs the plan's graphs: ``"native"`` op by op (ATen, as eager), ``"inductor"`` Inductor's kernels
 (:mod:`fxforge.training.compiled`)."""
@@ -177,7 +181,10 @@ class CheckpointedModule(torch.nn.Module):
     budget (Inductor's kernels hold buffers the plan's ATen graphs do not; a convolution's backward has
     scratch the simulation does not model), the plan is made again with what it held beyond its simulation
     kept back from the budget (:func:`next_margin`: more again where that grew from one plan to the next), up to
-    :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much.
+    :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much. Where the
+    first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of the budget or more), it is
+    planned once more with that difference added to the budget, and the new plan is kept where it recomputes
+    less and its own measured step fits.
     The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
     """
 
@@ -221,6 +228,27 @@ class CheckpointedModule(torch.nn.Module):
             warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
                           "step, after planning again with the excess kept back; it is kept as the closest",
                           stacklevel=3)
+        elif not gaps:
+            entry = self._give_back(entry, args, kwargs)
+        return entry
+
+    def _give_back(self, entry: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Where the first plan's measured step held less than its simulation (Inductor's kernels free some
+        values earlier than the ATen graphs do), plan once more with that difference added to the budget, and
+        keep the new plan only where it recomputes less and its own measured step fits; else the first."""
+        plan = self.plan
+        gap = plan.measured_bytes - self._predicted(plan)
+        if not plan.recomputed or -gap < GIVE_BACK_MIN * plan.budget_bytes:
+            return entry
+        try:
+            relaxed = self._plan(args, kwargs, gap)
+        except BudgetError:
+            relaxed = None
+        if (relaxed is not None and self.plan.recompute_seconds < plan.recompute_seconds
+                and self._measure(relaxed[0], args, kwargs) <= 0):
+            return relaxed
+        self.plan = plan
+        self._steps[_signature(args, kwargs)] = entry
         return entry
 
     def _checkable(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

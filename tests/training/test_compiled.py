@@ -76,9 +76,11 @@ def test_a_new_shape_plans_and_compiles_again(gpt2_inductor):
     _, eager, compiled = gpt2_inductor
     plans = compiled.plans
     _close_step(compiled, eager, ids(4, seq=48), 4)
-    assert compiled.plans == plans + 1
+    # Planned for the new shape (twice where its measured step gives recomputation back).
+    planned = compiled.plans
+    assert planned > plans
     _close_step(compiled, eager, ids(5), 5)  # the first signature's compiled step is kept
-    assert compiled.plans == plans + 1
+    assert compiled.plans == planned
 
 
 def test_eval_mode_and_no_grad_run_the_model_itself(gpt2_inductor):
