@@ -334,7 +334,6 @@ class CheckpointedModule(torch.nn.Module):
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
             reference = self._model_activation_peak(graph_module, args, kwargs)
-
             compilers, decompositions = inductor_compilers(), inductor_decompositions()
         else:
             compilers = (_boxed, _boxed)
