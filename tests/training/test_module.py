@@ -15,6 +15,11 @@ from fxforge.training.module import CHECK_REPLANS
 from tests.training.models import conv_bn, gpt2, ids, images, llama, resnet
 
 
+def _linear_tanh():
+    """Eight Linear + Tanh layers of width 128, in train mode."""
+    return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]).train()
+
+
 def _step(module: torch.nn.Module, x: torch.Tensor, seed: int):
     module.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -197,7 +202,7 @@ def test_without_a_loss_the_measured_step_is_the_simulated_one_to_the_byte():
 
 
 def test_a_plan_still_over_after_planning_again_is_kept_with_a_warning(monkeypatch):
-    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]).train()
+    model = _linear_tanh()
 
     measured = []
 
@@ -219,7 +224,7 @@ def test_a_gap_that_grows_with_each_plan_is_kept_back_as_it_grows(monkeypatch):
     """Each plan that recomputes more holds more beyond its simulation (a convolution's backward scratch,
     Inductor's buffers): here 8 KiB more with each plan. Keeping back only the last plan's gap is met one
     re-plan too late; the growth is extrapolated, so the last plan allowed fits."""
-    model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]).train()
+    model = _linear_tanh()
     grows = 8 * 1024
     margins = []
 
@@ -253,10 +258,6 @@ def _held_below_its_simulation(by: int, relaxed_over: bool):
         return plan.measured_bytes - plan.budget_bytes
 
     return measure, measured
-
-
-def _linear_tanh():
-    return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]).train()
 
 
 def test_a_plan_whose_step_holds_less_than_its_simulation_gives_recomputation_back(monkeypatch):
