@@ -354,6 +354,8 @@ class CheckpointPlan:
             added to it, for what a measured step held below its simulation).
         measured_bytes: the figure the budget bounds (the activation peak for a fraction, the forward and
             backward's step peak for bytes), measured on one real step of the plan; None when not measured.
+        layout_optimization: for ``target="inductor"``, whether Inductor compiled the graphs with its layout
+            optimization (convolutions in channels-last); None for the op-by-op runner.
     """
 
     budget: Any
@@ -378,6 +380,7 @@ class CheckpointPlan:
     backward_reordered: bool = False
     margin_bytes: int = 0
     measured_bytes: int | None = None
+    layout_optimization: bool | None = None
 
     @property
     def overhead(self) -> float:
@@ -400,6 +403,9 @@ class CheckpointPlan:
             f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
             ("backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
              else "backward: in autograd's order (the memory scheduler found no lower peak)"),
+            *([] if self.layout_optimization is None else [
+                "compiled by Inductor, layout optimization " + ("on (checked on a measured step)"
+                                                                if self.layout_optimization else "off")]),
             *([] if self.measured_bytes is None else [self._measured_line()]),
         ]
 

@@ -169,6 +169,7 @@ class CheckpointedModule(torch.nn.Module):
         target: what runs the plan's graphs (:data:`TARGETS`): ``"native"`` ATen op by op, ``"inductor"``
             Inductor's compiled kernels (:mod:`fxforge.training.compiled`; outputs and gradients eager's to float
             rounding, dropout's masks eager's).
+        layout_optimization: whether the latest plan's graphs compiled with Inductor's layout optimization.
 
     ``loss`` (outputs -> scalar, the one the caller will use) lets the plan count what the loss allocates
     between the forward and the backward (for a language model, a few tensors the size of the logits);
@@ -184,7 +185,9 @@ class CheckpointedModule(torch.nn.Module):
     :data:`CHECK_REPLANS` times, and a plan still over is kept with a warning that says by how much. Where the
     first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of the budget or more), it is
     planned once more with that difference added to the budget, and the new plan is kept where it recomputes
-    less and its own measured step fits.
+    less and its own measured step fits. With ``target="inductor"`` the checked plan compiles with Inductor's
+    layout optimization (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate);
+    where no plan fits with it, the step is planned and checked again without it (as without the check).
     The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
     """
 
@@ -202,6 +205,7 @@ class CheckpointedModule(torch.nn.Module):
         self.loss = loss
         self.autocast = autocast
         self.check = check
+        self.layout_optimization = False
         self._steps: dict[tuple, Any] = {}
         self._unplannable: set[tuple] = set()
         self._references: dict[tuple, int] = {}
@@ -211,9 +215,27 @@ class CheckpointedModule(torch.nn.Module):
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        checkable = self._checkable(args, kwargs)
+        self.layout_optimization = self.target == "inductor" and checkable
+        if not checkable:
+            return self._plan(args, kwargs)
+        if self.layout_optimization:
+            entry, over = self._checked(args, kwargs)
+            if over <= 0:
+                return entry
+            self.layout_optimization = False  # what its channels-last copies hold leaves no plan that fits
+        entry, over = self._checked(args, kwargs)
+        if over > 0:
+            warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
+                          "step, after planning again with the excess kept back; it is kept as the closest",
+                          stacklevel=3)
+        return entry
+
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+        """Plan, measure one step, and plan again with what it held beyond its simulation kept back (up to
+        :data:`CHECK_REPLANS` times) or given back (:meth:`_give_back`); the last plan and how far its measured
+        step is over the budget (<= 0: it fits)."""
         entry = self._plan(args, kwargs)
-        if not self._checkable(args, kwargs):
-            return entry
         gaps: list[int] = []
         for replans in range(CHECK_REPLANS + 1):
             over = self._measure(entry[0], args, kwargs)
@@ -224,13 +246,9 @@ class CheckpointedModule(torch.nn.Module):
                 entry = self._plan(args, kwargs, next_margin(gaps))
             except BudgetError:
                 break
-        if over > 0:
-            warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
-                          "step, after planning again with the excess kept back; it is kept as the closest",
-                          stacklevel=3)
-        elif not gaps:
+        if over <= 0 and not gaps:
             entry = self._give_back(entry, args, kwargs)
-        return entry
+        return entry, over
 
     def _give_back(self, entry: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Where the first plan's measured step held less than its simulation (Inductor's kernels free some
@@ -334,7 +352,8 @@ class CheckpointedModule(torch.nn.Module):
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
             reference = self._model_activation_peak(graph_module, args, kwargs)
-            compilers, decompositions = inductor_compilers(), inductor_decompositions()
+            compilers = inductor_compilers(layout_optimization=self.layout_optimization)
+            decompositions = inductor_decompositions()
         else:
             compilers = (_boxed, _boxed)
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
@@ -342,6 +361,7 @@ class CheckpointedModule(torch.nn.Module):
                           strides_from_compiler=self.target == "inductor", decompositions=decompositions)
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
+        self.plan.layout_optimization = self.layout_optimization if self.target == "inductor" else None
         self.plans += 1
         entry = (step, [id(p) for p in self.model.parameters()])
         self._steps[_signature(args, kwargs)] = entry

@@ -49,12 +49,12 @@ def resnet() -> torch.nn.Module:
     return model
 
 
-def conv_bn(layers: int = 4, width: int = 16) -> torch.nn.Module:
-    """A plain stack of 3 x 3 convolutions, each after a batch norm and a ReLU (from 3 input channels)."""
+def conv_bn(layers: int = 4, width: int = 16, activation: type = torch.nn.ReLU) -> torch.nn.Module:
+    """A plain stack of 3 x 3 convolutions, each after a batch norm and an activation (from 3 input channels)."""
     torch.manual_seed(0)
     blocks = [torch.nn.Conv2d(3, width, 3, padding=1)]
     for _ in range(layers):
-        blocks += [torch.nn.BatchNorm2d(width), torch.nn.ReLU(), torch.nn.Conv2d(width, width, 3, padding=1)]
+        blocks += [torch.nn.BatchNorm2d(width), activation(), torch.nn.Conv2d(width, width, 3, padding=1)]
     return torch.nn.Sequential(*blocks).train()
 
 

@@ -5,6 +5,7 @@ batch-norm statistics (to float rounding: Inductor's fused kernels are not bitwi
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 
 import pytest
@@ -172,3 +173,65 @@ def test_a_fresh_process_plans_a_model_with_max_pooling():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "CheckpointedModule"
+
+
+def _layouts_compiled_with(monkeypatch) -> list[bool]:
+    """Inductor's ``layout_optimization`` setting at each graph fxforge compiles."""
+    from torch._inductor import compile_fx, config
+
+    seen, inner = [], compile_fx.compile_fx_inner
+
+    def recording(*args, **kwargs):
+        seen.append(config.layout_optimization)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
+    return seen
+
+
+def test_a_checked_plan_compiles_with_layout_optimization_and_an_unchecked_one_without(monkeypatch):
+    """Channels-last convolutions hold copies the plan does not simulate: only a plan whose step the check
+    measures compiles with them (and still gives eager's outputs, gradients and statistics). SiLU, not ReLU:
+    channels-last kernels round differently, and a ReLU whose input lies within that rounding of zero lets a
+    whole gradient through or not (on this stack a weight perturbed by 1e-6 moves eager's own gradients by 5e-3,
+    as layout optimization does, in torch.compile too)."""
+    seen = _layouts_compiled_with(monkeypatch)
+    model = conv_bn(activation=torch.nn.SiLU)
+    eager = copy.deepcopy(model)
+    checked = fxforge.optimize(model, (images(0, batch=8),), memory_budget="85%", target="inductor")
+    assert checked.layout_optimization and checked.plan.layout_optimization
+    assert seen and all(seen)
+    assert "layout optimization on" in str(checked.plan)
+    assert checked.plan.measured_bytes <= checked.plan.budget_bytes
+    _close_step(checked, eager, images(3, batch=8), 0)
+    for (name, got), want in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6, msg=name)
+
+    seen.clear()
+    unchecked = fxforge.optimize(conv_bn(), (images(0, batch=8),), memory_budget="70%", target="inductor",
+                                 check=False)
+    assert unchecked.plan.layout_optimization is False and "layout optimization off" in str(unchecked.plan)
+    assert seen and not any(seen)
+    native = fxforge.optimize(conv_bn(), (images(0, batch=8),), memory_budget="70%", check=False)
+    assert native.plan.layout_optimization is None
+
+
+def test_where_no_plan_fits_with_layout_optimization_the_step_is_planned_without_it(monkeypatch):
+    """Here the step measures a budget's worth over whenever it is compiled with layout optimization: after the
+    re-plans, the step is planned, compiled and checked again without it, and fits with no warning."""
+    seen = _layouts_compiled_with(monkeypatch)
+    measure = CheckpointedModule._measure
+
+    def over_with_layouts(self, *args):
+        over = measure(self, *args)
+        return over + self.plan.budget_bytes if self.layout_optimization else over
+
+    monkeypatch.setattr(CheckpointedModule, "_measure", over_with_layouts)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fxforge")
+        # 85 %: without layout optimization this stack's convolutions hold 1 MiB of scratch beyond the plan
+        # (the check plans again with it kept back), which at 70 % leaves no plan that fits.
+        compiled = fxforge.optimize(conv_bn(), (images(0, batch=8),), memory_budget="85%", target="inductor")
+    assert not compiled.layout_optimization and compiled.plan.layout_optimization is False
+    assert True in seen and seen[-1] is False
+    assert compiled.plan.measured_bytes <= compiled.plan.budget_bytes
