@@ -255,7 +255,8 @@ def markdown_block(result: dict[str, Any]) -> str:
          "`torch._functorch.config.activation_memory_budget = f` (one backend object per budget so that dynamo "
          "does not reuse one budget's graph for another). fxforge-inductor = fxforge's plan for the same budget "
          "(`target=\"inductor\"`), its forward and backward graphs compiled by Inductor (`compile_fx_inner`, "
-         "random ops on ATen's kernels, no layout optimization)."),
+         "random ops on ATen's kernels; layout optimization on where the plan's check measures its step, the CPU; "
+         "off before commit 30d7319)."),
         "",
         ("Prediction (`fxforge.training_memory(model, inputs, optimizer=torch.optim.AdamW)`) against its measured "
          "step (`tm.measure()`: the CPU allocator's records; fxforge's dispatch tracker before 2026-11-25):"),

@@ -235,3 +235,25 @@ def test_where_no_plan_fits_with_layout_optimization_the_step_is_planned_without
     assert not compiled.layout_optimization and compiled.plan.layout_optimization is False
     assert True in seen and seen[-1] is False
     assert compiled.plan.measured_bytes <= compiled.plan.budget_bytes
+
+
+def test_the_forward_saves_the_parameters_not_channels_last_copies_and_keeps_eagers_strides():
+    """Under layout optimization Inductor would hand the backward a channels-last copy of every convolution
+    weight (and of the input), held from the forward to the backward beside the plan's saved values; fxforge
+    has it save the parameters themselves (the backward converts each right before its use). Outputs and
+    gradients keep eager's strides."""
+    model = conv_bn(activation=torch.nn.SiLU)
+    eager = copy.deepcopy(model)
+    compiled = fxforge.optimize(model, (images(0, batch=8),), memory_budget="100%", target="inductor")
+    assert compiled.layout_optimization
+    x = images(4, batch=8)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = compiled(x)
+    weights = {p.data_ptr() for n, p in model.named_parameters() if p.dim() == 4}
+    saved_weights = [t for t in packed if t.dim() == 4 and t.shape[0] == 16 and t.shape[2:] == (3, 3)]
+    assert saved_weights and {t.data_ptr() for t in saved_weights} <= weights
+    assert out.stride() == eager(x).stride()
+    out.float().pow(2).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad.stride() == p.stride(), name
