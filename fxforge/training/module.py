@@ -187,7 +187,8 @@ class CheckpointedModule(torch.nn.Module):
     planned once more with that difference added to the budget, and the new plan is kept where it recomputes
     less and its own measured step fits. With ``target="inductor"`` the checked plan compiles with Inductor's
     layout optimization (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate);
-    where no plan fits with it, the step is planned and checked again without it (as without the check).
+    where no plan fits with it, the step is planned and checked again without it (as without the check), and
+    where neither fits, the closer of the two is kept.
     The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
     """
 
@@ -219,12 +220,18 @@ class CheckpointedModule(torch.nn.Module):
         self.layout_optimization = self.target == "inductor" and checkable
         if not checkable:
             return self._plan(args, kwargs)
+        closest = None
         if self.layout_optimization:
             entry, over = self._checked(args, kwargs)
             if over <= 0:
                 return entry
+            closest = (entry, over, self.plan)
             self.layout_optimization = False  # what its channels-last copies hold leaves no plan that fits
         entry, over = self._checked(args, kwargs)
+        if closest is not None and 0 < closest[1] < over:  # neither fits: the closer one is kept
+            entry, over, self.plan = closest
+            self.layout_optimization = True
+            self._steps[_signature(args, kwargs)] = entry
         if over > 0:
             warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
                           "step, after planning again with the excess kept back; it is kept as the closest",

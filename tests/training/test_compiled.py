@@ -257,3 +257,23 @@ def test_the_forward_saves_the_parameters_not_channels_last_copies_and_keeps_eag
     out.float().pow(2).mean().backward()
     for name, p in model.named_parameters():
         assert p.grad.stride() == p.stride(), name
+
+
+def test_where_neither_layout_fits_the_closer_plan_is_kept(monkeypatch):
+    """Here every step measures over its budget, 1 KiB with layout optimization and a budget's worth without:
+    the layout-optimized plan, the closer, is kept (with the warning that says it is over)."""
+    seen = _layouts_compiled_with(monkeypatch)
+    measure = CheckpointedModule._measure
+
+    def always_over(self, *args):
+        over = max(measure(self, *args), 0)
+        return over + (1024 if self.layout_optimization else self.plan.budget_bytes)
+
+    monkeypatch.setattr(CheckpointedModule, "_measure", always_over)
+    with pytest.warns(UserWarning, match="over its budget"):
+        compiled = fxforge.optimize(conv_bn(activation=torch.nn.SiLU), (images(0, batch=8),), memory_budget="85%",
+                                    target="inductor")
+    assert compiled.layout_optimization and compiled.plan.layout_optimization
+    assert True in seen and False in seen
+    eager = conv_bn(activation=torch.nn.SiLU)
+    _close_step(compiled, eager, images(3, batch=8), 0)
