@@ -206,7 +206,6 @@ class CheckpointedModule(torch.nn.Module):
         self.loss = loss
         self.autocast = autocast
         self.check = check
-        self.layout_optimization = False
         self._steps: dict[tuple, Any] = {}
         self._unplannable: set[tuple] = set()
         self._references: dict[tuple, int] = {}
@@ -216,33 +215,41 @@ class CheckpointedModule(torch.nn.Module):
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        checkable = self._checkable(args, kwargs)
-        self.layout_optimization = self.target == "inductor" and checkable
-        if not checkable:
+        if not self._checkable(args, kwargs):
             return self._plan(args, kwargs)
         closest = None
-        if self.layout_optimization:
-            entry, over = self._checked(args, kwargs)
+        if self.target == "inductor":
+            entry, over = self._checked(args, kwargs, layout_optimization=True)
             if over <= 0:
                 return entry
             closest = (entry, over, self.plan)
-            self.layout_optimization = False  # what its channels-last copies hold leaves no plan that fits
-        entry, over = self._checked(args, kwargs)
+        # Without layout optimization: what its channels-last copies hold left no plan that fits.
+        entry, over = self._checked(args, kwargs, layout_optimization=False)
         if closest is not None and 0 < closest[1] < over:  # neither fits: the closer one is kept
-            entry, over, self.plan = closest
-            self.layout_optimization = True
-            self._steps[_signature(args, kwargs)] = entry
+            entry, over, plan = closest
+            self._keep(entry, plan, args, kwargs)
         if over > 0:
             warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
                           "step, after planning again with the excess kept back; it is kept as the closest",
                           stacklevel=3)
         return entry
 
-    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    @property
+    def layout_optimization(self) -> bool:
+        """Whether the latest plan's graphs compiled with Inductor's layout optimization."""
+        return bool(self.plan is not None and self.plan.layout_optimization)
+
+    def _keep(self, entry: Any, plan: CheckpointPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Make an earlier plan of this signature (and its step) the current one again."""
+        self.plan = plan
+        self._steps[_signature(args, kwargs)] = entry
+
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 layout_optimization: bool) -> tuple[Any, int]:
         """Plan, measure one step, and plan again with what it held beyond its simulation kept back (up to
         :data:`CHECK_REPLANS` times) or given back (:meth:`_give_back`); the last plan and how far its measured
         step is over the budget (<= 0: it fits)."""
-        entry = self._plan(args, kwargs)
+        entry = self._plan(args, kwargs, layout_optimization=layout_optimization)
         gaps: list[int] = []
         for replans in range(CHECK_REPLANS + 1):
             over = self._measure(entry[0], args, kwargs)
@@ -250,7 +257,7 @@ class CheckpointedModule(torch.nn.Module):
                 break
             gaps.append(self.plan.measured_bytes - self._predicted(self.plan))
             try:
-                entry = self._plan(args, kwargs, next_margin(gaps))
+                entry = self._plan(args, kwargs, next_margin(gaps), layout_optimization=layout_optimization)
             except BudgetError:
                 break
         if over <= 0 and not gaps:
@@ -266,14 +273,13 @@ class CheckpointedModule(torch.nn.Module):
         if not plan.recomputed or -gap < GIVE_BACK_MIN * plan.budget_bytes:
             return entry
         try:
-            relaxed = self._plan(args, kwargs, gap)
+            relaxed = self._plan(args, kwargs, gap, layout_optimization=bool(plan.layout_optimization))
         except BudgetError:
             relaxed = None
         if (relaxed is not None and self.plan.recompute_seconds < plan.recompute_seconds
                 and self._measure(relaxed[0], args, kwargs) <= 0):
             return relaxed
-        self.plan = plan
-        self._steps[_signature(args, kwargs)] = entry
+        self._keep(entry, plan, args, kwargs)
         return entry
 
     def _checkable(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -331,7 +337,8 @@ class CheckpointedModule(torch.nn.Module):
             outputs = step.compiled(*flat)
         return step.wrapper.rebuild(outputs)
 
-    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], margin: int = 0) -> Any:
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], margin: int = 0, *,
+              layout_optimization: bool = False) -> Any:
         from fxforge.training.eager_graph import eager_like_graph
 
         graph_module = eager_like_graph(self.model, args, kwargs)
@@ -359,7 +366,7 @@ class CheckpointedModule(torch.nn.Module):
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
             reference = self._model_activation_peak(graph_module, args, kwargs)
-            compilers = inductor_compilers(layout_optimization=self.layout_optimization)
+            compilers = inductor_compilers(layout_optimization=layout_optimization)
             decompositions = inductor_decompositions()
         else:
             compilers = (_boxed, _boxed)
@@ -368,7 +375,7 @@ class CheckpointedModule(torch.nn.Module):
                           strides_from_compiler=self.target == "inductor", decompositions=decompositions)
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
-        self.plan.layout_optimization = self.layout_optimization if self.target == "inductor" else None
+        self.plan.layout_optimization = layout_optimization if self.target == "inductor" else None
         self.plans += 1
         entry = (step, [id(p) for p in self.model.parameters()])
         self._steps[_signature(args, kwargs)] = entry
