@@ -356,6 +356,9 @@ class CheckpointPlan:
             backward's step peak for bytes), measured on one real step of the plan; None when not measured.
         layout_optimization: for ``target="inductor"``, whether Inductor compiled the graphs with its layout
             optimization (convolutions in channels-last); None for the op-by-op runner.
+        compile_record: for ``target="inductor"``, what the compilers chose, counted as AOTAutograd compiles
+            each graph (the backward at the step's first backward): ``"onednn_matmuls"``, the matrix products
+            run on oneDNN (:func:`~fxforge.lowering.gemm.route_matmuls`); None for the op-by-op runner.
     """
 
     budget: Any
@@ -381,6 +384,7 @@ class CheckpointPlan:
     margin_bytes: int = 0
     measured_bytes: int | None = None
     layout_optimization: bool | None = None
+    compile_record: dict[str, int] | None = None
 
     @property
     def overhead(self) -> float:
@@ -406,6 +410,9 @@ class CheckpointPlan:
             *([] if self.layout_optimization is None else [
                 "compiled by Inductor, layout optimization " + ("on (checked on a measured step)"
                                                                 if self.layout_optimization else "off")]),
+            *([] if self.compile_record is None else [
+                ("matrix products on oneDNN (measured faster than BLAS here): "
+                 f"{self.compile_record.get('onednn_matmuls', 0)}")]),
             *([] if self.measured_bytes is None else [self._measured_line()]),
         ]
 

@@ -46,6 +46,12 @@ backward, 65 MiB beyond the simulation on ResNet-50 at 100 %); the forward's out
 inputs it saves, and the backward's gradients, are marked to keep their traced strides, so the parameters
 themselves are saved and each is converted right before its use (33 MiB beyond the simulation).
 
+Matrix products: each graph's float32 ``mm`` / ``addmm`` runs on oneDNN where that measured faster than
+torch's BLAS on this machine (:func:`~fxforge.lowering.gemm.route_matmuls`; MKL's sgemm runs at half
+oneDNN's speed on the AMD EPYC of the benchmarks). The graphs' numbers are Inductor's already (about 1e-6
+relative), and a product summed in another order stays within that; the op-by-op runner (``target="native"``)
+keeps BLAS, and eager's numbers exactly.
+
 Example:
     >>> forward, backward = inductor_compilers()
     >>> forward.__name__, backward.__name__
@@ -58,6 +64,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from fxforge.lowering.gemm import route_matmuls
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[Any]], Any]
 
@@ -84,11 +92,14 @@ def _visible_outputs(gm: torch.fx.GraphModule, is_backward: bool) -> list[int]:
     return sorted(i for i in visible if isinstance(values[i], torch.fx.Node))
 
 
-def _inductor(is_backward: bool, layout_optimization: bool) -> Compiler:
+def _inductor(is_backward: bool, layout_optimization: bool, record: dict[str, int] | None) -> Compiler:
     def compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner  # imports Inductor: only when compiling
 
+        routed = route_matmuls(gm)
+        if record is not None:
+            record["onednn_matmuls"] = record.get("onednn_matmuls", 0) + routed
         gm.graph.output_node().meta["user_visible_output_idxs"] = _visible_outputs(gm, is_backward)
         with config.patch({**INDUCTOR_CONFIG, "layout_optimization": layout_optimization}):
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
@@ -112,15 +123,21 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
     return select_decomp_table()
 
 
-def inductor_compilers(layout_optimization: bool = False) -> tuple[Compiler, Compiler]:
+def inductor_compilers(layout_optimization: bool = False, record: dict[str, int] | None = None,
+                       ) -> tuple[Compiler, Compiler]:
     """AOTAutograd's ``(fw_compiler, bw_compiler)``: each graph of a step traced with
-    :func:`inductor_decompositions` compiled by Inductor, random ops on ATen's kernels (eager's numbers), and
-    convolutions in channels-last where ``layout_optimization`` (Inductor's heuristic decides per graph; what
-    that holds beyond the plan's simulation only a measured step shows). See the module docstring.
+    :func:`inductor_decompositions` compiled by Inductor, random ops on ATen's kernels (eager's numbers),
+    matrix products on oneDNN where it measured faster, and convolutions in channels-last where
+    ``layout_optimization`` (Inductor's heuristic decides per graph; what that holds beyond the plan's
+    simulation only a measured step shows). See the module docstring.
+
+    Args:
+        layout_optimization: Inductor's ``layout_optimization`` setting.
+        record: where given, ``record["onednn_matmuls"]`` counts the products the two graphs run on oneDNN.
 
     Example:
         >>> forward, backward = inductor_compilers(layout_optimization=True)
         >>> backward.__name__
         'inductor_backward'
     """
-    return _inductor(False, layout_optimization), _inductor(True, layout_optimization)
+    return _inductor(False, layout_optimization, record), _inductor(True, layout_optimization, record)

@@ -361,12 +361,13 @@ class CheckpointedModule(torch.nn.Module):
         def finish(step):
             chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
 
-        decompositions = reference = None
+        decompositions = reference = record = None
         if self.target == "inductor":
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
             reference = self._model_activation_peak(graph_module, args, kwargs)
-            compilers = inductor_compilers(layout_optimization=layout_optimization)
+            record = {}
+            compilers = inductor_compilers(layout_optimization=layout_optimization, record=record)
             decompositions = inductor_decompositions()
         else:
             compilers = (_boxed, _boxed)
@@ -376,6 +377,7 @@ class CheckpointedModule(torch.nn.Module):
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
         self.plan.layout_optimization = layout_optimization if self.target == "inductor" else None
+        self.plan.compile_record = record
         self.plans += 1
         entry = (step, [id(p) for p in self.model.parameters()])
         self._steps[_signature(args, kwargs)] = entry

@@ -277,3 +277,33 @@ def test_where_neither_layout_fits_the_closer_plan_is_kept(monkeypatch):
     assert True in seen and False in seen
     eager = conv_bn(activation=torch.nn.SiLU)
     _close_step(compiled, eager, images(3, batch=8), 0)
+
+
+@pytest.mark.parametrize("onednn_wins", [True, False])
+def test_matrix_products_run_on_onednn_only_where_it_measured_faster(monkeypatch, onednn_wins):
+    from fxforge.lowering import gemm
+
+    if not gemm.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    timed = []
+    monkeypatch.setattr(gemm, "time_product", lambda p: timed.append(p) or {"blas": 2.0,
+                                                                           "onednn": 1.0 if onednn_wins else 3.0})
+    model = gpt2(dropout=0.0)
+    eager = copy.deepcopy(model)
+    compiled = fxforge.optimize(model, (ids(0),), memory_budget="60%", target="inductor")
+    _close_step(compiled, eager, ids(1), seed=1)  # the backward compiles here
+    routed = compiled.plan.compile_record["onednn_matmuls"]
+    assert timed  # the products of both graphs were measured
+    assert (routed > 0) == onednn_wins
+    assert f"matrix products on oneDNN (measured faster than BLAS here): {routed}" in compiled.plan.lines()
+    _close_step(compiled, eager, ids(2), seed=2)
+
+
+def test_the_op_by_op_runner_keeps_blas(monkeypatch):
+    from fxforge.lowering import gemm
+
+    monkeypatch.setattr(gemm, "time_product", lambda p: pytest.fail("the native target timed a product"))
+    compiled = fxforge.optimize(gpt2(dropout=0.0), (ids(0),), memory_budget="60%")
+    compiled(ids(1)).logits.sum().backward()
+    assert compiled.plan.compile_record is None
+    assert not any("oneDNN" in line for line in compiled.plan.lines())
