@@ -256,7 +256,8 @@ def markdown_block(result: dict[str, Any]) -> str:
          "does not reuse one budget's graph for another). fxforge-inductor = fxforge's plan for the same budget "
          "(`target=\"inductor\"`), its forward and backward graphs compiled by Inductor (`compile_fx_inner`, "
          "random ops on ATen's kernels; layout optimization on where the plan's check measures its step, the CPU; "
-         "off before commit 30d7319)."),
+         "off before commit 30d7319; float32 matrix products on oneDNN where they measured faster than torch's "
+         "BLAS, from commit d728014)."),
         "",
         ("Prediction (`fxforge.training_memory(model, inputs, optimizer=torch.optim.AdamW)`) against its measured "
          "step (`tm.measure()`: the CPU allocator's records; fxforge's dispatch tracker before 2026-11-25):"),

@@ -242,7 +242,30 @@ def test_a_gap_that_grows_with_each_plan_is_kept_back_as_it_grows(monkeypatch):
     # Gaps of 8 and 16 KiB: the third plan keeps back 16 + 8 KiB, where its own gap is 24 KiB.
     assert margins == [0, grows, 3 * grows]
     assert optimized.plan.measured_bytes == optimized.plan.budget_bytes
-    assert optimized.plans == 1 + CHECK_REPLANS
+    assert optimized.plans == 3
+
+
+def test_where_no_plan_fits_the_one_measured_least_over_is_kept(monkeypatch):
+    """A plan made again can measure further over than the one before it (another solver choice, more held
+    beyond its simulation): the closest of those measured is kept, not the last."""
+    model = _linear_tanh()
+    overs = iter([300, 100, 500, 600])
+    measured = []
+
+    def over(self, step, args, kwargs):
+        measured.append(self.plan)
+        excess = next(overs)
+        self.plan.measured_bytes = self.plan.budget_bytes + excess
+        return excess
+
+    # as if each plan's simulation reached its kept-back budget exactly (so each re-plan finds a plan)
+    monkeypatch.setattr(CheckpointedModule, "_predicted", staticmethod(lambda p: p.budget_bytes - p.margin_bytes))
+    monkeypatch.setattr(CheckpointedModule, "_measure", over)
+    with pytest.warns(UserWarning, match=r"measured 100 B over its budget on one step"):
+        optimized = fxforge.optimize(model, (torch.randn(256, 128),), memory_budget="80%", optimizer=None)
+    assert len(measured) == 1 + CHECK_REPLANS
+    assert optimized.plan is measured[1]
+    torch.testing.assert_close(optimized(torch.ones(256, 128)), model(torch.ones(256, 128)))
 
 
 def _held_below_its_simulation(by: int, relaxed_over: bool):
