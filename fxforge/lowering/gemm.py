@@ -152,7 +152,8 @@ def time_product(product: Product) -> dict[str, float]:
 
 def onednn_faster(product: Product, memo: dict[Product, bool] | None = None) -> bool:
     """Whether oneDNN runs ``product`` faster than BLAS by :data:`MARGIN`, measured on this machine (or read
-    from the autotune cache, where a timing taken on a quiet machine is remembered).
+    from the autotune cache, where a timing taken on a quiet machine is put; :func:`route_matmuls` writes the
+    file once per graph).
 
     Example:
         >>> isinstance(onednn_faster(Product(256, 256, 256, "row", "col", False)), bool)
@@ -167,8 +168,7 @@ def onednn_faster(product: Product, memo: dict[Product, bool] | None = None) -> 
         if timings is None:
             timings = time_product(product)
             if cache is not None and (load := machine_load()) <= BUSY_LOAD:  # a busy moment: not remembered
-                cache.put(product.key(), {**timings, "load": round(load, 2)})
-                cache.save()
+                cache.put(product.key(), {**timings, "load": round(load, 2)})  # written by route_matmuls
         faster = timings["onednn"] < timings["blas"] * (1 - MARGIN)
     if memo is not None:
         memo[product] = faster
@@ -226,6 +226,9 @@ def route_matmuls(gm: torch.fx.GraphModule, memo: dict[Product, bool] | None = N
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         routed += 1
+    cache = autotune_cache()
+    if cache is not None:
+        cache.save()  # what this graph's products measured, written once
     if routed:
         gm.recompile()
     return routed

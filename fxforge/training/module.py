@@ -184,10 +184,9 @@ class CheckpointedModule(torch.nn.Module):
     scratch the simulation does not model), the plan is made again with what it held beyond its simulation
     kept back from the budget (:func:`next_margin`: more again where that grew from one plan to the next), up to
     :data:`CHECK_REPLANS` times; where none fits, the one measured least over is kept, with a warning that
-    says by how much. Where the
-    first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of the budget or more), it is
-    planned once more with that difference added to the budget, and the new plan is kept where it recomputes
-    less and its own measured step fits. With ``target="inductor"`` the checked plan compiles with Inductor's
+    says by how much. Where the first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of
+    the budget or more), it is planned once more with that difference added to the budget, and the new plan
+    is kept where it recomputes less and its own measured step fits. With ``target="inductor"`` the checked plan compiles with Inductor's
     layout optimization (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate);
     where no plan fits with it, the step is planned and checked again without it (as without the check), and
     where neither fits, the closer of the two is kept.

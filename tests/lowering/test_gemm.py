@@ -131,3 +131,17 @@ def test_products_too_small_to_matter_are_not_timed(monkeypatch):
 def test_timing_a_real_product_names_both_kernels():
     timings = gemm.time_product(Product(64, 64, 64, "row", "col", True))
     assert set(timings) == {"blas", "onednn"} and all(t > 0 for t in timings.values())
+
+
+def test_routing_a_graph_writes_its_timings_to_the_autotune_file(monkeypatch, tmp_path):
+    from fxforge.core.disk_cache import TuningCache
+
+    monkeypatch.setenv("FXFORGE_AUTOTUNE_CACHE", "1")
+    monkeypatch.setenv("FXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(gemm, "time_product", lambda p: {"blas": 2.0, "onednn": 1.0})
+    a, w = torch.randn(128, 96), torch.randn(112, 96)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, w: torch.mm(a, w.t()), tracing_mode="fake")(a, w)
+    assert route_matmuls(gm) == 1
+    stored = TuningCache(tmp_path / "autotune.json").get(Product(128, 96, 112, "row", "col", False).key())
+    assert stored["blas"] == 2.0 and stored["onednn"] == 1.0
