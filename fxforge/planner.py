@@ -55,7 +55,7 @@ from fxforge.core.symbolic import ShapeGuard
 from fxforge.core.target_cache import choice_key, compile_rate, device_of, remember_compile_rate, target_cache
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_decorator import onnxruntime_class
-from fxforge.exporters.ort_module import OnnxRuntimeModule
+from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
 from fxforge.exporters.program import ExportError
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.inductor import LEFT_TO_INDUCTOR, inductor_plan
@@ -662,7 +662,7 @@ def _entrants(model: nn.Module, args: tuple, kwargs: dict, targets: tuple, optio
 
     every = {"native": Entrant("native", native, built=native_built),
              "inductor": Entrant("inductor", inductor, estimate_s=estimate, built=inductor_built),
-             "onnxruntime": Entrant("onnxruntime", onnx)}
+             "onnxruntime": Entrant("onnxruntime", onnx, refusal=ort_refusal(device))}
     return {t: every[t] for t in targets}
 
 

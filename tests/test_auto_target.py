@@ -87,6 +87,22 @@ def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(ca
     assert not third.report.race.remembered
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_races_a_model_on_the_gpu_with_float_inputs(cache_dir):
+    """Float inputs on the GPU are checked on fresh GPU inputs (they were drawn on the CPU and failed every
+    vision model of the targets suite on an H200); an ONNX Runtime without its CUDA provider is not raced."""
+    import onnxruntime as ort
+
+    model, x = conv_net(0).cuda(), torch.randn(2, 3, 16, 16, device="cuda")
+    opt = fxforge.optimize(model, (x,), target="auto", targets=["native", "onnxruntime"])
+    race = opt.report.race
+    assert race.winner == "native" or "CUDAExecutionProvider" in ort.get_available_providers()
+    ort_line = next(c for c in race.contenders if c.target == "onnxruntime")
+    assert ("CUDAExecutionProvider" in ort.get_available_providers()) != ort_line.refused.startswith("not raced")
+    agrees_with_eager(model, opt, torch.randn(2, 3, 16, 16, device="cuda"))
+
+
 def test_a_remembered_choice_contradicted_by_its_new_timing_is_raced_again(cache_dir):
     x = torch.randn(2, 3, 16, 16)
     fxforge.optimize(conv_net(0), (x,), target="auto", targets=["native", "onnxruntime"])

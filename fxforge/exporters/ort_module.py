@@ -211,6 +211,26 @@ def default_providers() -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def ort_refusal(device: torch.device) -> str | None:
+    """Why ONNX Runtime cannot run a model on ``device`` on its own hardware here, or None.
+
+    A model on a GPU needs ONNX Runtime's CUDA provider (the ``onnxruntime-gpu`` package); without it the
+    session would run on the CPU, which is no contender for the GPU's targets.
+
+    Example:
+        >>> ort_refusal(torch.device("cpu")) is None
+        True
+    """
+    if device.type != "cuda":
+        return None
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return None
+    return ("not raced: this onnxruntime has no CUDAExecutionProvider (the onnxruntime-gpu package), so it "
+            "would run the CUDA model on the CPU")
+
+
 def session_options(intra_op_num_threads: int | None = None, *, spinning: bool = False) -> Any:
     """ONNX Runtime ``SessionOptions`` as fxforge uses them.
 

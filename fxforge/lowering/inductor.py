@@ -5,7 +5,9 @@ conv+activation fusion is left to Inductor, which fuses activations into its own
 fxforge's fused custom ops. The graph is compiled when the plan is built, not on the first call, and the
 compiled graph is checked against the rewritten one on the example inputs before the plan is used: a
 compiled graph that differs is refused with the difference (:class:`CompileRefused`), and the optimized
-module runs the model eagerly for those inputs with a warning, as for any plan that cannot be built.
+module runs the model eagerly for those inputs with a warning, as for any plan that cannot be built. On a
+GPU that allows TensorFloat-32 (cuDNN's convolutions do by default) the check allows its rounding
+(:func:`~fxforge.core.verify.tf32_scale`).
 
 Freezing (Inductor's CPU-inference setting that makes parameters constants of the compiled code) is off:
 a plan reads the model's live parameters, and in-place changes to folded constants (BatchNorm statistics
@@ -27,7 +29,8 @@ import torch
 
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
-from fxforge.core.verify import compare_outputs, isolated
+from fxforge.core.target_cache import device_of
+from fxforge.core.verify import compare_outputs, isolated, tf32_scale
 from fxforge.lowering.lower import derived_values
 
 # Rewrites whose replacement Inductor cannot see into (fused custom ops): left to Inductor's own fusion.
@@ -56,7 +59,8 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
             actual = compiled(*args, **kwargs)
     except Exception as error:  # any compile failure refuses the plan, with its reason
         raise CompileRefused(f"torch.compile failed: {type(error).__name__}: {error}".splitlines()[0]) from error
-    result = compare_outputs(expected, actual)
+    # On a GPU that allows TensorFloat-32, Inductor's kernels and the graph's own round at its precision.
+    result = compare_outputs(expected, actual, rtol_scale=tf32_scale(device_of(args, kwargs, gm)))
     if not result.ok:
         raise CompileRefused(f"the compiled graph differs from the rewritten one: {result.reason}")
     captured.report.notes.append(

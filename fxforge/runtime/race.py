@@ -64,6 +64,7 @@ class Entrant:
         estimate_s: seconds its build is expected to take, where that can be known before (the budget
             skips it when this would not fit); a callable is asked just before the build.
         built: called with the module and its build's seconds once it is built.
+        refusal: why it cannot run here at all (it is then not built, and the report says why).
 
     Example:
         >>> Entrant("native", lambda: torch.nn.ReLU()).target
@@ -74,6 +75,7 @@ class Entrant:
     build: Callable[[], nn.Module]
     estimate_s: float | Callable[[], float | None] | None = None
     built: Callable[[nn.Module, float], None] | None = None
+    refusal: str | None = None
 
 
 def fell_back(module: nn.Module) -> str:
@@ -93,6 +95,8 @@ def fell_back(module: nn.Module) -> str:
 def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, seed: int, began: float,
              budget_s: float | None) -> tuple[nn.Module | None, Contender]:
     """Build one entrant and check it on the fresh inputs: (the module or None, its contender line)."""
+    if entrant.refusal:
+        return None, Contender(entrant.target, refused=entrant.refusal)
     spent = time.perf_counter() - began
     estimate = entrant.estimate_s() if callable(entrant.estimate_s) else entrant.estimate_s
     if budget_s is not None and spent >= budget_s:

@@ -3,6 +3,7 @@ against a float64 run: rounding is kept, error is not."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,3 +74,32 @@ def test_fifty_folds_are_not_rolled_back_for_rounding_and_a_real_error_still_is(
 
     wrong = fxforge.rewrite(cap, ["conv_bn_fold", fxforge.Pass("wrong", off_by_a_tenth_of_a_percent)])
     assert [r.rule for r in wrong.report.rolled_back] == ["wrong"] and wrong.report.counts == {"conv_bn_fold": 54}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_random_inputs_of_gpu_tensors_are_on_the_gpu():
+    example = torch.tensor([[0.5, float("nan"), 2.0]], device="cuda")
+    fresh = random_like((example,), seed=1)[0]
+    assert fresh.device == example.device and torch.isnan(fresh[0, 1]) and not torch.equal(fresh, example)
+
+
+def test_float32_work_on_a_gpu_that_allows_tf32_is_judged_at_tf32s_rounding(monkeypatch):
+    from fxforge.core.verify import TF32_SCALE, compare_outputs, tf32_scale
+
+    matmul = torch.backends.cuda.matmul.allow_tf32  # a flag of torch's C++ side, set and put back by hand
+    try:
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+        assert tf32_scale(torch.device("cpu")) == 1.0 and tf32_scale(torch.device("cuda")) == TF32_SCALE
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert tf32_scale(torch.device("cuda")) == 1.0
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert tf32_scale(torch.device("cuda")) == TF32_SCALE
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+    reference = torch.ones(4)
+    rounded = reference + 2e-4  # what ResNet-50's convolutions differ by under TF32 (an H200)
+    assert not compare_outputs(reference, rounded).ok
+    assert compare_outputs(reference, rounded, rtol_scale=TF32_SCALE).ok
+    assert not compare_outputs(reference, reference + 0.1, rtol_scale=TF32_SCALE).ok  # a real error still is

@@ -89,6 +89,16 @@ def test_session_options_and_providers_at_creation():
     assert opt.intra_op_num_threads == 1 and opt.providers == ["CPUExecutionProvider"]
 
 
+def test_a_cuda_model_is_refused_where_onnxruntime_has_no_cuda_provider(monkeypatch):
+    from fxforge.exporters.ort_module import ort_refusal
+
+    assert ort_refusal(torch.device("cpu")) is None
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert "no CUDAExecutionProvider" in ort_refusal(torch.device("cuda"))
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert ort_refusal(torch.device("cuda")) is None
+
+
 def test_outputs_in_the_models_structure():
     torch.manual_seed(0)
     model = Structured().eval()
@@ -245,6 +255,8 @@ def test_transformers_model_output():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs onnxruntime's CUDAExecutionProvider (onnxruntime-gpu)")
 def test_cuda_io_binding():
     model = ConvNet().eval().cuda()
     x = torch.randn(2, 3, 8, 8, device="cuda")

@@ -69,5 +69,5 @@ def test_column_blocks_equal_the_layer_on_random_shapes(in_features, out_feature
         out = m(x)
         (out * torch.linspace(-1, 1, out_features)).sum().backward()
         results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(results[1], results[0]):  # BLAS may sum a block's products in another order
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # (seen: 2e-5); a wrong block is O(1) off

@@ -140,6 +140,41 @@ def test_linear_activation_fuses(method):
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_plain_linear_layer_gets_its_kernel_chosen_too(method):
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4, bias=False)).eval(), torch.randn(3, 5, 8)
+    new = optimized(model, x, method, kernel="mkldnn")
+    assert [(n.target, n.args[3], n.args[-1]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "none", "mkldnn")] * 2
+    assert [m.what for m in new.report.matches] == ["linear", "linear"]
+    fresh = torch.randn(2, 7, 8)  # another shape
+    fresh[0, 0, 0] = float("nan")
+    torch.testing.assert_close(lower(new.graph_module)(fresh), model(fresh), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_plain_linear_layer_stays_on_torchs_kernel_where_that_measured_faster(monkeypatch):
+    model, x = nn.Sequential(nn.Linear(8, 16)).eval(), torch.randn(3, 8)
+
+    def blas_faster(calls, budget, **_):
+        return {name: (2.0 if name in ("fused", "mkldnn") else 1.0) for name in calls}
+
+    monkeypatch.setattr(autotune, "time_interleaved", blas_faster)
+    new = fxforge.rewrite(fxforge.capture(model, (x,)), ["conv_activation"], tuning=TuningPolicy(keep="fused"))
+    (node,) = fused_nodes(new.graph_module)
+    assert node.args[-1] == "composite"
+    assert set(new.report.tuning[0].timings) == {"mkldnn", "composite"}  # both measured
+    lowered = lower(new.graph_module)
+    assert not fused_nodes(lowered) and lowered_kernels(lowered) == {}  # inlined: F.linear, no custom op
+    torch.testing.assert_close(lowered(x), model(x))
+
+
+def test_a_plain_linear_layer_in_training_mode_is_no_near_miss():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2), nn.Tanh()).train()
+    new = fxforge.rewrite(fxforge.capture(model, (torch.randn(2, 8),)), ["conv_activation"])
+    assert not fused_nodes(new.graph_module)
+    misses = [m for m in new.report.near_misses if m.rule == "conv_activation"]
+    assert len(misses) == 1 and misses[0].node == "_2"  # the tanh after the second layer, not the first layer
+
+
 class NewGELU(nn.Module):
     """transformers' ``NewGELUActivation`` (GPT-2's ``gelu_new``), as it is written there."""
 
@@ -309,7 +344,7 @@ def test_channels_last_that_cannot_run_is_skipped_with_the_reason():
     new = optimized(model, x, layout="channels-last")
     layout = [t for t in new.report.tuning if t.subject == "layout"]
     assert layout[0].note.startswith("channels-last cannot run this graph")
-    assert len(fused_nodes(new.graph_module)) == 1
+    assert [n.target for n in fused_nodes(new.graph_module)] == [CONV, LINEAR]  # relu(conv), and fc's kernel
     torch.testing.assert_close(lower(new.graph_module)(x), model(x))
 
 

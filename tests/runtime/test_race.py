@@ -80,6 +80,15 @@ def test_the_budget_skips_a_build_that_would_not_fit_but_always_builds_the_first
     assert built_inductor and not roomy.contenders[1].refused
 
 
+def test_an_entrant_that_cannot_run_here_is_not_built_and_the_report_says_why(quiet):
+    built_ort = []
+    entrants = [Entrant("native", lambda: Scaled(1.0)),
+                Entrant("onnxruntime", lambda: built_ort.append(1) or Scaled(1.0), refusal="not raced: no GPU provider")]
+    built, result = race(Scaled(1.0), (torch.randn(2),), {}, entrants)
+    assert list(built) == ["native"] and not built_ort
+    assert result.contenders[1].refused == "not raced: no GPU provider" and result.contenders[1].latency_ms is None
+
+
 def test_timings_on_a_busy_machine_are_not_remembered(monkeypatch):
     monkeypatch.setattr(race_module, "machine_load", lambda: 2.5)
     _, result = race(Scaled(1.0), (torch.randn(2),), {}, [Entrant("native", lambda: Scaled(1.0))])
