@@ -372,3 +372,58 @@ def trace_with_leaves(module: nn.Module, args: tuple, kwargs: dict, max_leaves: 
         # A leaf whose parent later became a leaf too is inside the parent: report the outermost only.
         outermost = [o for o in opaque if not any(o.name.startswith(p + ".") for p in leaves)]
         return TraceResult(graph_module, outermost)
+
+
+# torch.nn modules that a symbolic trace keeps whole (torch.fx's default leaves) although they hold linear
+# layers and attention that fxforge's rewrites and kernel choices would otherwise see: the attention and
+# transformer layers. (A Linear, a Conv2d, a norm or an activation left whole is a single op the rewrites
+# already match.)
+WORK_HIDING_LEAVES: tuple[type[nn.Module], ...] = (
+    nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+# Where a graph's functions come from when they are torch's or Python's own ops, not a library's function
+# that ``torch.fx.wrap`` keeps whole (torchvision's ``shifted_window_attention``, say).
+_OP_MODULES = ("torch", "_operator", "operator", "builtins", "math", "fxforge", "_functools")
+
+
+def _takes_a_weight(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` is handed a parameter of two or more dims (a weight matrix, a kernel) directly."""
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            try:
+                value = graph_module.get_parameter(arg.target)
+            except AttributeError:
+                continue
+            if value.dim() >= 2:
+                return True
+    return False
+
+
+def hidden_work(graph_module: torch.fx.GraphModule) -> list[str]:
+    """What a symbolic trace kept whole that holds work the rewrites cannot see into, as report lines
+    (``"2 MultiheadAttention modules (layers.0.attn, ...)"``): the attention and transformer layers of
+    :data:`WORK_HIDING_LEAVES`, and library functions that ``torch.fx.wrap`` kept whole and that are handed a
+    weight (torchvision's ``shifted_window_attention``; not its ``stochastic_depth``, the identity in eval
+    mode). Empty when there are none.
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        >>> hidden_work(torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), layer)))
+        ['1 TransformerEncoderLayer module (1)']
+    """
+    found: dict[str, list[str]] = {}
+    for node in graph_module.graph.nodes:
+        if node.op == "call_module":
+            module = graph_module.get_submodule(node.target)
+            if isinstance(module, WORK_HIDING_LEAVES):
+                found.setdefault(f"{type(module).__name__} module", []).append(node.target)
+        elif node.op == "call_function":
+            origin = getattr(node.target, "__module__", None) or ""
+            if origin and origin.split(".")[0] not in _OP_MODULES and _takes_a_weight(graph_module, node):
+                found.setdefault(f"{origin}.{getattr(node.target, '__name__', node.target)} call", []).append(node.name)
+    lines = []
+    for what, where in found.items():
+        kind = what if len(where) == 1 else what + "s"
+        shown = ", ".join(where[:3]) + (", ..." if len(where) > 3 else "")
+        lines.append(f"{len(where)} {kind} ({shown})")
+    return lines

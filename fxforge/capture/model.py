@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fxforge.capture.export import export_graph_module
-from fxforge.capture.fx_trace import TraceFailure, restore_output_type, trace_with_leaves
+from fxforge.capture.fx_trace import TraceFailure, hidden_work, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
 from fxforge.core.captured import Captured
 from fxforge.core.nodes import count_calls
@@ -109,7 +109,8 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         example_kwargs: keyword inputs in addition to positional ``example_inputs``.
         method: ``"fx"`` (symbolic trace; submodules in which tracing breaks are kept opaque),
             ``"export"`` (torch.export, non-strict, ATen ops) or ``"auto"`` (fx when it needs no opaque
-            leaf, else export, else fx with leaves).
+            leaf and keeps no attention layer or wrapped library function whole (see
+            :func:`~fxforge.capture.fx_trace.hidden_work`), else export, else fx as traced).
         check: run the graph once against the module on the example inputs and refuse a graph that
             differs (buffers and RNG state are restored afterwards).
 
@@ -155,11 +156,13 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         except Exception as error:  # noqa: BLE001
             reasons["fx"] = describe_failure(error)
             traced = None
-        if traced is not None and (method == "fx" or not traced.opaque):
+        hidden = hidden_work(traced.graph_module) if traced is not None and method == "auto" else []
+        if traced is not None and (method == "fx" or not (traced.opaque or hidden)):
             return captured_from(module, traced.graph_module, "fx", traced.opaque, args, kwargs, info=traced_meta,
                            reference=reference)
         if traced is not None:
-            reasons["fx"] = "needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque)
+            reasons["fx"] = ("needs opaque leaves: " + "; ".join(str(o) for o in traced.opaque) if traced.opaque else
+                             "it keeps whole what the rewrites cannot see into: " + "; ".join(hidden))
     if method in ("auto", "export"):
         try:
             exported = export_graph_module(module, args, kwargs)
@@ -171,7 +174,8 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
             notes = [f"symbolic trace not used: {reasons['fx']}"] if "fx" in reasons else []
             return captured_from(module, exported, "export", [], args, kwargs, notes, reference=reference)
     if traced is not None:
-        notes = [f"torch.export failed ({reasons['export']}); kept the trace with opaque leaves"]
+        kept = "opaque leaves" if traced.opaque else "what it keeps whole"
+        notes = [f"torch.export failed ({reasons['export']}); kept the trace with {kept}"]
         return captured_from(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes, info=traced_meta,
                        reference=reference)
     raise CaptureError(name, reasons)

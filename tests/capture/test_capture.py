@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 import fxforge
 from fxforge.capture import CaptureError, OpaqueModule
 from fxforge.core.verify import compare_outputs, isolated
+from fxforge.lowering.autotune import TuningPolicy
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -691,3 +692,53 @@ def test_torch_compile_still_works_after_an_fx_capture():
             "print(tuple(torch.compile(m)(torch.randn(1, 3, 8, 8)).shape))\n")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "(1, 4, 6, 6)" in done.stdout, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------ work kept whole
+
+def projected(x, weight):
+    """A library function that ``torch.fx.wrap`` keeps whole, handed a weight (like torchvision's
+    ``shifted_window_attention``)."""
+    return F.linear(x, weight).relu()
+
+
+def dropped(x, p: float, training: bool):
+    """A library function kept whole that is handed no weight (like torchvision's ``stochastic_depth``)."""
+    return F.dropout(x, p, training)
+
+
+torch.fx.wrap("projected")
+torch.fx.wrap("dropped")
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.fc = nn.MultiheadAttention(16, 4, batch_first=True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(self.attn(x, x, x, need_weights=False)[0] + x)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, use_weight: bool):
+        super().__init__()
+        self.weight, self.use_weight = nn.Parameter(torch.randn(8, 8)), use_weight
+
+    def forward(self, x):
+        return projected(x, self.weight) if self.use_weight else dropped(x, 0.1, self.training) * 2
+
+
+def test_auto_captures_with_export_where_a_trace_keeps_attention_or_a_weighted_library_function_whole():
+    block, x = AttentionBlock().eval(), torch.randn(2, 5, 16)
+    cap = fxforge.capture(block, (x,))
+    assert cap.method == "export"
+    assert "keeps whole what the rewrites cannot see into: 1 MultiheadAttention module (attn)" in cap.report.notes[0]
+    assert fxforge.capture(block, (x,), method="fx").method == "fx"  # asked for: the leaf stays
+    opt = fxforge.optimize(block, (x,), tuning=TuningPolicy(keep="fused", kernel="mkldnn"))
+    assert opt.report.counts.get("conv_activation", 0) >= 3  # in-projection, out-projection, fc: all seen now
+    fresh = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(fresh), block(fresh), rtol=1e-5, atol=1e-5)
+    assert fxforge.capture(Wrapped(True).eval(), (torch.randn(2, 8),)).method == "export"
+    assert fxforge.capture(Wrapped(False).eval(), (torch.randn(2, 8),)).method == "fx"  # nothing hidden

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fxforge
-from fxforge.training import CheckpointedModule
+from fxforge.runtime.roofline import Machine
+from fxforge.training import CheckpointedModule, checkpointing
 from fxforge.training.costs import is_pointwise
 from tests.training.models import conv_bn, gpt2, ids, images, vit
 
@@ -122,10 +123,14 @@ def test_an_unknown_target_is_refused():
         CheckpointedModule(model, (torch.randn(2, 4),), "60%", target="onnxruntime")
 
 
-def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses():
+def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses(monkeypatch):
     """Traced with Inductor's decompositions, a batch norm is statistics plus elementwise ops: under a budget the
     plan keeps the convolutions' outputs and recomputes the normalization and the ReLU after them (costed at
     one write each, fused by Inductor), not a convolution."""
+    # The costs are this class of machine's roofline, not one measured while another test worker was busy
+    # (a halved bandwidth made a convolution look cheaper to recompute than its ReLU under ``-n 2``).
+    machine = Machine("cpu", peak_gflops=225.0, bandwidth_gbs=47.0, measured_at="fixed for this test")
+    monkeypatch.setattr(checkpointing, "measure_machine", lambda device=None, **_: machine)
     model = conv_bn(layers=6)
     # The plan as simulated: measured, the step holds a convolution backward's scratch beyond it, and the
     # check's plan for the budget less that recomputes convolutions too.
