@@ -404,7 +404,8 @@ def hidden_work(graph_module: torch.fx.GraphModule) -> list[str]:
     (``"2 MultiheadAttention modules (layers.0.attn, ...)"``): the attention and transformer layers of
     :data:`WORK_HIDING_LEAVES`, and library functions that ``torch.fx.wrap`` kept whole and that are handed a
     weight (torchvision's ``shifted_window_attention``; not its ``stochastic_depth``, the identity in eval
-    mode). Empty when there are none.
+    mode). A layer with hooks is not listed: it is a module call so that its hooks fire. Empty when there are
+    none.
 
     Example:
         >>> layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
@@ -415,7 +416,7 @@ def hidden_work(graph_module: torch.fx.GraphModule) -> list[str]:
     for node in graph_module.graph.nodes:
         if node.op == "call_module":
             module = graph_module.get_submodule(node.target)
-            if isinstance(module, WORK_HIDING_LEAVES):
+            if isinstance(module, WORK_HIDING_LEAVES) and not has_hooks(module):  # a hooked one stays whole
                 found.setdefault(f"{type(module).__name__} module", []).append(node.target)
         elif node.op == "call_function":
             origin = getattr(node.target, "__module__", None) or ""

@@ -740,5 +740,13 @@ def test_auto_captures_with_export_where_a_trace_keeps_attention_or_a_weighted_l
     fresh = torch.randn(3, 7, 16)
     with torch.no_grad():
         torch.testing.assert_close(opt(fresh), block(fresh), rtol=1e-5, atol=1e-5)
+    seen = []
+    handle = block.attn.register_forward_hook(lambda *_: seen.append(1))
+    hooked = fxforge.capture(block, (x,))
+    assert hooked.method == "fx"  # a hooked layer stays a module call, so that its hook fires
+    seen.clear()
+    hooked.graph_module(x)
+    assert seen == [1]
+    handle.remove()
     assert fxforge.capture(Wrapped(True).eval(), (torch.randn(2, 8),)).method == "export"
     assert fxforge.capture(Wrapped(False).eval(), (torch.randn(2, 8),)).method == "fx"  # nothing hidden
