@@ -201,15 +201,16 @@ WRITTEN_OUT: list[Rule] = [
 ]
 
 DIMS = (2, 1, 3)
-# A linear layer alone: not a fusion but a kernel choice, so a refused one is no near miss in the report.
-PLAIN_LINEAR = linear_rule(NO_ACTIVATION)
-RULES: list[Rule] = [
+FUSIONS: list[Rule] = [
     *(conv_rule(d, RELU, residual=True) for d in DIMS),
     *(conv_rule(d, a, residual=False) for d in DIMS for a in ACTIVATIONS),
     *(conv_rule(d, NO_ACTIVATION, residual=True) for d in DIMS),
     *(linear_rule(a) for a in ACTIVATIONS),
-    PLAIN_LINEAR,
 ]
+# A linear layer alone is not a fusion but a kernel choice: a refused one is no near miss in the report, and
+# without a tuner (an ONNX export: ONNX Runtime picks its own kernels) it is not applied.
+PLAIN_LINEAR = linear_rule(NO_ACTIVATION)
+RULES: list[Rule] = [*FUSIONS, PLAIN_LINEAR]
 
 
 def _not_for(ctx: PassContext) -> Refusal | None:
@@ -230,15 +231,13 @@ def fuse_and_tune(graph_module: torch.fx.GraphModule, ctx: PassContext) -> None:
     refusal = _not_for(ctx)
     if refusal is not None:
         for node in graph_module.graph.nodes:
-            if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in RULES
-                   if rule is not PLAIN_LINEAR):
+            if any(next(rule.pattern_graph.matches(node, graph_module), None) for rule in FUSIONS):
                 ctx.refused(node, refusal)
         return
     apply_rules(graph_module, ctx, WRITTEN_OUT)
     recognized = list(ctx.matches)
     before = copy_graph_module(graph_module)
-    # Without a tuner nothing chooses a plain linear layer's kernel (an ONNX export: ONNX Runtime picks its own).
-    apply_rules(graph_module, ctx, RULES if ctx.tuner is not None else [r for r in RULES if r is not PLAIN_LINEAR])
+    apply_rules(graph_module, ctx, RULES if ctx.tuner is not None else FUSIONS)
     if len(ctx.matches) == len(recognized) or ctx.tuner is None:
         return
     tuned = ctx.tuner(graph_module, before, ctx)
