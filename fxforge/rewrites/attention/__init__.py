@@ -76,8 +76,9 @@ How the replacement stays exact:
   in an enabled autocast region is a near miss.
 - **Training.** The replacement holds in training: SDPA has autograd, and its gradients are eager's. One
   exception, where eager itself computes garbage: a row in which an *additive* mask hides every key
-  (``finfo.min`` everywhere, e.g. a left-padded query) has eager's output, but its gradient may differ
-  (torch's fused CPU kernel differs from its own math path there).
+  (``finfo.min`` everywhere, e.g. a left-padded query) has eager's output, but its gradients are the number
+  of keys times eager's (torch's fused CPU kernel recomputes the probabilities from a log-sum-exp the fill
+  absorbed, so each is 1 where eager's uniform softmax has 1/S; ``tests/fuzz`` leaves that case out).
 
 Refusals, each a near miss with its reason (only where a softmax sits between two products):
 softmax over another dim; a non-linear function or an element-wise tensor gate on the scores; anything
