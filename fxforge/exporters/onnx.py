@@ -41,11 +41,13 @@ import traceback
 from typing import Any
 
 import torch
+from onnxscript.ir.passes.common import RemoveUnusedNodesPass
 
 from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
+from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_constants
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
@@ -180,7 +182,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             attention: str, external_data: bool | None = None, *, cpu: bool = True,
             refine: Any = False) -> dict[str, Any]:
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
-    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``. Also returns the inputs of
+    (``cpu``), residual adds before a LayerNormalization are written as ``Sum`` and the attention guards ORT's
+    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`). Also returns the inputs of
     other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
@@ -197,6 +200,12 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         if rewritten:
             translations.used[RESIDUAL_NORM] = rewritten
         translations.notes.extend(f"residual Add kept before LayerNormalization: {reason}" for reason in refused)
+        fold_mask_constants(onnx_program.model)
+        dropped = drop_attention_guards(onnx_program.model.graph)
+        for what, count in dropped.items():
+            translations.used[f"dropped: {what}"] = count
+        if dropped:  # what computed the guards' conditions
+            RemoveUnusedNodesPass()(onnx_program.model)
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):
             onnx_program._rename_dynamic_axes(dynamic_shapes)
