@@ -46,7 +46,9 @@ Whole models (``python -m benchmarks --suite onnx``, fxforge -> ORT vs plain exp
 and the layer norms after residual adds are then where the two differ; the linear layers
 (``Gemm``/``MatMul``) and GELU are the same ORT kernels in both. After the translations, a residual
 ``Add`` before a ``LayerNormalization`` is written as ``Sum`` for the CPU provider, which ORT does not
-fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporters.residual_norm`).
+fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporters.residual_norm`), and
+the attention rewrite's row guards that ORT's MultiHeadAttention makes redundant are dropped
+(:mod:`fxforge.exporters.attention_guards`).
 Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x (ORT 1.31's CPU
 MultiHeadAttention does not take packed QKV), so it is not done.
 
