@@ -52,6 +52,7 @@ from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_prov
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
+from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs
 
 
 @dataclasses.dataclass
@@ -183,7 +184,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             refine: Any = False) -> dict[str, Any]:
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum`` and the attention guards ORT's
-    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`). Also returns the inputs of
+    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`); for any provider, transposes
+    around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`). Also returns the inputs of
     other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
@@ -201,11 +203,12 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             translations.used[RESIDUAL_NORM] = rewritten
         translations.notes.extend(f"residual Add kept before LayerNormalization: {reason}" for reason in refused)
         fold_mask_constants(onnx_program.model)
-        dropped = drop_attention_guards(onnx_program.model.graph)
-        for what, count in dropped.items():
+        for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
-        if dropped:  # what computed the guards' conditions
-            RemoveUnusedNodesPass()(onnx_program.model)
+    folded = fold_transpose_pairs(onnx_program.model.graph)
+    if folded:
+        translations.used[TRANSPOSE_PAIRS] = folded
+    RemoveUnusedNodesPass()(onnx_program.model)  # what computed dropped guards' conditions, folded transposes
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):
             onnx_program._rename_dynamic_axes(dynamic_shapes)
