@@ -207,20 +207,22 @@ def fold_mask_constants(model: ir.Model) -> None:
 def multi_head_attention_keeps_nan_rows() -> bool:
     """Whether the installed ONNX Runtime's CPU ``MultiHeadAttention`` gives NaN in every query row holding a
     NaN or an infinity and in every row an ``attention_bias`` of ``-inf`` hides entirely, as eager attention
-    does: probed once per process on small models (with a bias, 6 keys; without, 520 keys: its flash path).
+    does: probed once per process on small models (with a bias, 6 keys; without, 520 keys: its flash path;
+    ``unidirectional``, 6 keys).
 
     Example:
         >>> multi_head_attention_keeps_nan_rows()  # ONNX Runtime 1.31
         True
     """
     try:
-        return all(_probe(length, bias, bad) for length, bias in ((6, True), (520, False))
+        return all(_probe(length, bias, bad, causal) for length, bias, causal in ((6, True, False), (520, False, False),
+                                                                                 (6, False, True))
                    for bad in (np.nan, np.inf, -np.inf))
     except Exception:  # noqa: BLE001 - an ONNX Runtime that cannot run the probe keeps every guard
         return False
 
 
-def _probe(length: int, bias: bool, bad: float) -> bool:
+def _probe(length: int, bias: bool, bad: float, causal: bool) -> bool:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -228,7 +230,7 @@ def _probe(length: int, bias: bool, bad: float) -> bool:
     names = ["q", "k", "v", "b"] if bias else ["q", "k", "v"]
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in names]
     node = helper.make_node("MultiHeadAttention", names[:3] + (["", "", "b"] if bias else []), ["o"],
-                            domain="com.microsoft", num_heads=heads, scale=0.25)
+                            domain="com.microsoft", num_heads=heads, scale=0.25, unidirectional=int(causal))
     graph = helper.make_graph([node], "probe", inputs, [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20),
                                                                     helper.make_opsetid("com.microsoft", 1)])
