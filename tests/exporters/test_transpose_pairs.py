@@ -8,6 +8,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnxscript import ir
 from onnxscript.ir.passes.common import RemoveUnusedNodesPass
 from test_onnx import assert_runs_like
@@ -97,3 +99,29 @@ def test_torch_multihead_attention_export(batch, tmp_path):
     if batch == 1:  # q, k and v each lose a pair
         assert f"{TRANSPOSE_PAIRS}: 3" in result.translations, result.translations
     assert_runs_like(wrapper, path, torch.randn(batch, 10, 64))
+
+
+@st.composite
+def _pairs(draw):
+    """A random x shape (some dims 1), a transpose, a reshape that drops and inserts 1s, another transpose."""
+    x_shape = draw(st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=1, max_size=4))
+    p1 = draw(st.permutations(range(len(x_shape))))
+    big = [x_shape[d] for d in p1 if x_shape[d] != 1]
+    reshaped = []
+    for size in big:
+        reshaped += [1] * draw(st.integers(0, 1)) + [size]
+    reshaped += [1] * draw(st.integers(0, 1))
+    p2 = draw(st.permutations(range(len(reshaped))))
+    return x_shape, list(p1), reshaped, list(p2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_pairs())
+def test_random_pairs_fold_with_the_same_values(case):
+    x = np.arange(int(np.prod(case[0])), dtype=np.float32).reshape(case[0])
+    model = _pair(*case)
+    expected = _run(model, x)
+    assert fold_transpose_pairs(model.graph) == 1
+    RemoveUnusedNodesPass()(model)
+    assert sum(node.op_type == "Transpose" for node in model.graph) <= 1
+    np.testing.assert_array_equal(_run(model, x), expected)
