@@ -47,12 +47,10 @@ def fold_transpose_pairs(graph: ir.Graph) -> int:
         order = _order(second)
         if order is None:
             continue
-        x, target = order[0], second.outputs[0]
-        dims, moved = order[1], order[2]
+        (x, perm, moved), target = order, second.outputs[0]
         nodes = []
         source = x
         if moved:
-            perm = [int(d) for d in dims]
             nodes.append(ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", perm)],
                                  outputs=[ir.Value(name=f"{target.name}_once", type=x.type,
                                                    shape=ir.Shape([x.shape[d] for d in perm]))]))

@@ -132,9 +132,9 @@ def _hook_all(model: nn.Module, log: list) -> list:
 # ---------------------------------------------------------------------------------------------- the property
 
 
-def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients=lambda inputs: True) -> None:
+def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: bool = True) -> None:
     """Optimize ``model``, then: a first call, a state change, a call under a condition, one more call.
-    ``exact_gradients(inputs)`` is False for the inputs whose gradients the README says differ from eager's."""
+    ``exact_gradients`` is False where the README says the gradients of the fresh inputs differ from eager's."""
     model, eager = twins(model)
     example = make_inputs(0)
     before = [t.clone() for t in example]
@@ -169,8 +169,7 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients=la
             eager.train()
         logs: tuple[list, list] = ([], [])
         handles = _hook_all(model, logs[0]) + _hook_all(eager, logs[1]) if condition == "hooks" else []
-        inputs = fresh_inputs(2)
-        _same_outcome(opt, eager, inputs, condition, 2, exact_gradients(inputs))
+        _same_outcome(opt, eager, fresh_inputs(2), condition, 2, exact_gradients)
         assert [name for name, _ in logs[0]] == [name for name, _ in logs[1]], "hooks fired differently"
         for (name, a), (_, e) in zip(*logs):
             _close(a, e, f"what the hook on {name} saw", condition == "autocast")
@@ -208,7 +207,7 @@ def test_random_attentions_answer_as_eager(data):
     note(f"{model.scale_form=} {model.mask_form=} {model.softmax_form=} {model.fill=} {model.causal=} {shape=}")
     _check(data, model, lambda seed: attention_inputs(shape, example_lengths, seed),
            lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan),
-           lambda inputs: not _hidden_by_addition(shape, call_lengths))
+           not _hidden_by_addition(shape, call_lengths))
 
 
 def _hidden_by_addition(shape: dict, lengths: list[int]) -> bool:
