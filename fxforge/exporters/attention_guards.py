@@ -46,6 +46,8 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
+from fxforge.exporters.onnx_ir import constant, is_onnx_op, producer, static_shape
+
 LAYOUT_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Identity"})
 NAN_GUARD = "NaN-row guard of a MultiHeadAttention (ORT's kernel gives NaN there itself)"
 CONSTANT_WHERE = "constant Where condition"
@@ -62,7 +64,7 @@ def drop_attention_guards(graph: ir.Graph, *, nan_rows_kept: bool | None = None)
     """
     dropped: Counter[str] = Counter()
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
-        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+        if not is_onnx_op(node, "Where") or len(node.inputs) != 3:
             continue
         out = node.outputs[0]
         if out.is_graph_output() or node.graph is None:
@@ -81,38 +83,23 @@ def drop_attention_guards(graph: ir.Graph, *, nan_rows_kept: bool | None = None)
     return dict(dropped)
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    tensor = None if value is None else ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
-
-
-def _static_size(value: ir.Value) -> int | None:
-    shape = value.shape
-    return int(np.prod([int(d) for d in shape])) if shape is not None and shape.is_static() else None
-
-
 def _same_shape(value: ir.Value | None, out: ir.Value) -> bool:
-    return (value is not None and value.shape is not None and out.shape is not None
-            and value.shape.is_static() and value.shape == out.shape)
+    shape = static_shape(value)
+    return shape is not None and shape == static_shape(out)
 
 
 def _constant_choice(where: ir.Node) -> ir.Value | None:
     """The value a Where with a constant, uniform condition always picks, where it has the output's shape."""
-    condition = _constant(where.inputs[0])
+    condition = constant(where.inputs[0])
     if condition is None or condition.dtype != np.bool_ or condition.size == 0:
         return None
     picked = where.inputs[1] if condition.all() else where.inputs[2] if not condition.any() else None
     return picked if _same_shape(picked, where.outputs[0]) else None
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = None if value is None else value.producer()
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
 def _is_nan_scalar(value: ir.Value | None) -> bool:
-    constant = _constant(value)
-    return constant is not None and constant.size == 1 and bool(np.isnan(constant).all())
+    array = constant(value)
+    return array is not None and array.size == 1 and bool(np.isnan(array).all())
 
 
 def _is_nan_row_guard(where: ir.Node) -> bool:
@@ -121,18 +108,18 @@ def _is_nan_row_guard(where: ir.Node) -> bool:
     condition, fill, guarded = where.inputs
     if not _is_nan_scalar(fill):
         return False
-    isnan = _producer(condition, "IsNaN")
-    reduce = _producer(isnan.inputs[0], "ReduceSum") if isnan is not None else None
+    isnan = producer(condition, "IsNaN")
+    reduce = producer(isnan.inputs[0], "ReduceSum") if isnan is not None else None
     if reduce is None or len(reduce.inputs) < 2 or reduce.attributes.get_int("keepdims", 1) != 1:
         return False
-    axes, rows = _constant(reduce.inputs[1]), reduce.inputs[0]
+    axes, rows = constant(reduce.inputs[1]), reduce.inputs[0]
     rank = None if rows is None or rows.shape is None else len(rows.shape)
     if axes is None or axes.size != 1 or rank is None or int(axes.reshape(-1)[0]) not in (-1, rank - 1):
         return False
-    mul = _producer(rows, "Mul")
+    mul = producer(rows, "Mul")
     if mul is None:
         return False
-    zeros = [i for i, operand in enumerate(mul.inputs) if (c := _constant(operand)) is not None and c.size == 1
+    zeros = [i for i, operand in enumerate(mul.inputs) if (c := constant(operand)) is not None and c.size == 1
              and float(c.reshape(-1)[0]) == 0.0]
     if len(zeros) != 1:
         return False
@@ -149,7 +136,7 @@ def _attentions_behind(value: ir.Value | None) -> list[ir.Node] | None:
         return None
     if node.domain == "com.microsoft" and node.op_type == "MultiHeadAttention":
         return [node]
-    if node.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(node, *LAYOUT_OPS, "Where", "If"):
         return None
     if node.op_type in LAYOUT_OPS:
         return _attentions_behind(node.inputs[0])
@@ -174,8 +161,7 @@ def _layout_sources(value: ir.Value | None) -> set[ir.Value]:
     while value is not None and value not in seen:
         seen.add(value)
         node = value.producer()
-        value = node.inputs[0] if node is not None and node.op_type in LAYOUT_OPS and node.domain in ("", "ai.onnx") \
-            else None
+        value = node.inputs[0] if is_onnx_op(node, *LAYOUT_OPS) else None
     return seen
 
 
@@ -194,10 +180,10 @@ def fold_mask_constants(model: ir.Model) -> None:
     from onnxscript.optimizer import fold_constants
 
     def should_fold(node: ir.Node) -> bool | None:
-        if node.op_type not in ("ConstantOfShape", "ScatterND") or node.domain not in ("", "ai.onnx"):
+        if not is_onnx_op(node, "ConstantOfShape", "ScatterND"):
             return None
-        shape = _constant(node.inputs[0]) if node.op_type == "ConstantOfShape" else None
-        size = int(np.prod(shape)) if shape is not None else _static_size(node.outputs[0])
+        shape = constant(node.inputs[0]) if node.op_type == "ConstantOfShape" else static_shape(node.outputs[0])
+        size = None if shape is None else int(np.prod(shape))
         return True if size is not None and size <= MASK_FOLD_LIMIT else None
 
     fold_constants(model, input_size_limit=MASK_FOLD_LIMIT, output_size_limit=MASK_FOLD_LIMIT, should_fold=should_fold)

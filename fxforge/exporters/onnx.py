@@ -48,6 +48,7 @@ from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
 from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_constants
+from fxforge.exporters.channel_gates import keep_gates_blocked
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
@@ -183,10 +184,11 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             attention: str, external_data: bool | None = None, *, cpu: bool = True,
             refine: Any = False) -> dict[str, Any]:
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
-    (``cpu``), residual adds before a LayerNormalization are written as ``Sum`` and the attention guards ORT's
-    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`); for any provider, transposes
-    around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`). Also returns the inputs of
-    other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
+    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
+    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`) and squeeze-and-excitation
+    gates take the form ORT keeps in its blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
+    provider, transposes around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`).
+    Also returns the inputs of other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
     log = io.StringIO()
@@ -205,6 +207,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         fold_mask_constants(onnx_program.model)
         for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
+        translations.used.update(keep_gates_blocked(onnx_program.model.graph))
     folded = fold_transpose_pairs(onnx_program.model.graph)
     if folded:
         translations.used[TRANSPOSE_PAIRS] = folded

@@ -31,6 +31,8 @@ from typing import Any
 
 from onnxscript import ir
 
+from fxforge.exporters.onnx_ir import is_onnx_op, producer
+
 RESIDUAL_NORM = "residual Add + LayerNormalization -> Sum + LayerNormalization (ORT's CPU SkipLayerNormalization is slower)"
 
 
@@ -64,10 +66,10 @@ def separate_residual_adds(graph: Any) -> tuple[int, list[str]]:
     """
     rewritten, refused = 0, []
     for node in ir.traversal.RecursiveGraphIterator(graph):
-        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or not node.inputs:
+        if not is_onnx_op(node, "LayerNormalization") or not node.inputs:
             continue
-        add = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        add = producer(node.inputs[0], "Add")
+        if add is None:
             continue
         reason = residual_refusal(add)
         if reason is not None:

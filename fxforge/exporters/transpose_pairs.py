@@ -32,6 +32,8 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import ir
 
+from fxforge.exporters.onnx_ir import is_onnx_op, producer, static_shape
+
 TRANSPOSE_PAIRS = "Transpose + Reshape (size-1 dims) + Transpose -> one Reshape or one Transpose"
 
 
@@ -68,31 +70,25 @@ def fold_transpose_pairs(graph: ir.Graph) -> int:
 
 
 def _transpose(node: ir.Node | None) -> list[int] | None:
-    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(node, "Transpose"):
         return None
     perm = node.attributes.get_ints("perm")
     return None if perm is None else list(perm)
-
-
-def _static(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.shape is None or not value.shape.is_static():
-        return None
-    return [int(d) for d in value.shape]
 
 
 def _order(second: ir.Node) -> tuple[ir.Value, list[int], bool] | None:
     """For a foldable ``second`` transpose: its source x, a permutation of x's dims that puts x's dims larger
     than 1 in the order they leave ``second``, and whether that permutation moves any of them."""
     p2 = _transpose(second)
-    reshape = None if p2 is None else second.inputs[0].producer()
-    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx"):
+    reshape = None if p2 is None else producer(second.inputs[0], "Reshape")
+    if reshape is None:
         return None
     first = reshape.inputs[0].producer()
     p1 = _transpose(first)
     if p1 is None or second.outputs[0].is_graph_output():
         return None
     x = first.inputs[0]
-    shapes = [_static(v) for v in (x, first.outputs[0], reshape.outputs[0], second.outputs[0])]
+    shapes = [static_shape(v) for v in (x, first.outputs[0], reshape.outputs[0], second.outputs[0])]
     if any(s is None for s in shapes) or len(p1) != len(shapes[0]) or len(p2) != len(shapes[2]):
         return None
     sx, sy, sz, _ = shapes
