@@ -30,7 +30,7 @@ Example:
     >>> out = ir.Node("", "Relu", mean.outputs, outputs=[ir.Value(name="y")])
     >>> graph = ir.Graph([x], out.outputs, nodes=[mean, out], initializers=[axes])
     >>> keep_gates_blocked(graph, blocked=True), out.inputs[0].producer().op_type
-    ({'ReduceMean over H, W -> GlobalAveragePool': 1}, 'GlobalAveragePool')
+    (({'ReduceMean over H, W -> GlobalAveragePool': 1}, []), 'GlobalAveragePool')
 """
 
 from __future__ import annotations
@@ -50,35 +50,35 @@ ACTIVATIONS = frozenset({"Relu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", 
                          "BatchNormalization"})
 
 
-def keep_gates_blocked(graph: ir.Graph, *, blocked: bool | None = None) -> dict[str, int]:
-    """Apply the module's rules in ``graph`` (not in subgraphs); returns how many of each. ``blocked`` says
-    whether ORT keeps the rewritten gate in its blocked layout (default: probe the installed ONNX Runtime
-    once, :func:`onnxruntime_keeps_gates_blocked`); False changes nothing.
+def keep_gates_blocked(graph: ir.Graph, *, blocked: bool | None = None) -> tuple[dict[str, int], list[str]]:
+    """Apply the module's rules in ``graph`` (not in subgraphs); returns how many of each, and why each
+    gate left as torch wrote it was left. ``blocked`` says whether ORT keeps the rewritten gate in its
+    blocked layout (default: probe the installed ONNX Runtime once, :func:`onnxruntime_keeps_gates_blocked`);
+    False changes nothing.
 
     Example:
         >>> keep_gates_blocked(ir.Graph([], [], nodes=[]), blocked=True)
-        {}
+        ({}, [])
     """
+    means = [node for node in graph if _is_spatial_mean(node)]
+    gates = [(node, _gate(node)) for node in graph if _looks_like_gate(node)]
+    if not means and not gates:
+        return {}, []
+    if blocked is None:
+        blocked = onnxruntime_keeps_gates_blocked()
+    if not blocked:
+        return {}, []
     done: Counter[str] = Counter()
-    for node in list(graph):
-        if _is_spatial_mean(node) or _gate(node) is not None:
-            if blocked is None:
-                blocked = onnxruntime_keeps_gates_blocked()
-            if not blocked:
-                return {}
-            break
-    else:
-        return {}
-    for node in list(graph):
-        if _is_spatial_mean(node):
-            old = node.outputs[0]
-            new = ir.Node("", "GlobalAveragePool", [node.inputs[0]], outputs=[
-                ir.Value(name=f"{old.name}_pooled", type=old.type, shape=old.shape)])
-            ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [old], new.outputs)
-            done[SPATIAL_MEAN] += 1
-    for node in list(graph):
-        gate = _gate(node)
-        if gate is None:
+    for node in means:
+        old = node.outputs[0]
+        new = ir.Node("", "GlobalAveragePool", [node.inputs[0]], outputs=[
+            ir.Value(name=f"{old.name}_pooled", type=old.type, shape=old.shape)])
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [old], new.outputs)
+        done[SPATIAL_MEAN] += 1
+    refused = []
+    for node, gate in gates:
+        if isinstance(gate, str):
+            refused.append(gate)
             continue
         index, full = gate
         g = node.inputs[index]
@@ -93,7 +93,7 @@ def keep_gates_blocked(graph: ir.Graph, *, blocked: bool | None = None) -> dict[
         graph.insert_before(node, resize)
         node.replace_input_with(index, resize.outputs[0])
         done[CHANNEL_GATE] += 1
-    return dict(done)
+    return dict(done), refused
 
 
 def _is_spatial_mean(node: ir.Node) -> bool:
@@ -110,23 +110,35 @@ def _is_spatial_mean(node: ir.Node) -> bool:
     return axes is not None and sorted(int(a) % 4 for a in axes.reshape(-1)) == [2, 3]
 
 
-def _gate(node: ir.Node) -> tuple[int, ir.Shape] | None:
-    """For a ``Mul`` of the second rule: which input is the gate, and the shape its resize takes."""
+def _looks_like_gate(node: ir.Node) -> bool:
+    """A float ``Mul`` of a 4-D tensor with spatial dims by one whose spatial dims are 1 x 1."""
     if not is_onnx_op(node, "Mul") or len(node.inputs) != 2 or any(v is None for v in node.inputs):
-        return None
+        return False
     shapes = [v.shape for v in node.inputs]
     if any(s is None or len(s) != 4 for s in shapes) or any(v.dtype != ir.DataType.FLOAT for v in node.inputs):
-        return None
-    for index in (0, 1):
-        gate, full = shapes[index], shapes[1 - index]
-        spatial = [d for d in full[2:] if isinstance(d, int)]
-        if list(gate[2:]) != [1, 1] or len(spatial) != 2 or spatial == [1, 1]:
-            continue
-        if not isinstance(full[1], int) or gate[1] != full[1] or full[1] % BLOCK or gate[0] != full[0]:
-            continue
-        if _from_conv(node.inputs[index]) and _from_conv(node.inputs[1 - index]):
-            return index, full
-    return None
+        return False
+    return any(list(shapes[i][2:]) == [1, 1] and list(shapes[1 - i][2:]) != [1, 1] for i in (0, 1))
+
+
+def _gate(node: ir.Node) -> tuple[int, ir.Shape] | str:
+    """For a ``Mul`` that looks like a gate: which input is the gate and the shape its resize takes, or why
+    the rule leaves it."""
+    index = 0 if list(node.inputs[0].shape[2:]) == [1, 1] else 1
+    gate, full = node.inputs[index].shape, node.inputs[1 - index].shape
+    where = f"gate {_text(gate)} on {_text(full)}"
+    if not all(isinstance(d, int) for d in full[1:]):
+        return f"{where}: channels or H, W not known at export time"
+    if full[1] % BLOCK:
+        return f"{where}: {full[1]} channels, not a multiple of {BLOCK} (ORT's layout keeps other counts in NCHW)"
+    if gate[0] != full[0] or gate[1] != full[1]:
+        return f"{where}: the gate is broadcast over the batch or the channels"
+    if not (_from_conv(node.inputs[index]) and _from_conv(node.inputs[1 - index])):
+        return f"{where}: an operand is not computed by a Conv (ORT keeps it in NCHW)"
+    return index, full
+
+
+def _text(shape: ir.Shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _from_conv(value: ir.Value | None, steps: int = 6) -> bool:

@@ -207,7 +207,9 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         fold_mask_constants(onnx_program.model)
         for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
-        translations.used.update(keep_gates_blocked(onnx_program.model.graph))
+        gates, kept = keep_gates_blocked(onnx_program.model.graph)
+        translations.used.update(gates)
+        translations.notes.extend(f"channel gate kept as torch wrote it: {reason}" for reason in kept)
     folded = fold_transpose_pairs(onnx_program.model.graph)
     if folded:
         translations.used[TRANSPOSE_PAIRS] = folded

@@ -108,6 +108,8 @@ def test_channels_off_the_block_keep_torchs_gate(tmp_path):
     path = str(tmp_path / "se.onnx")
     result = export_onnx(model, path, (torch.randn(1, 3, 12, 12),))
     assert CHANNEL_GATE not in " ".join(result.translations), result.translations
+    assert any("channel gate kept as torch wrote it" in line and "24 channels" in line
+               for line in result.translations), result.translations
     assert_runs_like(model, path, torch.randn(1, 3, 12, 12))
 
 
@@ -163,22 +165,23 @@ def _run(model: ir.Model, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case, why", [
-    (dict(channels=24), "24 channels: not a multiple of every NCHWc block"),
-    (dict(channels=32, gate_from_conv=False), "the gate is not computed by a convolution"),
-    (dict(channels=32, batch=2, gate_batch=1), "one gate for the whole batch"),
-    (dict(channels=32, height=1, width=1), "nothing to spread: x is 1x1 already"),
+    ({"channels": 24}, "24 channels, not a multiple of 16"),
+    ({"channels": 32, "gate_from_conv": False}, "an operand is not computed by a Conv"),
+    ({"channels": 32, "batch": 2, "gate_batch": 1}, "broadcast over the batch"),
+    ({"channels": 32, "height": 1, "width": 1}, None),  # nothing to spread: x is 1x1 already
 ])
 def test_gates_orts_layout_could_not_keep_are_left(case, why):
     shape = {"height": 6, "width": 5, **case}
     model = _se_model(**shape)
-    done = keep_gates_blocked(model.graph, blocked=True)
-    assert CHANNEL_GATE not in done, why
-    assert not any(node.op_type == "Resize" for node in model.graph), why
+    done, refused = keep_gates_blocked(model.graph, blocked=True)
+    assert CHANNEL_GATE not in done
+    assert not any(node.op_type == "Resize" for node in model.graph)
+    assert [why in reason for reason in refused] == ([True] if why else []), refused
 
 
 def test_a_runtime_without_the_blocked_layout_changes_nothing():
     model = _se_model(32, 6, 5)
-    assert keep_gates_blocked(model.graph, blocked=False) == {}
+    assert keep_gates_blocked(model.graph, blocked=False) == ({}, [])
     assert [node.op_type for node in model.graph] == ["Conv", "ReduceMean", "Conv", "Sigmoid", "Mul"]
 
 
@@ -186,13 +189,15 @@ def test_dynamic_spatial_dims_are_refused():
     model = _se_model(32, 6, 5)
     mul = next(node for node in model.graph if node.op_type == "Mul")
     mul.inputs[0].shape = ir.Shape([1, 32, "height", "width"])
-    assert CHANNEL_GATE not in keep_gates_blocked(model.graph, blocked=True)
+    done, refused = keep_gates_blocked(model.graph, blocked=True)
+    assert CHANNEL_GATE not in done
+    assert len(refused) == 1 and "not known at export time" in refused[0], refused
 
 
 @st.composite
 def _blocks(draw):
-    return dict(channels=draw(st.sampled_from([16, 24, 32, 48])), height=draw(st.integers(1, 9)),
-                width=draw(st.integers(1, 9)), batch=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)))
+    return {"channels": draw(st.sampled_from([16, 24, 32, 48])), "height": draw(st.integers(1, 9)),
+                "width": draw(st.integers(1, 9)), "batch": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 2**16))}
 
 
 @settings(max_examples=30, deadline=None)
@@ -202,7 +207,7 @@ def test_random_blocks_answer_as_before(case):
     x = np.random.default_rng(case["seed"]).standard_normal((case["batch"], 3, case["height"], case["width"]))
     x = x.astype(np.float32)
     expected = _run(model, x)
-    done = keep_gates_blocked(model.graph, blocked=True)
+    done, _ = keep_gates_blocked(model.graph, blocked=True)
     assert done.get(SPATIAL_MEAN) == 1, done
     spread = case["channels"] % 16 == 0 and (case["height"], case["width"]) != (1, 1)
     assert done.get(CHANNEL_GATE, 0) == int(spread), done
