@@ -197,7 +197,7 @@ def test_dynamic_spatial_dims_are_refused():
 @st.composite
 def _blocks(draw):
     return {"channels": draw(st.sampled_from([16, 24, 32, 48])), "height": draw(st.integers(1, 9)),
-                "width": draw(st.integers(1, 9)), "batch": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 2**16))}
+            "width": draw(st.integers(1, 9)), "batch": draw(st.integers(1, 3)), "seed": draw(st.integers(0, 2**16))}
 
 
 @settings(max_examples=30, deadline=None)
