@@ -129,7 +129,7 @@ def _gate(node: ir.Node) -> tuple[int, ir.Shape] | str:
     if not all(isinstance(d, int) for d in full[1:]):
         return f"{where}: channels or H, W not known at export time"
     if full[1] % BLOCK:
-        return f"{where}: {full[1]} channels, not a multiple of {BLOCK} (ORT's layout keeps other counts in NCHW)"
+        return f"{where}: {full[1]} channels, not a multiple of {BLOCK} (whole NCHWc blocks on every x86 ORT)"
     if gate[0] != full[0] or gate[1] != full[1]:
         return f"{where}: the gate is broadcast over the batch or the channels"
     if not (_from_conv(node.inputs[index]) and _from_conv(node.inputs[1 - index])):
