@@ -41,7 +41,7 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, is_onnx_op, producer
+from fxforge.exporters.onnx_ir import constant, is_onnx_op, onnxruntime_optimized, producer, reduce_axes
 
 SPATIAL_MEAN = "ReduceMean over H, W -> GlobalAveragePool"
 CHANNEL_GATE = "Mul by an [N, C, 1, 1] gate -> Mul by its nearest Resize to [N, C, H, W]"
@@ -103,10 +103,7 @@ def _is_spatial_mean(node: ir.Node) -> bool:
     x = node.inputs[0]
     if x is None or x.shape is None or len(x.shape) != 4 or x.dtype != ir.DataType.FLOAT:
         return False
-    axes = constant(node.inputs[1]) if len(node.inputs) > 1 else None
-    if axes is None and len(node.inputs) < 2:
-        listed = node.attributes.get_ints("axes")
-        axes = None if listed is None else np.array(listed)
+    axes = reduce_axes(node)
     return axes is not None and sorted(int(a) % 4 for a in axes.reshape(-1)) == [2, 3]
 
 
@@ -187,11 +184,6 @@ def onnxruntime_keeps_gates_blocked() -> bool:
 def _gate_stays_blocked(spread: bool) -> bool:
     """Optimize the probe's block in the installed ORT, its gate spread by a ``Resize`` (``spread``) or
     broadcast as torch writes it, and check that the ``Mul`` reads and writes blocked tensors."""
-    import os
-    import tempfile
-
-    import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     channels, size = BLOCK, 8
@@ -212,13 +204,7 @@ def _gate_stays_blocked(spread: bool) -> bool:
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
                               initializer=[*weights, scales])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    with tempfile.TemporaryDirectory(prefix="fxforge-probe-") as directory:
-        options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
-        options.log_severity_level = 3  # ORT warns that an NCHWc file is specific to this machine
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(options.optimized_model_filepath).graph
+    optimized = onnxruntime_optimized(model.SerializeToString())
     made = {output: node.op_type for node in optimized.node for output in node.output}
     read = {name: node.op_type for node in optimized.node for name in node.input}
     muls = [node for node in optimized.node if node.op_type == "Mul"]

@@ -1,5 +1,6 @@
-"""The questions the exporters' ONNX IR passes ask of nodes and values: is this a standard ONNX op, what made
-this value, is it a constant, is its shape known.
+"""The questions the exporters' ONNX IR passes ask of nodes and values (is this a standard ONNX op, what made
+this value, is it a constant, is its shape known, which axes does this reduction take), and of the installed
+ONNX Runtime (what its optimizer makes of a model: the probes behind rules that only pay where ORT fuses).
 
 Example:
     >>> from onnxscript import ir
@@ -11,7 +12,11 @@ Example:
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
+import onnx
 from onnxscript import ir
 
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -59,3 +64,41 @@ def static_shape(value: ir.Value | None) -> list[int] | None:
     if value is None or value.shape is None or not value.shape.is_static():
         return None
     return [int(d) for d in value.shape]
+
+
+def reduce_axes(node: ir.Node) -> np.ndarray | None:
+    """The axes of a reduction ``node``: its constant ``axes`` input (opset 18+), else its ``axes``
+    attribute; None where they are computed at run time or not given.
+
+    Example:
+        >>> axes = ir.Value(name="axes", const_value=ir.tensor(np.array([2, 3])))
+        >>> reduce_axes(ir.Node("", "ReduceMean", [ir.Value(name="x"), axes])).tolist()
+        [2, 3]
+    """
+    if len(node.inputs) > 1:
+        return constant(node.inputs[1])
+    listed = node.attributes.get_ints("axes")
+    return None if listed is None else np.array(listed)
+
+
+def onnxruntime_optimized(model: bytes | str) -> onnx.GraphProto:
+    """The graph the installed ONNX Runtime's CPU provider runs for ``model`` (serialized bytes or a path),
+    after its optimizers (default level), as the file it writes with ``optimized_model_filepath``.
+
+    Example:
+        >>> from onnx import helper, TensorProto
+        >>> io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy"]
+        >>> graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", io[:1], io[1:])
+        >>> model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+        >>> [node.op_type for node in onnxruntime_optimized(model.SerializeToString()).node]
+        ['Relu']
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3  # ORT warns that a file with its NCHWc layout is specific to this machine
+    with tempfile.TemporaryDirectory(prefix="fxforge-probe-") as directory:
+        options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
+        ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath).graph

@@ -26,7 +26,7 @@ import functools
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, is_onnx_op, producer
+from fxforge.exporters.onnx_ir import constant, is_onnx_op, onnxruntime_optimized, producer, reduce_axes
 
 RMS_NORM = "RMS norm x * Reciprocal(Sqrt(.)) -> x / Sqrt(.) (ORT fuses it into SimplifiedLayerNormalization)"
 
@@ -93,10 +93,7 @@ def _last_axis_mean(mean: ir.Node) -> bool:
     if not _read_once(mean) or mean.attributes.get_int("keepdims", 1) != 1:
         return False
     x = mean.inputs[0]
-    axes = constant(mean.inputs[1]) if len(mean.inputs) > 1 else None
-    if axes is None and len(mean.inputs) < 2:
-        listed = mean.attributes.get_ints("axes")
-        axes = None if listed is None else np.array(listed)
+    axes = reduce_axes(mean)
     rank = None if x is None or x.shape is None else len(x.shape)
     return axes is not None and axes.size == 1 and rank is not None and int(axes.reshape(-1)[0]) in (-1, rank - 1)
 
@@ -162,17 +159,6 @@ def _norm_graph(hidden: int, divided: bool = False) -> ir.Graph:
 def _fused(divided: bool) -> bool:
     """Optimize the probe's norm (``divided``: the rule's form, else torch's) in the installed ORT and look
     for ``SimplifiedLayerNormalization``."""
-    import os
-    import tempfile
-
-    import onnx
-    import onnxruntime as ort
-
     model = ir.serde.serialize_model(ir.Model(_norm_graph(hidden=64, divided=divided), ir_version=10))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    with tempfile.TemporaryDirectory(prefix="fxforge-probe-") as directory:
-        options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
-        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(options.optimized_model_filepath).graph
+    optimized = onnxruntime_optimized(model.SerializeToString())
     return any(node.op_type == "SimplifiedLayerNormalization" for node in optimized.node)

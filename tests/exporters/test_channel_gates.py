@@ -8,7 +8,6 @@ import os
 import platform
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -27,6 +26,7 @@ from fxforge.exporters.channel_gates import (
     keep_gates_blocked,
     onnxruntime_keeps_gates_blocked,
 )
+from fxforge.exporters.onnx_ir import onnxruntime_optimized
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 needs_blocked_layout = pytest.mark.skipif(not X86, reason="ORT's NCHWc layout is built for x86-64 only")
@@ -52,13 +52,9 @@ class SqueezeExcitation(nn.Module):
         return self.project(a * self.gate(self.restore(self.act(self.reduce(squeezed)))))
 
 
-def _optimized_ops_around_mul(path: str, tmp_path) -> list[str]:
+def _optimized_ops_around_mul(path: str) -> list[str]:
     """The op types ORT's optimizer puts next to each ``Mul`` of the file (what feeds it, what reads it)."""
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    options.log_severity_level = 3
-    ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    graph = onnx.load(options.optimized_model_filepath).graph
+    graph = onnxruntime_optimized(path)
     made = {output: node.op_type for node in graph.node for output in node.output}
     read = collections.defaultdict(list)
     for node in graph.node:
@@ -83,7 +79,7 @@ def test_gate_stays_blocked_with_the_models_values(efficientnet, pool, tmp_path)
     result = export_onnx(model, path, (torch.randn(1, 3, 12, 12),))
     assert f"{SPATIAL_MEAN}: 1" in result.translations, result.translations
     assert f"{CHANNEL_GATE}: 1" in result.translations, result.translations
-    around = _optimized_ops_around_mul(path, tmp_path)
+    around = _optimized_ops_around_mul(path)
     assert around and not {"ReorderInput", "ReorderOutput"} & set(around), around
     assert_runs_like(model, path, torch.randn(1, 3, 12, 12))
     x = torch.randn(1, 3, 12, 12)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -17,6 +16,7 @@ from test_onnx import assert_runs_like
 from torch import nn
 
 from fxforge import export_onnx
+from fxforge.exporters.onnx_ir import onnxruntime_optimized
 from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.exporters.rms_norm import (
     RMS_NORM,
@@ -49,12 +49,8 @@ class Block(nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
-def _optimized_ops(path: str, tmp_path) -> collections.Counter:
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    options.log_severity_level = 3
-    ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    return collections.Counter(node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node)
+def _optimized_ops(path: str) -> collections.Counter:
+    return collections.Counter(node.op_type for node in onnxruntime_optimized(path).node)
 
 
 def test_the_probe_tells_the_fused_form_from_torchs():
@@ -70,7 +66,7 @@ def test_norm_is_fused_with_the_models_values(norm, tmp_path):
     path = str(tmp_path / "norm.onnx")
     result = export_onnx(model, path, (torch.randn(2, 5, 32),))
     assert f"{RMS_NORM}: 1" in result.translations, result.translations
-    ops = _optimized_ops(path, tmp_path)
+    ops = _optimized_ops(path)
     assert ops["SimplifiedLayerNormalization"] == 1 and not ops["Reciprocal"], ops
     x = torch.randn(2, 5, 32)
     x[1, 2, 3] = float("nan")  # a NaN row stays NaN, the other rows as eager
@@ -85,7 +81,7 @@ def test_llama_norms_are_fused(tmp_path):
     path = str(tmp_path / "llama.onnx")
     result = export_onnx(model, path, inputs)
     assert f"{RMS_NORM}: 5" in result.translations, result.translations
-    assert _optimized_ops(path, tmp_path)["SimplifiedLayerNormalization"] == 5
+    assert _optimized_ops(path)["SimplifiedLayerNormalization"] == 5
     fresh = {"input_ids": torch.randint(1, 90, inputs["input_ids"].shape), "attention_mask": inputs["attention_mask"]}
     with torch.no_grad():
         expected = model(**fresh)[0]
