@@ -53,6 +53,7 @@ from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_prov
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
+from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs
 
@@ -187,7 +188,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
     kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), RMS norms take the form
-    ORT fuses (:mod:`~fxforge.exporters.rms_norm`) and squeeze-and-excitation gates the form ORT keeps in its
+    ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
+    (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
     blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
     provider, transposes around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`).
     Also returns the inputs of other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
@@ -212,6 +214,10 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         divided = divide_rms_norms(onnx_program.model.graph)
         if divided:
             translations.used[RMS_NORM] = divided
+        rotated, kept_rotary = fuse_rotary_embeddings(onnx_program.model.graph)
+        if rotated:
+            translations.used[ROTARY] = rotated
+        translations.notes.extend(kept_rotary)
         gates, kept = keep_gates_blocked(onnx_program.model.graph)
         translations.used.update(gates)
         translations.notes.extend(f"channel gate kept as torch wrote it: {reason}" for reason in kept)

@@ -54,6 +54,26 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def float_value(name: str, shape: list | None = None) -> ir.Value:
+    """A float32 value named ``name`` of ``shape`` (None: unknown), for the graphs the probes and tests build.
+
+    Example:
+        >>> float_value("x", [2, 3]).shape
+        Shape([2, 3])
+    """
+    return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=None if shape is None else ir.Shape(shape))
+
+
+def constant_value(name: str, array: np.ndarray) -> ir.Value:
+    """A value named ``name`` holding ``array`` (register it as an initializer of the graph that reads it).
+
+    Example:
+        >>> constant(constant_value("two", np.array(2.0, np.float32))).item()
+        2.0
+    """
+    return ir.Value(name=name, const_value=ir.tensor(np.asarray(array)))
+
+
 def static_shape(value: ir.Value | None) -> list[int] | None:
     """``value``'s shape as ints when every dim is known at export time, else None.
 

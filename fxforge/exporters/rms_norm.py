@@ -26,7 +26,15 @@ import functools
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, is_onnx_op, onnxruntime_optimized, producer, reduce_axes
+from fxforge.exporters.onnx_ir import (
+    constant,
+    constant_value,
+    float_value,
+    is_onnx_op,
+    onnxruntime_optimized,
+    producer,
+    reduce_axes,
+)
 
 RMS_NORM = "RMS norm x * Reciprocal(Sqrt(.)) -> x / Sqrt(.) (ORT fuses it into SimplifiedLayerNormalization)"
 
@@ -131,27 +139,21 @@ def onnxruntime_fuses_rms_norm() -> bool:
 def _norm_graph(hidden: int, divided: bool = False) -> ir.Graph:
     """``weight * (x * Reciprocal(Sqrt(mean(x**2, -1) + eps)))`` on x [1, 4, hidden] (``divided``: the
     rule's ``Div`` form)."""
-    def value(name, shape=None):
-        return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(shape) if shape else None)
-
-    def const(name, array):
-        return ir.Value(name=name, const_value=ir.tensor(np.asarray(array, dtype=array.dtype)))
-
     rows, full = [1, 4, 1], [1, 4, hidden]
-    x = value("x", full)
-    two, axes = const("two", np.array(2.0, np.float32)), const("axes", np.array([-1], np.int64))
-    eps, weight = const("eps", np.array(1e-6, np.float32)), const("weight", np.linspace(0.5, 1.5, hidden,
-                                                                                           dtype=np.float32))
-    power = ir.Node("", "Pow", [x, two], outputs=[value("squares", full)])
-    mean = ir.Node("", "ReduceMean", [power.outputs[0], axes], outputs=[value("mean", rows)])
-    add = ir.Node("", "Add", [mean.outputs[0], eps], outputs=[value("shifted", rows)])
-    sqrt = ir.Node("", "Sqrt", add.outputs, outputs=[value("root", rows)])
+    x = float_value("x", full)
+    two, axes = constant_value("two", np.array(2.0, np.float32)), constant_value("axes", np.array([-1], np.int64))
+    eps = constant_value("eps", np.array(1e-6, np.float32))
+    weight = constant_value("weight", np.linspace(0.5, 1.5, hidden, dtype=np.float32))
+    power = ir.Node("", "Pow", [x, two], outputs=[float_value("squares", full)])
+    mean = ir.Node("", "ReduceMean", [power.outputs[0], axes], outputs=[float_value("mean", rows)])
+    add = ir.Node("", "Add", [mean.outputs[0], eps], outputs=[float_value("shifted", rows)])
+    sqrt = ir.Node("", "Sqrt", add.outputs, outputs=[float_value("root", rows)])
     if divided:
-        middle = [ir.Node("", "Div", [x, sqrt.outputs[0]], outputs=[value("normed", full)])]
+        middle = [ir.Node("", "Div", [x, sqrt.outputs[0]], outputs=[float_value("normed", full)])]
     else:
-        reciprocal = ir.Node("", "Reciprocal", sqrt.outputs, outputs=[value("inverse", rows)])
-        middle = [reciprocal, ir.Node("", "Mul", [x, reciprocal.outputs[0]], outputs=[value("normed", full)])]
-    scale = ir.Node("", "Mul", [weight, middle[-1].outputs[0]], outputs=[value("y", full)])
+        reciprocal = ir.Node("", "Reciprocal", sqrt.outputs, outputs=[float_value("inverse", rows)])
+        middle = [reciprocal, ir.Node("", "Mul", [x, reciprocal.outputs[0]], outputs=[float_value("normed", full)])]
+    scale = ir.Node("", "Mul", [weight, middle[-1].outputs[0]], outputs=[float_value("y", full)])
     return ir.Graph([x], scale.outputs, nodes=[power, mean, add, sqrt, *middle, scale],
                     initializers=[two, axes, eps, weight], opset_imports={"": 20}, name="rms_norm")
 
