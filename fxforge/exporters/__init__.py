@@ -3,7 +3,7 @@
 - :mod:`~fxforge.exporters.program`: ``torch.export`` programs of rewritten graphs; validation against PyTorch;
 - :mod:`~fxforge.exporters.onnx`: a checked, validated ONNX file (with :mod:`~fxforge.exporters.translations`
   of fxforge's ops, and the passes on the ONNX graph: :mod:`~fxforge.exporters.residual_norm`,
-  :mod:`~fxforge.exporters.attention_guards`, :mod:`~fxforge.exporters.rms_norm`,
+  :mod:`~fxforge.exporters.attention_guards`, :mod:`~fxforge.exporters.qkv_slices`, :mod:`~fxforge.exporters.rms_norm`,
   :mod:`~fxforge.exporters.rotary`, :mod:`~fxforge.exporters.channel_gates`,
   :mod:`~fxforge.exporters.transpose_pairs`, asking :mod:`~fxforge.exporters.onnx_ir`);
 - :mod:`~fxforge.exporters.pt2`: a ``.pt2`` artifact and :func:`~fxforge.exporters.pt2.load`;

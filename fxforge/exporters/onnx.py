@@ -51,6 +51,7 @@ from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_
 from fxforge.exporters.channel_gates import keep_gates_blocked
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
+from fxforge.exporters.qkv_slices import read_qkv_as_slices
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
 from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
@@ -187,7 +188,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             refine: Any = False) -> dict[str, Any]:
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
-    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), RMS norms take the form
+    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
+    one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`), RMS norms take the form
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
     blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
@@ -211,6 +213,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         fold_mask_constants(onnx_program.model)
         for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
+        translations.used.update(read_qkv_as_slices(onnx_program.model.graph))
         divided = divide_rms_norms(onnx_program.model.graph)
         if divided:
             translations.used[RMS_NORM] = divided

@@ -1,0 +1,194 @@
+"""Queries, keys and values unpacked from one projection, read by ``MultiHeadAttention`` as slices of it.
+
+Swin and timm's ViT project q, k and v with one linear layer of 3C outputs, then unpack it with
+``qkv.reshape(B, N, 3, heads, d).permute(2, 0, 3, 1, 4)`` and ``qkv[i]`` (or ``unbind(0)``); the
+translation to ``com.microsoft.MultiHeadAttention`` then puts each of q, k, v back into [B, N, heads * d]
+with ``Transpose(0, 2, 1, 3)`` and ``Reshape``. ORT runs that as a five-dimensional transpose of the whole
+projection, a split and three more transposes: copies that give back, for q, the projection's columns
+``0:C``, for k ``C:2C`` and for v ``2C:3C``. Swin also scales q by ``d ** -0.5`` with a ``Mul`` before the
+attention, which then runs with scale 1.
+
+The rules, on the inputs of each ``MultiHeadAttention`` (not in subgraphs):
+
+- **``Reshape(Transpose(part_i(Transpose(Reshape(qkv, [B, N, 3, h, d]), [2, 0, 3, 1, 4])), [0, 2, 1, 3]),
+  [B, N, h * d])`` becomes ``qkv[..., i*h*d : (i+1)*h*d]``** (one ``Slice``), where ``part_i`` is
+  ``Gather(., i, axis=0)``, or ``Slice(., [i], [i + 1], axes=[0])`` (``unbind``) or output ``i`` of
+  ``Split(., axis=0)`` into ones, ``Squeeze``d: the same values in the same order, by construction of the
+  index arithmetic.
+- **A ``Mul`` of q (or k) by a constant scalar between the two becomes a factor of the attention's
+  ``scale``** (MultiHeadAttention scales q @ k^T: the product rounds differently in the last bits; the
+  file is validated against the model as every export is).
+
+Example:
+    >>> graph = _unpacked_attention_graph(tokens=4, heads=2, head=8, scale_q=0.25)
+    >>> read_qkv_as_slices(graph)
+    {'q, k, v read as slices of their packed projection': 3, 'scalar factor of q folded into the attention scale': 1}
+    >>> attention = next(node for node in graph if node.op_type == "MultiHeadAttention")
+    >>> [node.op_type for node in (value.producer() for value in attention.inputs[:3])], attention.attributes.get_float("scale")
+    (['Slice', 'Slice', 'Slice'], 0.25)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from onnxscript import ir
+
+from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer
+
+SLICES = "q, k, v read as slices of their packed projection"
+SCALE = "scalar factor of q folded into the attention scale"
+_MSFT = "com.microsoft"
+
+
+def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
+    """Apply the module's rules to each ``MultiHeadAttention`` of ``graph``; returns how many inputs became
+    slices and how many scalar factors were folded into a scale.
+
+    Example:
+        >>> read_qkv_as_slices(ir.Graph([], [], nodes=[]))
+        {}
+    """
+    done: Counter[str] = Counter()
+    for node in list(graph):
+        if node.domain != _MSFT or node.op_type != "MultiHeadAttention":
+            continue
+        for index in range(min(3, len(node.inputs))):
+            found = _unpacked(node.inputs[index])
+            if found is None:
+                continue
+            packed, part, width, factor = found
+            if factor is not None and (index == 2 or node.attributes.get_float("scale") is None):
+                continue  # a factor of v, or no scale attribute to fold it into
+            old = node.inputs[index]
+            bounds = [ir.Value(name=f"{old.name}_slice_{what}", const_value=ir.tensor(np.array([n], np.int64)))
+                      for what, n in (("start", part * width), ("end", (part + 1) * width), ("axis", -1))]
+            for bound in bounds:
+                graph.register_initializer(bound)
+            piece = ir.Node("", "Slice", [packed, *bounds], outputs=[
+                ir.Value(name=f"{old.name}_sliced", type=old.type, shape=old.shape)])
+            graph.insert_after(old.producer(), [piece])
+            node.replace_input_with(index, piece.outputs[0])
+            for user, at in list(old.uses()):
+                if is_onnx_op(user, "Shape"):
+                    user.replace_input_with(at, piece.outputs[0])
+            done[SLICES] += 1
+            if factor is not None:
+                node.attributes["scale"] = ir.AttrFloat32("scale", node.attributes.get_float("scale") * factor)
+                done[SCALE] += 1
+    return dict(done)
+
+
+def _unpacked(value: ir.Value | None) -> tuple[ir.Value, int, int, float | None] | None:
+    """For an attention input of the first rule: the packed projection, which third of it, the third's
+    width, and the scalar factor in between (or None)."""
+    reshape = producer(value, "Reshape")
+    transpose = producer(reshape.inputs[0], "Transpose") if reshape is not None else None
+    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    part_value, factor = transpose.inputs[0], None
+    scaled = producer(part_value, "Mul")
+    if scaled is not None and len(scaled.inputs) == 2:
+        for at in (0, 1):
+            number = constant(scaled.inputs[1 - at])
+            if number is not None and number.size == 1 and number.dtype == np.float32:
+                part_value, factor = scaled.inputs[at], float(number.item())
+                break
+        else:
+            return None
+    found = _part(part_value)
+    if found is None:
+        return None
+    permuted, part = found
+    permute = producer(permuted, "Transpose")
+    if permute is None or list(permute.attributes.get_ints("perm", [])) != [2, 0, 3, 1, 4]:
+        return None
+    split_heads = producer(permute.inputs[0], "Reshape")
+    packed = split_heads.inputs[0] if split_heads is not None else None
+    five, three, out = _dims(permute.inputs[0]), _dims(packed), _dims(value)
+    if five is None or three is None or out is None or len(five) != 5 or len(three) != 3 or len(out) != 3:
+        return None
+    if not all(isinstance(d, int) for d in (*five[2:], three[2], out[2])):
+        return None  # batch and token counts may be dynamic; the packed widths must be known
+    width = five[3] * five[4]
+    if five[2] != 3 or three[2] != 3 * width or out[2] != width:
+        return None
+    return packed, part, width, factor
+
+
+def _dims(value: ir.Value | None) -> list | None:
+    return None if value is None or value.shape is None else list(value.shape)
+
+
+def _part(value: ir.Value | None) -> tuple[ir.Value, int] | None:
+    """``(t, i)`` for ``Gather(t, i, axis=0)`` with a scalar constant ``i`` in 0..2, or ``Squeeze(., [0])`` of
+    ``Slice(t, [i], [i + 1], [0])`` (``unbind(0)``) or of output ``i`` of ``Split(t, axis=0)`` into ones."""
+    gather = producer(value, "Gather")
+    if gather is not None:
+        index = constant(gather.inputs[1])
+        if gather.attributes.get_int("axis", 0) == 0 and index is not None and index.shape == () and 0 <= int(index) < 3:
+            return gather.inputs[0], int(index)
+        return None
+    squeeze = producer(value, "Squeeze")
+    axes = constant(squeeze.inputs[1]) if squeeze is not None and len(squeeze.inputs) > 1 else None
+    if axes is None or axes.reshape(-1).tolist() != [0]:
+        return None
+    piece = squeeze.inputs[0]
+    one = producer(piece, "Slice")
+    if one is not None:
+        bounds = [constant(one.inputs[i]) if len(one.inputs) > i and one.inputs[i] is not None else None
+                  for i in (1, 2, 3, 4)]
+        starts, ends, slice_axes, steps = (None if b is None else b.reshape(-1).tolist() for b in bounds)
+        if starts is None or ends is None or slice_axes != [0] or steps not in (None, [1]) or len(starts) != 1:
+            return None
+        return (one.inputs[0], starts[0]) if 0 <= starts[0] < 3 and ends == [starts[0] + 1] else None
+    split = producer(piece, "Split")
+    if split is None or split.attributes.get_int("axis", 0) != 0 or len(split.outputs) != 3:
+        return None
+    sizes = constant(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else np.ones(3)
+    if sizes is None or sizes.reshape(-1).tolist() != [1, 1, 1]:
+        return None
+    return split.inputs[0], list(split.outputs).index(piece)
+
+
+def _unpacked_attention_graph(tokens: int, heads: int, head: int, scale_q: float | None = None,
+                              form: str = "gather") -> ir.Graph:
+    """MultiHeadAttention (scale 1 when q is scaled, else d ** -0.5) on q, k, v unpacked from a graph input
+    ``qkv`` [1, tokens, 3 * heads * head] as torch.onnx writes Swin's ``qkv[i]`` (``form="gather"``) or
+    ``unbind(0)`` (``"slice"``: ``Slice`` + ``Squeeze``; ``"split"``: ``Split`` + ``Squeeze``), translated as
+    fxforge's export writes it."""
+    width, numbers, nodes = heads * head, [], []
+
+    def number(name, array):
+        numbers.append(constant_value(name, array))
+        return numbers[-1]
+
+    def node(op_type, inputs, shape=None, name=None, **attributes):
+        outputs = None if shape is None else [float_value(name, shape)]
+        nodes.append(ir.Node("", op_type, inputs, outputs=outputs, num_outputs=attributes.get("num_outputs", 1),
+                             attributes=[ir.convenience.convert_attribute(k, v) for k, v in attributes.items()]))
+        return nodes[-1].outputs[0] if len(nodes[-1].outputs) == 1 else list(nodes[-1].outputs)
+
+    qkv = float_value("qkv", [1, tokens, 3 * width])
+    five = [1, tokens, 3, heads, head]
+    five_d = node("Reshape", [qkv, number("five", np.array(five, np.int64))], five, "five_d")
+    permuted = node("Transpose", [five_d], [3, 1, heads, tokens, head], "permuted", perm=[2, 0, 3, 1, 4])
+    part_shape, zero = [1, heads, tokens, head], number("zero", np.array([0], np.int64))
+    if form == "gather":
+        parts = [node("Gather", [permuted, number(f"i{i}", np.array(i, np.int64))], part_shape, f"part{i}", axis=0)
+                 for i in range(3)]
+    else:
+        pieces = node("Split", [permuted], axis=0, num_outputs=3) if form == "split" else [
+            node("Slice", [permuted, number(f"from{i}", np.array([i], np.int64)),
+                           number(f"to{i}", np.array([i + 1], np.int64)), zero]) for i in range(3)]
+        parts = [node("Squeeze", [piece, zero], part_shape, f"part{i}") for i, piece in enumerate(pieces)]
+    if scale_q is not None:
+        parts[0] = node("Mul", [parts[0], number("factor", np.array(scale_q, np.float32))], part_shape, "scaled_q")
+    flat = [node("Reshape", [node("Transpose", [part], perm=[0, 2, 1, 3]), number(f"three{i}", np.array(
+        [0, 0, -1], np.int64))], [1, tokens, width], f"flat{i}") for i, part in enumerate(parts)]
+    output = float_value("y", [1, tokens, width])
+    nodes.append(ir.Node(_MSFT, "MultiHeadAttention", flat, outputs=[output], attributes=[
+        ir.AttrInt64("num_heads", heads), ir.AttrFloat32("scale", 1.0 if scale_q is not None else head ** -0.5)]))
+    return ir.Graph([qkv], [output], nodes=nodes, initializers=numbers, opset_imports={"": 20, _MSFT: 1},
+                    name="unpacked_attention")
