@@ -86,6 +86,20 @@ def static_shape(value: ir.Value | None) -> list[int] | None:
     return [int(d) for d in value.shape]
 
 
+def same_dim(a: object, b: object) -> bool:
+    """Whether two dims of value shapes are known to be equal: the same int, or the same named dim.
+
+    Example:
+        >>> x = ir.Value(name="x", shape=ir.Shape(["batch", 3]))
+        >>> same_dim(x.shape[0], ir.Shape(["batch"])[0]), same_dim(x.shape[1], 3), same_dim(x.shape[0], 3)
+        (True, True, False)
+    """
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    name = getattr(a, "value", None)  # an ir.SymbolicDim's name (None: unknown, equal to nothing)
+    return name is not None and name == getattr(b, "value", None)
+
+
 def reduce_axes(node: ir.Node) -> np.ndarray | None:
     """The axes of a reduction ``node``: its constant ``axes`` input (opset 18+), else its ``axes``
     attribute; None where they are computed at run time or not given.

@@ -35,7 +35,7 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer
+from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer, same_dim
 
 SLICES = "q, k, v read as slices of their packed projection"
 SCALE = "scalar factor of q folded into the attention scale"
@@ -111,6 +111,8 @@ def _unpacked(value: ir.Value | None) -> tuple[ir.Value, int, int, float | None]
         return None
     if not all(isinstance(d, int) for d in (*five[2:], three[2], out[2])):
         return None  # batch and token counts may be dynamic; the packed widths must be known
+    if not all(same_dim(a, b) and same_dim(a, c) for a, b, c in zip(three[:2], five[:2], out[:2])):
+        return None  # the reshapes regroup batch and tokens: not one row of the projection per token
     width = five[3] * five[4]
     if five[2] != 3 or three[2] != 3 * width or out[2] != width:
         return None

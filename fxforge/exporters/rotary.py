@@ -51,7 +51,7 @@ import functools
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer
+from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer, same_dim
 
 ROTARY = "rotary embedding of q and k -> GroupQueryAttention's own (do_rotary)"
 NOT_ROTATING = "rotary embedding kept: the installed ONNX Runtime's GroupQueryAttention does not rotate as eager does"
@@ -147,7 +147,7 @@ def _table_refusal(name: str, table: ir.Value, x: ir.Value) -> str | None:
         return f"head size {head} is not a multiple of 16 (GroupQueryAttention rotates only those)"
     if len(shape) < 2 or any(d != 1 for d in shape[:-2]):
         return f"the {name} table {_text(shape)} differs across the batch or the heads"
-    if shape[-1] != head or not (shape[-2] == length or _same_symbol(shape[-2], length)):
+    if shape[-1] != head or not same_dim(shape[-2], length):
         return (f"the {name} table {_text(shape)} does not hold one row of {head} per position of the sequence "
                 f"({length})")
     if array is not None:
@@ -159,11 +159,6 @@ def _table_refusal(name: str, table: ir.Value, x: ir.Value) -> str | None:
         return (f"the {name} table is computed at run time and not seen to be an elementwise function of "
                 f"cat(freqs, freqs)")
     return None
-
-
-def _same_symbol(a: object, b: object) -> bool:
-    """Whether two dims are the same named dim (a dynamic sequence length)."""
-    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None and a.value == b.value
 
 
 def _text(shape: list) -> str:
@@ -244,7 +239,7 @@ def _through_head_repeat(value: ir.Value | None) -> ir.Value | None:
     if axes is None or axes.reshape(-1).tolist() != [2] or t is None or t.shape is None or value.shape is None:
         return value
     if len(t.shape) != 4 or len(value.shape) != 4 or any(
-            not (a == b or _same_symbol(a, b)) for a, b in zip(t.shape[2:], value.shape[2:])):
+            not same_dim(a, b) for a, b in zip(t.shape[2:], value.shape[2:])):
         return value
     return t
 

@@ -87,6 +87,7 @@ from onnx.defs import OpSchema
 from onnxscript import ir, values
 
 from fxforge.core.source import node_source
+from fxforge.exporters.onnx_ir import same_dim
 from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
 
 MIN_OPSET = 18
@@ -196,12 +197,6 @@ def _dims(value: Any) -> list[Any]:
 
 def _static(dim: Any) -> int | None:
     return dim if isinstance(dim, int) else None
-
-
-def _same_dim(a: Any, b: Any) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return a == b
-    return a is not None and b is not None and getattr(a, "value", None) is not None and a.value == b.value
 
 
 def _per_dim(values: Any, dims: int) -> list[int]:
@@ -331,7 +326,7 @@ class Translations:
             return "head counts or head sizes are not known at export time"
         if _static(q[1]) % _static(k[1]):
             return f"{q[1]} query heads are not a multiple of {k[1]} key/value heads"
-        if is_causal and not _same_dim(q[2], k[2]):
+        if is_causal and not same_dim(q[2], k[2]):
             return "is_causal with query and key lengths that may differ (SDPA's causal mask is top-left aligned)"
         if attn_mask is not None and (_rank(attn_mask) or 5) > 4:
             return "a mask of more than 4 dims"
@@ -482,7 +477,7 @@ class Translations:
             mask = op.Unsqueeze(mask, op.Constant(value_ints=list(range(4 - len(mask_dims)))))
             mask_dims = [1] * (4 - len(mask_dims)) + list(mask_dims)
         target = None
-        if not (_same_dim(mask_dims[2], q[2]) and _same_dim(mask_dims[3], k[2])):
+        if not (same_dim(mask_dims[2], q[2]) and same_dim(mask_dims[3], k[2])):
             target = op.Concat(op.Shape(mask, start=0, end=2), op.Shape(query, start=2, end=3),
                                op.Shape(key, start=2, end=3), axis=0)
         return mask, target

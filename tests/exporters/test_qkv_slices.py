@@ -111,6 +111,14 @@ def test_another_permutation_is_left():
     assert read_qkv_as_slices(graph) == {}
 
 
+def test_a_reshape_that_regroups_batch_and_tokens_is_left():
+    """[1, 4, 3C] -> [4, 1, 3, h, d] splits the same last axis but makes each row a batch: not the slices."""
+    graph = _unpacked_attention_graph(tokens=4, heads=2, head=8)
+    five_d = _node(graph, "Reshape").outputs[0]
+    five_d.shape = ir.Shape([4, 1, 3, 2, 8])
+    assert read_qkv_as_slices(graph) == {}
+
+
 def test_a_scaled_value_is_left():
     """A factor of v is not a factor of the scores: v keeps its Mul and its unpacking."""
     graph = _unpacked_attention_graph(tokens=4, heads=2, head=8, scale_q=0.5)
