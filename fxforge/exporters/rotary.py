@@ -27,6 +27,9 @@ refused (the attention keeps its inputs, the reason is recorded) when:
 - only one of q and k is rotated, or they are rotated by different tables;
 - :func:`group_query_attention_rotates` finds the installed ONNX Runtime does not rotate as eager does.
 
+Where the model also returns the rotated k (its KV cache), the file reads it from the attention's
+``present_key`` (the key it rotated) when no head repeat lies between them, rather than rotating k twice.
+
 The attention rewrite's NaN-row guard (:mod:`fxforge.exporters.attention_guards`) read the rotated q; it
 now reads q. With finite tables a row of q holds a NaN or an infinity exactly when its rotation does, save
 rotations that overflow float32 (entries of q above ~1e38), which that guard never covered in q @ k^T
@@ -115,8 +118,30 @@ def fuse_rotary_embeddings(graph: ir.Graph, *, rotates: bool | None = None) -> t
         ir.convenience.replace_nodes_and_values(graph, node, [node], [fused], list(node.outputs), list(fused.outputs))
         for rotation in (q, k):
             _guard_reads_unrotated(rotation)
+        _cache_from_present_key(graph, fused, k)
         done += 1
     return done, refused
+
+
+def _cache_from_present_key(graph: ir.Graph, attention: ir.Node, key: _Rotation) -> None:
+    """Where the rotated key is also a graph output (the model returns its KV cache), read it from the
+    attention's ``present_key`` (the key it rotated, [B, kv heads, S, H] without a past) when the shapes agree,
+    so that the file does not rotate the key a second time for the cache."""
+    present = attention.outputs[1] if len(attention.outputs) > 1 else None
+    cached, shape, query = key.rotated, key.rotated.shape, attention.inputs[0].shape
+    if present is None or not cached.is_graph_output() or present.is_graph_output() or shape is None \
+            or query is None or len(shape) != 4 or len(query) != 3 or not isinstance(query[2], int):
+        return
+    heads, kv_heads = attention.attributes.get_int("num_heads"), attention.attributes.get_int("kv_num_heads")
+    expected = [query[0], kv_heads, query[1], query[2] // heads]  # GroupQueryAttention's present_key, no past
+    if not all(same_dim(a, b) for a, b in zip(shape, expected)):
+        return
+    name = cached.name
+    for index, output in enumerate(graph.outputs):
+        if output is cached:
+            graph.outputs[index] = present
+    cached.name, present.name = f"{name}_unused" if name else None, name
+    present.type, present.shape = cached.type, shape
 
 
 def _refusal(q: _Rotation | None, k: _Rotation | None) -> str | None:

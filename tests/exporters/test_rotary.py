@@ -27,13 +27,14 @@ from fxforge.exporters.rotary import (
 )
 
 
-def llama(head: int = 16, heads: int = 4, kv_heads: int = 2) -> nn.Module:
-    """A two-layer transformers LLaMA (eager attention, no cache) with random weights."""
+def llama(head: int = 16, heads: int = 4, kv_heads: int = 2, use_cache: bool = False) -> nn.Module:
+    """A two-layer transformers LLaMA (eager attention; returning its KV cache with ``use_cache``) with random
+    weights."""
     from transformers import LlamaConfig, LlamaModel
 
     config = LlamaConfig(vocab_size=128, hidden_size=head * heads, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                         attn_implementation="eager", use_cache=False)
+                         attn_implementation="eager", use_cache=use_cache)
     torch.manual_seed(0)
     return LlamaModel(config).eval()
 
@@ -101,6 +102,19 @@ def test_llama_rotations_move_into_the_attention(dynamic, tmp_path):
     module = OnnxRuntimeModule(path, result.io)
     for batch, length in [(2, 12)] + ([(1, 5), (3, 30)] if dynamic else []):
         assert_matches_eager(model, module, input_ids=torch.randint(1, 128, (batch, length)))
+
+
+def test_a_returned_cache_is_read_from_the_attentions_present_key(tmp_path):
+    """The model returns its rotated keys (the KV cache): the file reads them from GroupQueryAttention's
+    present_key instead of rotating k a second time, and the cache is eager's."""
+    model = llama(use_cache=True)
+    path = str(tmp_path / "llama.onnx")
+    result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (2, 12))})
+    assert f"{ROTARY}: 2" in result.translations, result.translations
+    assert ops(path)["Neg"] == 0
+    outputs = {node.output[1] for node in onnx.load(path).graph.node if node.op_type == "GroupQueryAttention"}
+    assert outputs <= {value.name for value in onnx.load(path).graph.output}  # both layers' keys
+    assert_matches_eager(model, OnnxRuntimeModule(path, result.io), input_ids=torch.randint(1, 128, (2, 12)))
 
 
 def test_a_nan_token_gives_eagers_nan_rows(tmp_path):
