@@ -14,15 +14,19 @@ The rules, on the inputs of each ``MultiHeadAttention`` (not in subgraphs):
   [B, N, h * d])`` becomes ``qkv[..., i*h*d : (i+1)*h*d]``** (one ``Slice``), where ``part_i`` is
   ``Gather(., i, axis=0)``, or ``Slice(., [i], [i + 1], axes=[0])`` (``unbind``) or output ``i`` of
   ``Split(., axis=0)`` into ones, ``Squeeze``d: the same values in the same order, by construction of the
-  index arithmetic.
+  index arithmetic. Refused (left as it is) where the reshapes regroup batch and tokens, or the widths are
+  not known at export time.
 - **A ``Mul`` of q (or k) by a constant scalar between the two becomes a factor of the attention's
   ``scale``** (MultiHeadAttention scales q @ k^T: the product rounds differently in the last bits; the
-  file is validated against the model as every export is).
+  file is validated against the model as every export is). A factor of v is left.
+
+Applied for ONNX Runtime's CPU provider (what was measured): torchvision's swin_t file loses 48 Transpose, 48
+Reshape, 36 Gather and 12 Mul; ORT's kernel sum 42.5 -> 41.1 ms, the file 1.008-1.014x faster interleaved.
 
 Example:
     >>> graph = _unpacked_attention_graph(tokens=4, heads=2, head=8, scale_q=0.25)
     >>> read_qkv_as_slices(graph)
-    {'q, k, v read as slices of their packed projection': 3, 'scalar factor of q folded into the attention scale': 1}
+    {'q, k, v read as slices of their packed projection': 3, 'scalar factor of q or k folded into the attention scale': 1}
     >>> attention = next(node for node in graph if node.op_type == "MultiHeadAttention")
     >>> [node.op_type for node in (value.producer() for value in attention.inputs[:3])], attention.attributes.get_float("scale")
     (['Slice', 'Slice', 'Slice'], 0.25)
@@ -38,7 +42,7 @@ from onnxscript import ir
 from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer, same_dim
 
 SLICES = "q, k, v read as slices of their packed projection"
-SCALE = "scalar factor of q folded into the attention scale"
+SCALE = "scalar factor of q or k folded into the attention scale"
 _MSFT = "com.microsoft"
 
 
