@@ -41,7 +41,15 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, is_onnx_op, onnxruntime_optimized, producer, reduce_axes
+from fxforge.exporters.onnx_ir import (
+    constant,
+    constant_value,
+    is_onnx_op,
+    onnxruntime_optimized,
+    producer,
+    reduce_axes,
+    shape_text,
+)
 
 SPATIAL_MEAN = "ReduceMean over H, W -> GlobalAveragePool"
 CHANNEL_GATE = "Mul by an [N, C, 1, 1] gate -> Mul by its nearest Resize to [N, C, H, W]"
@@ -83,8 +91,7 @@ def keep_gates_blocked(graph: ir.Graph, *, blocked: bool | None = None) -> tuple
         index, full = gate
         g = node.inputs[index]
         height, width = (int(d) for d in full[2:])
-        scales = ir.Value(name=f"{node.name or g.name}_gate_scales",
-                          const_value=ir.tensor(np.array([1, 1, height, width], dtype=np.float32)))
+        scales = constant_value(f"{node.name or g.name}_gate_scales", np.array([1, 1, height, width], np.float32))
         graph.register_initializer(scales)
         resize = ir.Node("", "Resize", [g, None, scales], attributes=[
             ir.AttrString("mode", "nearest"), ir.AttrString("coordinate_transformation_mode", "asymmetric"),
@@ -122,7 +129,7 @@ def _gate(node: ir.Node) -> tuple[int, ir.Shape] | str:
     the rule leaves it."""
     index = 0 if list(node.inputs[0].shape[2:]) == [1, 1] else 1
     gate, full = node.inputs[index].shape, node.inputs[1 - index].shape
-    where = f"gate {_text(gate)} on {_text(full)}"
+    where = f"gate {shape_text(gate)} on {shape_text(full)}"
     if not all(isinstance(d, int) for d in full[1:]):
         return f"{where}: channels or H, W not known at export time"
     if full[1] % BLOCK:
@@ -132,10 +139,6 @@ def _gate(node: ir.Node) -> tuple[int, ir.Shape] | str:
     if not (_from_conv(node.inputs[index]) and _from_conv(node.inputs[1 - index])):
         return f"{where}: an operand is not computed by a Conv (ORT keeps it in NCHW)"
     return index, full
-
-
-def _text(shape: ir.Shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _from_conv(value: ir.Value | None, steps: int = 6) -> bool:

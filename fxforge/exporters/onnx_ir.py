@@ -100,6 +100,49 @@ def same_dim(a: object, b: object) -> bool:
     return name is not None and name == getattr(b, "value", None)
 
 
+def shape_text(shape) -> str:
+    """A shape as the exporters' reasons write it: ``[batch, 3]``.
+
+    Example:
+        >>> shape_text(ir.Shape(["batch", 3]))
+        '[batch, 3]'
+    """
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def flattened_heads(value: ir.Value | None) -> ir.Value | None:
+    """The [B, N, S, H] tensor an attention input ``value`` flattens to [B, S, N*H] in the form the
+    translations write (``Reshape(Transpose(t, [0, 2, 1, 3]))``), else None.
+
+    Example:
+        >>> t = ir.Value(name="t")
+        >>> moved = ir.Node("", "Transpose", [t], attributes=[ir.AttrInt64s("perm", [0, 2, 1, 3])])
+        >>> flat = ir.Node("", "Reshape", [moved.outputs[0], ir.Value(name="shape")])
+        >>> flattened_heads(flat.outputs[0]) is t
+        True
+    """
+    reshape = producer(value, "Reshape")
+    transpose = producer(reshape.inputs[0], "Transpose") if reshape is not None else None
+    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+        return None
+    return transpose.inputs[0]
+
+
+def move_shape_reads(old: ir.Value, new: ir.Value) -> None:
+    """Point the ``Shape`` nodes that read ``old`` at ``new`` (a value of the same shape that replaces it as an
+    attention's input: the translations read the sequence length off the query).
+
+    Example:
+        >>> old, new = ir.Value(name="old"), ir.Value(name="new")
+        >>> shape = ir.Node("", "Shape", [old])
+        >>> move_shape_reads(old, new); shape.inputs[0].name
+        'new'
+    """
+    for user, index in list(old.uses()):
+        if is_onnx_op(user, "Shape"):
+            user.replace_input_with(index, new)
+
+
 def reduce_axes(node: ir.Node) -> np.ndarray | None:
     """The axes of a reduction ``node``: its constant ``axes`` input (opset 18+), else its ``axes``
     attribute; None where they are computed at run time or not given.

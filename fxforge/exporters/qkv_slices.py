@@ -39,7 +39,15 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer, same_dim
+from fxforge.exporters.onnx_ir import (
+    constant,
+    constant_value,
+    flattened_heads,
+    float_value,
+    move_shape_reads,
+    producer,
+    same_dim,
+)
 
 SLICES = "q, k, v read as slices of their packed projection"
 SCALE = "scalar factor of q or k folded into the attention scale"
@@ -66,7 +74,7 @@ def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
             if factor is not None and (index == 2 or node.attributes.get_float("scale") is None):
                 continue  # a factor of v, or no scale attribute to fold it into
             old = node.inputs[index]
-            bounds = [ir.Value(name=f"{old.name}_slice_{what}", const_value=ir.tensor(np.array([n], np.int64)))
+            bounds = [constant_value(f"{old.name}_slice_{what}", np.array([n], np.int64))
                       for what, n in (("start", part * width), ("end", (part + 1) * width), ("axis", -1))]
             for bound in bounds:
                 graph.register_initializer(bound)
@@ -74,9 +82,7 @@ def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
                 ir.Value(name=f"{old.name}_sliced", type=old.type, shape=old.shape)])
             graph.insert_after(old.producer(), [piece])
             node.replace_input_with(index, piece.outputs[0])
-            for user, at in list(old.uses()):
-                if is_onnx_op(user, "Shape"):
-                    user.replace_input_with(at, piece.outputs[0])
+            move_shape_reads(old, piece.outputs[0])
             done[SLICES] += 1
             if factor is not None:
                 node.attributes["scale"] = ir.AttrFloat32("scale", node.attributes.get_float("scale") * factor)
@@ -87,11 +93,9 @@ def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
 def _unpacked(value: ir.Value | None) -> tuple[ir.Value, int, int, float | None] | None:
     """For an attention input of the first rule: the packed projection, which third of it, the third's
     width, and the scalar factor in between (or None)."""
-    reshape = producer(value, "Reshape")
-    transpose = producer(reshape.inputs[0], "Transpose") if reshape is not None else None
-    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
+    part_value, factor = flattened_heads(value), None
+    if part_value is None:
         return None
-    part_value, factor = transpose.inputs[0], None
     scaled = producer(part_value, "Mul")
     if scaled is not None and len(scaled.inputs) == 2:
         for at in (0, 1):

@@ -31,7 +31,7 @@ from typing import Any
 
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import is_onnx_op, producer
+from fxforge.exporters.onnx_ir import is_onnx_op, producer, shape_text
 
 RESIDUAL_NORM = "residual Add + LayerNormalization -> Sum + LayerNormalization (ORT's CPU SkipLayerNormalization is slower)"
 
@@ -51,7 +51,7 @@ def residual_refusal(add: ir.Node) -> str | None:
         return "operand shapes not known at export time"
     for shape in shapes:
         if shape != result:
-            return f"an operand is broadcast (shape {_text(shape)}, result {_text(result)}): a bias, not a residual"
+            return f"an operand is broadcast (shape {shape_text(shape)}, result {shape_text(result)}): a bias, not a residual"
     return None
 
 
@@ -78,7 +78,3 @@ def separate_residual_adds(graph: Any) -> tuple[int, list[str]]:
         add.op_type = "Sum"
         rewritten += 1
     return rewritten, refused
-
-
-def _text(shape: ir.Shape) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"

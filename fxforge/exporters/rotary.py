@@ -58,7 +58,17 @@ import functools
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant, constant_value, float_value, is_onnx_op, producer, same_dim
+from fxforge.exporters.onnx_ir import (
+    constant,
+    constant_value,
+    flattened_heads,
+    float_value,
+    is_onnx_op,
+    move_shape_reads,
+    producer,
+    same_dim,
+    shape_text,
+)
 
 ROTARY = "rotary embedding of q and k -> GroupQueryAttention's own (do_rotary)"
 NOT_ROTATING = "rotary embedding kept: the installed ONNX Runtime's GroupQueryAttention does not rotate as eager does"
@@ -172,9 +182,9 @@ def _table_refusal(name: str, table: ir.Value, x: ir.Value) -> str | None:
     if head % 16:
         return f"head size {head} is not a multiple of 16 (GroupQueryAttention rotates only those)"
     if len(shape) < 2 or any(d != 1 for d in shape[:-2]):
-        return f"the {name} table {_text(shape)} differs across the batch or the heads"
+        return f"the {name} table {shape_text(shape)} differs across the batch or the heads"
     if shape[-1] != head or not same_dim(shape[-2], length):
-        return (f"the {name} table {_text(shape)} does not hold one row of {head} per position of the sequence "
+        return (f"the {name} table {shape_text(shape)} does not hold one row of {head} per position of the sequence "
                 f"({length})")
     if array is not None:
         if not np.isfinite(array).all():
@@ -185,10 +195,6 @@ def _table_refusal(name: str, table: ir.Value, x: ir.Value) -> str | None:
         return (f"the {name} table is computed at run time and not seen to be an elementwise function of "
                 f"cat(freqs, freqs)")
     return None
-
-
-def _text(shape: list) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def _repeats_halves(table: ir.Value) -> bool:
@@ -232,12 +238,8 @@ def _rotation(value: ir.Value | None) -> _Rotation | None:
     [B, N, S, H] -> [B, S, N*H]) of ``rope = x * cos + rotate_half(x) * sin``, or of ``rope``'s heads
     repeated first (transformers' ``repeat_kv``: ``Reshape(Expand(Unsqueeze(rope, [2])))`` back to [B, N, S,
     H]); else None. Both move whole rows of H and keep each row's position, so they commute with the rotation."""
-    reshape = producer(value, "Reshape")
-    transpose = producer(reshape.inputs[0], "Transpose") if reshape is not None else None
-    if transpose is None or list(transpose.attributes.get_ints("perm", [])) != [0, 2, 1, 3]:
-        return None
-    rotated = _through_head_repeat(transpose.inputs[0])
-    add = producer(rotated, "Add")
+    heads = flattened_heads(value)
+    add = producer(_through_head_repeat(heads), "Add") if heads is not None else None
     if add is None or len(add.inputs) != 2:
         return None
     for first in (0, 1):
@@ -314,9 +316,7 @@ def _unrotated(graph: ir.Graph, value: ir.Value, rotation: _Rotation) -> ir.Valu
         previous, source = original.outputs[0], copies[-1].outputs[0]
     source.name, source.type, source.shape = f"{value.name}_unrotated", value.type, value.shape
     graph.insert_after(value.producer(), copies)  # before the readers of value's shape
-    for user, index in list(value.uses()):  # the translation reads the sequence length off the query
-        if is_onnx_op(user, "Shape"):
-            user.replace_input_with(index, source)
+    move_shape_reads(value, source)
     return source
 
 
@@ -339,11 +339,10 @@ def _cache(graph: ir.Graph, before: ir.Node, caches: dict, table: ir.Value, name
         return caches[key]
     half = (array.shape[-1] if array is not None else table.shape[-1]) // 2
     if array is not None:
-        cache = ir.Value(name=f"{name}_{len(caches)}", const_value=ir.tensor(np.ascontiguousarray(
-            array.reshape(-1, 2 * half)[:, :half])))
+        cache = constant_value(f"{name}_{len(caches)}", np.ascontiguousarray(array.reshape(-1, 2 * half)[:, :half]))
         graph.register_initializer(cache)
     else:
-        bounds = [ir.Value(name=f"{name}_{len(caches)}_{what}", const_value=ir.tensor(np.array(numbers, np.int64)))
+        bounds = [constant_value(f"{name}_{len(caches)}_{what}", np.array(numbers, np.int64))
                   for what, numbers in (("start", [0]), ("end", [half]), ("axis", [-1]), ("shape", [-1, half]))]
         for bound in bounds:
             graph.register_initializer(bound)

@@ -4,8 +4,6 @@ answers as the model does."""
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -14,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnxscript import ir
-from test_onnx import assert_runs_like
+from test_onnx import assert_runs_like, onnx_ops
 from torch import nn
 
 from fxforge import export_onnx
@@ -54,10 +52,6 @@ class TimmAttention(nn.Module):
         return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
 
 
-def ops(path: str) -> collections.Counter:
-    return collections.Counter(node.op_type for node in onnx.load(path).graph.node)
-
-
 def five_d_transposes(path: str) -> int:
     graph = onnx.load(path).graph
     return sum(1 for node in graph.node if node.op_type == "Transpose"
@@ -70,7 +64,7 @@ def test_window_attention_reads_slices_and_folds_the_scale(tmp_path):
     path = str(tmp_path / "window.onnx")
     result = export_onnx(model, path, (torch.randn(3, 16, 32),))
     assert f"{SLICES}: 3" in result.translations and f"{SCALE}: 1" in result.translations, result.translations
-    assert five_d_transposes(path) == 0 and ops(path)["Slice"] == 3
+    assert five_d_transposes(path) == 0 and onnx_ops(path)["Slice"] == 3
     attention = next(n for n in onnx.load(path).graph.node if n.op_type == "MultiHeadAttention")
     assert next(a.f for a in attention.attribute if a.name == "scale") == np.float32(16 ** -0.5)
     x = torch.randn(3, 16, 32)

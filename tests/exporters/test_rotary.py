@@ -3,7 +3,6 @@ values (NaN rows included), and only where the tables are ones GroupQueryAttenti
 
 from __future__ import annotations
 
-import collections
 import math
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnxscript import ir
+from test_onnx import onnx_ops
 from test_onnx_dynamic import assert_matches_eager
 from torch import nn
 
@@ -69,10 +69,6 @@ def rotating_attentions(path: str) -> int:
                and any(a.name == "do_rotary" and a.i == 1 for a in node.attribute))
 
 
-def ops(path: str) -> collections.Counter:
-    return collections.Counter(node.op_type for node in onnx.load(path).graph.node)
-
-
 def test_the_probe_finds_that_onnxruntime_rotates_as_eager():
     assert group_query_attention_rotates()
 
@@ -98,7 +94,7 @@ def test_llama_rotations_move_into_the_attention(dynamic, tmp_path):
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (2, 12))}, dynamic=dynamic)
     assert f"{ROTARY}: 2" in result.translations, result.translations
     assert rotating_attentions(path) == 2
-    assert ops(path)["Neg"] == 0  # no rotate_half left for q or k
+    assert onnx_ops(path)["Neg"] == 0  # no rotate_half left for q or k
     module = OnnxRuntimeModule(path, result.io)
     for batch, length in [(2, 12)] + ([(1, 5), (3, 30)] if dynamic else []):
         assert_matches_eager(model, module, input_ids=torch.randint(1, 128, (batch, length)))
@@ -111,7 +107,7 @@ def test_a_returned_cache_is_read_from_the_attentions_present_key(tmp_path):
     path = str(tmp_path / "llama.onnx")
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (2, 12))})
     assert f"{ROTARY}: 2" in result.translations, result.translations
-    assert ops(path)["Neg"] == 0
+    assert onnx_ops(path)["Neg"] == 0
     outputs = {node.output[1] for node in onnx.load(path).graph.node if node.op_type == "GroupQueryAttention"}
     assert outputs <= {value.name for value in onnx.load(path).graph.output}  # both layers' keys
     assert_matches_eager(model, OnnxRuntimeModule(path, result.io), input_ids=torch.randint(1, 128, (2, 12)))
@@ -142,7 +138,7 @@ def test_the_nan_row_guard_reads_the_unrotated_query(tmp_path):
     path = str(tmp_path / "cross.onnx")
     result = export_onnx(model, path, (torch.randn(2, 8, 32), torch.randn(2, 8, 32)))
     assert f"{ROTARY}: 1" in result.translations, result.translations
-    assert ops(path)["IsNaN"] == 1 and ops(path)["Neg"] == 0
+    assert onnx_ops(path)["IsNaN"] == 1 and onnx_ops(path)["Neg"] == 0
     x = torch.randn(2, 8, 32)
     x[1, 5, 3] = float("nan")
     memory = torch.randn(2, 8, 32)
@@ -159,7 +155,7 @@ def test_a_head_size_onnxruntime_cannot_rotate_keeps_the_rotations(tmp_path):
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (1, 10))})
     reason = "head size 8 is not a multiple of 16 (GroupQueryAttention rotates only those)"
     assert sum(reason in line for line in result.translations) == 2, result.translations
-    assert rotating_attentions(path) == 0 and ops(path)["GroupQueryAttention"] == 2
+    assert rotating_attentions(path) == 0 and onnx_ops(path)["com.microsoft:GroupQueryAttention"] == 2
     assert_matches_eager(model, OnnxRuntimeModule(path, result.io), input_ids=torch.randint(1, 128, (1, 10)))
 
 
