@@ -197,6 +197,8 @@ OPS: dict[str, CallForms] = {
 
 # The ops that keep their input's values and only change how they are viewed (one group of OPS).
 RESHAPES = ("view", "reshape", "flatten", "unsqueeze", "expand")
+# The two forms of scaled_dot_product_attention (functional and ATen).
+SDPA_TARGETS = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
 # dtype, device and memory-format copies that keep shape and values (as far as the dtype holds them).
 CASTS = ("to", "contiguous", "clone")
 

@@ -8,6 +8,8 @@ The rules, top to bottom — each names the node it removes and the value that r
 - ``to``/``type``/``float``... to the dtype, device and layout the value already has → the value
 - ``view``/``reshape``/``flatten``/``expand`` to the shape the value already has → the value
 - export's ``_assert_tensor_metadata`` checks that the shape metadata already proves → nothing
+- rows of a value that no output reads: a one-row read (``x[:, 0]``) moved up through the ops that compute
+  rows independently, so the rows nobody reads are not computed (:mod:`fxforge.rewrites.dead_rows`)
 - then dead code: nodes whose results nobody uses and which have no effect (no mutation, no RNG,
   no opaque module call).
 
@@ -32,6 +34,7 @@ import torch
 
 from fxforge.core.nodes import CALL_OPS, fake_value, is_effectful, mutated_aliases
 from fxforge.core.vocabulary import argument, calls, read_dropout
+from fxforge.rewrites.dead_rows import remove_dead_rows
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
 
 aten = torch.ops.aten
@@ -195,15 +198,17 @@ def remove_dead_code(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 
 
 def run_cleanup(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
-    """The ``cleanup`` pass: no-op removal, then dead-code elimination.
+    """The ``cleanup`` pass: no-op removal, dead rows, then dead-code elimination.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Flatten())
         >>> run_cleanup(gm, PassContext("cleanup", False, "fx"))
     """
     remove_no_ops(gm, ctx)
+    remove_dead_rows(gm, ctx)
     remove_dead_code(gm, ctx)
 
 
-CLEANUP = Pass("cleanup", run_cleanup, "remove dead code, eval-mode dropout, identities, same-dtype/shape/layout no-ops",
+CLEANUP = Pass("cleanup", run_cleanup, "remove dead code, rows no output reads, eval-mode dropout, identities, "
+               "same-dtype/shape/layout no-ops",
                keeps_meta=True)

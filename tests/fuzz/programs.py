@@ -204,6 +204,96 @@ def attention_inputs(shape: dict, lengths: list[int], seed: int, nan: bool = Fal
     return x, keep
 
 
+# ---------------------------------------------------------------------------------------------- token readers
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm MLP block with a residual (LayerNorm or RMSNorm, the drawn activation)."""
+
+    def __init__(self, dim: int, norm: str, activation: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim) if norm == "layer" else nn.RMSNorm(dim)
+        self.up, self.down, self.act = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), ACTIVATIONS[activation]()
+
+    def forward(self, x, mask):
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class SDPABlock(nn.Module):
+    """Attention through ``F.scaled_dot_product_attention``: a padding mask on the keys, or causal."""
+
+    def __init__(self, dim: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        keep = None if self.causal else (mask if mask.dtype == torch.bool else mask == 0)[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=self.causal)
+        return x + self.o(out.transpose(1, 2).reshape(b, s, d))
+
+
+class HandWritten(nn.Module):
+    """The drawn hand-written :class:`Attention` as a residual block."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x, mask):
+        return x + self.attention(x, mask)
+
+
+class TokenReader(nn.Module):
+    """Blocks over tokens, a final norm, then one token read and a head: a classifier reading its class token
+    (or a decoder its last position), whose unread rows cleanup's dead rows leaves out."""
+
+    def __init__(self, blocks: list[nn.Module], dim: int, read: str, index: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 3)
+        self.read, self.index = read, index
+
+    def forward(self, x, mask):
+        for block in self.blocks:
+            x = block(x, mask)
+        x = self.norm(x)
+        if self.read == "getitem":
+            x = x[:, self.index]
+        elif self.read == "select":
+            x = x.select(1, self.index)
+        else:  # "tokens first"
+            x = x.transpose(0, 1)[self.index]
+        return self.head(x)
+
+
+@st.composite
+def token_readers(draw) -> tuple[nn.Module, dict]:
+    """A random :class:`TokenReader` and how its inputs are made (see :func:`attention_inputs`)."""
+    heads = draw(st.sampled_from([1, 2]))
+    dim = heads * draw(st.sampled_from([4, 8]))
+    length = draw(st.integers(2, 7))
+    mask_form = draw(st.sampled_from(["none", "additive", "fill"]))
+    blocks = []
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["mlp", "sdpa", "hand-written"]))
+        if kind == "mlp":
+            blocks.append(MLPBlock(dim, draw(st.sampled_from(["layer", "rms"])),
+                                   draw(st.sampled_from(["relu", "gelu", "silu", "tanh", "gelu_new"]))))
+        elif kind == "sdpa":
+            blocks.append(SDPABlock(dim, heads, draw(st.booleans())))
+        else:
+            blocks.append(HandWritten(Attention(dim, heads, draw(st.sampled_from(["div", "mul"])), mask_form,
+                                                "function", -1e9, draw(st.booleans()))))
+    model = TokenReader(blocks, dim, draw(st.sampled_from(["getitem", "select", "tokens first"])),
+                        draw(st.sampled_from([0, -1, length - 2])))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    shape = {"batch": draw(st.integers(1, 3)), "length": length, "dim": dim, "mask_form": mask_form, "fill": -1e9}
+    return model.eval(), shape
+
+
 # ---------------------------------------------------------------------------------------------- state
 
 

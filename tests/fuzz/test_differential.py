@@ -24,7 +24,15 @@ from torch import nn
 
 import fxforge
 from fxforge.lowering.autotune import TuningPolicy
-from tests.fuzz.programs import CONDITIONS, STATE_CHANGES, attention_inputs, attentions, conv_nets, twins
+from tests.fuzz.programs import (
+    CONDITIONS,
+    STATE_CHANGES,
+    attention_inputs,
+    attentions,
+    conv_nets,
+    token_readers,
+    twins,
+)
 
 # ---------------------------------------------------------------------------------------------- one call
 
@@ -208,6 +216,19 @@ def test_random_attentions_answer_as_eager(data):
     _check(data, model, lambda seed: attention_inputs(shape, example_lengths, seed),
            lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan),
            not _hidden_by_addition(shape, call_lengths))
+
+
+@given(st.data())
+def test_random_token_readers_answer_as_eager(data):
+    """A model that reads one token of its last hidden states (cleanup leaves the other rows out) answers as
+    eager, its gradients included: the rows nobody reads get eager's zero gradients."""
+    model, shape = data.draw(token_readers(), label="token reader")
+    lengths = st.lists(st.integers(1, shape["length"]), min_size=shape["batch"], max_size=shape["batch"])
+    example_lengths, call_lengths = data.draw(lengths, label="example lengths"), data.draw(lengths, label="lengths")
+    nan = data.draw(st.booleans(), label="NaN in the fresh inputs")
+    note(repr(model))
+    _check(data, model, lambda seed: attention_inputs(shape, example_lengths, seed),
+           lambda seed: attention_inputs(shape, call_lengths, seed, nan=nan))
 
 
 def _hidden_by_addition(shape: dict, lengths: list[int]) -> bool:

@@ -32,15 +32,14 @@ Example:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
+from fxforge.core.vocabulary import SDPA_TARGETS
 from fxforge.rewrites.attention.checks import SDPA_HAS_GQA
 from fxforge.rewrites.attention.index_masks import Additive, Keep, holds_everywhere, is_causal, read_mask
 from fxforge.rewrites.attention.operands import repeated_heads
 
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 

@@ -1,0 +1,575 @@
+"""``cleanup``'s dead rows: the rows of a value that nothing reads are not computed.
+
+A classifier often reads one token of its last hidden states: ViT's and BERT's class token (``x[:, 0]``), a
+decoder's last position (``x[:, -1]``). Eager computes the whole last block for every token all the same: its
+MLP, its attention's output projection, its norms. Each of those ops computes a row of its result from the
+same row of its inputs, so one row of the result is the op of one row of the inputs. The rule moves a
+one-row read up through such an op while every reader of the op's value reads that same row, and stops at a
+value something reads whole (the keys and values of the last attention, a hidden state the model returns).
+
+Rows move through, on a dimension the op keeps row by row:
+
+- pointwise ops (ATen's ``pointwise`` tag, activations, arithmetic, casts); a broadcast operand is sliced
+  only where it spans the dimension;
+- ``linear`` and ``matmul`` on any dimension but the last (``matmul``: the left operand's rows, or a batch
+  dimension of both), ``layer_norm``/``rms_norm``/``softmax`` over other dimensions;
+- views that keep the dimension whole: ``transpose``, ``permute``, ``unsqueeze``, ``squeeze``/``select``/``slice``
+  of another dimension, ``view``/``reshape``/``flatten``/``unflatten`` where it is neither merged nor split;
+- ``scaled_dot_product_attention`` on its query rows (not causal: a causal row's keys depend on where it
+  sits) or on a batch/head dimension of all its operands.
+
+It refuses (the row stays where it is) an op that mixes rows along the dimension, a value read whole by
+anything else (shape reads included: they would see one row), ops that mutate, draw random numbers or call
+opaque modules, and anything without shape metadata. The results are the same numbers: each kept row is
+computed by the same op from the same inputs; only rows no output reads are left out.
+
+Example:
+    >>> import torch
+    >>> from fxforge.core.shapes import annotate
+    >>> from fxforge.rewrites.passes import PassContext
+    >>> class Head(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__(); self.mlp = torch.nn.Linear(8, 8); self.norm = torch.nn.LayerNorm(8)
+    ...     def forward(self, x):
+    ...         return self.norm(torch.relu(self.mlp(x)))[:, 0]
+    >>> gm = torch.fx.symbolic_trace(Head().eval()); _ = annotate(gm, (torch.randn(2, 5, 8),), {})
+    >>> ctx = PassContext("cleanup", training=False, method="fx")
+    >>> remove_dead_rows(gm, ctx); _ = gm.recompile(); len(ctx.matches), tuple(gm(torch.randn(2, 5, 8)).shape)
+    (3, (2, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fxforge.core.nodes import fake_value, is_effectful, mutated_aliases, submodule
+from fxforge.core.shapes import propagate_meta
+from fxforge.core.vocabulary import CASTS, SDPA_TARGETS, argument, calls, op_name
+from fxforge.rewrites.passes import PassContext, Refusal
+
+aten = torch.ops.aten
+
+WHAT = "rows no output reads not computed"
+
+# Canonical ops (core.vocabulary) that compute each element from the same element of their operands.
+POINTWISE = ("relu", "hardtanh", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardswish", "add", "sub", "mul",
+             "div", "pow", "where", "masked_fill", *CASTS)
+_SELECTS = (aten.select.int, torch.select)
+_SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, torch.squeeze)
+_UNFLATTENS = (aten.unflatten.int, torch.unflatten)
+_RMS_NORMS = tuple(f for f in (getattr(aten, "rms_norm", None), getattr(F, "rms_norm", None)) if f is not None)
+_RMS_NORM_MODULES = tuple(m for m in (getattr(torch.nn, "RMSNorm", None),) if m is not None)
+_LOG_SOFTMAXES = (F.log_softmax, torch.log_softmax, aten.log_softmax.int, aten._log_softmax.default)
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a value: index ``index`` of dimension ``dim`` (non-negative; the index is non-negative
+    wherever the dimension's size is known).
+
+    Example:
+        >>> Row(1, -1).bounds()
+        (-1, None)
+    """
+
+    dim: int
+    index: int
+
+    def bounds(self) -> tuple[int, int | None]:
+        """``(start, end)`` of the one-row slice."""
+        return self.index, (None if self.index == -1 else self.index + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sliced:
+    """An operand of a lifted op that is to be read at one row of dimension ``dim``."""
+
+    value: Node
+    dim: int
+
+
+def _known_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - sizes that cannot be compared are not known equal
+        return False
+
+
+def _rank(node: Any) -> int | None:
+    value = fake_value(node)
+    return None if value is None else value.dim()
+
+
+def _row_of(node: Node, dim: int, index: int) -> Row | None:
+    value = fake_value(node)
+    if value is None or not -value.dim() <= dim < value.dim():
+        return None
+    dim %= value.dim()
+    size = value.shape[dim]
+    if isinstance(size, int):
+        if not -size <= index < size:
+            return None
+        index %= size
+    return Row(dim, index)
+
+
+def read_row(node: Node) -> tuple[Node, Row, bool] | None:
+    """``(source, row, keeps_dim)`` when ``node`` reads exactly one row of ``source``: ``select``
+    (``x[:, 0]``, ``x.select(1, 0)``) or a one-row ``aten.slice`` (as this rule writes them), else None.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); x.meta["val"] = torch.empty(2, 5, 8)
+        >>> read_row(g.call_function(operator.getitem, (x, (slice(None), -1))))[1:]
+        (Row(dim=1, index=4), False)
+    """
+    if node.op == "call_function" and node.target is aten.slice.Tensor:
+        source, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+        if not isinstance(source, Node) or step != 1 or not isinstance(start, int):
+            return None
+        if end is not None and (not isinstance(end, int) or end != start + 1 or start == -1):
+            return None
+        if end is None and start != -1:
+            return None
+        row = _row_of(source, dim, start)
+        return (source, row, True) if row is not None else None
+    if (node.op == "call_function" and node.target in _SELECTS) or (node.op == "call_method" and
+                                                                     node.target == "select"):
+        source, dim, index = node.args[0], argument(node, 1, "dim"), argument(node, 2, "index")
+    elif node.op == "call_function" and node.target is operator.getitem:
+        source, key = node.args
+        keys = key if isinstance(key, tuple) else (key,)
+        ints = [i for i, k in enumerate(keys) if isinstance(k, int) and not isinstance(k, bool)]
+        if len(ints) != 1 or any(k != slice(None) for i, k in enumerate(keys) if i != ints[0]):
+            return None
+        dim, index = ints[0], keys[ints[0]]
+    else:
+        return None
+    if not isinstance(source, Node) or not isinstance(dim, int) or not isinstance(index, int):
+        return None
+    row = _row_of(source, dim, index)
+    return (source, row, False) if row is not None else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Lifting: the op of one row of its inputs (its arguments with Sliced markers), or why not
+
+
+def _operand(value: Any, out_rank: int, out_size: Any, dim: int) -> Any:
+    """A broadcast operand of a pointwise op read at the result's row ``dim``: sliced where it spans the
+    dimension, itself where it broadcasts along it (or is no tensor)."""
+    tensor = fake_value(value)
+    if tensor is None:
+        return value if not isinstance(value, Node) else Refusal(f"no shape metadata for {value.name}")
+    aligned = dim - (out_rank - tensor.dim())
+    if aligned < 0 or _known_equal(tensor.shape[aligned], 1):
+        return value
+    if _known_equal(tensor.shape[aligned], out_size):
+        return Sliced(value, aligned)
+    return Refusal(f"{value.name}'s size along the dimension is not known to be 1 or the result's")
+
+
+def _pointwise(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
+    casts = calls(node, *CASTS)
+
+    def lift(position: int | str, arg: Any) -> Any:
+        if casts and position not in (0, "input", "self"):
+            return arg
+        return _operand(arg, value.dim(), value.shape[dim], dim)
+
+    args = tuple(lift(i, a) for i, a in enumerate(node.args))
+    kwargs = {k: lift(k, a) for k, a in node.kwargs.items()}
+    refusal = next((a for a in (*args, *kwargs.values()) if isinstance(a, Refusal)), None)
+    return refusal or (args, kwargs)
+
+
+def _first(node: Node, dim: int) -> tuple:
+    return (Sliced(node.args[0], dim), *node.args[1:]), dict(node.kwargs)
+
+
+def _normalized_dims(node: Node, gm: torch.fx.GraphModule) -> int | None:
+    """How many trailing dimensions a layer_norm/rms_norm normalizes."""
+    if node.op == "call_module":
+        shape = getattr(submodule(node, gm), "normalized_shape", None)
+    else:
+        shape = argument(node, 1, "normalized_shape")
+    if isinstance(shape, int):
+        return 1
+    return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+
+
+def _sizes(node: Node) -> tuple[int, list | Node] | None:
+    """Where a view/reshape's sizes start among its arguments and the sizes (a list, or one node computing
+    them: ``x.reshape(y.shape)``), or None (``view_as``...)."""
+    if node.op == "call_method":
+        if node.target not in ("view", "reshape") or node.kwargs:
+            return None
+        rest = list(node.args[1:])
+        if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size, Node)):
+            return 1, rest[0] if isinstance(rest[0], Node) else list(rest[0])
+        return 2, rest
+    shape = argument(node, 1, "shape")
+    if isinstance(shape, Node):
+        return 1, shape
+    return (1, list(shape)) if isinstance(shape, (list, tuple, torch.Size)) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SizesWithRow:
+    """The sizes a node computes (``y.shape``) with the size at ``dim`` made 1: placed as one ``getitem`` of
+    the node per other dimension."""
+
+    sizes: Node
+    rank: int
+    dim: int
+
+
+def _kept_whole(before: tuple, after: tuple, dim: int) -> int | None:
+    """The dimension of ``before`` that ``after``'s dimension ``dim`` is when a reshape neither merges nor splits
+    it (the same size, with the same number of elements before it), else None."""
+    prefix = math.prod(after[:dim])
+    seen = 1
+    for e, size in enumerate(before):
+        if _known_equal(seen, prefix) and _known_equal(size, after[dim]):
+            return e
+        seen = seen * size
+    return None
+
+
+def _reshape(node: Node, dim: int, source: torch.Tensor, value: torch.Tensor) -> tuple | Refusal:
+    sizes = _sizes(node)
+    if sizes is None:
+        return Refusal("a view whose shape is another tensor's")
+    kept = _kept_whole(tuple(source.shape), tuple(value.shape), dim)
+    if kept is None:
+        return Refusal("the reshape merges or splits the dimension")
+    start, shape = sizes
+    if isinstance(shape, Node):
+        shape = SizesWithRow(shape, value.dim(), dim)
+        return ((Sliced(node.args[0], kept), shape), {}) if node.args[1:] else \
+            ((Sliced(node.args[0], kept),), {**node.kwargs, "shape": shape})
+    if len(shape) != value.dim():
+        return Refusal("the reshape's sizes do not line up with its result")
+    if not (isinstance(shape[dim], int) and shape[dim] == -1):
+        shape[dim] = 1
+    if start == 1:
+        args = (Sliced(node.args[0], kept), shape if not isinstance(node.args[1], tuple) else tuple(shape),
+                *node.args[2:])
+        if "shape" in node.kwargs:
+            return (Sliced(node.args[0], kept),), {**node.kwargs, "shape": shape}
+        return args, dict(node.kwargs)
+    return (Sliced(node.args[0], kept), *shape), dict(node.kwargs)
+
+
+def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Tensor) -> int | Refusal | None:
+    """The input dimension that a layout op's result dimension ``dim`` is (None: not a layout op)."""
+    rank_in, rank_out = source.dim(), value.dim()
+    if calls(node, "transpose"):
+        a, b = (argument(node, 1, "dim0") % rank_in, argument(node, 2, "dim1") % rank_in)
+        return b if dim == a else a if dim == b else dim
+    if calls(node, "permute"):
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        dims = argument(node, 1, "dims") if not dims else dims
+        return list(dims)[dim] % rank_in
+    if calls(node, "t"):
+        return (1 - dim) if rank_in == 2 else dim
+    if calls(node, "mT"):
+        return {rank_in - 1: rank_in - 2, rank_in - 2: rank_in - 1}.get(dim, dim)
+    if calls(node, "unsqueeze"):
+        k = argument(node, 1, "dim") % rank_out
+        return Refusal("the dimension is the one unsqueeze adds") if dim == k else (dim if dim < k else dim - 1)
+    if (node.op == "call_function" and node.target in _SQUEEZES) or (node.op == "call_method"
+                                                                       and node.target == "squeeze"):
+        squeezed = argument(node, 1, "dim")
+        if squeezed is None:
+            return Refusal("squeeze of every size-1 dimension would squeeze the row's too")
+        squeezed = sorted(d % rank_in for d in (squeezed if isinstance(squeezed, (list, tuple)) else [squeezed])
+                          if _known_equal(source.shape[d % rank_in], 1))
+        kept = [d for d in range(rank_in) if d not in squeezed]
+        return kept[dim]
+    if (node.op == "call_function" and node.target in _SELECTS) or (node.op == "call_method"
+                                                                     and node.target == "select"):
+        k = argument(node, 1, "dim") % rank_in
+        return dim if dim < k else dim + 1
+    if node.op == "call_function" and node.target is aten.slice.Tensor:
+        along = argument(node, 1, "dim", 0) % rank_in
+        return dim if along != dim else Refusal("a slice of several rows of the dimension")
+    if calls(node, "flatten"):
+        start = argument(node, 1, "start_dim", 0) % rank_in
+        end = argument(node, 2, "end_dim", -1) % rank_in
+        if dim < start or start == end:
+            return dim if dim <= start else dim + (end - start)
+        if dim > start:
+            return dim + (end - start)
+        return Refusal("flatten merges the dimension")
+    if (node.op == "call_function" and node.target in _UNFLATTENS) or (node.op == "call_method"
+                                                                         and node.target == "unflatten"):
+        k, sizes = argument(node, 1, "dim") % rank_in, argument(node, 2, "sizes")
+        if dim < k:
+            return dim
+        if dim >= k + len(sizes):
+            return dim - len(sizes) + 1
+        return Refusal("unflatten splits the dimension")
+    return None
+
+
+def _sdpa(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
+    args = dict(zip(_SDPA_PARAMETERS, node.args))
+    args.update(node.kwargs)
+    if args.get("is_causal"):
+        return Refusal("causal attention: a query row's keys depend on its position")
+    if args.get("dropout_p", 0.0) not in (0, 0.0):
+        return Refusal("attention dropout draws random numbers")
+    rank = value.dim()
+    mask = args.get("attn_mask")
+    if dim == rank - 2:
+        args["query"] = Sliced(args["query"], _rank(args["query"]) - 2)
+        if isinstance(mask, Node):
+            args["attn_mask"] = _operand(mask, rank, value.shape[dim], dim)
+    elif args.get("enable_gqa"):
+        return Refusal("grouped-query attention: query and key heads differ")
+    else:
+        for name in ("query", "key", "value", "attn_mask"):
+            if isinstance(args.get(name), Node):
+                args[name] = _operand(args[name], rank, value.shape[dim], dim)
+    refusal = next((a for a in args.values() if isinstance(a, Refusal)), None)
+    if refusal is not None:
+        return refusal
+    positional = len(node.args)
+    return (tuple(args[n] for n in _SDPA_PARAMETERS[:positional]),
+            {n: args[n] for n in _SDPA_PARAMETERS[positional:] if n in node.kwargs})
+
+
+def _matmul(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
+    left, right = node.args[0], node.args[1]
+    rank = value.dim()
+    left_rank, right_rank = _rank(left), _rank(right)
+    if left_rank is None or right_rank is None:
+        return Refusal("no shape metadata for matmul's operands")
+    if dim == rank - 1 or left_rank < 2 or right_rank < 2:
+        return Refusal("the dimension is matmul's columns, or an operand is a vector")
+    if dim == rank - 2:
+        return (Sliced(left, left_rank - 2), right, *node.args[2:]), dict(node.kwargs)
+    operands = [_operand(o, rank, value.shape[dim], dim) for o in (left, right)]
+    refusal = next((o for o in operands if isinstance(o, Refusal)), None)
+    return refusal or ((*operands, *node.args[2:]), dict(node.kwargs))
+
+
+def lift(node: Node, row: Row, gm: torch.fx.GraphModule) -> tuple[tuple, dict] | Refusal:
+    """``node``'s arguments for computing only ``row`` of its result, each operand to read at one row
+    wrapped in :class:`Sliced`; or the :class:`Refusal` that keeps the row below ``node``.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); x.meta["val"] = torch.empty(2, 5, 8)
+        >>> y = g.call_function(torch.softmax, (x, -1)); y.meta["val"] = torch.empty(2, 5, 8)
+        >>> lift(y, Row(1, 0), None)[0]
+        (Sliced(value=x, dim=1), -1)
+    """
+    value = fake_value(node)
+    if value is None or node.op not in ("call_function", "call_method", "call_module"):
+        return Refusal("no shape metadata")
+    dim, rank = row.dim, value.dim()
+    source = fake_value(node.args[0]) if node.args else None
+    name = op_name(node, gm)
+    if node.op == "call_module":
+        if name in POINTWISE:
+            return _first(node, dim)
+        if name == "linear" and dim < rank - 1:
+            return _first(node, dim)
+        module = submodule(node, gm)
+        norms = _normalized_dims(node, gm) if name == "layer_norm" or isinstance(module, _RMS_NORM_MODULES) else None
+        if norms is not None and dim < rank - norms:
+            return _first(node, dim)
+        return Refusal(f"{type(module).__name__} is not known to compute rows independently")
+    if node.op == "call_function" and node.target in SDPA_TARGETS:
+        return _sdpa(node, dim, value)
+    if name == "matmul":
+        return _matmul(node, dim, value)
+    if name == "linear":
+        return _first(node, dim) if dim < rank - 1 else Refusal("the dimension is linear's features")
+    if name == "layer_norm" or (node.op == "call_function"
+                                and getattr(node.target, "overloadpacket", node.target) in _RMS_NORMS):
+        norms = _normalized_dims(node, gm)
+        if norms is None or dim >= rank - norms:
+            return Refusal("the norm normalizes over the dimension")
+        return _first(node, dim)
+    if name == "softmax" or (node.op == "call_function" and node.target in _LOG_SOFTMAXES):
+        along = argument(node, 1, "dim")
+        if not isinstance(along, int) or along % rank == dim:
+            return Refusal("softmax along the dimension")
+        return _first(node, dim)
+    if name in POINTWISE or (isinstance(node.target, torch._ops.OpOverload)
+                             and torch.Tag.pointwise in node.target.tags):
+        return _pointwise(node, dim, value)
+    if source is None:
+        return Refusal(f"{node.name} is not known to compute rows independently")
+    if name in ("view", "reshape"):
+        return _reshape(node, dim, source, value)
+    kept = _view_source_dim(node, dim, source, value)
+    if isinstance(kept, Refusal):
+        return kept
+    if kept is None:
+        return Refusal(f"{node.name} is not known to compute rows independently")
+    return _first(node, kept)
+
+
+# --------------------------------------------------------------------------------------------------
+# The pass
+
+
+def _reads_other_sizes(user: Node, node: Node, dim: int, rank: int) -> bool:
+    """Whether ``user`` reads only metadata of ``node`` that one row of ``dim`` leaves as it is: dtype, device,
+    rank, or the sizes of other dimensions (``x.shape[0]``, ``x.size(2)``)."""
+    if user.op == "call_function" and user.target is getattr and user.args[1] in ("dtype", "device", "ndim"):
+        return True
+    whole = (user.op == "call_function" and user.target is getattr and user.args[1] == "shape") or \
+        (user.op == "call_method" and user.target == "size" and len(user.args) == 1 and not user.kwargs)
+    if whole:
+        return all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+                   and u.args[1] % rank != dim for u in user.users)
+    sized = (user.op == "call_method" and user.target == "size") or \
+        (user.op == "call_function" and user.target is aten.sym_size.int)
+    index = argument(user, 1, "dim")
+    return sized and isinstance(index, int) and index % rank != dim
+
+
+def _readers(node: Node) -> tuple[Row, list[tuple[Node, bool]]] | Refusal:
+    """The one row every user of ``node`` reads, with the readers (and whether each keeps the dimension);
+    users that read only sizes of other dimensions are left as they are."""
+    rows, readers, others = set(), [], []
+    for user in node.users:
+        read = read_row(user) if user.op != "output" else None
+        if read is None or read[0] is not node or user.args[0] is not node:
+            others.append(user)
+            continue
+        rows.add(read[1])
+        readers.append((user, read[2]))
+    if len(rows) != 1:
+        return Refusal(f"{node.name}'s users read different rows" if rows else f"{node.name} is read whole")
+    row = rows.pop()
+    rank = fake_value(node).dim()
+    whole = next((u for u in others if not _reads_other_sizes(u, node, row.dim, rank)), None)
+    if whole is not None:
+        return Refusal(f"{node.name} is read whole by {whole.name}")
+    return row, readers
+
+
+def _movable(node: Node, gm: torch.fx.GraphModule) -> Refusal | None:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return Refusal(f"{node.name} is an input or a parameter")
+    if is_effectful(node, gm) or mutated_aliases(node, gm):
+        return Refusal(f"{node.name} mutates, draws random numbers or calls an opaque module")
+    return None
+
+
+def _slice(graph: torch.fx.Graph, operand: Sliced, index: int, before: Node) -> Node:
+    start, end = Row(operand.dim, index).bounds()
+    with graph.inserting_before(before):
+        return graph.call_function(aten.slice.Tensor, (operand.value, operand.dim, start, end))
+
+
+def _move_above(node: Node, row: Row, readers: list[tuple[Node, bool]], lifted: tuple[tuple, dict],
+                gm: torch.fx.GraphModule) -> list[Node]:
+    """Make ``node`` compute only ``row`` (its operands sliced), point its readers at it; returns the slices."""
+    graph = gm.graph
+    made: list[Node] = []
+
+    def place(arg: Any) -> Any:
+        if isinstance(arg, Sliced):
+            made.append(_slice(graph, arg, row.index, node))
+            return made[-1]
+        if isinstance(arg, SizesWithRow):
+            with graph.inserting_before(node):
+                return [1 if i == arg.dim else graph.call_function(operator.getitem, (arg.sizes, i))
+                        for i in range(arg.rank)]
+        return arg
+
+    args, kwargs = lifted
+    before = node.all_input_nodes
+    node.args = tuple(place(a) for a in args)
+    node.kwargs = {k: place(a) for k, a in kwargs.items()}
+    _erase_unused_size_reads(graph, before)
+    for reader, keeps_dim in readers:
+        if keeps_dim:
+            reader.replace_all_uses_with(node)
+            graph.erase_node(reader)
+        else:
+            reader.args = (node, row.dim, 0)
+            reader.kwargs = {}
+            if reader.target is operator.getitem or reader.op == "call_method":
+                reader.target, reader.op = aten.select.int, "call_function"
+    propagate_meta(gm, [*made, node, *(r for r, keeps in readers if not keeps)])
+    return made
+
+
+def _erase_unused_size_reads(graph: torch.fx.Graph, nodes: list[Node]) -> None:
+    """Erase the size reads (``x.shape[1]``, ``x.size(1)``) a lifted op no longer uses, so that they do not
+    keep the next value up read whole."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        size_read = node.op in ("call_function", "call_method") and (
+            node.target in (getattr, operator.getitem, "size", aten.sym_size.int))
+        if size_read and not node.users and node.graph is graph:
+            stack.extend(node.all_input_nodes)
+            graph.erase_node(node)
+
+
+def _merge_equal_slices(graph: torch.fx.Graph, slices: set[Node]) -> None:
+    """One node for each row read of a value several lifted ops read (a residual's input and its branch):
+    the first in graph order, which precedes every reader of the others."""
+    first: dict[tuple, Node] = {}
+    for node in graph.nodes:
+        if node in slices:
+            key = (node.args[0], *node.args[1:])
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+
+def remove_dead_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Move every one-row read of the graph up through the ops that compute rows independently (see the module
+    docstring); each op moved past is one match in ``ctx``, the row's stop a near miss when it stops before
+    any op moved.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(torch.nn.Identity())
+        >>> remove_dead_rows(gm, PassContext("cleanup", False, "fx"))
+    """
+    pending = [read[0] for read in (read_row(n) for n in gm.graph.nodes if n.op == "call_function"
+                                    or n.op == "call_method") if read is not None]
+    seen: set[Node] = set()
+    slices: set[Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in seen or node.graph is not gm.graph:
+            continue
+        seen.add(node)
+        readers = _readers(node)
+        if isinstance(readers, Refusal) or _movable(node, gm) is not None:
+            continue
+        row, users = readers
+        value = fake_value(node)
+        if value is None or _known_equal(value.shape[row.dim], 1):
+            continue
+        lifted = lift(node, row, gm)
+        if isinstance(lifted, Refusal):
+            continue
+        ctx.matched(f"{WHAT}: row {row.index} of dim {row.dim} computed alone", [node])
+        made = _move_above(node, row, users, lifted, gm)
+        slices.update(made)
+        pending.extend(s.args[0] for s in made)
+        seen.difference_update(s.args[0] for s in made)
+    _merge_equal_slices(gm.graph, {s for s in slices if s.graph is gm.graph})
