@@ -508,7 +508,10 @@ def _move_above(node: Node, row: Row, readers: list[tuple[Node, bool]], lifted: 
             reader.kwargs = {}
             if reader.target is operator.getitem or reader.op == "call_method":
                 reader.target, reader.op = aten.select.int, "call_function"
-    propagate_meta(gm, [*made, node, *(r for r, keeps in readers if not keeps)])
+    changed = [*made, node, *(r for r, keeps in readers if not keeps)]
+    for stale in changed:  # propagate_meta renews 'val' (or drops it); the pipeline refills tensor_meta
+        stale.meta.pop("tensor_meta", None)
+    propagate_meta(gm, changed)
     return made
 
 

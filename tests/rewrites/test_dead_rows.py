@@ -78,6 +78,27 @@ def test_every_read_form_computes_one_row_of_the_blocks(method, read):
         torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_moved_nodes_carry_their_new_shapes(method):
+    """Module calls too (fx): no node keeps the shape it had before it computed one row."""
+    model = Reader("last").eval()
+    _cap, new = _rewrite(model, (torch.randn(2, 5, 8),), method)
+    for node in new.graph_module.graph.nodes:
+        if node.name in _moved(new.report):
+            assert node.meta["val"].shape[1] == 1, node.name
+
+
+def test_the_last_token_read_in_onnx_runtime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    model = Reader("last").eval()
+    path = tmp_path / "last.onnx"
+    fxforge.export_onnx(model, str(path), (torch.randn(2, 5, 8),))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = torch.randn(2, 5, 8)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_the_rows_come_back_from_the_graph_before_the_first_block():
     model = Reader("getitem", blocks=1).eval()
     _cap, new = _rewrite(model, (torch.randn(2, 5, 8),))
