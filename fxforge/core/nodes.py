@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.fx.node import _side_effectful_functions
 
-from fxforge.core.vocabulary import SDPA_TARGETS, has_hooks, read_dropout
+from fxforge.core.vocabulary import SDPA_TARGETS, has_hooks, read_dropout, sdpa_arguments
 
 _INPLACE_OPERATORS = {
     operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -188,7 +188,7 @@ def is_random(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if target in SDPA_TARGETS:  # random only through its attention dropout
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        p = sdpa_arguments(node).get("dropout_p", 0.0)
         return not (isinstance(p, (int, float)) and p == 0)
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags

@@ -197,8 +197,9 @@ OPS: dict[str, CallForms] = {
 
 # The ops that keep their input's values and only change how they are viewed (one group of OPS).
 RESHAPES = ("view", "reshape", "flatten", "unsqueeze", "expand")
-# The two forms of scaled_dot_product_attention (functional and ATen).
+# The two forms of scaled_dot_product_attention (functional and ATen), and its parameters in order.
 SDPA_TARGETS = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # dtype, device and memory-format copies that keep shape and values (as far as the dtype holds them).
 CASTS = ("to", "contiguous", "clone")
 
@@ -206,6 +207,19 @@ CASTS = ("to", "contiguous", "clone")
 METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
 METADATA_METHODS = frozenset({"size", "dim", "numel", "get_device"})
 METADATA_FUNCTIONS = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int})
+
+
+def sdpa_arguments(node: Node) -> dict[str, Any]:
+    """An SDPA call's arguments by parameter name (positional and keyword alike).
+
+    Example:
+        >>> g = torch.fx.Graph(); q = g.placeholder("q")
+        >>> sorted(sdpa_arguments(g.call_function(F.scaled_dot_product_attention, (q, q, q), {"is_causal": True})))
+        ['is_causal', 'key', 'query', 'value']
+    """
+    values = dict(zip(SDPA_PARAMETERS, node.args))
+    values.update(node.kwargs)
+    return values
 
 
 def calls(node: Any, *names: str, gm: torch.nn.Module | None = None) -> bool:

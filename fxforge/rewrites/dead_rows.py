@@ -19,8 +19,9 @@ Rows move through, on a dimension the op keeps row by row:
   sits) or on a batch/head dimension of all its operands.
 
 It refuses (the row stays where it is) an op that mixes rows along the dimension, a value read whole by
-anything else (shape reads included: they would see one row), ops that mutate, draw random numbers or call
-opaque modules, and anything without shape metadata. The results are the same numbers: each kept row is
+anything else (a read of its size along the dimension included: it would see one row; sizes of other
+dimensions may be read), ops that mutate, draw random numbers or call opaque modules, and anything without
+shape metadata. The results are the same numbers: each kept row is
 computed by the same op from the same inputs; only rows no output reads are left out.
 
 Example:
@@ -52,7 +53,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxforge.core.nodes import fake_value, is_effectful, mutated_aliases, submodule
 from fxforge.core.shapes import propagate_meta
-from fxforge.core.vocabulary import CASTS, SDPA_TARGETS, argument, calls, op_name
+from fxforge.core.vocabulary import (
+    CASTS,
+    SDPA_PARAMETERS,
+    SDPA_TARGETS,
+    argument,
+    calls,
+    op_name,
+    sdpa_arguments,
+)
 from fxforge.rewrites.passes import PassContext, Refusal
 
 aten = torch.ops.aten
@@ -68,7 +77,6 @@ _UNFLATTENS = (aten.unflatten.int, torch.unflatten)
 _RMS_NORMS = tuple(f for f in (getattr(aten, "rms_norm", None), getattr(F, "rms_norm", None)) if f is not None)
 _RMS_NORM_MODULES = tuple(m for m in (getattr(torch.nn, "RMSNorm", None),) if m is not None)
 _LOG_SOFTMAXES = (F.log_softmax, torch.log_softmax, aten.log_softmax.int, aten._log_softmax.default)
-_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +332,7 @@ def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Te
 
 
 def _sdpa(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
-    args = dict(zip(_SDPA_PARAMETERS, node.args))
-    args.update(node.kwargs)
+    args = sdpa_arguments(node)
     if args.get("is_causal"):
         return Refusal("causal attention: a query row's keys depend on its position")
     if args.get("dropout_p", 0.0) not in (0, 0.0):
@@ -346,8 +353,8 @@ def _sdpa(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
     if refusal is not None:
         return refusal
     positional = len(node.args)
-    return (tuple(args[n] for n in _SDPA_PARAMETERS[:positional]),
-            {n: args[n] for n in _SDPA_PARAMETERS[positional:] if n in node.kwargs})
+    return (tuple(args[n] for n in SDPA_PARAMETERS[:positional]),
+            {n: args[n] for n in SDPA_PARAMETERS[positional:] if n in node.kwargs})
 
 
 def _matmul(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
@@ -544,8 +551,8 @@ def _merge_equal_slices(graph: torch.fx.Graph, slices: set[Node]) -> None:
 
 def remove_dead_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """Move every one-row read of the graph up through the ops that compute rows independently (see the module
-    docstring); each op moved past is one match in ``ctx``, the row's stop a near miss when it stops before
-    any op moved.
+    docstring); each op that now computes one row is one match in ``ctx``. Where a row stops is not reported:
+    most values are read whole by design, and a near miss for each would bury the report.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Identity())

@@ -7,8 +7,9 @@ eager's outputs there; one that differs, raises, or fell back to eager is refuse
 targets that pass are timed together with eager, in interleaved blocks of calls
 (:func:`~fxforge.lowering.timing.time_in_blocks`), on the example inputs with gradients off,
 and the fastest median wins. Targets within :data:`TIE` of the fastest are timed again head to head, in
-longer blocks without eager and the others; if they still tie, the target first in :data:`PREFERENCE` wins
-(native reads the model's live weights, ONNX Runtime runs a snapshot of them).
+longer blocks without eager and the others, for the whole timing budget; if they are still within
+:data:`RUNOFF_TIE` of each other (the finer resolution of that longer, two-way timing), the target first in
+:data:`PREFERENCE` wins (native reads the model's live weights, ONNX Runtime runs a snapshot of them).
 
 Example:
     >>> import torch
@@ -44,8 +45,9 @@ TIE = 0.03
 # first call, which pays for switching from the other runtimes, is run untimed).
 TIMING_BUDGET_S = 3.0
 MIN_ROUNDS, BLOCK = 3, 3
-# Timed calls per block when targets within TIE of the fastest are timed again, alone together.
-RUNOFF_BLOCK = 5
+# Timed calls per block when targets within TIE of the fastest are timed again, alone together; at most this
+# many rounds (a fast model's runoff fills its budget), and the tie they resolve.
+RUNOFF_BLOCK, RUNOFF_MAX_ROUNDS, RUNOFF_TIE = 5, 40, 0.01
 # A target agrees with eager within this many times the float32 tolerance of
 # :func:`~fxforge.core.verify.compare_outputs` (ONNX Runtime's and Inductor's kernels round differently).
 RTOL_SCALE = 10.0
@@ -172,15 +174,15 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     tied = [t for t in latencies if latencies[t] <= min(latencies.values()) * (1 + TIE)]
     if len(tied) > 1:  # a near tie is settled head to head, longer, before the preference may decide it
         with torch.no_grad(), isolated(model, inputs=(args, kwargs)):
-            runoff = time_in_blocks({t: timed_call(built[t], args, kwargs) for t in tied},
-                                    reps=RUNOFF_BLOCK, budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS)
+            runoff = time_in_blocks({t: timed_call(built[t], args, kwargs) for t in tied}, reps=RUNOFF_BLOCK,
+                                    budget_s=TIMING_BUDGET_S, min_rounds=MIN_ROUNDS, max_rounds=RUNOFF_MAX_ROUNDS)
         result.notes.append("near tie of " + ", ".join(f"{t} {latencies[t]:.3g} ms" for t in tied)
                             + " re-timed head to head: " + ", ".join(f"{t} {runoff[t]:.3g} ms" for t in tied))
         latencies.update(runoff)
         for contender in contenders:
             if contender.target in runoff:
                 contender.latency_ms = runoff[contender.target]
-    result.winner, result.why = choose(latencies, medians["eager"])
+    result.winner, result.why = choose(latencies, medians["eager"], RUNOFF_TIE if len(tied) > 1 else TIE)
     noisy = [name for name, values in samples.items()
              if statistics_spread(values) > NOISY_SPREAD and medians[name] - min(values) > NOISY_FLOOR_MS]
     if noisy:
@@ -230,9 +232,9 @@ def remembrable(result: Race) -> bool:
         result.load is None or result.load <= BUSY_LOAD)
 
 
-def choose(latencies: dict[str, float], eager_ms: float) -> tuple[str, str]:
+def choose(latencies: dict[str, float], eager_ms: float, tie: float = TIE) -> tuple[str, str]:
     """The winner among targets' median latencies and why: the fastest, unless a target earlier in
-    :data:`PREFERENCE` is within :data:`TIE` of it.
+    :data:`PREFERENCE` is within ``tie`` of it (:data:`TIE`; :data:`RUNOFF_TIE` for a runoff's figures).
 
     Example:
         >>> choose({"native": 1.0, "onnxruntime": 0.5}, 2.0)
@@ -242,12 +244,12 @@ def choose(latencies: dict[str, float], eager_ms: float) -> tuple[str, str]:
     """
     fastest = min(latencies, key=latencies.__getitem__)
     ranked = sorted(latencies, key=lambda t: (PREFERENCE.index(t) if t in PREFERENCE else len(PREFERENCE), t))
-    winner = next(t for t in ranked if latencies[t] <= latencies[fastest] * (1 + TIE))
+    winner = next(t for t in ranked if latencies[t] <= latencies[fastest] * (1 + tie))
     ms = latencies[winner]
     why = f"{ms:.3g} ms: {eager_ms / ms:.2f}x eager"
     others = sorted((t for t in latencies if t != winner), key=latencies.__getitem__)
     if others:
         why += f", {latencies[others[0]] / ms:.2f}x {others[0]}"
     if winner != fastest:
-        why += f" (within {TIE:.0%} of {fastest}, a tie: {winner} is preferred)"
+        why += f" (within {tie:.0%} of {fastest}, a tie: {winner} is preferred)"
     return winner, why

@@ -120,6 +120,26 @@ def test_a_near_tie_is_timed_again_head_to_head_before_the_preference_decides(qu
     assert [c.latency_ms for c in result.contenders] == [1.3, 1.0]
 
 
+@pytest.mark.parametrize(("runoff", "winner"), [({"native": 1.02, "onnxruntime": 1.0}, "onnxruntime"),
+                                                ({"native": 1.005, "onnxruntime": 1.0}, "native")])
+def test_a_runoff_decides_at_its_finer_resolution(quiet, monkeypatch, runoff, winner):
+    """After the head-to-head runoff a 2 % lead wins (it was within the first timing's 3 % tie); only what the
+    runoff cannot tell apart (1 %) goes to the preferred target."""
+    timings = iter([{"eager": 3.0, "native": 1.01, "onnxruntime": 1.0}, runoff])
+    seen = []
+
+    def timed(calls, **options):
+        seen.append(options.get("max_rounds"))
+        return {k: v for k, v in next(timings).items() if k in calls}
+
+    monkeypatch.setattr(race_module, "time_in_blocks", timed)
+    entrants = [Entrant("native", lambda: Scaled(1.0)), Entrant("onnxruntime", lambda: Scaled(1.0))]
+    _, result = race(Scaled(1.0), (torch.randn(2),), {}, entrants)
+    assert result.winner == winner
+    assert seen[1] == race_module.RUNOFF_MAX_ROUNDS
+    assert ("a tie: native is preferred" in result.why) == (winner == "native")
+
+
 def test_a_call_on_a_gpu_waits_for_the_device_before_its_time_is_taken(monkeypatch):
     synced = []
     monkeypatch.setattr(race_module, "device_of", lambda *_: torch.device("cuda"))

@@ -35,18 +35,10 @@ import torch
 from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
-from fxforge.core.vocabulary import SDPA_TARGETS
+from fxforge.core.vocabulary import SDPA_PARAMETERS, SDPA_TARGETS, sdpa_arguments
 from fxforge.rewrites.attention.checks import SDPA_HAS_GQA
 from fxforge.rewrites.attention.index_masks import Additive, Keep, holds_everywhere, is_causal, read_mask
 from fxforge.rewrites.attention.operands import repeated_heads
-
-_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _arguments(node: Node) -> dict:
-    values = dict(zip(_PARAMETERS, node.args))
-    values.update(node.kwargs)
-    return values
 
 
 def _mask_change(mask: Node, query: Node, key: Node) -> str | None:
@@ -74,7 +66,7 @@ def simplify_sdpa_calls(gm: torch.fx.GraphModule) -> list[str]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
-        args = _arguments(node)
+        args = sdpa_arguments(node)
         if args.get("enable_gqa"):
             continue
         done: list[str] = []
@@ -94,7 +86,7 @@ def simplify_sdpa_calls(gm: torch.fx.GraphModule) -> list[str]:
                 done.append(f"K and V un-repeated, enable_gqa=True ({k[1]} query heads per kv head)")
         if not done:
             continue
-        node.args = tuple(args.pop(name) for name in _PARAMETERS[:3])
+        node.args = tuple(args.pop(name) for name in SDPA_PARAMETERS[:3])
         node.kwargs = {name: value for name, value in args.items() if value is not None or name == "attn_mask"}
         changes.append(f"{node.name}: {', '.join(done)}")
     if changes:
