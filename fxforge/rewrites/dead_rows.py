@@ -99,7 +99,13 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Sliced:
-    """An operand of a lifted op that is to be read at one row of dimension ``dim``."""
+    """An operand of a lifted op that is to be read at one row of dimension ``dim``.
+
+    Example:
+        >>> x = torch.fx.Graph().placeholder("x")
+        >>> Sliced(x, 1).dim
+        1
+    """
 
     value: Node
     dim: int
@@ -235,7 +241,13 @@ def _sizes(node: Node) -> tuple[int, list | Node] | None:
 @dataclasses.dataclass(frozen=True)
 class SizesWithRow:
     """The sizes a node computes (``y.shape``) with the size at ``dim`` made 1: placed as one ``getitem`` of
-    the node per other dimension."""
+    the node per other dimension.
+
+    Example:
+        >>> shape = torch.fx.Graph().placeholder("shape")
+        >>> SizesWithRow(shape, rank=3, dim=1).rank
+        3
+    """
 
     sizes: Node
     rank: int
