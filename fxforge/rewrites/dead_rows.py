@@ -21,7 +21,9 @@ Rows move through, on a dimension the op keeps row by row:
 It refuses (the row stays where it is) an op that mixes rows along the dimension, a value read whole by
 anything else (a read of its size along the dimension included: it would see one row; sizes of other
 dimensions may be read), ops that mutate, draw random numbers or call opaque modules, and anything without
-shape metadata. The results are the same numbers: each kept row is
+shape metadata. It leaves the rows in training mode and in graphs for calls that record gradients: eager's
+backward multiplies each unread row by a zero gradient, and a NaN or an infinity in that row makes the
+parameters' gradients NaN, which computing one row would not. The results are the same numbers: each kept row is
 computed by the same op from the same inputs; only rows no output reads are left out.
 
 Example:
@@ -52,6 +54,7 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxforge.core.nodes import fake_value, is_effectful, mutated_aliases, submodule
+from fxforge.core.plan import CallConditions
 from fxforge.core.shapes import propagate_meta
 from fxforge.core.vocabulary import (
     CASTS,
@@ -561,6 +564,19 @@ def _merge_equal_slices(graph: torch.fx.Graph, slices: set[Node]) -> None:
                 first[key] = node
 
 
+def _not_for(ctx: PassContext) -> Refusal | None:
+    """Why the rows stay for the calls this graph serves, or None: eager's backward multiplies each unread
+    row's values by a zero gradient, so a NaN or an infinity there makes the parameters' gradients NaN, and
+    gradients must be eager's."""
+    if ctx.training:
+        return Refusal("in training mode every row is kept: eager's gradients multiply the unread rows by zero, "
+                       "and a NaN or an infinity there reaches the parameters' gradients")
+    if ctx.conditions.gradients:
+        return Refusal("every row is kept: eager's gradients multiply the unread rows by zero, and a NaN or an "
+                       f"infinity there reaches the parameters' gradients: {CallConditions.FOR_GRADIENTS}")
+    return None
+
+
 def remove_dead_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """Move every one-row read of the graph up through the ops that compute rows independently (see the module
     docstring); each op that now computes one row is one match in ``ctx``. Where a row stops is not reported:
@@ -570,8 +586,13 @@ def remove_dead_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Identity())
         >>> remove_dead_rows(gm, PassContext("cleanup", False, "fx"))
     """
-    pending = [read[0] for read in (read_row(n) for n in gm.graph.nodes if n.op == "call_function"
-                                    or n.op == "call_method") if read is not None]
+    readers = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and read_row(n) is not None]
+    refusal = _not_for(ctx)
+    if refusal is not None:
+        if readers:
+            ctx.refused(readers[0], refusal)
+        return
+    pending = [read_row(n)[0] for n in readers]
     seen: set[Node] = set()
     slices: set[Node] = set()
     while pending:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxforge
+from fxforge.core.plan import CallConditions
 from fxforge.core.vocabulary import op_name
 from fxforge.rewrites.dead_rows import WHAT
 
@@ -224,19 +225,39 @@ def test_a_nan_in_an_unread_row_stays_out_as_in_eager():
     torch.testing.assert_close(out, expected)
 
 
-def test_gradients_of_the_dropped_rows_are_eager_zeros():
-    model = Reader("getitem").train()
-    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
-    eager = Reader("getitem").train()
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_calls_that_record_gradients_keep_every_row_for_eagers_gradients(mode):
+    """Eager's backward multiplies an unread row by a zero gradient: a NaN there makes the norms' and linears'
+    gradients NaN. The plan for such calls keeps the rows (and says why), so the gradients are eager's; the
+    same module's plan for no_grad calls computes one row."""
+    model = Reader("getitem")
+    getattr(model, mode)()
+    eager = Reader("getitem")
     eager.load_state_dict(model.state_dict())
-    x = torch.randn(2, 5, 8)
-    xs = (x.clone().requires_grad_(), x.clone().requires_grad_())
-    opt(xs[0]).square().sum().backward()
-    eager(xs[1]).square().sum().backward()
-    torch.testing.assert_close(xs[0].grad, xs[1].grad)
-    assert xs[0].grad[:, 1:].abs().max() == 0
+    getattr(eager, mode)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
+        x = torch.randn(2, 5, 8)
+        x[1, 3, 2] = float("nan")  # an unread row
+        xs = (x.clone().requires_grad_(), x.clone().requires_grad_())
+        out, expected = opt(xs[0]), eager(xs[1])
+    torch.testing.assert_close(out, expected)
+    assert not expected.isnan().any()
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, equal_nan=True)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, equal_nan=True, msg=name)
+    assert eager.blocks[0].norm.weight.grad.isnan().any()  # what computing one row would have lost
+
+    cap = fxforge.capture(Reader("getitem").eval(), (x,))
+    for_gradients = fxforge.rewrite(cap, ["cleanup"], conditions=CallConditions(gradients=True))
+    assert not _moved(for_gradients.report)
+    assert any("reaches the parameters' gradients" in m.reason for m in for_gradients.report.near_misses)
+    assert _moved(fxforge.rewrite(cap, ["cleanup"]).report)
+    with torch.no_grad():
+        torch.testing.assert_close(opt.eval()(x), eager.eval()(x), equal_nan=True)
 
 
 def test_dynamic_lengths_keep_one_row():
