@@ -51,17 +51,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxforge.core.nodes import fake_value, is_effectful, mutated_aliases, submodule
 from fxforge.core.plan import CallConditions
 from fxforge.core.shapes import propagate_meta
+from fxforge.core.symbolic import size_expr
 from fxforge.core.vocabulary import (
     CASTS,
     SDPA_PARAMETERS,
     SDPA_TARGETS,
     argument,
     calls,
+    forms,
     op_name,
     sdpa_arguments,
 )
@@ -74,12 +75,13 @@ WHAT = "rows no output reads not computed"
 # Canonical ops (core.vocabulary) that compute each element from the same element of their operands.
 POINTWISE = ("relu", "hardtanh", "leaky_relu", "gelu", "silu", "sigmoid", "tanh", "hardswish", "add", "sub", "mul",
              "div", "pow", "where", "masked_fill", *CASTS)
-_SELECTS = (aten.select.int, torch.select)
-_SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, torch.squeeze)
-_UNFLATTENS = (aten.unflatten.int, torch.unflatten)
-_RMS_NORMS = tuple(f for f in (getattr(aten, "rms_norm", None), getattr(F, "rms_norm", None)) if f is not None)
-_RMS_NORM_MODULES = tuple(m for m in (getattr(torch.nn, "RMSNorm", None),) if m is not None)
-_LOG_SOFTMAXES = (F.log_softmax, torch.log_softmax, aten.log_softmax.int, aten._log_softmax.default)
+# Call forms of the ops this rule reads that core.vocabulary's OPS does not list.
+SELECT = forms((aten.select.int, torch.select), ("select",))
+SQUEEZE = forms((aten.squeeze.dim, aten.squeeze.dims, torch.squeeze), ("squeeze",))
+UNFLATTEN = forms((aten.unflatten.int, torch.unflatten), ("unflatten",))
+RMS_NORM = forms((aten.rms_norm, F.rms_norm), (), (torch.nn.RMSNorm,))
+LOG_SOFTMAX = forms((F.log_softmax, torch.log_softmax, aten.log_softmax.int, aten._log_softmax.default),
+                    ("log_softmax",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +117,9 @@ class Sliced:
 
 
 def _known_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001 - sizes that cannot be compared are not known equal
-        return False
+    """Whether two sizes (ints or symbolic) are equal for every value of the symbols, compared as the project
+    compares sizes (:func:`~fxforge.core.symbolic.size_expr`: no guard added to a symbolic graph)."""
+    return size_expr(a) == size_expr(b)
 
 
 def _rank(node: Any) -> int | None:
@@ -160,8 +159,7 @@ def read_row(node: Node) -> tuple[Node, Row, bool] | None:
             return None
         row = _row_of(source, dim, start)
         return (source, row, True) if row is not None else None
-    if (node.op == "call_function" and node.target in _SELECTS) or (node.op == "call_method" and
-                                                                     node.target == "select"):
+    if SELECT.called_by(node):
         source, dim, index = node.args[0], argument(node, 1, "dim"), argument(node, 2, "index")
     elif node.op == "call_function" and node.target is operator.getitem:
         source, key = node.args
@@ -199,13 +197,13 @@ def _operand(value: Any, out_rank: int, out_size: Any, dim: int) -> Any:
 def _pointwise(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
     casts = calls(node, *CASTS)
 
-    def lift(position: int | str, arg: Any) -> Any:
+    def operand(position: int | str, arg: Any) -> Any:
         if casts and position not in (0, "input", "self"):
             return arg
         return _operand(arg, value.dim(), value.shape[dim], dim)
 
-    args = tuple(lift(i, a) for i, a in enumerate(node.args))
-    kwargs = {k: lift(k, a) for k, a in node.kwargs.items()}
+    args = tuple(operand(i, a) for i, a in enumerate(node.args))
+    kwargs = {k: operand(k, a) for k, a in node.kwargs.items()}
     refusal = next((a for a in (*args, *kwargs.values()) if isinstance(a, Refusal)), None)
     return refusal or (args, kwargs)
 
@@ -225,20 +223,22 @@ def _normalized_dims(node: Node, gm: torch.fx.GraphModule) -> int | None:
     return len(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
 
 
-def _sizes(node: Node) -> tuple[int, list | Node] | None:
-    """Where a view/reshape's sizes start among its arguments and the sizes (a list, or one node computing
-    them: ``x.reshape(y.shape)``), or None (``view_as``...)."""
+def _sizes(node: Node) -> tuple[str, list | Node] | None:
+    """Where a view/reshape's sizes are (``"shape"``: a keyword; ``"list"``: one argument after the input;
+    ``"varargs"``: the arguments after the input) and the sizes (a list, or one node computing them:
+    ``x.reshape(y.shape)``); None for the forms that take another tensor's shape (``view_as``...)."""
     if node.op == "call_method":
         if node.target not in ("view", "reshape") or node.kwargs:
             return None
         rest = list(node.args[1:])
         if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size, Node)):
-            return 1, rest[0] if isinstance(rest[0], Node) else list(rest[0])
-        return 2, rest
+            return "list", rest[0] if isinstance(rest[0], Node) else list(rest[0])
+        return "varargs", rest
     shape = argument(node, 1, "shape")
+    where = "shape" if "shape" in node.kwargs else "list"
     if isinstance(shape, Node):
-        return 1, shape
-    return (1, list(shape)) if isinstance(shape, (list, tuple, torch.Size)) else None
+        return where, shape
+    return (where, list(shape)) if isinstance(shape, (list, tuple, torch.Size)) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,22 +276,23 @@ def _reshape(node: Node, dim: int, source: torch.Tensor, value: torch.Tensor) ->
     kept = _kept_whole(tuple(source.shape), tuple(value.shape), dim)
     if kept is None:
         return Refusal("the reshape merges or splits the dimension")
-    start, shape = sizes
+    where, shape = sizes
     if isinstance(shape, Node):
-        shape = SizesWithRow(shape, value.dim(), dim)
-        return ((Sliced(node.args[0], kept), shape), {}) if node.args[1:] else \
-            ((Sliced(node.args[0], kept),), {**node.kwargs, "shape": shape})
-    if len(shape) != value.dim():
+        new: Any = SizesWithRow(shape, value.dim(), dim)
+    elif len(shape) != value.dim():
         return Refusal("the reshape's sizes do not line up with its result")
-    if not (isinstance(shape[dim], int) and shape[dim] == -1):
-        shape[dim] = 1
-    if start == 1:
-        args = (Sliced(node.args[0], kept), shape if not isinstance(node.args[1], tuple) else tuple(shape),
-                *node.args[2:])
-        if "shape" in node.kwargs:
-            return (Sliced(node.args[0], kept),), {**node.kwargs, "shape": shape}
-        return args, dict(node.kwargs)
-    return (Sliced(node.args[0], kept), *shape), dict(node.kwargs)
+    else:
+        new = [1 if i == dim and not (isinstance(size, int) and size == -1) else size for i, size in enumerate(shape)]
+        if where == "list" and isinstance(node.args[1], tuple):
+            new = tuple(new)
+    args, kwargs = (Sliced(node.args[0], kept), *node.args[1:]), dict(node.kwargs)
+    if where == "shape":
+        kwargs["shape"] = new
+    elif where == "list":
+        args = (args[0], new, *args[2:])
+    else:
+        args = (args[0], *new)
+    return args, kwargs
 
 
 def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Tensor) -> int | Refusal | None:
@@ -311,8 +312,7 @@ def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Te
     if calls(node, "unsqueeze"):
         k = argument(node, 1, "dim") % rank_out
         return Refusal("the dimension is the one unsqueeze adds") if dim == k else (dim if dim < k else dim - 1)
-    if (node.op == "call_function" and node.target in _SQUEEZES) or (node.op == "call_method"
-                                                                       and node.target == "squeeze"):
+    if SQUEEZE.called_by(node):
         squeezed = argument(node, 1, "dim")
         if squeezed is None:
             return Refusal("squeeze of every size-1 dimension would squeeze the row's too")
@@ -320,8 +320,7 @@ def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Te
                           if _known_equal(source.shape[d % rank_in], 1))
         kept = [d for d in range(rank_in) if d not in squeezed]
         return kept[dim]
-    if (node.op == "call_function" and node.target in _SELECTS) or (node.op == "call_method"
-                                                                     and node.target == "select"):
+    if SELECT.called_by(node):
         k = argument(node, 1, "dim") % rank_in
         return dim if dim < k else dim + 1
     if node.op == "call_function" and node.target is aten.slice.Tensor:
@@ -335,8 +334,7 @@ def _view_source_dim(node: Node, dim: int, source: torch.Tensor, value: torch.Te
         if dim > start:
             return dim + (end - start)
         return Refusal("flatten merges the dimension")
-    if (node.op == "call_function" and node.target in _UNFLATTENS) or (node.op == "call_method"
-                                                                         and node.target == "unflatten"):
+    if UNFLATTEN.called_by(node):
         k, sizes = argument(node, 1, "dim") % rank_in, argument(node, 2, "sizes")
         if dim < k:
             return dim
@@ -350,8 +348,6 @@ def _sdpa(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
     args = sdpa_arguments(node)
     if args.get("is_causal"):
         return Refusal("causal attention: a query row's keys depend on its position")
-    if args.get("dropout_p", 0.0) not in (0, 0.0):
-        return Refusal("attention dropout draws random numbers")
     rank = value.dim()
     mask = args.get("attn_mask")
     if dim == rank - 2:
@@ -389,7 +385,9 @@ def _matmul(node: Node, dim: int, value: torch.Tensor) -> tuple | Refusal:
 
 def lift(node: Node, row: Row, gm: torch.fx.GraphModule) -> tuple[tuple, dict] | Refusal:
     """``node``'s arguments for computing only ``row`` of its result, each operand to read at one row
-    wrapped in :class:`Sliced`; or the :class:`Refusal` that keeps the row below ``node``.
+    wrapped in :class:`Sliced`; or the :class:`Refusal` that keeps the row below ``node``. Effects (mutation,
+    random numbers such as an attention's dropout, opaque modules) are the caller's to check:
+    :func:`remove_dead_rows` lifts only nodes :func:`~fxforge.core.nodes.is_effectful` clears.
 
     Example:
         >>> g = torch.fx.Graph(); x = g.placeholder("x"); x.meta["val"] = torch.empty(2, 5, 8)
@@ -409,7 +407,7 @@ def lift(node: Node, row: Row, gm: torch.fx.GraphModule) -> tuple[tuple, dict] |
         if name == "linear" and dim < rank - 1:
             return _first(node, dim)
         module = submodule(node, gm)
-        norms = _normalized_dims(node, gm) if name == "layer_norm" or isinstance(module, _RMS_NORM_MODULES) else None
+        norms = _normalized_dims(node, gm) if name == "layer_norm" or RMS_NORM.called_by(node, gm) else None
         if norms is not None and dim < rank - norms:
             return _first(node, dim)
         return Refusal(f"{type(module).__name__} is not known to compute rows independently")
@@ -419,13 +417,12 @@ def lift(node: Node, row: Row, gm: torch.fx.GraphModule) -> tuple[tuple, dict] |
         return _matmul(node, dim, value)
     if name == "linear":
         return _first(node, dim) if dim < rank - 1 else Refusal("the dimension is linear's features")
-    if name == "layer_norm" or (node.op == "call_function"
-                                and getattr(node.target, "overloadpacket", node.target) in _RMS_NORMS):
+    if name == "layer_norm" or RMS_NORM.called_by(node):
         norms = _normalized_dims(node, gm)
         if norms is None or dim >= rank - norms:
             return Refusal("the norm normalizes over the dimension")
         return _first(node, dim)
-    if name == "softmax" or (node.op == "call_function" and node.target in _LOG_SOFTMAXES):
+    if name == "softmax" or LOG_SOFTMAX.called_by(node):
         along = argument(node, 1, "dim")
         if not isinstance(along, int) or along % rank == dim:
             return Refusal("softmax along the dimension")
@@ -556,7 +553,7 @@ def _merge_equal_slices(graph: torch.fx.Graph, slices: set[Node]) -> None:
     first: dict[tuple, Node] = {}
     for node in graph.nodes:
         if node in slices:
-            key = (node.args[0], *node.args[1:])
+            key = node.args
             if key in first:
                 node.replace_all_uses_with(first[key])
                 graph.erase_node(node)
@@ -586,13 +583,14 @@ def remove_dead_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Identity())
         >>> remove_dead_rows(gm, PassContext("cleanup", False, "fx"))
     """
-    readers = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and read_row(n) is not None]
+    reads = {n: read_row(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    readers = [n for n, read in reads.items() if read is not None]
     refusal = _not_for(ctx)
     if refusal is not None:
         if readers:
             ctx.refused(readers[0], refusal)
         return
-    pending = [read_row(n)[0] for n in readers]
+    pending = [reads[n][0] for n in readers]
     seen: set[Node] = set()
     slices: set[Node] = set()
     while pending:

@@ -108,6 +108,26 @@ def test_the_rows_come_back_from_the_graph_before_the_first_block():
     assert "torch.ops.aten.slice.Tensor(x, 1, 0, 1)" in code, code
 
 
+class KeywordShape(nn.Module):
+    """A reshape whose sizes are a keyword (``torch.reshape(x, shape=...)``) between two row-local ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.reshape(self.up(x), shape=(x.shape[0], x.shape[1], 2, 4))
+        return self.down(y)[:, 0]
+
+
+def test_a_reshape_with_keyword_sizes_moves_the_row():
+    model = KeywordShape().eval()
+    _cap, new = _rewrite(model, (torch.randn(2, 5, 8),))
+    assert any("up" in name for name in _moved(new.report)), _moved(new.report)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(new.graph_module(x), model(x))
+
+
 class Returned(Reader):
     """Returns the whole hidden states besides the head's read: every row is read."""
 
