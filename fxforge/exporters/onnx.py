@@ -56,7 +56,12 @@ from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_add
 from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
 from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
-from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs
+from fxforge.exporters.transpose_pairs import (
+    TRANSPOSE_PAIRS,
+    UNIT_TRANSPOSES,
+    fold_transpose_pairs,
+    fold_unit_transposes,
+)
 
 
 @dataclasses.dataclass
@@ -193,7 +198,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
     blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
-    provider, transposes around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`).
+    provider, transposes around a reshape of size-1 dims become one and a transpose that moves only size-1
+    dims becomes a reshape (:mod:`~fxforge.exporters.transpose_pairs`).
     Also returns the inputs of other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
@@ -224,9 +230,10 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         gates, kept = keep_gates_blocked(onnx_program.model.graph)
         translations.used.update(gates)
         translations.notes.extend(f"channel gate kept as torch wrote it: {reason}" for reason in kept)
-    folded = fold_transpose_pairs(onnx_program.model.graph)
-    if folded:
-        translations.used[TRANSPOSE_PAIRS] = folded
+    for what, fold in ((TRANSPOSE_PAIRS, fold_transpose_pairs), (UNIT_TRANSPOSES, fold_unit_transposes)):
+        folded = fold(onnx_program.model.graph)
+        if folded:
+            translations.used[what] = folded
     RemoveUnusedNodesPass()(onnx_program.model)  # what computed dropped guards' conditions, folded transposes
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):

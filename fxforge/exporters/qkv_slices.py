@@ -16,6 +16,16 @@ The rules, on the inputs of each ``MultiHeadAttention`` (not in subgraphs):
   ``Split(., axis=0)`` into ones, ``Squeeze``d: the same values in the same order, by construction of the
   index arithmetic. Refused (left as it is) where the reshapes regroup batch and tokens, or the widths are
   not known at export time.
+- **Any other input of an attention (``MultiHeadAttention`` or ``GroupQueryAttention``) that is computed
+  from one static-shaped tensor by data movement alone (``Reshape``, ``Transpose``, ``Squeeze``,
+  ``Unsqueeze``, ``Flatten``, ``Identity``, and ``Gather``, ``Split`` and unit-step ``Slice`` with constant
+  indices) and holds a block of it (a range of each dim) in its order becomes that ``Slice`` (and a
+  ``Reshape``)**. Whether it does is not matched against a pattern but computed: the chain is replayed on
+  an array of element indices, and the result is compared with the block's. This reads torchvision's
+  ``nn.MultiheadAttention`` (``proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2)``,
+  ``proj[i]``, per-head views and transposes): vit_b_16 at batch 1 loses a transpose of the whole [197, 2304]
+  projection and a split per layer; a query that cleanup's dead rows cut to one token is a block of one row.
+  Inputs whose source has more than 2**22 elements are left.
 - **A ``Mul`` of q (or k) by a constant scalar between the two becomes a factor of the attention's
   ``scale``** (MultiHeadAttention scales q @ k^T: the product rounds differently in the last bits; the
   file is validated against the model as every export is). A factor of v is left.
@@ -44,9 +54,11 @@ from fxforge.exporters.onnx_ir import (
     constant_value,
     flattened_heads,
     float_value,
+    is_onnx_op,
     move_shape_reads,
     producer,
     same_dim,
+    static_shape,
 )
 
 SLICES = "q, k, v read as slices of their packed projection"
@@ -64,11 +76,14 @@ def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
     """
     done: Counter[str] = Counter()
     for node in list(graph):
-        if node.domain != _MSFT or node.op_type != "MultiHeadAttention":
+        if node.domain != _MSFT or node.op_type not in ("MultiHeadAttention", "GroupQueryAttention"):
             continue
         for index in range(min(3, len(node.inputs))):
-            found = _unpacked(node.inputs[index])
+            found = _unpacked(node.inputs[index]) if node.op_type == "MultiHeadAttention" else None
             if found is None:
+                read = _read_moved_block(graph, node, index)
+                if read:
+                    done[SLICES] += read
                 continue
             packed, part, width, factor = found
             if factor is not None and (index == 2 or node.attributes.get_float("scale") is None):
@@ -125,6 +140,120 @@ def _unpacked(value: ir.Value | None) -> tuple[ir.Value, int, int, float | None]
     if five[2] != 3 or three[2] != 3 * width or out[2] != width:
         return None
     return packed, part, width, factor
+
+
+_MOVES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Gather", "Split", "Slice")
+_REPLAY_LIMIT = 2**22  # elements of the source replayed as int64 indices (32 MiB)
+
+
+def _read_moved_block(graph: ir.Graph, attention: ir.Node, index: int) -> int:
+    """The third rule on ``attention``'s input ``index``: replace it (at each of q, k, v where it is read)
+    by a slice of the tensor it was moved out of, where the replay shows it is one; returns how many inputs
+    it replaced."""
+    value = attention.inputs[index]
+    shape = static_shape(value)
+    chain, source = [], value
+    while (node := source.producer()) is not None and is_onnx_op(node, *_MOVES):
+        chain.append((node, list(node.outputs).index(source)))
+        source = node.inputs[0]
+    origin = static_shape(source)
+    if shape is None or origin is None or not origin or not chain or int(np.prod(origin)) > _REPLAY_LIMIT:
+        return 0
+    if not any(node.op_type in ("Transpose", "Gather", "Split") for node, _ in chain):
+        return 0  # nothing is copied on the way but (at most) one slice: nothing to gain
+    indices = np.arange(int(np.prod(origin)), dtype=np.int64).reshape(origin)
+    moved = indices
+    for node, output in reversed(chain):
+        moved = _replay(node, output, moved)
+        known = static_shape(node.outputs[output])
+        if moved is None or (known is not None and list(moved.shape) != known):
+            return 0  # a form not replayed, or shapes that disagree with the graph's
+    block = _block(indices, moved)
+    if block is None or list(moved.shape) != shape:
+        return 0
+    name = value.name
+    while f"{name}_block_starts" in graph.initializers:  # the same value read by another attention
+        name += "_"
+    cut = [axis for axis, (begin, end) in enumerate(block) if (begin, end) != (0, origin[axis])]
+    bounds = [constant_value(f"{name}_block_{what}", np.array(numbers, np.int64)) for what, numbers in (
+        ("starts", [block[axis][0] for axis in cut]), ("ends", [block[axis][1] for axis in cut]), ("axes", cut))]
+    for bound in bounds:
+        graph.register_initializer(bound)
+    sliced = [end - begin for begin, end in block]
+    nodes = [ir.Node("", "Slice", [source, *bounds], outputs=[
+        ir.Value(name=f"{name}_block", type=value.type, shape=ir.Shape(sliced))])]
+    if sliced != shape:
+        target = constant_value(f"{name}_block_shape", np.array(shape, np.int64))
+        graph.register_initializer(target)
+        nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], target], outputs=[
+            ir.Value(name=f"{name}_sliced", type=value.type, shape=value.shape)]))
+    graph.insert_before(attention, nodes)
+    reads = [i for i in range(index, min(3, len(attention.inputs))) if attention.inputs[i] is value]
+    for i in reads:
+        attention.replace_input_with(i, nodes[-1].outputs[0])
+    move_shape_reads(value, nodes[-1].outputs[0])
+    return len(reads)
+
+
+def _block(indices: np.ndarray, moved: np.ndarray) -> list[tuple[int, int]] | None:
+    """The ``[begin, end)`` range per axis of ``indices`` whose elements, in order, are ``moved``'s; None
+    where ``moved`` is no such block, or is all of ``indices`` (a reshape: the transposes' rule's case)."""
+    if moved.size == 0 or moved.size == indices.size:
+        return None
+    corners = np.unravel_index(np.array([moved.min(), moved.max()]), indices.shape)
+    block = [(int(low), int(high) + 1) for low, high in corners]
+    piece = indices[tuple(slice(begin, end) for begin, end in block)]
+    return block if np.array_equal(piece.reshape(-1), moved.reshape(-1)) else None
+
+
+def _replay(node: ir.Node, output: int, array: np.ndarray) -> np.ndarray | None:
+    """What data-movement ``node`` puts in its output ``output`` when its first input is ``array``, or None
+    where an operand is not a constant or the form is not one replayed (a Slice with steps other than 1)."""
+    operands = [constant(v) if v is not None else None for v in node.inputs[1:]]
+    if any(v is not None and o is None for v, o in zip(node.inputs[1:], operands)):
+        return None
+    attribute = node.attributes
+    op = node.op_type
+    if op == "Identity":
+        return array
+    if op == "Transpose":
+        perm = attribute.get_ints("perm")
+        return np.transpose(array, None if perm is None else list(perm))
+    if op == "Flatten":
+        axis = attribute.get_int("axis", 1) % (array.ndim or 1)
+        return array.reshape(int(np.prod(array.shape[:axis])), -1)
+    if op == "Reshape":
+        if operands[0] is None:
+            return None
+        copies = not attribute.get_int("allowzero", 0)  # a 0 copies the input's dim, else it is a 0
+        target = [array.shape[i] if d == 0 and copies else int(d) for i, d in enumerate(operands[0].reshape(-1).tolist())]
+        return array.reshape(target)
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = operands[0] if operands else None
+        if axes is None:
+            return np.squeeze(array) if op == "Squeeze" else None
+        axes = tuple(int(a) for a in axes.reshape(-1))
+        return np.squeeze(array, axis=axes) if op == "Squeeze" else np.expand_dims(array, axes)
+    if op == "Gather":
+        return np.take(array, operands[0], axis=attribute.get_int("axis", 0))
+    if op == "Split":
+        axis = attribute.get_int("axis", 0)
+        count = len(node.outputs)
+        sizes = operands[0] if operands and operands[0] is not None else None
+        if sizes is None:
+            step = -(-array.shape[axis] // count)
+            sizes = [min(step, array.shape[axis] - i * step) for i in range(count)]
+        return np.split(array, np.cumsum(np.asarray(sizes).reshape(-1))[:-1], axis=axis)[output]
+    if op == "Slice":
+        starts, ends = operands[0].reshape(-1), operands[1].reshape(-1)
+        axes = operands[2].reshape(-1) if len(operands) > 2 and operands[2] is not None else range(len(starts))
+        if len(operands) > 3 and operands[3] is not None and np.any(operands[3] != 1):
+            return None
+        index = [slice(None)] * array.ndim
+        for axis, begin, end in zip(axes, starts, ends):
+            index[int(axis)] = slice(int(begin), int(min(end, array.shape[int(axis)])))
+        return array[tuple(index)]
+    return None
 
 
 def _dims(value: ir.Value | None) -> list | None:

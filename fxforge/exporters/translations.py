@@ -375,6 +375,9 @@ class Translations:
             out = self._multi_head(query, q, key, k, value, bsd, attn_mask, mask_dims, heads, kv_heads, scale,
                                    is_causal, v_head_size, dtype, mask_dtype)
             self._count("attention -> com.microsoft.MultiHeadAttention")
+        # onnx infers no shape through a contrib op: typed here, the shape computations after it fold to
+        # constants and the transposes that follow are seen to move only size-1 dims where they do
+        out.dtype, out.shape = dtype, ir.Shape([q[0], q[2], heads * v_head_size])
         if three_d:  # [B, S, 1 * Hv] is the answer
             return out
         split = op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[heads, v_head_size]), axis=0)

@@ -10,6 +10,12 @@ and shapes are static, becomes ``Reshape(x)`` when the dims of x larger than 1 c
 else ``Reshape(Transpose(x))`` with one transpose**. Only values (no arithmetic) move, so the result is
 exact. The first transpose and the reshape stay where something else reads them.
 
+A lone transpose is the same case with nothing around it: **``Transpose(x)``, where x's shape is static and
+its dims larger than 1 keep their order, becomes ``Reshape(x)``** (:func:`fold_unit_transposes`). ONNX
+Runtime copies the tensor for a ``Transpose`` and only relabels it for a ``Reshape``; vit_b_16 at batch 1
+kept 24 such copies (``[1, 197, 768] -> [197, 1, 768]`` around torchvision's attention) after its own
+optimizer ran.
+
 Example:
     >>> from onnxscript import ir
     >>> def value(name, shape):
@@ -35,6 +41,7 @@ from onnxscript import ir
 from fxforge.exporters.onnx_ir import is_onnx_op, producer, static_shape
 
 TRANSPOSE_PAIRS = "Transpose + Reshape (size-1 dims) + Transpose -> one Reshape or one Transpose"
+UNIT_TRANSPOSES = "Transpose that moves only size-1 dims -> Reshape"
 
 
 def fold_transpose_pairs(graph: ir.Graph) -> int:
@@ -57,16 +64,50 @@ def fold_transpose_pairs(graph: ir.Graph) -> int:
                                  outputs=[ir.Value(name=f"{target.name}_once", type=x.type,
                                                    shape=ir.Shape([x.shape[d] for d in perm]))]))
             source = nodes[-1].outputs[0]
-        shape = ir.Value(name=f"{target.name}_shape",
-                         const_value=ir.tensor(np.array([int(d) for d in target.shape], dtype=np.int64)))
-        graph.register_initializer(shape)
-        nodes.append(ir.Node("", "Reshape", [source, shape], outputs=[ir.Value(
-            name=f"{target.name}_folded", type=target.type, shape=target.shape)]))
-        graph.insert_before(second, nodes)
-        target.replace_all_uses_with(nodes[-1].outputs[0])
-        graph.remove(second, safe=True)
+        _replace_by_reshape(graph, second, source, nodes)
         folded += 1
     return folded
+
+
+def fold_unit_transposes(graph: ir.Graph) -> int:
+    """Write each ``Transpose`` of ``graph`` (not of subgraphs) that moves only dims of size 1 of a static
+    shape as a ``Reshape``; returns how many.
+
+    Example:
+        >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 197, 768]))
+        >>> t = ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", [1, 0, 2])],
+        ...             outputs=[ir.Value(name="t", type=x.type, shape=ir.Shape([197, 1, 768]))])
+        >>> out = ir.Node("", "Relu", [t.outputs[0]], outputs=[ir.Value(name="y", type=x.type)])
+        >>> graph = ir.Graph([x], out.outputs, nodes=[t, out])
+        >>> fold_unit_transposes(graph), out.inputs[0].producer().op_type
+        (1, 'Reshape')
+    """
+    folded = 0
+    for node in list(graph):
+        perm = _transpose(node)
+        shape = None if perm is None else static_shape(node.inputs[0])
+        if shape is None or len(perm) != len(shape) or node.outputs[0].is_graph_output():
+            continue
+        big = [axis for axis in perm if shape[axis] != 1]
+        if big != sorted(big):
+            continue  # a dim larger than 1 moves past another: the data moves
+        node.outputs[0].shape = ir.Shape([shape[axis] for axis in perm])
+        _replace_by_reshape(graph, node, node.inputs[0], [])
+        folded += 1
+    return folded
+
+
+def _replace_by_reshape(graph: ir.Graph, transpose: ir.Node, source: ir.Value, nodes: list[ir.Node]) -> None:
+    """Put ``nodes`` and then ``Reshape(source)`` to ``transpose``'s static output shape in its place."""
+    target = transpose.outputs[0]
+    shape = ir.Value(name=f"{target.name}_shape",
+                     const_value=ir.tensor(np.array([int(d) for d in target.shape], dtype=np.int64)))
+    graph.register_initializer(shape)
+    nodes.append(ir.Node("", "Reshape", [source, shape], outputs=[ir.Value(
+        name=f"{target.name}_folded", type=target.type, shape=target.shape)]))
+    graph.insert_before(transpose, nodes)
+    target.replace_all_uses_with(nodes[-1].outputs[0])
+    graph.remove(transpose, safe=True)
 
 
 def _transpose(node: ir.Node | None) -> list[int] | None:

@@ -242,6 +242,8 @@ ATTENTION_CASES = {
 }
 MHA, GQA = "com.microsoft:MultiHeadAttention", "com.microsoft:GroupQueryAttention"
 MASK_CHECKED = "attention mask checked at run time (a mask that masks nothing: flash attention): 1"
+KV_SLICED = "q, k, v read as slices of their packed projection: 2"  # k and v, columns of the kv projection
+UNIT_TRANSPOSED = "Transpose that moves only size-1 dims -> Reshape: 3"  # 3-d q, k, v as one head
 
 
 def all_onnx_ops(path: str) -> Counter:
@@ -273,11 +275,11 @@ def test_attention_becomes_an_ort_attention_kernel(case, tmp_path):
     ops, every = onnx_ops(path), all_onnx_ops(path)
     assert "Softmax" not in every and every["MatMul"] == 2  # the q and kv projections
     if model.causal:  # causal self-attention: GroupQueryAttention, key/value heads read in place
-        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1"]
+        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1", KV_SLICED]
         assert ops[GQA] == 1 and MHA not in every and "Expand" not in ops
         assert _attribute(path, "GroupQueryAttention", "kv_num_heads") == model.kv_heads
     elif mask is None or mask.shape[-2] != 1:  # a full [.., S, L] mask is not checked at run time
-        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1"]
+        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", KV_SLICED]
         assert ops[MHA] == 1 and "If" not in ops
     else:  # a key padding mask: checked at run time, MultiHeadAttention without it (flash) or with it
         assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
@@ -346,7 +348,8 @@ def test_attention_3d_is_one_head(tmp_path):
     mask = torch.randn(2, 5, 7)
     path = str(tmp_path / "three_d.onnx")
     result = export_onnx(AnyRank().eval(), path, (q, k, v, mask), rewrites=[])
-    assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1"]
+    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.MultiHeadAttention: 1"]
+    assert "Transpose" not in onnx_ops(path)
     assert_runs_like(AnyRank(), path, torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4), mask * 2)
 
 
@@ -354,13 +357,13 @@ def test_attention_3d_causal_and_bool_mask(tmp_path):
     q, k, v = torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
     path = str(tmp_path / "causal.onnx")
     result = export_onnx(CrossCausal().eval(), path, (q, k, v), rewrites=[])
-    assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1"]
+    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.GroupQueryAttention (causal): 1"]
     assert_runs_like(CrossCausal(), path, torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8))
     keep = torch.ones(2, 1, 6, dtype=torch.bool)  # a key padding mask, broadcast over the queries
     keep[1, :, -2:] = False
     path = str(tmp_path / "bool.onnx")
     result = export_onnx(AnyRank().eval(), path, (q, k, v, keep), rewrites=[])
-    assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
+    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
     assert_runs_like(AnyRank(), path, q * 2, k, v, keep)
     assert_runs_like(AnyRank(), path, q, k, v, torch.ones_like(keep))
 

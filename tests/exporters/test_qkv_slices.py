@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from test_onnx import assert_runs_like, onnx_ops
 from torch import nn
 
 from fxforge import export_onnx
+from fxforge.exporters.onnx_ir import constant_value, float_value
 from fxforge.exporters.qkv_slices import SCALE, SLICES, _unpacked_attention_graph, read_qkv_as_slices
 
 
@@ -83,6 +85,89 @@ def test_timm_attention_reads_slices(tmp_path):
     assert five_d_transposes(path) == 0
     for batch in (1, 4):
         assert_runs_like(model, path, torch.randn(batch, 10, 48))
+
+
+class TorchMultiheadAttention(nn.Module):
+    """torch's ``nn.MultiheadAttention`` as torchvision's ViT calls it (batch first, self-attention)."""
+
+    def __init__(self, dim: int = 48, heads: int = 4):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_torch_multihead_attention_reads_columns(batch, tmp_path):
+    """Its q, k and v are unpacked by unflatten, unsqueeze, transpose, squeeze and select. At batch 1 the replay
+    finds each a block of the projection's columns, and the transpose of the whole projection goes; at batch 2
+    the projection's rows are (token, batch) and the attention's (batch, token): not a slice, left."""
+    torch.manual_seed(0)
+    model = TorchMultiheadAttention().eval()
+    path = str(tmp_path / "mha.onnx")
+    result = export_onnx(model, path, (torch.randn(batch, 10, 48),))
+    ops = onnx_ops(path)
+    if batch == 1:
+        assert f"{SLICES}: 3" in result.translations, result.translations
+        assert five_d_transposes(path) == 0 and "Gather" not in ops and ops["Slice"] == 3, ops
+    else:
+        assert not any(line.startswith(SLICES) for line in result.translations), result.translations
+        assert five_d_transposes(path) == 1, ops
+    x = torch.randn(batch, 10, 48)
+    x[0, 3, 5] = float("nan")  # a NaN token: its query row and every row's key at it
+    assert_runs_like(model, path, x)
+    assert_runs_like(model, path, torch.randn(batch, 10, 48) * 30)
+
+
+def _moved_attention(source_shape: list, moves: list) -> ir.Graph:
+    """MultiHeadAttention (1 head) whose q, k and v are all ``moves`` applied to the graph input ``qkv``:
+    each move is ``(op_type, constant operands, attributes, output shape)``."""
+    source = float_value("qkv", source_shape)
+    value, nodes, numbers = source, [], []
+    for step, (op_type, operands, attributes, shape) in enumerate(moves):
+        inputs = [value]
+        for k, operand in enumerate(operands):
+            numbers.append(constant_value(f"c{step}_{k}", np.array(operand, np.int64)))
+            inputs.append(numbers[-1])
+        nodes.append(ir.Node("", op_type, inputs, outputs=[float_value(f"m{step}", shape)], attributes=[
+            ir.convenience.convert_attribute(k, v) for k, v in attributes.items()]))
+        value = nodes[-1].outputs[0]
+    output = float_value("y", list(value.shape))
+    nodes.append(ir.Node("com.microsoft", "MultiHeadAttention", [value, value, value], outputs=[output],
+                         attributes=[ir.AttrInt64("num_heads", 1)]))
+    return ir.Graph([source], [output], nodes=nodes, initializers=numbers,
+                    opset_imports={"": 20, "com.microsoft": 1}, name="moved")
+
+
+UNPACK_THIRD_1 = [("Reshape", [[2, 4, 3, 8]], {}, [2, 4, 3, 8]), ("Transpose", [], {"perm": [2, 0, 1, 3]}, [3, 2, 4, 8]),
+                  ("Gather", [1], {"axis": 0}, [2, 4, 8])]
+
+
+@pytest.mark.parametrize("moves", [
+    UNPACK_THIRD_1,  # [2, 4, 24] -> [2, 4, 3, 8] -> [3, 2, 4, 8] -> third 1: columns 8:16
+    UNPACK_THIRD_1 + [("Slice", [[0], [1], [1]], {}, [2, 1, 8])],  # and token 0 of each batch row (dead rows)
+])
+def test_a_moved_block_becomes_a_slice(moves):
+    graph = _moved_attention([2, 4, 24], moves)
+    qkv = np.random.default_rng(0).standard_normal([2, 4, 24]).astype(np.float32)
+    expected = _run(graph, qkv)
+    assert read_qkv_as_slices(graph) == {SLICES: 3}
+    attention = _node(graph, "MultiHeadAttention")
+    assert [value.producer().op_type for value in attention.inputs] == ["Slice"] * 3
+    np.testing.assert_allclose(_run(graph, qkv), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("moves", [
+    # tokens and batch swap places: the rows come out in another order
+    [("Transpose", [], {"perm": [1, 0, 2]}, [4, 2, 24]), ("Slice", [[0], [8], [2]], {}, [4, 2, 8])],
+    # every other column: not one block
+    [("Reshape", [[2, 4, 8, 3]], {}, [2, 4, 8, 3]), ("Gather", [0], {"axis": 3}, [2, 4, 8])],
+    # all the columns: a reshape's case, left to the transposes' rule
+    [("Transpose", [], {"perm": [0, 1, 2]}, [2, 4, 24])],
+])
+def test_a_moved_input_that_is_not_a_block_of_columns_is_left(moves):
+    assert read_qkv_as_slices(_moved_attention([2, 4, 24], moves)) == {}
 
 
 # ------------------------------------------------------------------------------------------- IR-level rule

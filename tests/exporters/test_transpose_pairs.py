@@ -16,7 +16,7 @@ from test_onnx import assert_runs_like
 from torch import nn
 
 from fxforge import export_onnx
-from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs
+from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs, fold_unit_transposes
 
 
 def _value(name: str, shape: list | None) -> ir.Value:
@@ -125,3 +125,37 @@ def test_random_pairs_fold_with_the_same_values(case):
     RemoveUnusedNodesPass()(model)
     assert sum(node.op_type == "Transpose" for node in model.graph) <= 1
     np.testing.assert_array_equal(_run(model, x), expected)
+
+
+# ------------------------------------------------------------------------------------ lone unit transposes
+
+def _lone(x_shape: list, perm: list, static: bool = True) -> ir.Model:
+    """``Relu(Transpose(x, perm))``."""
+    x = _value("x", x_shape if static else None)
+    out_shape = [x_shape[d] for d in perm]
+    t = ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", perm)], outputs=[_value("t", out_shape)])
+    relu = ir.Node("", "Relu", [t.outputs[0]], outputs=[_value("y", out_shape)])
+    graph = ir.Graph([x], relu.outputs, nodes=[t, relu], opset_imports={"": 20})
+    return ir.Model(graph, ir_version=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([1, 1, 2, 3, 4]), min_size=1, max_size=5).flatmap(
+    lambda shape: st.tuples(st.just(shape), st.permutations(range(len(shape))))))
+def test_a_transpose_that_moves_only_size_1_dims_is_a_reshape(case):
+    x_shape, perm = case[0], list(case[1])
+    x = np.arange(int(np.prod(x_shape)), dtype=np.float32).reshape(x_shape)
+    model = _lone(x_shape, perm)
+    expected = _run(model, x)
+    big = [d for d in perm if x_shape[d] != 1]
+    assert fold_unit_transposes(model.graph) == (big == sorted(big))
+    assert collections.Counter(node.op_type for node in model.graph)["Transpose"] == (big != sorted(big))
+    np.testing.assert_array_equal(_run(model, x), expected)
+
+
+def test_a_unit_transpose_of_unknown_shape_or_a_graph_output_is_left():
+    assert fold_unit_transposes(_lone([1, 197, 768], [1, 0, 2], static=False).graph) == 0
+    model = _lone([1, 197, 768], [1, 0, 2])
+    transpose = next(node for node in model.graph if node.op_type == "Transpose")
+    model.graph.outputs.append(transpose.outputs[0])
+    assert fold_unit_transposes(model.graph) == 0
