@@ -55,6 +55,7 @@ from fxforge.exporters.qkv_slices import read_qkv_as_slices
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
 from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
+from fxforge.exporters.split_projections import SPLIT_PROJECTIONS, split_projections
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 from fxforge.exporters.transpose_pairs import (
     TRANSPOSE_PAIRS,
@@ -194,7 +195,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
     kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
-    one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`), RMS norms take the form
+    one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`) and a projection read only
+    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), RMS norms take the form
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
     blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
@@ -220,6 +222,10 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
         translations.used.update(read_qkv_as_slices(onnx_program.model.graph))
+        RemoveUnusedNodesPass()(onnx_program.model)  # the unpackings the slices replaced still read the product
+        split = split_projections(onnx_program.model.graph)
+        if split:
+            translations.used[SPLIT_PROJECTIONS] = split
         divided = divide_rms_norms(onnx_program.model.graph)
         if divided:
             translations.used[RMS_NORM] = divided

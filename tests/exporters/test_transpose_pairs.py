@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -16,7 +17,8 @@ from test_onnx import assert_runs_like
 from torch import nn
 
 from fxforge import export_onnx
-from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs, fold_unit_transposes
+from fxforge.exporters.qkv_slices import SLICES
+from fxforge.exporters.transpose_pairs import UNIT_TRANSPOSES, fold_transpose_pairs, fold_unit_transposes
 
 
 def _value(name: str, shape: list | None) -> ir.Value:
@@ -79,7 +81,7 @@ def test_unknown_shapes_are_refused():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_torch_multihead_attention_export(batch, tmp_path):
     """nn.MultiheadAttention (batch_first, as torchvision's ViT) through the attention rewrite and
-    MultiHeadAttention: at batch 1 the layout pairs fold away, and the file answers as eager at both."""
+    MultiHeadAttention: at batch 1 no transpose is left but the output's, and the file answers as eager at both."""
     torch.manual_seed(0)
     model = nn.MultiheadAttention(64, 4, batch_first=True).eval()
 
@@ -96,8 +98,11 @@ def test_torch_multihead_attention_export(batch, tmp_path):
     x = torch.randn(batch, 10, 64)
     result = export_onnx(wrapper, path, (x,))
     assert "attention -> com.microsoft.MultiHeadAttention: 1" in result.translations, result.translations
-    if batch == 1:  # q, k and v each lose a pair
-        assert f"{TRANSPOSE_PAIRS}: 3" in result.translations, result.translations
+    if batch == 1:  # q, k and v are read as slices of the projection; the output's transposes are reshapes
+        assert f"{SLICES}: 3" in result.translations, result.translations
+        assert f"{UNIT_TRANSPOSES}: 2" in result.translations, result.translations
+        graph = onnx.load(path).graph  # one transpose is left: the one whose result is the graph's output
+        assert [n.output[0] for n in graph.node if n.op_type == "Transpose"] == [graph.output[0].name]
     assert_runs_like(wrapper, path, torch.randn(batch, 10, 64))
 
 
