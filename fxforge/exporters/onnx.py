@@ -49,6 +49,7 @@ from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
 from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_constants
 from fxforge.exporters.channel_gates import keep_gates_blocked
+from fxforge.exporters.gathers import gather_moved_rows
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.qkv_slices import read_qkv_as_slices
@@ -196,7 +197,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
     kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
     one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`) and a projection read only
-    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), RMS norms take the form
+    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), rows moved by several copies are
+    gathered once (:mod:`~fxforge.exporters.gathers`), RMS norms take the form
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
     blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
@@ -226,6 +228,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         split = split_projections(onnx_program.model.graph)
         if split:
             translations.used[SPLIT_PROJECTIONS] = split
+        translations.used.update(gather_moved_rows(onnx_program.model.graph))
         divided = divide_rms_norms(onnx_program.model.graph)
         if divided:
             translations.used[RMS_NORM] = divided

@@ -49,12 +49,12 @@ from collections import Counter
 import numpy as np
 from onnxscript import ir
 
+from fxforge.exporters.moves import REPLAY_LIMIT, data_inputs, is_move, replay
 from fxforge.exporters.onnx_ir import (
     constant,
     constant_value,
     flattened_heads,
     float_value,
-    is_onnx_op,
     move_shape_reads,
     producer,
     same_dim,
@@ -142,10 +142,6 @@ def _unpacked(value: ir.Value | None) -> tuple[ir.Value, int, int, float | None]
     return packed, part, width, factor
 
 
-_MOVES = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Gather", "Split", "Slice")
-_REPLAY_LIMIT = 2**22  # elements of the source replayed as int64 indices (32 MiB)
-
-
 def _read_moved_block(graph: ir.Graph, attention: ir.Node, index: int) -> int:
     """The third rule on ``attention``'s input ``index``: replace it (at each of q, k, v where it is read)
     by a slice of the tensor it was moved out of, where the replay shows it is one; returns how many inputs
@@ -153,18 +149,18 @@ def _read_moved_block(graph: ir.Graph, attention: ir.Node, index: int) -> int:
     value = attention.inputs[index]
     shape = static_shape(value)
     chain, source = [], value
-    while (node := source.producer()) is not None and is_onnx_op(node, *_MOVES):
+    while (node := source.producer()) is not None and is_move(node) and data_inputs(node) == [0]:
         chain.append((node, list(node.outputs).index(source)))
         source = node.inputs[0]
     origin = static_shape(source)
-    if shape is None or origin is None or not origin or not chain or int(np.prod(origin)) > _REPLAY_LIMIT:
+    if shape is None or origin is None or not origin or not chain or int(np.prod(origin)) > REPLAY_LIMIT:
         return 0
     if not any(node.op_type in ("Transpose", "Gather", "Split") for node, _ in chain):
         return 0  # nothing is copied on the way but (at most) one slice: nothing to gain
     indices = np.arange(int(np.prod(origin)), dtype=np.int64).reshape(origin)
     moved = indices
     for node, output in reversed(chain):
-        moved = _replay(node, output, moved)
+        moved = replay(node, output, [moved])
         known = static_shape(node.outputs[output])
         if moved is None or (known is not None and list(moved.shape) != known):
             return 0  # a form not replayed, or shapes that disagree with the graph's
@@ -204,56 +200,6 @@ def _block(indices: np.ndarray, moved: np.ndarray) -> list[tuple[int, int]] | No
     block = [(int(low), int(high) + 1) for low, high in corners]
     piece = indices[tuple(slice(begin, end) for begin, end in block)]
     return block if np.array_equal(piece.reshape(-1), moved.reshape(-1)) else None
-
-
-def _replay(node: ir.Node, output: int, array: np.ndarray) -> np.ndarray | None:
-    """What data-movement ``node`` puts in its output ``output`` when its first input is ``array``, or None
-    where an operand is not a constant or the form is not one replayed (a Slice with steps other than 1)."""
-    operands = [constant(v) if v is not None else None for v in node.inputs[1:]]
-    if any(v is not None and o is None for v, o in zip(node.inputs[1:], operands)):
-        return None
-    attribute = node.attributes
-    op = node.op_type
-    if op == "Identity":
-        return array
-    if op == "Transpose":
-        perm = attribute.get_ints("perm")
-        return np.transpose(array, None if perm is None else list(perm))
-    if op == "Flatten":
-        axis = attribute.get_int("axis", 1) % (array.ndim or 1)
-        return array.reshape(int(np.prod(array.shape[:axis])), -1)
-    if op == "Reshape":
-        if operands[0] is None:
-            return None
-        copies = not attribute.get_int("allowzero", 0)  # a 0 copies the input's dim, else it is a 0
-        target = [array.shape[i] if d == 0 and copies else int(d) for i, d in enumerate(operands[0].reshape(-1).tolist())]
-        return array.reshape(target)
-    if op in ("Squeeze", "Unsqueeze"):
-        axes = operands[0] if operands else None
-        if axes is None:
-            return np.squeeze(array) if op == "Squeeze" else None
-        axes = tuple(int(a) for a in axes.reshape(-1))
-        return np.squeeze(array, axis=axes) if op == "Squeeze" else np.expand_dims(array, axes)
-    if op == "Gather":
-        return np.take(array, operands[0], axis=attribute.get_int("axis", 0))
-    if op == "Split":
-        axis = attribute.get_int("axis", 0)
-        count = len(node.outputs)
-        sizes = operands[0] if operands and operands[0] is not None else None
-        if sizes is None:
-            step = -(-array.shape[axis] // count)
-            sizes = [min(step, array.shape[axis] - i * step) for i in range(count)]
-        return np.split(array, np.cumsum(np.asarray(sizes).reshape(-1))[:-1], axis=axis)[output]
-    if op == "Slice":
-        starts, ends = operands[0].reshape(-1), operands[1].reshape(-1)
-        axes = operands[2].reshape(-1) if len(operands) > 2 and operands[2] is not None else range(len(starts))
-        if len(operands) > 3 and operands[3] is not None and np.any(operands[3] != 1):
-            return None
-        index = [slice(None)] * array.ndim
-        for axis, begin, end in zip(axes, starts, ends):
-            index[int(axis)] = slice(int(begin), int(min(end, array.shape[int(axis)])))
-        return array[tuple(index)]
-    return None
 
 
 def _dims(value: ir.Value | None) -> list | None:
