@@ -34,7 +34,7 @@ import numpy as np
 from onnxscript import ir
 
 from fxforge.exporters.moves import COPIES, REPLAY_LIMIT, data_inputs, is_move, replay
-from fxforge.exporters.onnx_ir import constant_value, float_value, static_shape
+from fxforge.exporters.onnx_ir import constant_value, float_value, register_constant, static_shape
 
 GATHERS = "rows moved by several copies (roll, window partition, zero Pad) -> one Gather"
 CANCELLED = "data movement through several copies that moves nothing -> Reshape"
@@ -97,19 +97,19 @@ def _gather(graph: ir.Graph, end: ir.Value) -> str | None:
     name = end.name or "moved"
     what = CANCELLED if np.array_equal(rows[:, 0], np.arange(0, moved.size, width)) else GATHERS
     if what == CANCELLED:  # nothing moves: the copies cancel out
-        nodes = [ir.Node("", "Reshape", [source, _constant(graph, f"{name}_unmoved_shape", moved.shape)],
+        nodes = [ir.Node("", "Reshape", [source, register_constant(graph, f"{name}_unmoved_shape", moved.shape)],
                          outputs=[ir.Value(name=f"{name}_unmoved", type=end.type, shape=ir.Shape(list(moved.shape)))])]
     else:
         group = moved.shape[-1] // width  # source rows side by side in one row of the result (a patch merge)
         picked_shape = list(moved.shape[:-1]) + ([group] if group > 1 else [])
-        flat = ir.Node("", "Reshape", [source, _constant(graph, f"{name}_rows_shape", [-1, width])], outputs=[
+        flat = ir.Node("", "Reshape", [source, register_constant(graph, f"{name}_rows_shape", [-1, width])], outputs=[
             ir.Value(name=f"{name}_flat", type=source.type, shape=ir.Shape([int(np.prod(shape)) // width, width]))])
-        picked = _constant(graph, f"{name}_rows", (rows[:, 0] // width).reshape(picked_shape))
+        picked = register_constant(graph, f"{name}_rows", (rows[:, 0] // width).reshape(picked_shape))
         nodes = [flat, ir.Node("", "Gather", [flat.outputs[0], picked], attributes=[ir.AttrInt64("axis", 0)],
                                outputs=[ir.Value(name=f"{name}_gathered", type=end.type,
                                                  shape=ir.Shape([*picked_shape, width]))])]
         if group > 1:
-            nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _constant(graph, f"{name}_merged_shape",
+            nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], register_constant(graph, f"{name}_merged_shape",
                                                                                  moved.shape)],
                                  outputs=[ir.Value(name=f"{name}_merged", type=end.type,
                                                    shape=ir.Shape(list(moved.shape)))]))
@@ -117,12 +117,6 @@ def _gather(graph: ir.Graph, end: ir.Value) -> str | None:
     end.replace_all_uses_with(nodes[-1].outputs[0])
     graph.remove([node for node in graph if node in region], safe=True)  # nothing reads them any more
     return what
-
-
-def _constant(graph: ir.Graph, name: str, numbers) -> ir.Value:
-    value = constant_value(name, np.asarray(numbers, dtype=np.int64))
-    graph.register_initializer(value)
-    return value
 
 
 def _region(end: ir.Value) -> tuple[set[ir.Node] | None, ir.Value | None]:

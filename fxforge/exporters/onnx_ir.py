@@ -74,6 +74,23 @@ def constant_value(name: str, array: np.ndarray) -> ir.Value:
     return ir.Value(name=name, const_value=ir.tensor(np.asarray(array)))
 
 
+def register_constant(graph: ir.Graph, name: str, array) -> ir.Value:
+    """A new initializer of ``graph`` holding ``array`` (an array as it is; a list or tuple of ints, such as a
+    shape, as int64), named ``name`` or, where that name is taken, ``name`` with underscores appended.
+
+    Example:
+        >>> graph = ir.Graph([], [], nodes=[])
+        >>> [register_constant(graph, "k", [1, 2]).name for _ in range(2)]
+        ['k', 'k_']
+    """
+    while name in graph.initializers:
+        name += "_"
+    array = np.asarray(array, dtype=None if isinstance(array, np.ndarray) else np.int64)
+    value = constant_value(name, np.ascontiguousarray(array))
+    graph.register_initializer(value)
+    return value
+
+
 def static_shape(value: ir.Value | None) -> list[int] | None:
     """``value``'s shape as ints when every dim is known at export time, else None.
 

@@ -57,6 +57,7 @@ from fxforge.exporters.onnx_ir import (
     float_value,
     move_shape_reads,
     producer,
+    register_constant,
     same_dim,
     static_shape,
 )
@@ -89,10 +90,8 @@ def read_qkv_as_slices(graph: ir.Graph) -> dict[str, int]:
             if factor is not None and (index == 2 or node.attributes.get_float("scale") is None):
                 continue  # a factor of v, or no scale attribute to fold it into
             old = node.inputs[index]
-            bounds = [constant_value(f"{old.name}_slice_{what}", np.array([n], np.int64))
+            bounds = [register_constant(graph, f"{old.name}_slice_{what}", [n])
                       for what, n in (("start", part * width), ("end", (part + 1) * width), ("axis", -1))]
-            for bound in bounds:
-                graph.register_initializer(bound)
             piece = ir.Node("", "Slice", [packed, *bounds], outputs=[
                 ir.Value(name=f"{old.name}_sliced", type=old.type, shape=old.shape)])
             graph.insert_after(old.producer(), [piece])
@@ -168,19 +167,14 @@ def _read_moved_block(graph: ir.Graph, attention: ir.Node, index: int) -> int:
     if block is None or list(moved.shape) != shape:
         return 0
     name = value.name
-    while f"{name}_block_starts" in graph.initializers:  # the same value read by another attention
-        name += "_"
     cut = [axis for axis, (begin, end) in enumerate(block) if (begin, end) != (0, origin[axis])]
-    bounds = [constant_value(f"{name}_block_{what}", np.array(numbers, np.int64)) for what, numbers in (
+    bounds = [register_constant(graph, f"{name}_block_{what}", numbers) for what, numbers in (
         ("starts", [block[axis][0] for axis in cut]), ("ends", [block[axis][1] for axis in cut]), ("axes", cut))]
-    for bound in bounds:
-        graph.register_initializer(bound)
     sliced = [end - begin for begin, end in block]
     nodes = [ir.Node("", "Slice", [source, *bounds], outputs=[
         ir.Value(name=f"{name}_block", type=value.type, shape=ir.Shape(sliced))])]
     if sliced != shape:
-        target = constant_value(f"{name}_block_shape", np.array(shape, np.int64))
-        graph.register_initializer(target)
+        target = register_constant(graph, f"{name}_block_shape", shape)
         nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], target], outputs=[
             ir.Value(name=f"{name}_sliced", type=value.type, shape=value.shape)]))
     graph.insert_before(attention, nodes)

@@ -38,6 +38,7 @@ from fxforge.exporters.onnx_ir import (
     float_value,
     is_onnx_op,
     producer,
+    register_constant,
     static_shape,
 )
 
@@ -66,7 +67,7 @@ def split_projections(graph: ir.Graph) -> int:
             if not rows:
                 continue
             name = piece.outputs[0].name or f"{product.name}_block"
-            bounds = [_initializer(graph, f"{name}_rows_{what}", [r[k] for r in rows])
+            bounds = [register_constant(graph, f"{name}_rows_{what}", [r[k] for r in rows])
                       for k, what in enumerate(("axes", "starts", "ends"))]
             cut = ir.Node("", "Slice", [x, bounds[1], bounds[2], bounds[0]], outputs=[ir.Value(
                 name=f"{name}_rows", type=x.type)])
@@ -81,7 +82,7 @@ def split_projections(graph: ir.Graph) -> int:
             rest = _project(graph, first, x, weight, bias, low, high)
             for piece, (begin, end) in whole:
                 name = piece.outputs[0].name
-                bounds = [_initializer(graph, f"{name}_columns_{what}", [n])
+                bounds = [register_constant(graph, f"{name}_columns_{what}", [n])
                           for what, n in (("start", begin - low), ("end", end - low), ("axis", -1))]
                 columns = ir.Node("", "Slice", [rest, *bounds], outputs=[ir.Value(
                     name=f"{name}_columns", type=piece.outputs[0].type, shape=piece.outputs[0].shape)])
@@ -96,10 +97,10 @@ def _project(graph: ir.Graph, before: ir.Node, x: ir.Value, weight: np.ndarray, 
     """``MatMul(x, weight[:, begin:end]) [+ bias[begin:end]]``, inserted before ``before``."""
     name = before.outputs[0].name or "projection"
     kind = before.outputs[0].type
-    nodes = [ir.Node("", "MatMul", [x, _initializer(graph, f"{name}_weight", weight[:, begin:end])],
+    nodes = [ir.Node("", "MatMul", [x, register_constant(graph, f"{name}_weight", weight[:, begin:end])],
                      outputs=[ir.Value(name=f"{name}_product", type=kind)])]
     if bias is not None:
-        nodes.append(ir.Node("", "Add", [nodes[-1].outputs[0], _initializer(graph, f"{name}_bias", bias[..., begin:end])],
+        nodes.append(ir.Node("", "Add", [nodes[-1].outputs[0], register_constant(graph, f"{name}_bias", bias[..., begin:end])],
                              outputs=[ir.Value(name=f"{name}_projected", type=kind)]))
     graph.insert_before(before, nodes)
     return nodes[-1].outputs[0]
@@ -181,14 +182,6 @@ def _blocks(product: ir.Value, width: int) -> list[tuple[ir.Node, list[tuple[int
         taken[columns[0]:columns[1]] = True
         blocks.append((user, rows, columns))
     return blocks
-
-
-def _initializer(graph: ir.Graph, name: str, array) -> ir.Value:
-    while name in graph.initializers:
-        name += "_"
-    value = constant_value(name, np.ascontiguousarray(array))
-    graph.register_initializer(value)
-    return value
 
 
 def _packed_projection_graph(tokens: int, width: int, slices: list) -> ir.Graph:

@@ -35,10 +35,9 @@ Example:
 
 from __future__ import annotations
 
-import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import is_onnx_op, producer, static_shape
+from fxforge.exporters.onnx_ir import is_onnx_op, producer, register_constant, static_shape
 
 TRANSPOSE_PAIRS = "Transpose + Reshape (size-1 dims) + Transpose -> one Reshape or one Transpose"
 UNIT_TRANSPOSES = "Transpose that moves only size-1 dims -> Reshape"
@@ -100,9 +99,7 @@ def fold_unit_transposes(graph: ir.Graph) -> int:
 def _replace_by_reshape(graph: ir.Graph, transpose: ir.Node, source: ir.Value, nodes: list[ir.Node]) -> None:
     """Put ``nodes`` and then ``Reshape(source)`` to ``transpose``'s static output shape in its place."""
     target = transpose.outputs[0]
-    shape = ir.Value(name=f"{target.name}_shape",
-                     const_value=ir.tensor(np.array([int(d) for d in target.shape], dtype=np.int64)))
-    graph.register_initializer(shape)
+    shape = register_constant(graph, f"{target.name}_shape", [int(d) for d in target.shape])
     nodes.append(ir.Node("", "Reshape", [source, shape], outputs=[ir.Value(
         name=f"{target.name}_folded", type=target.type, shape=target.shape)]))
     graph.insert_before(transpose, nodes)
