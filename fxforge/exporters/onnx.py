@@ -51,6 +51,7 @@ from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_
 from fxforge.exporters.channel_gates import keep_gates_blocked
 from fxforge.exporters.gathers import gather_moved_rows
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
+from fxforge.exporters.pack_projections import PACK_PROJECTIONS, pack_projections
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
 from fxforge.exporters.qkv_slices import read_qkv_as_slices
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
@@ -197,7 +198,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
     kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
     one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`) and a projection read only
-    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), rows moved by several copies are
+    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), projections of one input over few
+    rows are one product (:mod:`~fxforge.exporters.pack_projections`), rows moved by several copies are
     gathered once (:mod:`~fxforge.exporters.gathers`), RMS norms take the form
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
@@ -239,6 +241,9 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         gates, kept = keep_gates_blocked(onnx_program.model.graph)
         translations.used.update(gates)
         translations.notes.extend(f"channel gate kept as torch wrote it: {reason}" for reason in kept)
+        packed = pack_projections(onnx_program.model.graph)
+        if packed:
+            translations.used[PACK_PROJECTIONS] = packed
     for what, fold in ((TRANSPOSE_PAIRS, fold_transpose_pairs), (UNIT_TRANSPOSES, fold_unit_transposes)):
         folded = fold(onnx_program.model.graph)
         if folded:

@@ -55,11 +55,11 @@ def split_projections(graph: ir.Graph) -> int:
     """
     done = 0
     for node in list(graph):
-        found = _projection(node)
+        found = read_projection(node)
         if found is None:
             continue
         x, weight, bias, product, computed = found
-        blocks = _blocks(product, weight.shape[1])
+        blocks = sliced_blocks(product, weight.shape[1])
         if blocks is None or not any(rows for _, rows, _ in blocks):
             continue  # every row is read: one product and a Split measured the same as one product per block
         whole = [(piece, columns) for piece, rows, columns in blocks if not rows]
@@ -114,9 +114,17 @@ def _replace(graph: ir.Graph, piece: ir.Node, value: ir.Value) -> None:
     graph.remove(piece, safe=True)
 
 
-def _projection(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray | None, ir.Value, list[ir.Node]] | None:
-    """For a product ``node`` of the rule's form: x, W as [K, N], b (or None), the value the slices read and
-    the nodes that compute it (readers last)."""
+def read_projection(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray | None, ir.Value, list[ir.Node]] | None:
+    """For a projection ending at ``node`` (``MatMul(x, W)``, its ``Add`` of a constant bias, or a ``Gemm`` with
+    ``transB`` = 1): x, W as [K, N], b (or None), the product's value and the nodes that compute it (readers
+    first); else None. A ``MatMul`` whose only reader is an ``Add`` ends at that ``Add``.
+
+    Example:
+        >>> graph = _packed_projection_graph(tokens=4, width=8, slices=[((0, 4), (0, 24))])
+        >>> x, weight, bias, product, computed = read_projection(graph.node(1))
+        >>> weight.shape, bias.shape, [node.op_type for node in computed]
+        ((8, 24), (24,), ['Add', 'MatMul'])
+    """
     if is_onnx_op(node, "Gemm"):
         attributes = node.attributes
         if (attributes.get_int("transA", 0) or not attributes.get_int("transB", 0)
@@ -149,9 +157,15 @@ def _projection(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray | None,
     return matmul.inputs[0], weight, bias, node.outputs[0], [node] if node is matmul else [node, matmul]
 
 
-def _blocks(product: ir.Value, width: int) -> list[tuple[ir.Node, list[tuple[int, int, int]], tuple[int, int]]] | None:
+def sliced_blocks(product: ir.Value, width: int) -> list[tuple[ir.Node, list[tuple[int, int, int]], tuple[int, int]]] | None:
     """Each reader of ``product`` as (the Slice, its row cuts as (axis, start, end), its column range), when
-    all readers are unit-step Slices of a static-shaped product whose column ranges do not overlap; else None."""
+    all readers are unit-step Slices of a static-shaped product whose column ranges do not overlap; else None.
+
+    Example:
+        >>> graph = _packed_projection_graph(tokens=4, width=8, slices=[((0, 1), (0, 8)), ((0, 4), (8, 24))])
+        >>> [(rows, columns) for _, rows, columns in sliced_blocks(graph.node(1).outputs[0], 24)]
+        [([(1, 0, 1)], (0, 8)), ([], (8, 24))]
+    """
     shape = static_shape(product)
     if shape is None or product.is_graph_output() or not product.uses():
         return None

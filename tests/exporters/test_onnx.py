@@ -244,6 +244,7 @@ MHA, GQA = "com.microsoft:MultiHeadAttention", "com.microsoft:GroupQueryAttentio
 MASK_CHECKED = "attention mask checked at run time (a mask that masks nothing: flash attention): 1"
 KV_SLICED = "q, k, v read as slices of their packed projection: 2"  # k and v, columns of the kv projection
 UNIT_TRANSPOSED = "Transpose that moves only size-1 dims -> Reshape: 3"  # 3-d q, k, v as one head
+PACKED = "projections of one input -> one MatMul and a Split: 1"  # q and kv
 
 
 def all_onnx_ops(path: str) -> Counter:
@@ -273,16 +274,16 @@ def test_attention_becomes_an_ort_attention_kernel(case, tmp_path):
     path = str(tmp_path / "attention.onnx")
     result = export_onnx(model, path, inputs, rewrites=[])
     ops, every = onnx_ops(path), all_onnx_ops(path)
-    assert "Softmax" not in every and every["MatMul"] == 2  # the q and kv projections
+    assert "Softmax" not in every and every["MatMul"] == 1  # the q and kv projections, packed (12 rows)
     if model.causal:  # causal self-attention: GroupQueryAttention, key/value heads read in place
-        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1", KV_SLICED]
+        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1", PACKED, KV_SLICED]
         assert ops[GQA] == 1 and MHA not in every and "Expand" not in ops
         assert _attribute(path, "GroupQueryAttention", "kv_num_heads") == model.kv_heads
     elif mask is None or mask.shape[-2] != 1:  # a full [.., S, L] mask is not checked at run time
-        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", KV_SLICED]
+        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", PACKED, KV_SLICED]
         assert ops[MHA] == 1 and "If" not in ops
     else:  # a key padding mask: checked at run time, MultiHeadAttention without it (flash) or with it
-        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
+        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED, PACKED]
         assert ops["If"] == 1 and MHA not in ops and every[MHA] == 2
     assert_runs_like(model, path, torch.randn(2, 6, 32) * 2, *inputs[1:])
     if mask is not None:  # a mask that masks nothing (the If's other branch)
@@ -417,7 +418,7 @@ def test_attention_plain_on_request(tmp_path):
     model = Attention().eval()
     path = str(tmp_path / "plain.onnx")
     result = export_onnx(model, path, (torch.randn(1, 6, 32),), attention="plain")
-    assert result.translations == [] and "Softmax" in onnx_ops(path)
+    assert result.translations == [PACKED] and "Softmax" in onnx_ops(path)  # no attention kernel
 
 
 # ---------------------------------------------------------------------------------------------- models
