@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -143,6 +144,10 @@ class IOSpec:
         Raises:
             InputShapeError: the call's structure differs from the exported one, or a fixed value changed.
         """
+        names = self._positional_names
+        if names is not None and not kwargs and len(args) == len(names) and all(
+                type(value) is torch.Tensor for value in args):  # the common call: the example's tensors, in order
+            return list(zip(names, args))
         from torch.export._tree_utils import reorder_kwargs
 
         try:
@@ -162,6 +167,14 @@ class IOSpec:
             elif not _same_constant(value, what):
                 raise InputShapeError(f"an input was fixed to {what!r} at export; this call passes {value!r}")
         return feeds
+
+    @functools.cached_property
+    def _positional_names(self) -> tuple[str, ...] | None:
+        """The ONNX input names when the model takes its tensors positionally and nothing else, else None."""
+        if any(kind != "tensor" for kind, _ in self.inputs):
+            return None
+        _, flat = pytree.tree_flatten((tuple(torch.empty(0) for _ in self.inputs), {}))
+        return tuple(name for _, name in self.inputs) if flat == self.in_spec else None
 
     def outputs_from(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The model's output structure, from the ONNX outputs in order."""

@@ -149,6 +149,24 @@ def test_calls_it_was_not_exported_for():
         positional(torch.randn(2, 4), torch.randn(2, 2))
 
 
+def test_positional_tensors_take_the_short_way_and_anything_else_the_checked_one():
+    from fxforge.exporters.ort_module import IOSpec
+
+    spec = IOSpec.for_tensors(["a", "b"], 1)
+    a, b = torch.ones(1), torch.zeros(1)
+    assert spec._positional_names == ("a", "b")
+    assert spec.feeds((a, b), {}) == [("a", a), ("b", b)]
+    with pytest.raises(InputShapeError, match="structure"):
+        spec.feeds((a,), {})  # one tensor short
+    with pytest.raises(InputShapeError, match="must be a tensor"):
+        spec.feeds((a, 2.0), {})
+    with pytest.raises(InputShapeError, match="keyword inputs"):
+        spec.feeds((a,), {"b": b})
+    keywords = Structured().eval()
+    opt = fxforge.optimize(keywords, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime")
+    assert opt.io._positional_names is None  # a keyword and a fixed value: every call checked in full
+
+
 def test_shapes_the_file_does_not_take():
     model = nn.Linear(4, 3).eval()
     opt = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime", dynamic=False)
