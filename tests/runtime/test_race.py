@@ -104,6 +104,24 @@ def test_a_near_tie_goes_to_the_preferred_target_and_says_so():
     assert "a tie: inductor is preferred" in choose({"onnxruntime": 1.0, "inductor": 1.01}, 2.0)[1]
 
 
+@pytest.mark.parametrize(("eager_samples", "kept"), [([66.0] * 5 + [120.0] * 7, False),  # half disturbed
+                                                     ([66.0] * 6 + [70.0] * 6, True)])   # a quiet machine
+def test_a_disturbed_eager_reference_is_not_remembered(quiet, monkeypatch, eager_samples, kept):
+    """The remembered speed-up is over eager's median: an eager timing disturbed for most of its samples
+    would make every later re-timing look like a contradiction."""
+    def timed(calls, samples=None, **_):
+        timings = {"eager": eager_samples, "native": [30.0] * 12}
+        for name in calls:
+            samples[name] = timings[name]
+        return {name: sorted(timings[name])[len(timings[name]) // 2] for name in calls}
+
+    monkeypatch.setattr(race_module, "time_in_blocks", timed)
+    _, result = race(Scaled(1.0), (torch.randn(2),), {}, [Entrant("native", lambda: Scaled(1.0))])
+    result.load = 0.0
+    assert remembrable(result) == kept, result.notes
+    assert any("timings of eager varied more than 1.5x" in note for note in result.notes) != kept
+
+
 def test_a_race_without_a_winner_is_not_remembrable():
     assert not remembrable(Race("", "no target built and agreed with eager"))
 
