@@ -222,7 +222,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         if rewritten:
             translations.used[RESIDUAL_NORM] = rewritten
         translations.notes.extend(f"residual Add kept before LayerNormalization: {reason}" for reason in refused)
-        fold_mask_constants(onnx_program.model)
+        with quiet(log):  # the folder logs each node it could not evaluate (ORT evaluates those at run time)
+            fold_mask_constants(onnx_program.model)
         for what, count in drop_attention_guards(onnx_program.model.graph).items():
             translations.used[f"dropped: {what}"] = count
         translations.used.update(read_qkv_as_slices(onnx_program.model.graph))
