@@ -53,6 +53,7 @@ from fxforge.exporters.gathers import gather_moved_rows
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
 from fxforge.exporters.pack_projections import PACK_PROJECTIONS, pack_projections
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
+from fxforge.exporters.projected_attention import PROJECTED_ATTENTION, project_attention
 from fxforge.exporters.qkv_slices import read_qkv_as_slices
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
 from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
@@ -199,7 +200,8 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
     one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`) and a projection read only
     in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), projections of one input over few
-    rows are one product (:mod:`~fxforge.exporters.pack_projections`), rows moved by several copies are
+    rows are one product (:mod:`~fxforge.exporters.pack_projections`), attention over q, k, v projected from
+    one input is ORT's ``Attention`` (:mod:`~fxforge.exporters.projected_attention`), rows moved by several copies are
     gathered once (:mod:`~fxforge.exporters.gathers`), RMS norms take the form
     ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
     (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
@@ -245,6 +247,9 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
         packed = pack_projections(onnx_program.model.graph)
         if packed:
             translations.used[PACK_PROJECTIONS] = packed
+        projected = project_attention(onnx_program.model.graph)
+        if projected:
+            translations.used[PROJECTED_ATTENTION] = projected
     for what, fold in ((TRANSPOSE_PAIRS, fold_transpose_pairs), (UNIT_TRANSPOSES, fold_unit_transposes)):
         folded = fold(onnx_program.model.graph)
         if folded:

@@ -49,8 +49,10 @@ and the layer norms after residual adds are then where the two differ; the linea
 fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporters.residual_norm`), and
 the attention rewrite's row guards that ORT's MultiHeadAttention makes redundant are dropped
 (:mod:`fxforge.exporters.attention_guards`).
-Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x (ORT 1.31's CPU
-MultiHeadAttention does not take packed QKV), so it is not done.
+Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x at long sequences
+(ORT 1.31's CPU MultiHeadAttention does not take packed QKV); over few rows it pays
+(:mod:`~fxforge.exporters.pack_projections`), and over at most 512 keys the projections and the attention
+become ORT's ``Attention``, which projects q, k and v itself (:mod:`~fxforge.exporters.projected_attention`).
 
 Activations (:data:`fxforge.rewrites.fused_ops.ACTIVATIONS`): ``relu`` -> ``Relu``; ``hardtanh`` -> ``Clip``;
 ``leaky_relu`` -> ``LeakyRelu``; ``gelu``/``gelu_tanh`` -> ``Gelu`` (opset >= 20; below, its erf / tanh

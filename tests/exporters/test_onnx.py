@@ -246,6 +246,8 @@ MASK_CHECKED = "attention mask checked at run time (a mask that masks nothing: f
 KV_SLICED = "q, k, v read as slices of their packed projection: 2"  # k and v, columns of the kv projection
 UNIT_TRANSPOSED = "Transpose that moves only size-1 dims -> Reshape: 3"  # 3-d q, k, v as one head
 PACKED = "projections of one input -> one MatMul and a Split: 1"  # q and kv
+PROJECTED = "MultiHeadAttention over q, k, v projected from one input -> com.microsoft.Attention: 1"
+ATTENTION = "com.microsoft:Attention"
 
 
 def all_onnx_ops(path: str) -> Counter:
@@ -275,14 +277,15 @@ def test_attention_becomes_an_ort_attention_kernel(case, tmp_path):
     path = str(tmp_path / "attention.onnx")
     result = export_onnx(model, path, inputs, rewrites=[])
     ops, every = onnx_ops(path), all_onnx_ops(path)
-    assert "Softmax" not in every and every["MatMul"] == 1  # the q and kv projections, packed (12 rows)
+    # the q and kv projections packed into one (12 rows); inside ORT's Attention where it projects them itself
+    assert "Softmax" not in every and every["MatMul"] + every[ATTENTION] == 1
     if model.causal:  # causal self-attention: GroupQueryAttention, key/value heads read in place
         assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1", PACKED, KV_SLICED]
         assert ops[GQA] == 1 and MHA not in every and "Expand" not in ops
         assert _attribute(path, "GroupQueryAttention", "kv_num_heads") == model.kv_heads
     elif mask is None or mask.shape[-2] != 1:  # a full [.., S, L] mask is not checked at run time
-        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", PACKED, KV_SLICED]
-        assert ops[MHA] == 1 and "If" not in ops
+        assert result.translations == [PROJECTED, "attention -> com.microsoft.MultiHeadAttention: 1", PACKED, KV_SLICED]
+        assert ops[ATTENTION] == 1 and MHA not in ops and "If" not in ops
     else:  # a key padding mask: checked at run time, MultiHeadAttention without it (flash) or with it
         assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED, PACKED]
         assert ops["If"] == 1 and MHA not in ops and every[MHA] == 2

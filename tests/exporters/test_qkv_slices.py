@@ -18,6 +18,7 @@ from torch import nn
 
 from fxforge import export_onnx
 from fxforge.exporters.onnx_ir import constant_value, float_value
+from fxforge.exporters.projected_attention import PROJECTED_ATTENTION
 from fxforge.exporters.qkv_slices import SCALE, SLICES, _unpacked_attention_graph, read_qkv_as_slices
 
 
@@ -66,8 +67,10 @@ def test_window_attention_reads_slices_and_folds_the_scale(tmp_path):
     path = str(tmp_path / "window.onnx")
     result = export_onnx(model, path, (torch.randn(3, 16, 32),))
     assert f"{SLICES}: 3" in result.translations and f"{SCALE}: 1" in result.translations, result.translations
-    assert five_d_transposes(path) == 0 and onnx_ops(path)["Slice"] == 3
-    attention = next(n for n in onnx.load(path).graph.node if n.op_type == "MultiHeadAttention")
+    # q, k and v, the slices' columns, are then projected inside ORT's Attention (projected_attention)
+    assert f"{PROJECTED_ATTENTION}: 1" in result.translations, result.translations
+    assert five_d_transposes(path) == 0 and onnx_ops(path)["Slice"] == 0
+    attention = next(n for n in onnx.load(path).graph.node if n.op_type == "Attention")
     assert next(a.f for a in attention.attribute if a.name == "scale") == np.float32(16 ** -0.5)
     x = torch.randn(3, 16, 32)
     x[1, 4, 7] = float("nan")  # a NaN token: its query row and every row's key at it
@@ -110,7 +113,8 @@ def test_torch_multihead_attention_reads_columns(batch, tmp_path):
     ops = onnx_ops(path)
     if batch == 1:
         assert f"{SLICES}: 3" in result.translations, result.translations
-        assert five_d_transposes(path) == 0 and "Gather" not in ops and ops["Slice"] == 3, ops
+        assert f"{PROJECTED_ATTENTION}: 1" in result.translations, result.translations  # the slices' columns
+        assert five_d_transposes(path) == 0 and "Gather" not in ops and ops["Slice"] == 0, ops
     else:
         assert not any(line.startswith(SLICES) for line in result.translations), result.translations
         assert five_d_transposes(path) == 1, ops
