@@ -9,6 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import TRANSFORMERS
 from onnxscript import ir
 from test_onnx import Attention, _mask, all_onnx_ops, assert_runs_like
@@ -65,33 +67,37 @@ def test_split_thirds_become_one_attention(bias, bad):
 
 
 def _separate_projections_graph(tokens: int, *, biases=(True, False, True), x_for_v: bool = False,
-                                 widths=(16, 16, 16), regroup: bool = False) -> ir.Graph:
-    """MultiHeadAttention over three separate projections of x [1, tokens, 16] (or [tokens, 1, 16] reshaped
-    to [1, tokens, 16] with ``regroup``); v of another input with ``x_for_v``."""
+                                 widths=None, regroup: bool = False, width: int = 16, heads: int = 2,
+                                 batch: int = 1) -> ir.Graph:
+    """MultiHeadAttention (``heads``, scale 0.3) over three separate projections of x [batch, tokens, width]
+    (or [tokens, 1, width] reshaped to [1, tokens, width] with ``regroup``); v of another input with
+    ``x_for_v``."""
     rng = np.random.default_rng(0)
-    shape = [tokens, 1, 16] if regroup else [1, tokens, 16]
+    widths = widths or (width,) * 3
+    shape = [tokens, 1, width] if regroup else [batch, tokens, width]
     x, other = float_value("x", shape), float_value("other", shape)
     nodes, numbers = [], []
     parts = []
-    for k, (name, width) in enumerate(zip("qkv", widths)):
-        weight = constant_value(f"w{name}", (rng.standard_normal((16, width)) * 0.25).astype(np.float32))
+    for k, (name, part) in enumerate(zip("qkv", widths)):
+        weight = constant_value(f"w{name}", (rng.standard_normal((shape[-1], part)) * 0.25).astype(np.float32))
         numbers.append(weight)
         source = other if x_for_v and name == "v" else x
-        nodes.append(ir.Node("", "MatMul", [source, weight], outputs=[float_value(f"{name}w", [*shape[:2], width])]))
+        nodes.append(ir.Node("", "MatMul", [source, weight], outputs=[float_value(f"{name}w", [*shape[:2], part])]))
         if biases[k]:
-            bias = constant_value(f"b{name}", rng.standard_normal(width).astype(np.float32))
+            bias = constant_value(f"b{name}", rng.standard_normal(part).astype(np.float32))
             numbers.append(bias)
-            nodes.append(ir.Node("", "Add", [nodes[-1].outputs[0], bias], outputs=[float_value(name, [*shape[:2], width])]))
+            nodes.append(ir.Node("", "Add", [nodes[-1].outputs[0], bias], outputs=[float_value(name, [*shape[:2], part])]))
         if regroup:
-            target = constant_value(f"shape_{name}", np.array([1, tokens, width], np.int64))
+            target = constant_value(f"shape_{name}", np.array([1, tokens, part], np.int64))
             numbers.append(target)
             nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], target],
-                                 outputs=[float_value(f"{name}_rows", [1, tokens, width])]))
+                                 outputs=[float_value(f"{name}_rows", [1, tokens, part])]))
         parts.append(nodes[-1].outputs[0])
-    attention = ir.Node(MSFT, "MultiHeadAttention", parts, attributes=[ir.AttrInt64("num_heads", 2),
+    out = [1 if regroup else batch, tokens, widths[2]]
+    attention = ir.Node(MSFT, "MultiHeadAttention", parts, attributes=[ir.AttrInt64("num_heads", heads),
                                                                        ir.AttrFloat32("scale", 0.3)],
-                        outputs=[float_value("o", [1, tokens, widths[2]])])
-    identity = ir.Node("", "Identity", attention.outputs, outputs=[float_value("y", [1, tokens, widths[2]])])
+                        outputs=[float_value("o", out)])
+    identity = ir.Node("", "Identity", attention.outputs, outputs=[float_value("y", out)])
     return ir.Graph([x, other], identity.outputs, nodes=[*nodes, attention, identity], initializers=numbers,
                     opset_imports={"": 20, MSFT: 1}, name="separate")
 
@@ -194,3 +200,25 @@ def test_a_sequence_first_attention_at_batch_one_reads_its_input_regrouped(tmp_p
     x[4, 0, 0] = float("inf")
     assert_runs_like(model, path, x)
     assert_runs_like(model, path, torch.randn(9, 1, 32) * 5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 12), st.sampled_from([(1, 8), (2, 8), (2, 16), (4, 16)]),
+       st.booleans(), st.sampled_from(["split", "separate"]), st.sampled_from([None, "nan", "inf", "-inf row"]))
+def test_random_attentions_answer_as_before(batch, tokens, heads_width, bias, form, bad):
+    """Random batch, token count, heads, width, attention bias and bad values, packed or separate projections."""
+    heads, width = heads_width
+    if form == "split":
+        graph = _split_attention_graph(tokens=tokens, width=width, heads=heads, bias=bias, batch=batch)
+    else:
+        graph = _separate_projections_graph(tokens, biases=(bias, not bias, True), width=width, heads=heads,
+                                            batch=batch)
+    rng = np.random.default_rng(tokens * 7 + batch)
+    feeds = {value.name: rng.standard_normal([int(d) for d in value.shape]).astype(np.float32) for value in graph.inputs}
+    if bad in ("nan", "inf"):
+        feeds["x"][batch - 1, tokens // 2, 0] = float(bad)
+    if bad == "-inf row" and "attention_bias" in feeds:
+        feeds["attention_bias"][0, heads - 1, tokens - 1, :] = -np.inf
+    expected = _run(graph, feeds)
+    assert project_attention(graph) == 1
+    _assert_same(_run(graph, feeds), expected)
