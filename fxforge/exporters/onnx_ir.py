@@ -103,6 +103,31 @@ def static_shape(value: ir.Value | None) -> list[int] | None:
     return [int(d) for d in value.shape]
 
 
+def slice_ranges(node: ir.Node, shape: list[int]) -> list[tuple[int, int, int]] | None:
+    """What a unit-step ``Slice`` of a value of static ``shape`` keeps: ``(axis, begin, stop)`` per axis it
+    names (axes counted from 0), or None where its bounds are not constants or a step is not 1.
+
+    Example:
+        >>> starts, ends, axes = (constant_value(n, np.array(v)) for n, v in (("s", [1]), ("e", [-1]), ("a", [-1])))
+        >>> slice_ranges(ir.Node("", "Slice", [ir.Value(name="x"), starts, ends, axes]), [2, 6])
+        [(1, 1, 5)]
+    """
+    bounds = [constant(v) if v is not None else None for v in node.inputs[1:]]
+    if len(bounds) < 2 or bounds[0] is None or bounds[1] is None or any(
+            v is not None and b is None for v, b in zip(node.inputs[3:], bounds[2:])):
+        return None
+    if len(bounds) > 3 and bounds[3] is not None and np.any(bounds[3] != 1):
+        return None
+    starts, ends = bounds[0].reshape(-1).tolist(), bounds[1].reshape(-1).tolist()
+    axes = bounds[2].reshape(-1).tolist() if len(bounds) > 2 and bounds[2] is not None else list(range(len(starts)))
+    ranges = []
+    for axis, start, end in zip(axes, starts, ends):
+        axis %= len(shape)
+        kept = range(shape[axis])[slice(start, end)]
+        ranges.append((axis, kept.start, kept.stop))
+    return ranges
+
+
 def same_dim(a: object, b: object) -> bool:
     """Whether two dims of value shapes are known to be equal: the same int, or the same named dim.
 

@@ -48,6 +48,7 @@ from fxforge.exporters.onnx_ir import (
     is_onnx_op,
     register_constant,
     same_dim,
+    slice_ranges,
     static_shape,
 )
 from fxforge.exporters.split_projections import read_projection
@@ -199,21 +200,14 @@ def _split_block(split: ir.Node, value: ir.Value, width: int) -> tuple[int, int]
 def _slice_block(piece: ir.Node, product: ir.Value) -> tuple[int, int] | None:
     """The columns a unit-step ``Slice`` of the product's last axis holds (every other axis whole)."""
     shape = static_shape(product)
-    bounds = [constant(v) if v is not None else None for v in piece.inputs[1:]]
-    if shape is None or len(bounds) < 2 or bounds[0] is None or bounds[1] is None or any(
-            v is not None and b is None for v, b in zip(piece.inputs[3:], bounds[2:])):
-        return None
-    starts, ends = bounds[0].reshape(-1).tolist(), bounds[1].reshape(-1).tolist()
-    axes = bounds[2].reshape(-1).tolist() if len(bounds) > 2 and bounds[2] is not None else list(range(len(starts)))
-    if len(bounds) > 3 and bounds[3] is not None and np.any(bounds[3] != 1):
+    ranges = None if shape is None else slice_ranges(piece, shape)
+    if ranges is None:
         return None
     columns = None
-    for axis, start, end in zip(axes, starts, ends):
-        axis %= len(shape)
-        kept = range(shape[axis])[slice(start, end)]
+    for axis, begin, stop in ranges:
         if axis == len(shape) - 1:
-            columns = (kept.start, kept.stop)
-        elif (kept.start, kept.stop) != (0, shape[axis]):
+            columns = (begin, stop)
+        elif (begin, stop) != (0, shape[axis]):
             return None
     return columns if columns is not None and columns[1] > columns[0] else None
 

@@ -39,6 +39,7 @@ from fxforge.exporters.onnx_ir import (
     is_onnx_op,
     producer,
     register_constant,
+    slice_ranges,
     static_shape,
 )
 
@@ -173,18 +174,11 @@ def sliced_blocks(product: ir.Value, width: int) -> list[tuple[ir.Node, list[tup
     for user, index in product.uses():
         if not is_onnx_op(user, "Slice") or index != 0 or user.outputs[0].is_graph_output():
             return None
-        bounds = [constant(v) if v is not None else None for v in user.inputs[1:]]
-        if len(bounds) < 2 or bounds[0] is None or bounds[1] is None or any(
-                v is not None and b is None for v, b in zip(user.inputs[3:], bounds[2:])):
-            return None
-        starts, ends = bounds[0].reshape(-1).tolist(), bounds[1].reshape(-1).tolist()
-        axes = bounds[2].reshape(-1).tolist() if len(bounds) > 2 and bounds[2] is not None else list(range(len(starts)))
-        if len(bounds) > 3 and bounds[3] is not None and np.any(bounds[3] != 1):
+        ranges = slice_ranges(user, shape)
+        if ranges is None:
             return None
         rows, columns = [], (0, width)
-        for axis, start, end in zip(axes, starts, ends):
-            axis %= len(shape)
-            begin, stop = range(shape[axis])[slice(start, end)].start, range(shape[axis])[slice(start, end)].stop
+        for axis, begin, stop in ranges:
             if stop <= begin:
                 return None
             if axis == len(shape) - 1:
