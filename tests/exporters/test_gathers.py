@@ -6,12 +6,12 @@ import collections
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import run_graph
 from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
@@ -22,9 +22,7 @@ from fxforge.exporters.onnx_ir import constant_value, float_value
 
 
 def _run(graph: ir.Graph, x: np.ndarray) -> np.ndarray:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0]
+    return run_graph(graph, {"x": x})[0]
 
 
 def _ops(graph: ir.Graph) -> collections.Counter:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import op_counts, run_graph
 from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
@@ -27,13 +25,7 @@ from fxforge.exporters.pack_projections import (
 
 
 def _run(graph: ir.Graph, x: np.ndarray) -> list[np.ndarray]:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})
-
-
-def _ops(graph: ir.Graph) -> collections.Counter:
-    return collections.Counter(node.op_type for node in graph)
+    return run_graph(graph, {"x": x})
 
 
 @pytest.mark.parametrize("outputs", [[8, 8, 8], [8, 2, 2], [16, 16]])
@@ -44,7 +36,7 @@ def test_projections_of_one_input_become_one_product(outputs, bias):
     x[0, 3, 2] = np.nan  # a NaN row stays in its row of every output
     expected = _run(graph, x)
     assert pack_projections(graph) == 1
-    ops = _ops(graph)
+    ops = op_counts(graph)
     assert (ops["MatMul"], ops["Split"], ops["Add"]) == (1, 1, int(bias))
     for got, want in zip(_run(graph, x), expected):
         assert got.shape == want.shape
@@ -70,7 +62,7 @@ def test_a_gemm_is_read_as_a_projection():
     data = rng.standard_normal([4, 8]).astype(np.float32)
     expected = _run(graph, data)
     assert pack_projections(graph) == 1
-    assert _ops(graph)["Gemm"] == 0
+    assert op_counts(graph)["Gemm"] == 0
     for got, want in zip(_run(graph, data), expected):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -78,7 +70,7 @@ def test_a_gemm_is_read_as_a_projection():
 def test_more_rows_than_pay_are_left():
     graph = _projections_graph(tokens=MAX_ROWS + 1, width=8, outputs=[8, 8, 8], bias=True)
     assert pack_projections(graph) == 0
-    assert _ops(graph)["MatMul"] == 3
+    assert op_counts(graph)["MatMul"] == 3
 
 
 def test_a_dynamic_row_count_is_left():
@@ -180,7 +172,7 @@ def test_random_projections_answer_as_before(rows, widths, bias, readers, flat):
     expected = _run(graph, data)
     assert pack_projections(graph) == 1
     sliced = any(reader == "columns" and width >= 2 for reader, width in zip(readers, widths))
-    assert _ops(graph)["MatMul"] == 1 and _ops(graph)["Split"] == (0 if sliced else 1)  # slices read the columns
+    assert op_counts(graph)["MatMul"] == 1 and op_counts(graph)["Split"] == (0 if sliced else 1)  # slices read the columns
     for got, want in zip(_run(graph, data), expected):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import op_counts, run_graph
 from models import TRANSFORMERS
 from onnxscript import ir
 from test_onnx import Attention, _mask, all_onnx_ops, assert_runs_like
@@ -31,13 +31,11 @@ MSFT = "com.microsoft"
 
 
 def _run(graph: ir.Graph, feeds: dict) -> np.ndarray:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return run_graph(graph, feeds)[0]
 
 
 def _ops(graph: ir.Graph) -> collections.Counter:
-    return collections.Counter(node.op_type for node in ir.traversal.RecursiveGraphIterator(graph))
+    return op_counts(graph, subgraphs=True)
 
 
 def _assert_same(got: np.ndarray, want: np.ndarray) -> None:

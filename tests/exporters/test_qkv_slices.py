@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import run_graph
 from onnxscript import ir
 from test_onnx import assert_runs_like, onnx_ops
 from torch import nn
@@ -177,11 +177,7 @@ def test_a_moved_input_that_is_not_a_block_of_columns_is_left(moves):
 # ------------------------------------------------------------------------------------------- IR-level rule
 
 def _run(graph: ir.Graph, qkv: np.ndarray) -> np.ndarray:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"qkv": qkv})[0]
+    return run_graph(graph, {"qkv": qkv})[0]
 
 
 def _node(graph: ir.Graph, op_type: str) -> ir.Node:

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import run_graph
 from onnxscript import ir
 from test_onnx import onnx_ops
 from test_onnx_dynamic import assert_matches_eager
@@ -174,8 +174,7 @@ def _feeds(length: int, head: int, heads: int, kv_heads: int, seed: int) -> dict
 
 
 def _run(graph: ir.Graph, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return run_graph(graph, feeds)[0]
 
 
 def _refusal(graph: ir.Graph) -> str:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from ir_graphs import op_counts, run_graph
 from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
@@ -19,13 +17,7 @@ from fxforge.exporters.split_projections import SPLIT_PROJECTIONS, _packed_proje
 
 
 def _run(graph: ir.Graph, x: np.ndarray) -> list[np.ndarray]:
-    proto = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
-    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})
-
-
-def _ops(graph: ir.Graph) -> collections.Counter:
-    return collections.Counter(node.op_type for node in graph)
+    return run_graph(graph, {"x": x})
 
 
 @pytest.mark.parametrize("slices, split, products", [
@@ -40,7 +32,7 @@ def test_blocks_that_read_some_rows_get_their_own_product(slices, split, product
     x[0, 4, 3] = np.nan  # a NaN in a row only k and v read
     expected = _run(graph, x)
     assert split_projections(graph) == split
-    assert _ops(graph)["MatMul"] == products
+    assert op_counts(graph)["MatMul"] == products
     for got, want in zip(_run(graph, x), expected):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -52,7 +44,7 @@ def test_blocks_that_read_some_rows_get_their_own_product(slices, split, product
 def test_other_readings_are_left(slices):
     graph = _packed_projection_graph(tokens=5, width=8, slices=slices)
     assert split_projections(graph) == 0
-    assert _ops(graph)["MatMul"] == 1
+    assert op_counts(graph)["MatMul"] == 1
 
 
 def test_a_product_read_whole_somewhere_is_left():
