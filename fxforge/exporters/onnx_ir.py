@@ -103,6 +103,22 @@ def static_shape(value: ir.Value | None) -> list[int] | None:
     return [int(d) for d in value.shape]
 
 
+def columns_slice(graph: ir.Graph, value: ir.Value, begin: int, end: int, like: ir.Value, name: str) -> ir.Node:
+    """A ``Slice`` of ``value``'s last axis, ``begin:end``, whose output is named ``name`` and typed and shaped
+    like ``like`` (the value it stands for); its bounds are new initializers of ``graph``, the node is left for
+    the caller to insert.
+
+    Example:
+        >>> graph = ir.Graph([], [], nodes=[])
+        >>> piece = columns_slice(graph, float_value("p", [2, 6]), 1, 3, float_value("q", [2, 2]), "q_columns")
+        >>> piece.op_type, [constant(v).tolist() for v in piece.inputs[1:]], piece.outputs[0].shape
+        ('Slice', [[1], [3], [-1]], Shape([2, 2]))
+    """
+    bounds = [register_constant(graph, f"{name}_{what}", [n]) for what, n in (("start", begin), ("end", end),
+                                                                               ("axis", -1))]
+    return ir.Node("", "Slice", [value, *bounds], outputs=[ir.Value(name=name, type=like.type, shape=like.shape)])
+
+
 def slice_ranges(node: ir.Node, shape: list[int]) -> list[tuple[int, int, int]] | None:
     """What a unit-step ``Slice`` of a value of static ``shape`` keeps: ``(axis, begin, stop)`` per axis it
     names (axes counted from 0), or None where its bounds are not constants or a step is not 1.

@@ -31,7 +31,13 @@ from __future__ import annotations
 import numpy as np
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import constant_value, float_value, register_constant, static_shape
+from fxforge.exporters.onnx_ir import (
+    columns_slice,
+    constant_value,
+    float_value,
+    register_constant,
+    static_shape,
+)
 from fxforge.exporters.split_projections import read_projection, sliced_blocks
 
 PACK_PROJECTIONS = "projections of one input -> one MatMul and a Split"
@@ -84,13 +90,12 @@ def _pack(graph: ir.Graph, members: list[tuple]) -> None:
                              outputs=[ir.Value(name=f"{name}_projected", type=kind, shape=shape)]))
     graph.insert_before(first, nodes)
     packed, offset, parts = nodes[-1].outputs[0], 0, []
-    for (_, _, _, product, computed), width in zip(members, widths):
+    for (_, _, _, product, _), width in zip(members, widths):
         blocks = sliced_blocks(product, width)
         if blocks and not any(rows for _, rows, _ in blocks):  # column slices: read the packed product's
             for piece, _, (begin, end) in blocks:
-                bounds = [register_constant(graph, f"{name}_columns", [n]) for n in (offset + begin, offset + end, -1)]
-                columns = ir.Node("", "Slice", [packed, *bounds], outputs=[ir.Value(
-                    name=f"{piece.outputs[0].name}_packed", type=kind, shape=piece.outputs[0].shape)])
+                columns = columns_slice(graph, packed, offset + begin, offset + end, piece.outputs[0],
+                                        f"{piece.outputs[0].name}_packed")
                 graph.insert_before(piece, [columns])
                 piece.outputs[0].replace_all_uses_with(columns.outputs[0])
                 graph.remove(piece, safe=True)
@@ -103,14 +108,14 @@ def _pack(graph: ir.Graph, members: list[tuple]) -> None:
                         outputs=[ir.Value(name=f"{product.name or 'projection'}_part", type=kind, shape=product.shape)
                                  for product, *_ in parts])
         graph.insert_after(nodes[-1], [split])
-        for (product, *_), part in zip(parts, split.outputs):
-            product.replace_all_uses_with(part)
-    for product, offset, width in ([] if len(parts) == len(members) else parts):  # the others' columns
-        bounds = [register_constant(graph, f"{name}_columns", [n]) for n in (offset, offset + width, -1)]
-        columns = ir.Node("", "Slice", [packed, *bounds], outputs=[ir.Value(
-            name=f"{product.name or 'projection'}_part", type=kind, shape=product.shape)])
-        graph.insert_after(nodes[-1], [columns])
-        product.replace_all_uses_with(columns.outputs[0])
+        outputs = split.outputs
+    else:  # the others' columns, one Slice each
+        pieces = [columns_slice(graph, packed, begin, begin + width, product, f"{product.name or 'projection'}_part")
+                  for product, begin, width in parts]
+        graph.insert_after(nodes[-1], pieces)
+        outputs = [piece.outputs[0] for piece in pieces]
+    for (product, *_), part in zip(parts, outputs):
+        product.replace_all_uses_with(part)
     for *_, computed in members:
         graph.remove(computed, safe=True)
 

@@ -33,6 +33,7 @@ import numpy as np
 from onnxscript import ir
 
 from fxforge.exporters.onnx_ir import (
+    columns_slice,
     constant,
     constant_value,
     float_value,
@@ -82,11 +83,8 @@ def split_projections(graph: ir.Graph) -> int:
                 continue
             rest = _project(graph, first, x, weight, bias, low, high)
             for piece, (begin, end) in whole:
-                name = piece.outputs[0].name
-                bounds = [register_constant(graph, f"{name}_columns_{what}", [n])
-                          for what, n in (("start", begin - low), ("end", end - low), ("axis", -1))]
-                columns = ir.Node("", "Slice", [rest, *bounds], outputs=[ir.Value(
-                    name=f"{name}_columns", type=piece.outputs[0].type, shape=piece.outputs[0].shape)])
+                columns = columns_slice(graph, rest, begin - low, end - low, piece.outputs[0],
+                                        f"{piece.outputs[0].name}_columns")
                 graph.insert_before(piece, [columns])
                 _replace(graph, piece, columns.outputs[0])
         graph.remove(computed, safe=True)  # the whole product, which nothing reads any more
