@@ -27,13 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.core import units
+
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
           "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
-_BUDGET = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb)?$", re.IGNORECASE)
-_BYTE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 class CommandError(Exception):
@@ -98,7 +97,8 @@ def parse_rewrites(text: str) -> list[str]:
 
 def parse_budget(text: str) -> int | str:
     """A memory budget: ``60%`` (of the step's activation peak without checkpointing, kept as the text
-    ``"60%"``), or a size in bytes (``2GiB``, ``512MiB``, ``1.5GB``, ``3000000``) as an int.
+    ``"60%"``), or a size in bytes (``2GiB``, ``512MiB``, ``1.5GB``, ``3000000``) as an int; read by
+    :func:`fxforge.core.units.parse_budget` (binary ``KiB``/``MiB``/``GiB``, decimal ``kB``/``MB``/``GB``).
 
     Raises:
         argparse.ArgumentTypeError: not a percentage or a size, a percentage outside (0, 100], or 0 bytes.
@@ -107,19 +107,11 @@ def parse_budget(text: str) -> int | str:
         >>> parse_budget("60%"), parse_budget("2GiB"), parse_budget("1.5kb"), parse_budget("4096")
         ('60%', 2147483648, 1500, 4096)
     """
-    match = _BUDGET.match(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"malformed budget {text!r}; write a percentage (60%) or a size "
-                                         "(2GiB, 512MiB, 1.5GB or bytes)")
-    number, unit = float(match.group(1)), (match.group(2) or "b").lower()
-    if unit == "%":
-        if not 0 < number <= 100:
-            raise argparse.ArgumentTypeError(f"budget {text!r}: a percentage must be above 0% and at most 100%")
-        return f"{number:g}%"
-    size = int(number * _BYTE_UNITS[unit])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"budget {text!r}: a size must be at least 1 byte")
-    return size
+    try:
+        kind, value = units.parse_budget(text, name="budget")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return f"{value * 100:g}%" if kind == "fraction" else int(value)
 
 
 def parse_model_args(text: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fxforge.core.nodes import named_submodule
+from fxforge.core.units import parse_budget
 from fxforge.pipeline.columns import column_plans
 from fxforge.pipeline.restructure import pipeline_ready
 from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
@@ -41,7 +42,6 @@ from fxforge.pipeline.split import (
 )
 from fxforge.pipeline.units import StageUnits, stage_units
 from fxforge.runtime.roofline import Machine
-from fxforge.training.checkpointing import parse_budget
 
 POLICIES = ("fxforge", "even-layers", "parameters")
 """How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or
