@@ -44,7 +44,7 @@ def to_channels_last(gm: torch.fx.GraphModule) -> int:
             continue  # an input the graph changes in place is changed where the caller holds it, not in a copy
         with graph.inserting_after(node):
             converted = graph.call_function(aten.contiguous.default, (node,), {"memory_format": formats[val.dim()]})
-        node.replace_all_uses_with(converted, delete_user_cb=converted.__ne__)
+        node.replace_all_uses_with(converted, delete_user_cb=lambda user, new=converted: user is not new)
         count += 1
     output = next(n for n in graph.nodes if n.op == "output")
 
