@@ -13,12 +13,14 @@ from fxforge.capture import CaptureError, capture
 from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.exporters import ExportError, OnnxRuntimeModule
+from fxforge.exporters.export import export_onnx
 from fxforge.exporters.pt2 import load
+from fxforge.lowering.build import rewrite
 from fxforge.pipeline import Partition, partition
-from fxforge.planner import export_onnx, profile, rewrite
 from fxforge.rewrites.passes import Pass
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile import Profile
+from fxforge.runtime.profile.subjects import profile
 from fxforge.training import TrainingMemory, training_memory
 
 __all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass", "Profile", "Report", "TrainingMemory",

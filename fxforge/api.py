@@ -1,7 +1,6 @@
-"""The public entry points that wrap a model: ``optimize`` (function and decorator).
+"""The public entry point that wraps a model: ``optimize`` (function and decorator), a thin door to the targets.
 
 Example:
-    >>> import torch, fxforge
     >>> opt = fxforge.optimize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.ones(2, 4),))
     >>> opt(torch.ones(2, 4)).shape
     torch.Size([2, 4])
@@ -12,18 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from fxforge.planner import EXPORT_OPTIONS, checkpointed, optimized
 from fxforge.rewrites.registry import resolve
-
-TARGETS = ("native", "onnxruntime", "inductor", "auto")
-# Options each target takes besides rewrites, verify and method.
-TARGET_OPTIONS = {
-    "native": ("tuning", "dynamic_shapes", "max_plans"),
-    "inductor": ("dynamic_shapes", "max_plans"),
-    "auto": ("targets", "budget_s", "max_plans"),
-    "onnxruntime": tuple(o for o in EXPORT_OPTIONS if o not in ("rewrites", "verify", "method"))
-    + ("path", "providers", "session_options", "intra_op_num_threads"),
-}
+from fxforge.targets import lookup
 
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
@@ -45,7 +34,7 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     With ``target="auto"`` every target (``targets=``, by default all three) is built, checked against eager
     on fresh inputs and timed against the others on the example inputs, and the fastest is returned, its
     ``report.race`` listing every contender's latency, prepare time and error, and why it won (see
-    :func:`fxforge.planner.auto_module`). ``budget_s`` (default 300) bounds the search: a build that would
+    :mod:`fxforge.targets.auto`). ``budget_s`` (default 300) bounds the search: a build that would
     not fit in what is left (Inductor's compile, estimated from the graph's size) is skipped with that
     reason. The choice is remembered on disk per model structure, input signature, machine and library
     versions, so the next optimize of the same model builds only the winner (``FXFORGE_TARGET_CACHE=0``
@@ -98,6 +87,10 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
             ``intra_op_num_threads`` (the session's). For ``"auto"``: ``targets`` (a list of the three),
             ``budget_s`` (seconds, None for no limit), ``max_plans``.
 
+    Each target is one module of :mod:`fxforge.targets` (``fxforge.targets.TARGETS`` lists them, with what
+    each serves: ``TARGETS[name].contract``); this function checks the options once and hands the model to
+    the target.
+
     Raises:
         ValueError: an unknown target or rewrite name (checked before anything runs).
         TypeError: an option the target does not take.
@@ -114,38 +107,12 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         >>> ort_net(-torch.ones(4, 3)).shape, ort_net.providers[-1]
         (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
+    chosen = lookup(target)
     if memory_budget is not None:
-        unknown = sorted(set(target_options) - {"optimizer", "loss", "autocast", "check"})
-        if target not in ("native", "inductor") or unknown:
-            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss=, "
-                            f"autocast= and check=, not target={target!r}" + (f" or {', '.join(unknown)}" if unknown else ""))
-        return checkpointed(model, example_inputs, memory_budget, target=target, **target_options)
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; available targets: {', '.join(TARGETS)}")
-    allowed = TARGET_OPTIONS[target]
-    unknown = sorted(set(target_options) - set(allowed))
-    if unknown:
-        raise TypeError(f"target {target!r} does not take {', '.join(unknown)}; it takes {', '.join(allowed)}")
-    if target == "auto":
-        _check_auto(model, example_inputs, target_options.get("targets"))
+        return chosen.checkpointed(model, example_inputs, memory_budget, **target_options)
+    options = chosen.check({"rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
+                            **target_options})
     resolve(rewrites)  # fail early on an unknown rewrite name
-    if dynamic not in (None, True, False):
-        raise TypeError(f"dynamic takes None, True or False, got {dynamic!r}")
-    options = {"target": target, "rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
-               **target_options}
     if model is None:
-        return functools.partial(optimize, example_inputs=example_inputs, **options)
-    return optimized(model, example_inputs, **options)
-
-
-def _check_auto(model: Any, example_inputs: Any, targets: Any) -> None:
-    """``target="auto"``'s usage: an instance, example inputs to race on, known targets."""
-    if model is None or isinstance(model, type):
-        raise TypeError("target='auto' races the targets on example inputs: call fxforge.optimize(model, "
-                        "example_inputs, target='auto') on a model instance, not as a decorator")
-    if example_inputs is None:
-        raise TypeError("target='auto' needs example_inputs to race the targets on")
-    if targets is not None:
-        unknown = [t for t in targets if t not in TARGETS or t == "auto"]
-        if unknown or not list(targets):
-            raise ValueError(f"targets= takes a non-empty list of {', '.join(TARGETS[:-1])}; got {list(targets)!r}")
+        return functools.partial(optimize, example_inputs=example_inputs, target=target, **options)
+    return chosen.build(model, example_inputs, options)

@@ -11,6 +11,7 @@ from torch import nn
 import fxforge
 from fxforge.core.target_cache import target_cache
 from fxforge.runtime import race as race_module
+from fxforge.targets import TARGETS
 
 
 class ConvNet(nn.Module):
@@ -64,7 +65,8 @@ def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(ca
         assert not contender.refused, contender
         assert contender.latency_ms > 0 and contender.prepare_s > 0 and contender.max_abs_err < 1e-4
     latencies = {c.target: c.latency_ms for c in race.contenders}
-    assert race.winner == race_module.choose(latencies, race.eager_ms)[0]
+    assert race.winner == race_module.choose(latencies, race.eager_ms,
+                                             preference=TARGETS["auto"].preference())[0]
     assert race.why.startswith(f"{latencies[race.winner]:.3g} ms: ")
     expected_type = {"onnxruntime": "OnnxRuntimeModule"}.get(race.winner, "OptimizedModule")
     assert type(opt).__name__ == expected_type

@@ -1,7 +1,7 @@
 """The package's layers, read from its own imports: every stage imports only the stages below it.
 
-Layers, bottom to top (DESIGN.md): core -> capture -> rewrites -> lowering -> runtime, exporters -> planner
-(the orchestrator) -> api, cli. A module may import its own layer or lower ones; packages form no cycle
+Layers, bottom to top (DESIGN.md): core -> capture -> rewrites -> lowering -> runtime, exporters -> training,
+pipeline -> targets (one module per target behind one protocol) -> api, cli. A module may import its own layer or lower ones; packages form no cycle
 (runtime and exporters share a layer, so only one of them may import the other); no module imports a
 ``_private`` name of another package; and no two modules import each other, even inside one package.
 Every import counts, including those inside functions: a deferred import is still a dependency.
@@ -28,10 +28,10 @@ LAYERS = {
     "exporters": 4,
     "training": 5,  # a stage over runtime: traces, simulates and runs training steps
     "pipeline": 5,  # a stage over training: splits the traced step into pipeline stages
-    "planner": 5,
-    "api": 6,
-    "cli": 6,
-    "": 6,  # the package face (fxforge/__init__.py): the public names, which the CLI uses too
+    "targets": 6,  # one module per target: builds on every stage below
+    "api": 7,
+    "cli": 7,
+    "": 7,  # the package face (fxforge/__init__.py): the public names, which the CLI uses too
 }
 
 
@@ -171,7 +171,7 @@ def test_core_imports_nothing_else_of_fxforge():
 
 
 @pytest.mark.parametrize("importer, line, expected", [
-    ("core/nodes.py", "from fxforge.planner import build_plan\n", "imports fxforge.planner (layer planner above core)"),
+    ("core/nodes.py", "from fxforge.targets import TARGETS\n", "imports fxforge.targets (layer targets above core)"),
     ("capture/export.py", "    from fxforge.rewrites import pipeline\n",
      "imports fxforge.rewrites.pipeline (layer rewrites above capture)"),
     ("runtime/signature.py", "from fxforge.exporters import program\n", "package cycle: exporters -> runtime -> exporters"),

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -42,8 +39,8 @@ from fxforge.cli.html import render_html
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import Summary, compare_latency, simulated_peak
+from fxforge.targets import TARGETS, Target, by_artifact, lookup
 
-MODEL_SUFFIXES = (".onnx", ".pt2")
 _MAX_WARNINGS = 5  # distinct warnings listed in the summary's notes
 
 
@@ -99,31 +96,29 @@ def _model_and_inputs(args: argparse.Namespace, steps: Steps, *,
     return model, inputs, reference
 
 
-def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps, *, dynamic_batch: bool = False) -> Any:
+def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps) -> Any:
     import fxforge
-    from fxforge.planner import dynamic_capture
 
     with steps.step("capture") as step:
         try:
             captured = fxforge.capture(model, inputs)
         except fxforge.CaptureError as error:
             raise CommandError(str(error)) from error
-        if dynamic_batch and captured.method == "export":
-            captured = dynamic_capture(model, inputs, {}, reference=captured.example_outputs)
         step.note(f"{captured.method}, {captured.report.nodes_before} nodes")
     return captured
 
 
-def _rewrite(captured: Any, rewrites: list[str], steps: Steps, *, verify: bool, for_onnx: bool) -> Any:
-    from fxforge.lowering.autotune import MEASURE_ALL
-    from fxforge.planner import rewrite
+def _rewrite(captured: Any, rewrites: list[str], steps: Steps, *, verify: bool) -> Any:
+    import fxforge
 
     with steps.step("rewrite (verify, autotune)" if verify else "rewrite") as step:
-        # ONNX Runtime runs its own kernels: PyTorch's are not timed for an ONNX file (as export_onnx does).
-        new = rewrite(captured, rewrites, verify=verify, tuning=None if for_onnx else MEASURE_ALL)
-        counts = ", ".join(f"{k} x{v}" for k, v in sorted(new.report.counts.items())) or "nothing applied"
-        step.note(counts)
+        new = fxforge.rewrite(captured, rewrites, verify=verify)
+        step.note(_counts(new.report))
     return new
+
+
+def _counts(report: Any) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(report.counts.items())) or "nothing applied"
 
 
 def _max_error(reference: Any, runner: Any, inputs: tuple) -> float:
@@ -134,19 +129,20 @@ def _max_error(reference: Any, runner: Any, inputs: tuple) -> float:
     return compare_outputs(reference, actual).max_abs_err
 
 
-def _target_of(args: argparse.Namespace) -> str:
-    """The target: as given, else (``auto``, or none) the one the output's suffix names (``.onnx``:
-    onnxruntime, ``.pt2``: native), else auto for ``optimize`` and native for ``export``."""
+def _target_of(args: argparse.Namespace) -> Target:
+    """The target: as given, else (``auto``, or none) the one that writes the output's suffix, else auto for
+    ``optimize`` and native for ``export``."""
     if args.target and args.target != "auto":
-        return args.target
+        return lookup(args.target)
     output = getattr(args, "output", None)
     if output:
-        return "onnxruntime" if output.lower().endswith(".onnx") else "native"
-    return "auto" if args.command == "optimize" else "native"
+        return by_artifact(os.path.splitext(output)[1])
+    return lookup("auto" if args.command == "optimize" else "native")
 
 
 def check_target(args: argparse.Namespace) -> None:
-    """Usage check: the output's suffix fits the target (raises ``argparse.ArgumentTypeError``).
+    """Usage check: the output's suffix is one a target writes, and the target writes it (raises
+    ``argparse.ArgumentTypeError``).
 
     Example:
         >>> check_target(argparse.Namespace(target="native", output="m.onnx"))
@@ -155,116 +151,112 @@ def check_target(args: argparse.Namespace) -> None:
         argparse.ArgumentTypeError: -o m.onnx: an .onnx file is for --target onnxruntime (native writes .pt2)
     """
     output = getattr(args, "output", None)
-    if output:
-        check_output_suffix(output, MODEL_SUFFIXES, "-o")
-        if args.target == "native" and output.lower().endswith(".onnx"):
-            raise argparse.ArgumentTypeError(f"-o {output}: an .onnx file is for --target onnxruntime (native writes .pt2)")
-        if args.target == "onnxruntime" and output.lower().endswith(".pt2"):
-            raise argparse.ArgumentTypeError(f"-o {output}: a .pt2 file is for --target native (onnxruntime writes .onnx)")
-        if args.target == "inductor":
-            raise argparse.ArgumentTypeError(f"-o {output}: Inductor's compiled code is not written to a file; "
-                                             "drop -o, or write .pt2 (--target native) or .onnx (--target onnxruntime)")
+    if not output:
+        return
+    check_output_suffix(output, artifact_suffixes(), "-o")
+    if not args.target or args.target == "auto":
+        return
+    chosen = lookup(args.target)
+    suffix = os.path.splitext(output)[1].lower()
+    if chosen.contract.artifact is None:
+        writers = [f"{t.contract.artifact} (--target {t.name})" for t in TARGETS.values() if t.contract.artifact]
+        raise argparse.ArgumentTypeError(f"-o {output}: target {chosen.name} writes no file; drop -o, or write "
+                                         + " or ".join(writers))
+    if chosen.contract.artifact != suffix:
+        raise argparse.ArgumentTypeError(f"-o {output}: a{'n' if suffix[1] in 'aeiou' else ''} {suffix} file is for "
+                                         f"--target {by_artifact(suffix).name} ({chosen.name} writes "
+                                         f"{chosen.contract.artifact})")
 
 
-def _pipeline(args: argparse.Namespace, rewrites: list[str], *, bench: bool) -> int:
-    """optimize and export: load, capture, rewrite, write (.pt2 / .onnx), measure, summarize, report."""
-    from fxforge.lowering.lower import make_plan
+def artifact_suffixes() -> tuple[str, ...]:
+    """The suffixes the targets write, in the order of ``TARGETS``.
 
+    Example:
+        >>> artifact_suffixes()
+        ('.pt2', '.onnx')
+    """
+    return tuple(t.contract.artifact for t in TARGETS.values() if t.contract.artifact)
+
+
+def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
+    """optimize and export: load, build the target (the API's own entry point), write its file, measure,
+    summarize, report."""
     target = _target_of(args)
     output = args.output
     if output:
-        check_output(output, MODEL_SUFFIXES)
+        check_output(output, artifact_suffixes())
     if args.report:
         check_output(args.report, (".html", ".htm"), "--report")
     steps = Steps()
     console = _console()
     notes: list[str] = []
-    scratch = None
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, reference = _model_and_inputs(args, steps)
-        captured = _capture(model, inputs, steps, dynamic_batch=args.dynamic_batch)
-        new = _rewrite(captured, rewrites, steps, verify=not args.no_verify, for_onnx=target == "onnxruntime")
-        errors = {}
-        try:
-            if target == "onnxruntime":
-                from fxforge.exporters.onnx import write_checked
-                from fxforge.planner import write_exportable  # (lazily, as every heavy stage here)
-
-                path = output
-                if not path:
-                    scratch = tempfile.mkdtemp(prefix="fxforge-cli-")
-                    path = os.path.join(scratch, "model.onnx")
-                with steps.step("export ONNX, check, validate in ONNX Runtime") as step:
-                    write = functools.partial(write_checked, path=path, dynamic_batch=args.dynamic_batch)
-                    result, runner = write_exportable(write, new, captured, rewrites, not args.no_verify)
-                    new = result.captured or new  # a rewrite that broke the export was left out of it
-                    notes.extend([result.left_out] if result.left_out else [])
-                    if output:
-                        outputs.written(output)
-                        if os.path.exists(output + ".data"):
-                            outputs.written(output + ".data")
-                    step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in result.validation.items()))
-                notes.extend(f"onnx: {line}" for line in result.translations)
-                errors["ONNX Runtime"] = _max_error(reference, runner, inputs)
-            elif target in ("auto", "inductor"):
-                runner, description = _raced_or_compiled(model, inputs, target, rewrites, not args.no_verify, steps)
-                target = description
-                if getattr(runner, "race", None) is not None:
-                    new.report.race = runner.race
-                errors[description] = _max_error(reference, runner, inputs)
-            else:
-                runner = make_plan(new).executable
-                errors["optimized graph"] = _max_error(reference, runner, inputs)
-                if output:
-                    from fxforge.exporters.pt2 import save_native
-
-                    with steps.step("export .pt2 (torch.export), load back, check") as step:
-                        saved = save_native(new, output, dynamic_batch=args.dynamic_batch)
-                        outputs.written(output)
-                        ops = ", ".join(f"{op} x{n}" for op, n in saved.ops.items()) or "no fused ops"
-                        step.note(ops)
-                    errors[".pt2 loaded back"] = saved.validation["example inputs"]
-            latency = None
-            if bench and args.bench_reps > 0:
-                with steps.step(f"time eager vs optimized ({args.bench_reps} interleaved reps)") as step:
-                    latency = compare_latency(model, runner, inputs, reps=args.bench_reps)
-                    step.note(f"{latency[0]:.3g} ms -> {latency[1]:.3g} ms")
-            summary = Summary(
-                model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
-                report=new.report, target=target, output=output,
-                peak_before=simulated_peak(captured.graph_module), peak_after=simulated_peak(new.graph_module),
-                latency=latency, reps=args.bench_reps, max_error=max(errors.values()),
-                error_of=", ".join(errors), notes=notes)
-            if args.report:
-                with steps.step("write report") as step:
-                    drawn = pictures(captured.graph_module, new.graph_module, type(model).__name__)
-                    text = "\n".join(node_lines(new.graph_module, marked_nodes(captured.graph_module, new.graph_module)))
-                    outputs.write_text(args.report, render_html(summary, drawn, graph_text=text))
-                    step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.core.draw is not available)"))
-        finally:
-            if scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
+        runner, description = _built(model, inputs, target, rewrites, args, steps)
+        new = target.graph(runner)
+        before = new.before or new
+        errors = {description: _max_error(reference, runner, inputs)}
+        if output:
+            with steps.step(f"write {target.contract.artifact}, load back, check") as step:
+                written = target.write(runner, output, dynamic_batch=args.dynamic_batch)
+                outputs.written(output)
+                if os.path.exists(output + ".data"):
+                    outputs.written(output + ".data")
+                step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in written.validation.items()))
+            errors[f"{output} loaded back"] = max(written.validation.values())
+            notes.extend(f"{target.name}: {line}" for line in getattr(written, "translations", []))
+        latency = None
+        if bench and args.bench_reps > 0:
+            with steps.step(f"time eager vs optimized ({args.bench_reps} interleaved reps)") as step:
+                latency = compare_latency(model, runner, inputs, reps=args.bench_reps)
+                step.note(f"{latency[0]:.3g} ms -> {latency[1]:.3g} ms")
+        summary = Summary(
+            model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
+            report=runner.report, target=description, output=output,
+            peak_before=simulated_peak(before.graph_module), peak_after=simulated_peak(new.graph_module),
+            latency=latency, reps=args.bench_reps, max_error=max(errors.values()),
+            error_of=", ".join(errors), notes=notes)
+        if args.report:
+            with steps.step("write report") as step:
+                drawn = pictures(before.graph_module, new.graph_module, type(model).__name__)
+                text = "\n".join(node_lines(new.graph_module, marked_nodes(before.graph_module, new.graph_module)))
+                outputs.write_text(args.report, render_html(summary, drawn, graph_text=text))
+                step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.core.draw is not available)"))
     summary.notes = notes
     summary.print(console)
     print()
-    print(new.report)
+    print(runner.report)
     return 0
 
 
-def _raced_or_compiled(model: Any, inputs: tuple, target: str, rewrites: Any, verify: bool,
-                       steps: Steps) -> tuple[Any, str]:
-    """``--target auto``: the targets raced (the winner and ``auto: <winner>``); ``--target inductor``: the
-    rewritten graph compiled by torch.compile."""
-    from fxforge.planner import AUTO_TARGETS, optimized
+def _built(model: Any, inputs: tuple, target: Target, rewrites: Any, args: argparse.Namespace,
+           steps: Steps) -> tuple[Any, str]:
+    """``fxforge.optimize(model, inputs, target=...)`` as a step: the module and what it runs (``auto:
+    <winner>`` for a race). The CLI plans for the given shapes (``dynamic=False``); ``--dynamic-batch`` asks a
+    target that takes it for a dynamic batch dim."""
+    import fxforge
 
-    title = f"race {', '.join(AUTO_TARGETS)}; keep the fastest" if target == "auto" else "compile with torch.compile"
+    options: dict[str, Any] = {"rewrites": rewrites, "verify": not args.no_verify, "dynamic": False}
+    if args.dynamic_batch and "dynamic_batch" in target.options:
+        options["dynamic_batch"] = True
+    raced = getattr(target, "raced", None)
+    title = (f"race {', '.join(t.name for t in raced())}; keep the fastest" if raced is not None
+             else f"optimize for {target.name}: {target.summary}")
     with steps.step(title) as step:
-        runner = optimized(model, inputs, target=target, rewrites=rewrites, verify=verify)
+        try:
+            runner = fxforge.optimize(model, inputs, target=target.name, **options)
+        except fxforge.CaptureError as error:
+            raise CommandError(str(error)) from error
         race = getattr(runner, "race", None)
-        if race is None:
-            return runner, target
-        step.note(f"{race.winner}: {race.why}")
-        return runner, f"auto: {race.winner}"
+        if race is not None:
+            step.note(f"{race.winner}: {race.why}")
+            return runner, f"auto: {race.winner}"
+        report = runner.report
+        if report is None or report.method == "eager":
+            raise CommandError(f"{type(model).__name__} could not be captured: "
+                               + "; ".join(getattr(report, "notes", []) or ["no plan"]))
+        step.note(f"{report.method} capture, {_counts(report)}")
+    return runner, target.name
 
 
 def run_optimize(args: argparse.Namespace) -> int:
@@ -293,7 +285,7 @@ def run_show(args: argparse.Namespace) -> int:
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, _ = _model_and_inputs(args, steps)
         captured = _capture(model, inputs, steps)
-        new = _rewrite(captured, args.rewrites, steps, verify=not args.no_verify, for_onnx=False)
+        new = _rewrite(captured, args.rewrites, steps, verify=not args.no_verify)
         marked = marked_nodes(captured.graph_module, new.graph_module)
         name = type(model).__name__
         if output and output.lower().endswith(".svg"):

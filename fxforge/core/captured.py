@@ -82,6 +82,7 @@ class Captured:
             (RNG seed 0, buffers restored), or None; verification compares against them instead of
             running the captured graph once more.
         lowered_run: the graph already lowered and run by autotune (a :class:`LoweredRun`), or None.
+        before: for a rewritten graph, the ``Captured`` the rewrites started from (None for a capture).
 
     Example:
         >>> cap = Captured(torch.fx.symbolic_trace(torch.nn.ReLU()), "fx", [], (torch.ones(1),), {},
@@ -100,6 +101,7 @@ class Captured:
     report: Report
     example_outputs: Any = None
     lowered_run: LoweredRun | None = None
+    before: Captured | None = None
 
     @property
     def example_inputs(self) -> tuple:

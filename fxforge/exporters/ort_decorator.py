@@ -32,10 +32,10 @@ def onnxruntime_class(cls: type[nn.Module], module_for: Callable[[nn.Module], On
     Args:
         cls: the ``nn.Module`` class.
         module_for: ``instance -> OnnxRuntimeModule`` that exports on its first call
-            (:meth:`OnnxRuntimeModule.deferred`; :func:`fxforge.planner.onnxruntime_module` makes one).
+            (:meth:`OnnxRuntimeModule.deferred`; :func:`fxforge.targets.onnxruntime.onnxruntime_module` makes one).
 
     Example:
-        >>> from fxforge.planner import onnxruntime_module
+        >>> from fxforge.targets.onnxruntime import onnxruntime_module
         >>> Fast = onnxruntime_class(torch.nn.Linear, onnxruntime_module)
         >>> layer = Fast(2, 2).eval()
         >>> isinstance(layer, torch.nn.Linear), layer(torch.ones(1, 2)).shape

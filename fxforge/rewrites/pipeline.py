@@ -156,7 +156,7 @@ def _verified(head: str, result: Comparison) -> str:
 def _finish(captured: Captured, current: torch.fx.GraphModule, report: Report, run: LoweredRun | None) -> Captured:
     report.nodes_after = count_calls(current.graph)
     run = run if run is not None and run.lowers(current) else None
-    return captured.replace(graph_module=current, report=report, lowered_run=run)
+    return captured.replace(graph_module=current, report=report, lowered_run=run, before=captured.before or captured)
 
 
 def _apply(passes: list, captured: Captured, report: Report, check: tuple[list, list, Any] | None,

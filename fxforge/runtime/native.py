@@ -1,12 +1,12 @@
 """``OptimizedModule``: the model, run through its rewritten graphs, with the model's own state.
 
 The module runs plans from a :class:`~fxforge.runtime.plans.PlanCache`; the plans themselves are built
-by the function the orchestrator hands in (:func:`fxforge.planner.plan_builder`), which is what
+by the function the native target hands in (:func:`fxforge.lowering.build.plan_builder`), which is what
 :func:`fxforge.optimize` does.
 
 Example:
     >>> import torch
-    >>> from fxforge.planner import plan_builder
+    >>> from fxforge.lowering.build import plan_builder
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout()).eval()
     >>> opt = OptimizedModule(model, plan_builder(model))
     >>> opt(torch.ones(1, 3)).shape, list(opt.state_dict()) == list(model.state_dict())
@@ -47,10 +47,10 @@ class OptimizedModule(nn.Module):
 
     Args:
         model: the module to run.
-        build: ``(args, kwargs) -> Plan`` for ``model`` (:func:`fxforge.planner.plan_builder`).
+        build: ``(args, kwargs) -> Plan`` for ``model`` (:func:`fxforge.lowering.build.plan_builder`).
 
     Example:
-        >>> from fxforge.planner import plan_builder
+        >>> from fxforge.lowering.build import plan_builder
         >>> relu = torch.nn.ReLU()
         >>> opt = OptimizedModule(relu, plan_builder(relu))
         >>> opt(-torch.ones(2)).tolist(), opt.report.method
@@ -174,11 +174,11 @@ def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], Plan
 
     Args:
         cls: the ``nn.Module`` class.
-        builder_for: ``instance -> (args, kwargs) -> Plan`` (:func:`fxforge.planner.plan_builder`).
+        builder_for: ``instance -> (args, kwargs) -> Plan`` (:func:`fxforge.lowering.build.plan_builder`).
         policy: how the instances' plans treat input sizes (:class:`~fxforge.runtime.plans.ShapePolicy`).
 
     Example:
-        >>> from fxforge.planner import plan_builder
+        >>> from fxforge.lowering.build import plan_builder
         >>> Fast = optimize_class(torch.nn.Linear, plan_builder)
         >>> layer = Fast(2, 2)
         >>> isinstance(layer, torch.nn.Linear), layer(torch.ones(1, 2)).shape

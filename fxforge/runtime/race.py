@@ -9,7 +9,8 @@ targets that pass are timed together with eager, in interleaved blocks of calls
 and the fastest median wins. Targets within :data:`TIE` of the fastest are timed again head to head, in
 longer blocks without eager and the others, for the whole timing budget; if they are still within
 :data:`RUNOFF_TIE` of each other (the finer resolution of that longer, two-way timing), the target first in
-:data:`PREFERENCE` wins (native reads the model's live weights, ONNX Runtime runs a snapshot of them).
+the caller's ``preference`` wins (``target="auto"`` ranks targets by their contracts: live weights and
+PyTorch's own autograd first).
 
 Example:
     >>> import torch
@@ -37,8 +38,6 @@ from fxforge.core.target_cache import device_of
 from fxforge.core.verify import compare_outputs, isolated, random_like
 from fxforge.lowering.timing import time_in_blocks
 
-# Targets in the order a near tie is settled: live weights and PyTorch's own autograd first.
-PREFERENCE = ("native", "inductor", "onnxruntime")
 # Latencies within this fraction of the fastest count as a tie (the machines' noise).
 TIE = 0.03
 # Seconds of timing, roughly; rounds at least; timed calls per target per round, back to back (each block's
@@ -134,7 +133,8 @@ def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, se
 
 
 def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *, budget_s: float | None = None,
-         began: float | None = None, seed: int = 1) -> tuple[dict[str, nn.Module], Race]:
+         began: float | None = None, seed: int = 1,
+         preference: tuple[str, ...] = ()) -> tuple[dict[str, nn.Module], Race]:
     """Build, check and time ``entrants`` against eager; returns the modules that passed, by target, and
     the :class:`~fxforge.core.report.Race` (``winner`` empty where none passed).
 
@@ -146,6 +146,7 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
             (or any, once the budget is spent) is skipped with the reason; None: no limit.
         began: when the search began (``time.perf_counter()``), if before this call.
         seed: of the fresh inputs.
+        preference: targets in the order a near tie is settled (see :func:`choose`).
     """
     began = time.perf_counter() if began is None else began
     fresh = random_like((args, kwargs), seed)
@@ -185,7 +186,8 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
         for contender in contenders:
             if contender.target in runoff:
                 contender.latency_ms = runoff[contender.target]
-    result.winner, result.why = choose(latencies, medians["eager"], RUNOFF_TIE if len(tied) > 1 else TIE)
+    result.winner, result.why = choose(latencies, medians["eager"], RUNOFF_TIE if len(tied) > 1 else TIE,
+                                       preference)
     noisy = [name for name, values in samples.items()
              if statistics_spread(values) > NOISY_SPREAD and medians[name] - min(values) > NOISY_FLOOR_MS]
     if noisy:
@@ -235,18 +237,19 @@ def remembrable(result: Race) -> bool:
         result.load is None or result.load <= BUSY_LOAD)
 
 
-def choose(latencies: dict[str, float], eager_ms: float, tie: float = TIE) -> tuple[str, str]:
+def choose(latencies: dict[str, float], eager_ms: float, tie: float = TIE,
+           preference: tuple[str, ...] = ()) -> tuple[str, str]:
     """The winner among targets' median latencies and why: the fastest, unless a target earlier in
-    :data:`PREFERENCE` is within ``tie`` of it (:data:`TIE`; :data:`RUNOFF_TIE` for a runoff's figures).
+    ``preference`` is within ``tie`` of it (:data:`TIE`; :data:`RUNOFF_TIE` for a runoff's figures).
 
     Example:
         >>> choose({"native": 1.0, "onnxruntime": 0.5}, 2.0)
         ('onnxruntime', '0.5 ms: 4.00x eager, 2.00x native')
-        >>> choose({"native": 1.01, "onnxruntime": 1.0}, 2.0)[0]
+        >>> choose({"native": 1.01, "onnxruntime": 1.0}, 2.0, preference=("native", "onnxruntime"))[0]
         'native'
     """
     fastest = min(latencies, key=latencies.__getitem__)
-    ranked = sorted(latencies, key=lambda t: (PREFERENCE.index(t) if t in PREFERENCE else len(PREFERENCE), t))
+    ranked = sorted(latencies, key=lambda t: (preference.index(t) if t in preference else len(preference), t))
     winner = next(t for t in ranked if latencies[t] <= latencies[fastest] * (1 + tie))
     ms = latencies[winner]
     why = f"{ms:.3g} ms: {eager_ms / ms:.2f}x eager"

@@ -53,11 +53,6 @@ GIVE_BACK_MIN = 0.01
 """A first plan whose measured step holds less than its simulation by at least this fraction of the budget is
 planned once more with the difference added (:meth:`CheckpointedModule._give_back`)."""
 
-TARGETS = ("native", "inductor")
-"""What runs the plan's graphs: ``"native"`` op by op (ATen, as eager), ``"inductor"`` Inductor's kernels
-(:mod:`fxforge.training.compiled`)."""
-
-
 def next_margin(gaps: list[int]) -> int:
     """What the next plan keeps back from its budget, given what each measured plan so far held beyond its
     simulation (``gaps``, oldest first).
@@ -167,9 +162,10 @@ class CheckpointedModule(torch.nn.Module):
         model: the wrapped model (its parameters are this module's).
         plan: the :class:`~fxforge.training.checkpointing.CheckpointPlan` of the latest signature.
         plans: how many steps were traced (one per input signature, and after a parameter is replaced).
-        target: what runs the plan's graphs (:data:`TARGETS`): ``"native"`` ATen op by op, ``"inductor"``
-            Inductor's compiled kernels (:mod:`fxforge.training.compiled`; outputs and gradients eager's to float
-            rounding, dropout's masks eager's).
+        compiled: what runs the plan's graphs: False ATen op by op (the native target), True Inductor's
+            compiled kernels (the inductor target; :mod:`fxforge.training.compiled`; outputs and gradients eager's
+            to float rounding, dropout's masks eager's).
+        target: the name of the target that runs it, as the caller named it (for reports).
         layout_optimization: whether the latest plan's graphs compiled with Inductor's layout optimization.
 
     ``loss`` (outputs -> scalar, the one the caller will use) lets the plan count what the loss allocates
@@ -186,7 +182,7 @@ class CheckpointedModule(torch.nn.Module):
     :data:`CHECK_REPLANS` times; where none fits, the one measured least over is kept, with a warning that
     says by how much. Where the first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of
     the budget or more), it is planned once more with that difference added to the budget, and the new plan
-    is kept where it recomputes less and its own measured step fits. With ``target="inductor"`` the checked plan compiles with Inductor's
+    is kept where it recomputes less and its own measured step fits. Compiled (``target="inductor"``), the checked plan compiles with Inductor's
     layout optimization (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate);
     where no plan fits with it, the step is planned and checked again without it (as without the check), and
     where neither fits, the closer of the two is kept.
@@ -195,13 +191,12 @@ class CheckpointedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                  optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None,
-                 target: str = "native", check: bool = True):
+                 compiled: bool = False, target: str | None = None, check: bool = True):
         super().__init__()
         parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
-        if target not in TARGETS:
-            raise ValueError(f"target {target!r}: a checkpointed step runs on {' or '.join(map(repr, TARGETS))}")
         self.model = model
-        self.target = target
+        self.compiled = bool(compiled)
+        self.target = target or ("inductor" if compiled else "native")
         self.memory_budget = memory_budget
         self.optimizer = optimizer
         self.loss = loss
@@ -219,7 +214,7 @@ class CheckpointedModule(torch.nn.Module):
         if not self._checkable(args, kwargs):
             return self._plan(args, kwargs)
         closest = None
-        if self.target == "inductor":
+        if self.compiled:
             entry, over = self._checked(args, kwargs, layout_optimization=True)
             if over <= 0:
                 return entry
@@ -357,11 +352,11 @@ class CheckpointedModule(torch.nn.Module):
         def choose(step):
             loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
             candidates = None
-            if self.target == "inductor":
+            if self.compiled:
                 from fxforge.training.inductor_partitions import mincut_candidates as candidates
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
-                                       fused=self.target == "inductor", candidates=candidates,
+                                       fused=self.compiled, candidates=candidates,
                                        margin_bytes=margin, reference_activation_bytes=reference)
             return chosen["plan"].recomputed
 
@@ -369,7 +364,7 @@ class CheckpointedModule(torch.nn.Module):
             chosen["plan"].backward_reordered = reorder_backward(step, chosen["plan"].loss_bytes)
 
         decompositions = reference = record = None
-        if self.target == "inductor":
+        if self.compiled:
             from fxforge.training.compiled import inductor_compilers, inductor_decompositions
 
             reference = self._model_activation_peak(graph_module, args, kwargs)
@@ -380,10 +375,10 @@ class CheckpointedModule(torch.nn.Module):
             compilers = (_boxed, _boxed)
         step = trace_step(graph_module, args, kwargs, loss=None, autocast=self.autocast,
                           compilers=compilers, choose=choose, finish=finish,
-                          strides_from_compiler=self.target == "inductor", decompositions=decompositions)
+                          strides_from_compiler=self.compiled, decompositions=decompositions)
         self.plan = chosen["plan"]
         self.plan.graph_module = graph_module
-        self.plan.layout_optimization = layout_optimization if self.target == "inductor" else None
+        self.plan.layout_optimization = layout_optimization if self.compiled else None
         self.plan.compile_record = record
         self.plans += 1
         entry = (step, [id(p) for p in self.model.parameters()])
@@ -424,6 +419,36 @@ class CheckpointedModule(torch.nn.Module):
     def train(self, mode: bool = True) -> CheckpointedModule:
         super().train(mode)
         return self
+
+
+def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimizer: Any = torch.optim.AdamW,
+                 loss: Any = None, autocast: torch.dtype | None = None, compiled: bool = False,
+                 target: str | None = None, check: bool = True) -> CheckpointedModule:
+    """The model's training step fitted under ``memory_budget`` by checkpointing: what
+    ``optimize(model, inputs, memory_budget=...)`` returns (``compiled``: Inductor compiles the plan's forward
+    and backward graphs, :mod:`fxforge.training.compiled`), after the usage checks.
+
+    Raises:
+        TypeError: not a model instance, no example inputs.
+        ValueError: the model is in eval mode (nothing is saved for a backward), or a malformed budget.
+        fxforge.training.checkpointing.BudgetError: no recomputation fits the budget.
+
+    Example:
+        >>> checkpointed(torch.nn.Linear(2, 2).eval(), (torch.ones(1, 2),), "60%")
+        Traceback (most recent call last):
+        ...
+        ValueError: memory_budget plans checkpointing for training: the model is in eval mode (call model.train() first)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("memory_budget plans a training step: call fxforge.optimize(model, example_inputs, "
+                        "memory_budget=...) on a model instance")
+    if example_inputs is None:
+        raise TypeError("memory_budget needs example_inputs: the plan is made for their shapes")
+    if not model.training:
+        raise ValueError("memory_budget plans checkpointing for training: the model is in eval mode "
+                         "(call model.train() first)")
+    return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
+                              autocast=autocast, compiled=compiled, target=target, check=check)
 
 
 def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,

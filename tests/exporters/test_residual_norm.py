@@ -8,6 +8,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from ir_graphs import onnx_applied
 from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
@@ -16,7 +17,7 @@ from fxforge import export_onnx
 from fxforge.exporters.onnx import _export
 from fxforge.exporters.ort_module import session_options
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, residual_refusal, separate_residual_adds
-from fxforge.planner import captured_for_export
+from fxforge.exporters.export import captured_for_export
 
 
 class PostNorm(nn.Module):
@@ -75,7 +76,10 @@ def test_residual_add_becomes_sum_and_ort_keeps_layer_norm(dynamic_batch, tmp_pa
     model = PostNorm().eval()
     path = str(tmp_path / "post.onnx")
     result = export_onnx(model, path, (torch.randn(2, 5, 16),), dynamic_batch=dynamic_batch)
-    assert f"{RESIDUAL_NORM}: 1" in result.translations
+    assert f"{RESIDUAL_NORM}: 1" in onnx_applied(result.report), result.report
+    assert result.report.counts["onnx residual_norm"] == 1
+    assert f"onnx residual_norm: {RESIDUAL_NORM} [" in str(result.report)
+    assert RESIDUAL_NORM not in " ".join(result.translations)  # a rule's line, not a translation's
     assert producers_of_norms(path) == ["Sum"]
     optimized = ort_optimized_ops(path, tmp_path)
     assert "LayerNormalization" in optimized and "SkipLayerNormalization" not in optimized
@@ -87,7 +91,7 @@ def test_residual_sum_with_two_users(tmp_path):
     model = PreNorm().eval()
     path = str(tmp_path / "pre.onnx")
     result = export_onnx(model, path, (torch.randn(1, 7, 16),))
-    assert f"{RESIDUAL_NORM}: 1" in result.translations  # norm1 reads the graph input, norm2 the residual sum
+    assert f"{RESIDUAL_NORM}: 1" in onnx_applied(result.report)  # norm1 reads the graph input, norm2 the residual sum
     assert producers_of_norms(path) == ["graph input", "Sum"]
     assert "SkipLayerNormalization" not in ort_optimized_ops(path, tmp_path)
     assert_runs_like(model, path, torch.randn(1, 7, 16))
@@ -98,9 +102,11 @@ def test_bias_add_stays_add_with_reason(tmp_path):
     path = str(tmp_path / "bias.onnx")
     result = export_onnx(model, path, (torch.randn(2, 4, 16),))
     assert producers_of_norms(path) == ["Add"]
-    assert not any(line.startswith(RESIDUAL_NORM) for line in result.translations)
-    assert any("residual Add kept before LayerNormalization: an operand is broadcast" in line
-               for line in result.translations), result.translations
+    assert not any(line.startswith(RESIDUAL_NORM) for line in onnx_applied(result.report))
+    (miss,) = [miss for miss in result.report.near_misses if miss.rule == "residual_norm"]
+    assert miss.stage == "onnx" and miss.reason.startswith("an operand is broadcast"), miss
+    assert miss.source and "test_residual_norm.py" in miss.source, miss  # the user's line, from torch.onnx's trace
+    assert "onnx residual_norm refused at" in str(result.report)
 
 
 def test_export_for_cuda_keeps_add(tmp_path):
@@ -109,7 +115,7 @@ def test_export_for_cuda_keeps_add(tmp_path):
     path = str(tmp_path / "cuda.onnx")
     exported = _export(captured, path, 20, False, None, "MultiHeadAttention", cpu=False)
     assert producers_of_norms(path) == ["Add"]
-    assert RESIDUAL_NORM not in exported["translations"].used
+    assert not exported["matches"] and not exported["near_misses"]
 
 
 def _value(name: str, shape: list | None) -> ir.Value:
@@ -123,7 +129,8 @@ def test_rule_on_ir_graphs():
     norm = ir.Node("", "LayerNormalization", [s, scale.outputs[0]], outputs=[_value("y", ["batch", 4])])
     graph = ir.Graph([x, r], norm.outputs, nodes=[add, scale, norm])
     assert separate_residual_adds(graph) == (1, [])
-    assert (add.op_type, scale.op_type) == ("Sum", "Add")
+    assert (norm.inputs[0].producer().op_type, scale.op_type) == ("Sum", "Add")
+    assert norm.inputs[0].name == "s"  # the Sum's value keeps the Add's name
     assert separate_residual_adds(graph) == (0, [])  # a Sum is not rewritten again
 
     unknown = ir.Node("", "Add", [_value("a", None), _value("b", [4])], outputs=[_value("c", [4])])

@@ -609,7 +609,7 @@ def test_a_build_that_draws_random_numbers_leaves_the_callers_generator_alone():
     """Whatever a build draws (capture and checks run models with dropout; the fuzz suite found a model whose
     build moved the generator, so that call's dropout mask differed from eager's), the caller's generator
     is where eager would leave it."""
-    from fxforge.planner import plan_builder
+    from fxforge.lowering.build import plan_builder
     from fxforge.runtime.native import OptimizedModule
 
     model = trained_net()

@@ -11,6 +11,7 @@ from torch import nn
 from fxforge.core.report import Race
 from fxforge.runtime import race as race_module
 from fxforge.runtime.race import TIE, Entrant, choose, race, remembrable
+from fxforge.targets import TARGETS
 
 
 class Scaled(nn.Module):
@@ -98,10 +99,14 @@ def test_timings_on_a_busy_machine_are_not_remembered(monkeypatch):
 
 
 def test_a_near_tie_goes_to_the_preferred_target_and_says_so():
-    assert choose({"onnxruntime": 1.0, "native": 1.0 + TIE / 2}, 3.0)[0] == "native"
-    winner, why = choose({"onnxruntime": 1.0, "native": 1.0 + TIE * 2}, 3.0)
+    preference = TARGETS["auto"].preference()
+    assert choose({"onnxruntime": 1.0, "native": 1.0 + TIE / 2}, 3.0, preference=preference)[0] == "native"
+    winner, why = choose({"onnxruntime": 1.0, "native": 1.0 + TIE * 2}, 3.0, preference=preference)
     assert winner == "onnxruntime" and why == f"1 ms: 3.00x eager, {1 + TIE * 2:.2f}x native"
-    assert "a tie: inductor is preferred" in choose({"onnxruntime": 1.0, "inductor": 1.01}, 2.0)[1]
+    assert "a tie: inductor is preferred" in choose({"onnxruntime": 1.0, "inductor": 1.01}, 2.0,
+                                                    preference=preference)[1]
+    # the preference decides: reversed, the near tie goes the other way
+    assert choose({"onnxruntime": 1.0, "native": 1.0 + TIE / 2}, 3.0, preference=preference[::-1])[0] == "onnxruntime"
 
 
 @pytest.mark.parametrize(("eager_samples", "kept"), [([66.0] * 5 + [120.0] * 7, False),  # half disturbed

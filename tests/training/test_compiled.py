@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import fxforge
-from fxforge.runtime.roofline import Machine
+from fxforge.core.costs import Machine, is_pointwise
 from fxforge.training import CheckpointedModule, checkpointing
-from fxforge.training.costs import is_pointwise
 from tests.training.models import conv_bn, gpt2, ids, images, vit
 
 # Inductor reorders float arithmetic inside its fused kernels: float32 rounding, not bitwise equality.
@@ -117,10 +116,13 @@ def test_batch_norm_statistics_and_gradients_follow_eager():
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6, msg=name)
 
 
-def test_an_unknown_target_is_refused():
+def test_a_target_that_runs_no_training_step_is_refused():
     model = torch.nn.Linear(4, 4).train()
-    with pytest.raises(ValueError, match="target 'onnxruntime': a checkpointed step runs on 'native' or 'inductor'"):
-        CheckpointedModule(model, (torch.randn(2, 4),), "60%", target="onnxruntime")
+    for target in ("onnxruntime", "auto"):
+        with pytest.raises(TypeError, match=f"target='{target}' does not run"):
+            fxforge.optimize(model, (torch.randn(2, 4),), memory_budget="60%", target=target)
+    step = fxforge.optimize(model, (torch.randn(2, 4),), memory_budget="100%", target="inductor", check=False)
+    assert step.compiled and step.target == "inductor"
 
 
 def test_the_plan_saves_convolutions_and_recomputes_what_inductor_fuses(monkeypatch):

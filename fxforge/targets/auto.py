@@ -1,0 +1,168 @@
+"""The ``auto`` target: the fastest of the other targets for this model on this machine, checked against eager.
+
+Every raced target (those of ``TARGETS`` whose contract says ``raced``, or the caller's ``targets=``) is built,
+run on fresh inputs and compared with eager, then timed together with eager
+(:func:`fxforge.runtime.race.race`); the fastest is returned, its report's ``race`` holding every
+contender's latency, prepare time and error, and why it won. A near tie goes to the target whose contract
+promises more (live weights and PyTorch's own autograd first). The choice is remembered on disk
+(:mod:`fxforge.core.target_cache`): the next optimize of a model of the same structure with inputs of the
+same signature on this machine builds only the winner, re-times it against eager, and races everything
+again only when that contradicts the remembered speed-up (by :data:`CONTRADICTED`) or the winner no longer
+builds or agrees. A model in training mode does not race a target whose contract does not serve training
+mode (an ONNX export is an inference snapshot).
+
+Example:
+    >>> from fxforge.targets import TARGETS
+    >>> net = TARGETS["auto"].build(torch.nn.Linear(8, 8).eval(), (torch.ones(4, 8),), {"targets": ["native"]})
+    >>> net.report.race.winner
+    'native'
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from fxforge.capture import normalize_inputs
+from fxforge.core.report import Contender, Race
+from fxforge.core.target_cache import choice_key, target_cache
+from fxforge.rewrites.registry import resolve
+from fxforge.runtime.race import race, remembrable
+from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
+
+# Seconds the race may take by default (Inductor's compile is skipped when it would not fit).
+AUTO_BUDGET_S = 300.0
+# A remembered winner re-timed against eager is raced again when its speed-up over eager fell by this factor.
+CONTRADICTED = 1.5
+
+
+class AutoTarget(Target):
+    """Races the targets of ``registry`` (see the module docstring).
+
+    Args:
+        registry: the targets by name (``fxforge.targets.TARGETS``, which holds this one too), read when a
+            race starts: those whose contract says ``raced``, in their order there (the order built).
+    """
+
+    name = "auto"
+    summary = "the fastest of the raced targets, measured on the example inputs"
+    contract = Contract(dynamic="what the winner serves", artifact=None, decorates=False, raced=False)
+    options = ("targets", "budget_s", "max_plans")
+
+    def __init__(self, registry: Mapping[str, Target]):
+        self.registry = registry
+
+    def raced(self) -> tuple[Target, ...]:
+        """The targets raced by default, in the order built."""
+        return tuple(t for t in self.registry.values() if t.contract.raced)
+
+    def preference(self) -> tuple[str, ...]:
+        """The raced targets in the order a near tie is settled: live weights, gradients and training mode
+        first, then a target that writes a file, then the order built.
+
+        Example:
+            >>> from fxforge.targets import TARGETS
+            >>> TARGETS["auto"].preference()
+            ('native', 'inductor', 'onnxruntime')
+        """
+        def rank(target: Target) -> tuple:
+            c = target.contract
+            return (not c.live_weights, not c.gradients, not c.training, c.artifact is None)
+        return tuple(t.name for t in sorted(self.raced(), key=rank))
+
+    def check(self, options: dict[str, Any]) -> dict[str, Any]:
+        options = super().check(options)
+        targets = options.get("targets")
+        if targets is not None:
+            names = [t.name for t in self.raced()]
+            if not list(targets) or any(t not in names for t in targets):
+                raise ValueError(f"targets= takes a non-empty list of {', '.join(names)}; got {list(targets)!r}")
+        return options
+
+    def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module:
+        if model_kind(model) == "class":
+            raise TypeError("target='auto' races the targets on example inputs: call fxforge.optimize(model, "
+                            "example_inputs, target='auto') on a model instance, not as a decorator")
+        if example_inputs is None:
+            raise TypeError("target='auto' needs example_inputs to race the targets on")
+        return self._race(model, example_inputs, dict(options))
+
+    def graph(self, built: nn.Module) -> Any:
+        return self.registry[built.race.winner].graph(built)
+
+    def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> Any:
+        return self.registry[built.race.winner].write(built, path, dynamic_batch=dynamic_batch)
+
+    def _race(self, model: nn.Module, example_inputs: Any, options: dict[str, Any]) -> nn.Module:
+        began = time.perf_counter()
+        args, kwargs = normalize_inputs(example_inputs)
+        targets = tuple(options.pop("targets", None) or (t.name for t in self.raced()))
+        budget_s = options.pop("budget_s", AUTO_BUDGET_S)
+        common = {k: options.get(k, default) for k, default in
+                  (("rewrites", "default"), ("verify", True), ("method", "auto"), ("dynamic", None))}
+        names = [getattr(p, "name", repr(p)) for p in resolve(common["rewrites"])]
+        key = choice_key(model, args, kwargs, f"targets {sorted(targets)} rewrites {names} verify {common['verify']} "
+                                              f"method {common['method']} dynamic {common['dynamic']}")
+        cache = target_cache()
+        stored = cache.get(key) if cache is not None else None
+        shared: dict[str, Any] = {}
+        entrants = {t.name: t.entrant(model, args, kwargs, {k: v for k, v in options.items()
+                                                            if k in COMMON_OPTIONS or k in t.options}, shared)
+                    for t in self.raced() if t.name in targets}
+        preference = self.preference()
+        notes: list[str] = []
+        if stored is not None and stored.get("winner") in entrants:
+            winner = stored["winner"]
+            built, result = race(model, args, kwargs, [entrants[winner]], budget_s=None, began=began,
+                                 preference=preference)
+            then = stored["eager_ms"] / stored["latency_ms"][winner]
+            now = result.eager_ms / result.contenders[0].latency_ms if result.winner else None
+            if now is not None and then / now <= CONTRADICTED:
+                return _chosen(built[winner], _remembered(result, stored, then, now))
+            notes.append(f"the remembered choice {winner} ({then:.2f}x eager when chosen) was raced again: "
+                         + (f"it ran at {now:.2f}x eager now" if now is not None else result.contenders[0].refused))
+        snapshots = [name for name in entrants if model.training and not self.registry[name].contract.training]
+        built, result = race(model, args, kwargs, [e for name, e in entrants.items() if name not in snapshots],
+                             budget_s=budget_s, began=began, preference=preference)
+        for name in snapshots:
+            result.contenders.append(Contender(name, refused="not raced: the model is in training mode (it runs "
+                                                             "an inference snapshot)"))
+        result.notes[:0] = notes
+        if not result.winner:
+            fallback = self.raced()[0]  # the first raced target, without rewrites
+            own = {k: v for k, v in options.items() if k in fallback.options}
+            module = prepared(fallback.build(model, None, {**common, **own, "rewrites": []}), args, kwargs)
+            result.winner, result.why = fallback.name, f"no target agreed with eager: {fallback.name} without rewrites"
+            return _chosen(module, result)
+        if cache is not None and remembrable(result):
+            cache.put(key, {"winner": result.winner, "eager_ms": result.eager_ms, "load": result.load,
+                            "latency_ms": {c.target: c.latency_ms for c in result.contenders if c.latency_ms},
+                            "when": time.strftime("%Y-%m-%d %H:%M")})
+            cache.save()
+        return _chosen(built[result.winner], result)
+
+
+def _remembered(result: Race, stored: dict, then: float, now: float) -> Race:
+    """A re-timed remembered winner's race: its new figures, the others' remembered latencies."""
+    result.remembered = True
+    winner = result.winner
+    for target, ms in stored["latency_ms"].items():
+        if target != winner:
+            result.contenders.append(Contender(target, latency_ms=ms))
+    result.why = (f"remembered from the race of {stored.get('when', 'an earlier run')} ({then:.2f}x eager then, "
+                  f"{now:.2f}x now)")
+    result.notes.append("only the winner was built; the other targets' latencies are those remembered "
+                        "(FXFORGE_TARGET_CACHE=0 races every time)")
+    return result
+
+
+def _chosen(module: nn.Module, result: Race) -> nn.Module:
+    """The winner, its report (and ``module.race``) holding the race."""
+    module.race = result
+    report = getattr(module, "report", None)
+    if report is not None:
+        report.race = result
+    return module

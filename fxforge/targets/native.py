@@ -1,0 +1,92 @@
+"""The ``native`` target: the rewritten graph run by PyTorch, fused ops calling the kernels autotune chose.
+
+What it builds is an :class:`~fxforge.runtime.native.OptimizedModule` (or, for a class, a subclass whose
+instances optimize themselves): the model itself, not a snapshot (live weights, hooks, gradients, training
+mode, one plan per input signature or one shape-generic plan for the sizes that change). It writes a
+``.pt2`` (``torch.export`` program of the rewritten graph) and runs checkpointed training steps op by op.
+
+Example:
+    >>> opt = NATIVE.build(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()).eval(), (torch.ones(2, 3),), {})
+    >>> type(opt).__name__, opt.report.method
+    ('OptimizedModule', 'fx')
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+
+from fxforge.capture import normalize_inputs
+from fxforge.exporters.export import dynamic_capture
+from fxforge.exporters.pt2 import NativeExport, save_native
+from fxforge.lowering import build
+from fxforge.lowering.build import Lowering, plan_builder
+from fxforge.runtime.native import OptimizedModule, optimize_class
+from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
+from fxforge.runtime.race import Entrant
+from fxforge.targets.base import Contract, Target, model_kind, prepared
+from fxforge.training.module import checkpointed
+
+# What the plan builder takes of a target's options.
+_PLAN_OPTIONS = ("rewrites", "verify", "method", "tuning")
+
+
+class NativeTarget(Target):
+    """PyTorch runs the rewritten graph (see the module docstring); :attr:`lowering` says how a rewritten graph
+    becomes a plan, :attr:`compiled_training` whether a checkpointed step's graphs are compiled."""
+
+    name = "native"
+    summary = "the rewritten graph run by PyTorch (fused oneDNN/cuDNN kernels chosen by autotune)"
+    contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
+                        artifact=".pt2")
+    options = ("tuning", "dynamic_shapes", "max_plans")
+    lowering: Lowering = build.NATIVE
+    compiled_training = False
+
+    def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
+        policy = ShapePolicy(options.get("dynamic"), options.get("dynamic_shapes"),
+                             options.get("max_plans", MAX_PLANS))
+        plan_options = {k: options[k] for k in _PLAN_OPTIONS if k in options}
+        if model_kind(model) == "class":
+            return optimize_class(model, functools.partial(plan_builder, lowering=self.lowering, **plan_options),
+                                  policy)
+        module = OptimizedModule(model, plan_builder(model, lowering=self.lowering, **plan_options), policy)
+        module.__dict__["fxforge_options"] = dict(options)
+        if example_inputs is not None:
+            args, kwargs = normalize_inputs(example_inputs)
+            module.prepare(*args, **kwargs)
+        return module
+
+    def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> NativeExport:
+        """The latest plan's rewritten graph as a ``.pt2`` (:func:`~fxforge.exporters.pt2.save_native`),
+        loaded back and checked. A graph ``torch.export`` captured with the example's sizes is captured again
+        with the batch dim dynamic first (``dynamic_batch``) and rewritten with the same rewrites."""
+        captured = built.captured
+        if captured is None:
+            raise ValueError("nothing to write: the module has not been prepared for any inputs")
+        if dynamic_batch and captured.method == "export":
+            options = built.__dict__.get("fxforge_options", {})
+            again = dynamic_capture(built.original, captured.example_args, captured.example_kwargs,
+                                    reference=captured.example_outputs)
+            captured = build.rewrite(again, options.get("rewrites", "default"), verify=options.get("verify", True))
+        return save_native(captured, path, dynamic_batch=dynamic_batch)
+
+    def checkpointed(self, model: Any, example_inputs: Any, memory_budget: Any, **options: Any) -> nn.Module:
+        unknown = sorted(set(options) - {"optimizer", "loss", "autocast", "check"})
+        if unknown:
+            raise TypeError("memory_budget plans checkpointing for a training step; it takes optimizer=, loss=, "
+                            f"autocast= and check=, not {', '.join(unknown)}")
+        return checkpointed(model, example_inputs, memory_budget, compiled=self.compiled_training,
+                            target=self.name, **options)
+
+    def entrant(self, model: nn.Module, args: tuple, kwargs: dict, options: dict[str, Any],
+                shared: dict[str, Any]) -> Entrant:
+        def built(module: nn.Module, seconds: float) -> None:
+            shared["nodes"] = module.report.nodes_after  # Inductor's compile estimate reads it
+
+        return Entrant(self.name, lambda: prepared(self.build(model, None, options), args, kwargs), built=built)
+
+
+NATIVE = NativeTarget()

@@ -1,0 +1,150 @@
+"""The ``onnxruntime`` target: the model exported to a checked ONNX file (:func:`fxforge.export_onnx`) and run
+in an ONNX Runtime session (:class:`~fxforge.exporters.ort_module.OnnxRuntimeModule`).
+
+It runs a snapshot of the weights taken at export, in eval mode, without gradients or hooks; other sizes
+are served by exporting once more with the dims that changed dynamic (``dynamic=None``), by one export
+with the batch and sequence dims dynamic (``dynamic=True``), or not (``dynamic=False``). It writes the
+``.onnx`` file it runs.
+
+Example:
+    >>> ort = ONNXRUNTIME.build(torch.nn.Tanh().eval(), (torch.zeros(2),), {})
+    >>> ort(torch.zeros(2)).tolist(), ONNXRUNTIME.contract.artifact
+    ([0.0, 0.0], '.onnx')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from torch import nn
+
+from fxforge.capture import normalize_inputs
+from fxforge.exporters.export import EXPORT_OPTIONS, export_for_session
+from fxforge.exporters.onnx import OnnxExport, check_options
+from fxforge.exporters.ort_decorator import onnxruntime_class
+from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
+from fxforge.core.target_cache import device_of
+from fxforge.runtime.race import Entrant
+from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
+
+# The session's options, besides the export's.
+SESSION_OPTIONS = ("path", "providers", "session_options", "intra_op_num_threads")
+
+
+class OnnxRuntimeTarget(Target):
+    """ONNX Runtime runs the exported file (see the module docstring)."""
+
+    name = "onnxruntime"
+    summary = "the model exported to ONNX and run by ONNX Runtime"
+    contract = Contract(dynamic="other sizes: exported again with the dims that changed dynamic (dynamic=None)",
+                        live_weights=False, hooks=False, gradients=False, training=False, artifact=".onnx",
+                        devices="CPU, and CUDA where onnxruntime-gpu sees a GPU")
+    options = tuple(o for o in EXPORT_OPTIONS if o not in COMMON_OPTIONS) + SESSION_OPTIONS
+
+    def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
+        if model_kind(model) == "class":
+            return onnxruntime_class(model, functools.partial(onnxruntime_module, **options))
+        return onnxruntime_module(model, example_inputs, **options)
+
+    def graph(self, built: nn.Module) -> Any:
+        return built.onnx_export.captured if built.onnx_export is not None else None
+
+    def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> OnnxExport:
+        """A copy of the file the session runs (and its ``.data``), renamed into place when whole; returns the
+        export's record (validation, translations)."""
+        if built.onnx_export is None or built.path is None:
+            raise ValueError("nothing to write: the module has not exported the model yet")
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
+        if os.path.abspath(built.path) != os.path.abspath(path):
+            _copy_whole(built.path, path)
+        return built.onnx_export
+
+    def entrant(self, model: nn.Module, args: tuple, kwargs: dict, options: dict[str, Any],
+                shared: dict[str, Any]) -> Entrant:
+        return Entrant(self.name, lambda: prepared(self.build(model, None, options), args, kwargs),
+                       refusal=ort_refusal(device_of(args, kwargs, model)))
+
+
+def _copy_whole(source: str, path: str) -> None:
+    """``source`` (and ``source.data``, its external weights) copied to ``path``: to temporary names beside it,
+    then renamed, the ``.onnx`` last; nothing is left on a failure."""
+    directory = os.path.dirname(os.path.abspath(path))
+    pairs = [(source + ".data", path + ".data")] if os.path.exists(source + ".data") else []
+    pairs.append((source, path))
+    temporary = []
+    try:
+        for src, dst in pairs:
+            handle, scratch = tempfile.mkstemp(prefix=".fxforge-", dir=directory)
+            os.close(handle)
+            temporary.append(scratch)
+            shutil.copyfile(src, scratch)
+        for scratch, (_, dst) in zip(temporary, pairs):
+            os.replace(scratch, dst)
+    finally:
+        for scratch in temporary:
+            with contextlib.suppress(OSError):
+                os.remove(scratch)
+
+
+def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: str | os.PathLike | None = None,
+                       providers: Any = None, session_options: Any = None, intra_op_num_threads: int | None = None,
+                       dynamic: bool | None = None, **export_options: Any) -> OnnxRuntimeModule:
+    """``model`` exported with :func:`export_onnx` and run in ONNX Runtime (the ``onnxruntime`` target).
+
+    Without ``example_inputs`` the export happens on the first call, with that call's inputs. The file goes
+    to ``path`` if given, else to a temporary folder removed with the module.
+
+    Args:
+        model: the model (exported in eval mode).
+        example_inputs: a tuple of positional inputs, one tensor, a dict of keyword inputs, or None.
+        path: where to keep the ONNX file.
+        providers, session_options, intra_op_num_threads: for the session (see :class:`OnnxRuntimeModule`).
+        dynamic: True: one export with the batch and sequence dims dynamic (:func:`export_onnx`'s
+            ``dynamic=True``), whose session serves every batch size and length. None (as
+            ``torch.compile``): the first export is static; the first call that differs from it only in
+            sizes exports the model once more, with the dims that changed and the batch and sequence dims
+            dynamic, and that session (the old one freed) serves every later size. False: one static
+            export (other sizes raise :class:`~fxforge.exporters.ort_module.InputShapeError`). With
+            ``dynamic_batch`` or ``dynamic_shapes``, None exports once, with those dims.
+            ``module.exports`` counts the exports made.
+        export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
+            ``opset``, ``attention``, ``external_data`` (see :func:`export_onnx`).
+
+    Raises:
+        TypeError, ValueError: unknown or conflicting options.
+
+    Example:
+        >>> m = onnxruntime_module(torch.nn.Tanh().eval(), intra_op_num_threads=1)
+        >>> m(torch.zeros(2)).tolist(), m.intra_op_num_threads
+        ([0.0, 0.0], 1)
+        >>> m(torch.zeros(3)).tolist(), m(torch.zeros(5)).shape, m.exports   # a size changed: exported again
+        ([0.0, 0.0, 0.0], torch.Size([5]), 2)
+    """
+    unknown = sorted(set(export_options) - set(EXPORT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown export options {', '.join(unknown)}; they are {', '.join(EXPORT_OPTIONS)}")
+    if dynamic not in (None, True, False):
+        raise TypeError(f"dynamic takes None, True or False, got {dynamic!r}")
+    check_options(export_options.get("opset"), export_options.get("dynamic_batch", False),
+                  export_options.get("dynamic_shapes"), export_options.get("attention", "MultiHeadAttention"),
+                  bool(dynamic))
+    explicit = bool(export_options.get("dynamic_batch")) or export_options.get("dynamic_shapes") is not None
+    export = functools.partial(export_for_session, model, {**export_options, "dynamic": bool(dynamic)})
+    module = OnnxRuntimeModule.deferred(model, export, path=path, providers=providers,
+                                        session_options=session_options, intra_op_num_threads=intra_op_num_threads,
+                                        dynamic=bool(dynamic) if dynamic is not None or explicit else None)
+    if example_inputs is not None:
+        args, kwargs = normalize_inputs(example_inputs)
+        module.prepare(*args, **kwargs)
+    return module
+
+
+ONNXRUNTIME = OnnxRuntimeTarget()
