@@ -4,6 +4,8 @@
 - :mod:`~fxforge.capture.fx_trace`: symbolic tracing, with submodules that break it kept as opaque leaves;
 - :mod:`~fxforge.capture.export`: torch.export turned back into a callable graph;
 - :mod:`~fxforge.capture.dynamic`: torch.export with dynamic dims (the batch dim, or the user's spec);
+- :mod:`~fxforge.capture.dims`: which input dims an export keeps dynamic (batch, sequence, those that changed);
+- :mod:`~fxforge.capture.refine`: torch.export's suggested fixes taken instead of failing;
 - :mod:`~fxforge.capture.hf`: transformers' cache objects as pytrees.
 
 Example:

@@ -20,13 +20,13 @@ from torch import nn
 
 import fxforge
 from fxforge import export_onnx
-from fxforge.capture.dynamic import (
+from fxforge.capture.dims import (
     changed_dynamic_shapes,
-    refined_dynamic_shapes,
     sequence_dynamic_shapes,
     sequence_length,
     trace_inputs,
 )
+from fxforge.capture.refine import refined_dynamic_shapes
 from fxforge.core.verify import compare_outputs
 from fxforge.exporters import ExportError, InputShapeError, OnnxRuntimeModule
 
