@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fxforge.core.costs import Machine
 from fxforge.core.nodes import named_submodule
 from fxforge.core.units import parse_budget
 from fxforge.pipeline.columns import column_plans
@@ -41,7 +42,6 @@ from fxforge.pipeline.split import (
     parameter_split,
 )
 from fxforge.pipeline.units import StageUnits, stage_units
-from fxforge.runtime.roofline import Machine
 
 POLICIES = ("fxforge", "even-layers", "parameters")
 """How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or

@@ -10,7 +10,7 @@ Everything is read from the training step's own graphs (:func:`fxforge.training.
 on fake tensors, one microbatch, no real compute):
 
 - each unit's forward and backward time: the roofline estimate of its nodes
-  (:func:`fxforge.training.costs.node_seconds`); a backward node belongs to the unit of the forward
+  (:func:`fxforge.core.costs.node_seconds`); a backward node belongs to the unit of the forward
   operation it differentiates (the autograd sequence number both carry);
 - the bytes it saves for its backward (per microbatch);
 - the parameters and buffers each unit uses (a parameter used by several stages is replicated to each);
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from fxforge.capture.model import normalize_inputs
+from fxforge.core.costs import Machine, node_flops, node_seconds
 from fxforge.core.memory import tensor_leaves, value_bytes
 from fxforge.core.nodes import is_view_op
-from fxforge.runtime.roofline import Machine, measure_machine
-from fxforge.training.costs import node_flops, node_seconds
+from fxforge.runtime.roofline import measure_machine
 from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.step_graph import clean_module_path, default_loss, module_of, trace_step
 

@@ -1,8 +1,8 @@
-"""The machine's roofline: its measured peak FLOP/s, its measured memory bandwidth, and their ratio.
+"""Measuring the machine's roofline: its peak FLOP/s and its memory bandwidth, on this device.
 
-A node whose arithmetic intensity (FLOPs per byte moved) is above the *ridge point* ``peak / bandwidth``
-can at best run at the peak, so it is compute bound; below it, the bytes it moves limit it: memory bound.
-:func:`measure_machine` measures both figures instead of trusting a data sheet:
+The roofline model itself (:class:`~fxforge.core.costs.Machine`: the ridge point ``peak / bandwidth``,
+compute or memory bound, a node's estimated seconds) is the cost model of :mod:`fxforge.core.costs`;
+:func:`measure_machine` measures its two figures instead of trusting a data sheet:
 
 - peak: the best of a few timed square float32 matrix products (``torch.mm``), large enough to reach the
   BLAS library's (or cuBLAS's) steady state;
@@ -16,9 +16,9 @@ and in memory, so it runs once per process. ``FXFORGE_MACHINE_CACHE=0`` keeps it
 ``FXFORGE_AUTOTUNE_CACHE=0``, the switch the test suite sets, unless ``FXFORGE_MACHINE_CACHE=1``).
 
 Example:
-    >>> m = Machine("cpu", peak_gflops=100.0, bandwidth_gbs=20.0, measured_at="2026-01-01T00:00:00+00:00")
-    >>> m.ridge, m.bound(2.0), m.bound(50.0)
-    (5.0, 'memory', 'compute')
+    >>> m = measure_machine("cpu")     # a core.costs.Machine, measured the first time, read back afterwards
+    >>> m.peak_gflops > 0 and m.bandwidth_gbs > 0, m.bound(m.ridge / 2)
+    (True, 'memory')
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fxforge.core.costs import Machine
 from fxforge.core.disk_cache import cache_dir, machine_key
 from fxforge.core.files import atomic_write
 
@@ -41,56 +42,6 @@ FILE_NAME = "machine.json"
 # repetition takes milliseconds on a laptop-class CPU and the whole measurement stays under a second.
 SIZES = {"cpu": (768, 64 * 2**20), "cuda": (8192, 1024 * 2**20)}
 REPEATS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class Machine:
-    """What a device can do at best, measured.
-
-    Attributes:
-        device: ``"cpu"``, ``"cuda:0"``...
-        peak_gflops: the best measured rate of a large float32 matrix product, in GFLOP/s.
-        bandwidth_gbs: the best measured rate of a large copy (bytes read + written), in GB/s (1e9 bytes).
-        measured_at: when (ISO 8601, UTC).
-        dtype: the dtype the peak was measured in.
-
-    Example:
-        >>> Machine("cpu", 50.0, 10.0, "2026-01-01T00:00:00+00:00").ridge
-        5.0
-    """
-
-    device: str
-    peak_gflops: float
-    bandwidth_gbs: float
-    measured_at: str
-    dtype: str = "float32"
-
-    @property
-    def ridge(self) -> float:
-        """The ridge point in FLOP/byte: intensities above it are compute bound."""
-        return self.peak_gflops / self.bandwidth_gbs if self.bandwidth_gbs > 0 else float("inf")
-
-    def bound(self, intensity: float) -> str:
-        """``"compute"`` when ``intensity`` (FLOP/byte) reaches the ridge point, else ``"memory"``.
-
-        Example:
-            >>> Machine("cpu", 50.0, 10.0, "").bound(5.0)
-            'compute'
-        """
-        return "compute" if intensity >= self.ridge else "memory"
-
-    def attainable_gflops(self, intensity: float) -> float:
-        """The roof at ``intensity``: ``min(peak, bandwidth * intensity)`` in GFLOP/s.
-
-        Example:
-            >>> Machine("cpu", 50.0, 10.0, "").attainable_gflops(2.0)
-            20.0
-        """
-        return min(self.peak_gflops, self.bandwidth_gbs * intensity)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields and the ridge, as plain values (what the cache file stores, plus ``ridge``)."""
-        return {**dataclasses.asdict(self), "ridge": self.ridge}
 
 
 def cache_path() -> pathlib.Path:

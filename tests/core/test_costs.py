@@ -1,12 +1,12 @@
-"""What recomputing a node costs (fxforge.training.costs): the roofline estimate, and the same under a fusing
-compiler, where an elementwise op costs writing its output once (issue 22)."""
+"""The cost model (fxforge.core.costs): the roofline estimate, and the same under a fusing compiler, where an
+elementwise op costs writing its output once (issue 22); one model for checkpointing, the pipeline planner and
+the profiler (issue 47)."""
 
 from __future__ import annotations
 
 import torch
 
-from fxforge.runtime.roofline import Machine
-from fxforge.training.costs import is_pointwise, node_seconds
+from fxforge.core.costs import Machine, is_pointwise, node_seconds
 
 MACHINE = Machine("cpu", 100.0, 10.0, "")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxforge.core.costs import node_seconds
 from fxforge.runtime.roofline import measure_machine
 from fxforge.training import checkpointing
 from fxforge.training.checkpointing import plan_step
 from fxforge.training.compiled import inductor_decompositions
-from fxforge.training.costs import node_seconds
 from fxforge.training.eager_graph import eager_like_graph
 from fxforge.training.inductor_partitions import mincut_candidates, mincut_recomputations
 from fxforge.training.step_graph import is_random, trace_step

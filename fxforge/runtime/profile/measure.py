@@ -9,11 +9,12 @@ that computes (``call_function``, ``call_method``, ``call_module``):
 - ``flops``: counted by ``torch.utils.flop_counter.FlopCounterMode`` on one run, so the counts are
   torch's own (a linear layer ``2·B·N_in·N_out``, a convolution ``2·B·H'·W'·K²·C_in·C_out``; pointwise
   ops count 0). fxforge's fused ops, and the oneDNN/cuDNN kernels they lower to, count the FLOPs of
-  their convolution or linear layer (:data:`~fxforge.runtime.profile.flops.FLOP_FORMULAS`);
+  their convolution or linear layer (:data:`~fxforge.core.costs.KERNEL_FLOPS`);
 - ``bytes``: the sizes of the node's tensor inputs (a module's parameters included) plus those of its
   outputs; a view (``view``, ``transpose``, ``getitem``...) that returns an alias moves nothing and counts 0;
-- ``intensity`` (FLOPs per byte) and ``bound``: ``"compute"`` at or above the machine's ridge point
-  (:func:`fxforge.runtime.roofline.measure_machine`), else ``"memory"``;
+- ``intensity`` (FLOPs per byte) and ``bound``: ``"compute"`` at or above the ridge point of the machine's
+  roofline (:mod:`fxforge.core.costs`, measured by :func:`fxforge.runtime.roofline.measure_machine`), else
+  ``"memory"``;
 - ``live_bytes``: activation bytes alive after the node, simulated from the shapes
   (:class:`fxforge.core.memory.GraphMemory`), and ``measured_live_bytes``: the same measured during
   the counting run (storages created during the run and still alive: a dispatch-mode tracker on CPU, the
@@ -34,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import warnings
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.core.costs import intensity
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.nodes import CALL_OPS, target_name
 from fxforge.core.shapes import placeholder_values
@@ -102,12 +103,12 @@ def profile_graph(graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict,
             continue
         times = runner.times.get(node.name) or [0.0]
         flops, nbytes = int(runner.flops.get(node.name, 0)), int(runner.bytes.get(node.name, 0))
-        intensity = flops / nbytes if nbytes > 0 else (math.inf if flops > 0 else 0.0)
+        ratio = intensity(flops, nbytes)
         rows.append({
             "node": node.name, "op": op_type(node, graph_module), "target": target_name(node),
             "module": modules.get(node.name, ""), "source": node_source(node) or "",
             "time_ms": float(statistics.median(times)), "flops": flops, "bytes": nbytes,
-            "intensity": float(intensity), "bound": machine.bound(intensity),
+            "intensity": float(ratio), "bound": machine.bound(ratio),
             "live_bytes": int(live.get(node.name, 0)), "measured_live_bytes": int(runner.measured.get(node.name, 0)),
         })
     import pandas as pd

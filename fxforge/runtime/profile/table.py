@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from fxforge.core.costs import Machine
 from fxforge.core.memory import MemoryTimeline
-from fxforge.runtime.roofline import Machine
 
 COLUMNS = ["node", "op", "target", "module", "source", "time_ms", "flops", "bytes", "intensity", "bound",
            "live_bytes", "measured_live_bytes"]
@@ -29,7 +29,7 @@ class Profile:
         table: a pandas DataFrame, one row per computing node in run order: ``node``, ``op``, ``target``,
             ``module``, ``source``, ``time_ms``, ``flops``, ``bytes``, ``intensity``, ``bound``,
             ``live_bytes`` (simulated, after the node) and ``measured_live_bytes``.
-        machine: the device's measured :class:`~fxforge.runtime.roofline.Machine` (peak, bandwidth, ridge).
+        machine: the device's measured :class:`~fxforge.core.costs.Machine` (peak, bandwidth, ridge).
         graph_module: the graph profiled.
         timeline: the simulated :class:`~fxforge.core.memory.MemoryTimeline` (every node, inputs included).
         graph_ms: the median time of the whole graph called directly (no interpreter).
