@@ -49,6 +49,7 @@ from fxforge.cli.commands import (
 )
 from fxforge.cli.memory import AUTOCAST, run_memory
 from fxforge.cli.partition import add_partition_command
+from fxforge.targets import TARGETS
 from fxforge.training.optimizer_memory import OPTIMIZERS
 
 __all__ = ["CommandError", "build_parser", "load_model", "main", "parse_input"]
@@ -83,10 +84,12 @@ def _write_arguments(parser: argparse.ArgumentParser, *, output_required: bool) 
     parser.add_argument("-o", "--output", metavar="OUT", required=output_required,
                         help="OUT.pt2 (torch.export program, load with fxforge.load) or OUT.onnx "
                              "(checked and validated in ONNX Runtime)")
-    parser.add_argument("--target", choices=("auto", "native", "inductor", "onnxruntime"), default="auto",
-                        help="what the model runs in; auto (the default) races native, inductor and onnxruntime "
-                             "and keeps the fastest that agrees with eager; with -o, auto is the target the "
-                             "file's suffix names (.onnx: onnxruntime, .pt2: native)")
+    writers = ", ".join(f"{t.contract.artifact}: {t.name}" for t in TARGETS.values() if t.contract.artifact)
+    raced = ", ".join(t.name for t in TARGETS["auto"].raced())
+    parser.add_argument("--target", choices=tuple(TARGETS), default="auto",
+                        help=f"what the model runs in; auto (the default) races {raced} and keeps the fastest "
+                             f"that agrees with eager; with -o, auto is the target that writes the file's suffix "
+                             f"({writers})")
     parser.add_argument("--dynamic-batch", action="store_true", help="make dim 0 (the batch) of the output dynamic")
     parser.add_argument("--report", metavar="REPORT.html", help="write a self-contained HTML report")
 

@@ -19,7 +19,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from fxforge.capture import CaptureError, capture, normalize_inputs

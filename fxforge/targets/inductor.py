@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from fxforge.core.target_cache import compile_rate, device_of, remember_compile_rate
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
+from fxforge.core.target_cache import compile_rate, device_of, remember_compile_rate
 from fxforge.lowering.build import Lowering
 from fxforge.lowering.inductor import LEFT_TO_INDUCTOR, inductor_plan
 from fxforge.runtime.race import Entrant

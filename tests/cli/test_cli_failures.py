@@ -82,7 +82,7 @@ def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
     (["--input", "2y8"], "malformed shape '2y8'", "optimize"),
     (["--input", "2x8:complex7"], "unknown dtype 'complex7'", "optimize"),
     (["--input", "2x8", "--rewrites", "nope"], "unknown rewrite 'nope'; built-in rewrites: cleanup", "optimize"),
-    (["--input", "2x8", "-o", "m.txt"], "-o m.txt: the file name must end in .onnx or .pt2", "optimize"),
+    (["--input", "2x8", "-o", "m.txt"], "-o m.txt: the file name must end in .pt2 or .onnx", "optimize"),
     (["--input", "2x8", "--target", "native", "-o", "m.onnx"], "an .onnx file is for --target onnxruntime", "optimize"),
     (["--input", "2x8", "-o", "m.pt2", "--report", "r.txt"], "--report r.txt: the file name must end in .html", "optimize"),
     (["--input", "2x8", "--target", "inductor", "-o", "m.pt2"], "target inductor writes no file; drop -o, or write .pt2",
