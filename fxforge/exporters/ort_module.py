@@ -3,7 +3,8 @@
 :class:`OnnxRuntimeModule` is what ``fxforge.optimize(model, inputs, target="onnxruntime")`` returns. It
 takes the model's own inputs (positional, keyword, nested), feeds their tensors to the ONNX session, and
 returns the model's own output structure (a tensor, a tuple, a dict, a transformers ``ModelOutput``) as
-torch tensors on the inputs' device. :class:`IOSpec` records that mapping at export time.
+torch tensors on the inputs' device. :class:`~fxforge.exporters.io_spec.IOSpec` records that mapping at
+export time; :mod:`fxforge.exporters.ort_session` opens the session.
 
 Example:
     >>> import torch, fxforge
@@ -16,8 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 import shutil
 import tempfile
@@ -29,6 +28,14 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from fxforge.exporters.io_spec import InputShapeError, IOSpec, thawed  # noqa: F401 - importable from here as before
+from fxforge.exporters.ort_session import (  # noqa: F401 - importable from here as before
+    _provider_options,
+    default_providers,
+    ort_refusal,
+    session_options,
+)
 
 # ONNX element type names (as ORT reports them) -> torch dtypes.
 _ORT_DTYPES = {
@@ -45,237 +52,6 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
 # (args, kwargs, path, the session's options[, before=]) -> (the OnnxExport, the OnnxRuntimeModule that validated
 # it); ``before``: the inputs of the export this one replaces (the dims that changed since become dynamic).
 Exporter = Callable[..., tuple[Any, "OnnxRuntimeModule"]]
-
-
-class InputShapeError(ValueError):
-    """Inputs that the exported ONNX model does not accept (structure, count, shape or dtype).
-
-    Example:
-        >>> str(InputShapeError("input 'x' has shape (3, 4); the ONNX model takes (2, 4)"))
-        "input 'x' has shape (3, 4); the ONNX model takes (2, 4)"
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class IOSpec:
-    """How the model's inputs and outputs map to the ONNX graph's.
-
-    Attributes:
-        in_spec: the pytree structure of ``(args, kwargs)`` the model was exported with.
-        inputs: per input leaf, ``("tensor", onnx_input_name)``, or ``("constant", value)`` for a Python value
-            that export fixed (calls must pass the same value).
-        out_spec: the pytree structure of the model's outputs.
-        outputs: per output leaf, ``("tensor", index of the ONNX output)`` or ``("constant", value)``.
-
-    Example:
-        >>> spec = IOSpec.for_tensors(["x"], 1)
-        >>> spec.feeds((torch.ones(1),), {})[0][0]
-        'x'
-        >>> spec.outputs_from([torch.zeros(1)]).tolist()
-        [0.0]
-    """
-
-    in_spec: pytree.TreeSpec
-    inputs: tuple[tuple[str, Any], ...]
-    out_spec: pytree.TreeSpec
-    outputs: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def for_tensors(cls, input_names: Sequence[str], num_outputs: int) -> IOSpec:
-        """The spec of a model called with positional tensors, returning one tensor (or a tuple of them)."""
-        _, in_spec = pytree.tree_flatten((tuple(torch.empty(0) for _ in input_names), {}))
-        out = torch.empty(0) if num_outputs == 1 else tuple(torch.empty(0) for _ in range(num_outputs))
-        _, out_spec = pytree.tree_flatten(out)
-        return cls(in_spec, tuple(("tensor", n) for n in input_names), out_spec,
-                   tuple(("tensor", i) for i in range(num_outputs)))
-
-    @classmethod
-    def from_exported_program(cls, program: torch.export.ExportedProgram, onnx_inputs: Sequence[str],
-                              num_onnx_outputs: int, out_structure: tuple | None = None) -> IOSpec:
-        """The mapping for an ONNX model that ``torch.onnx.export`` made from ``program``.
-
-        The exporter keeps the program's tensor user inputs as graph inputs and its tensor user outputs
-        as graph outputs, in order; Python values are baked into the graph. ``out_structure`` rebuilds the
-        outputs of a program that returns its tensors flat: ``(spec, per leaf ("tensor", index) or
-        ("constant", value))``.
-
-        Raises:
-            ValueError: the ONNX graph's inputs or outputs do not line up with the program's.
-        """
-        from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
-
-        inputs, tensor_inputs = [], 0
-        for spec in program.graph_signature.input_specs:
-            if spec.kind != InputKind.USER_INPUT:
-                continue
-            if isinstance(spec.arg, TensorArgument):
-                if tensor_inputs >= len(onnx_inputs):
-                    raise ValueError("the ONNX model has fewer inputs than the exported program")
-                inputs.append(("tensor", onnx_inputs[tensor_inputs]))
-                tensor_inputs += 1
-            elif isinstance(spec.arg, ConstantArgument):
-                inputs.append(("constant", spec.arg.value))
-            else:
-                raise ValueError(f"an input of kind {type(spec.arg).__name__} cannot be fed to ONNX Runtime")  # noqa: TRY004
-        if tensor_inputs != len(onnx_inputs):
-            raise ValueError(f"the ONNX model has {len(onnx_inputs)} inputs, the exported program {tensor_inputs}")
-        outputs, index = [], 0
-        for spec in program.graph_signature.output_specs:
-            if spec.kind != OutputKind.USER_OUTPUT:
-                continue
-            if isinstance(spec.arg, TensorArgument):
-                outputs.append(("tensor", index))
-                index += 1
-            else:
-                outputs.append(("constant", getattr(spec.arg, "value", None)))
-        if index != num_onnx_outputs:
-            raise ValueError(f"the ONNX model has {num_onnx_outputs} outputs, the exported program {index}")
-        if out_structure is not None:
-            out_spec, kinds = out_structure
-            if any(kind != "tensor" for kind, _ in outputs) or sum(k == "tensor" for k, _ in kinds) != index:
-                raise ValueError(f"the program returns {len(outputs)} values, the model's outputs have "
-                                 f"{sum(k == 'tensor' for k, _ in kinds)} tensors")
-            return cls(program.call_spec.in_spec, tuple(inputs), thawed(out_spec), tuple(kinds))
-        return cls(program.call_spec.in_spec, tuple(inputs), thawed(program.call_spec.out_spec), tuple(outputs))
-
-    def feeds(self, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
-        """``(onnx input name, tensor)`` for a call, in the ONNX graph's input order.
-
-        Raises:
-            InputShapeError: the call's structure differs from the exported one, or a fixed value changed.
-        """
-        names = self._positional_names
-        if names is not None and not kwargs and len(args) == len(names) and all(
-                type(value) is torch.Tensor for value in args):  # the common call: the example's tensors, in order
-            return list(zip(names, args))
-        from torch.export._tree_utils import reorder_kwargs
-
-        try:
-            kwargs = reorder_kwargs(dict(kwargs), self.in_spec)
-        except Exception as error:  # noqa: BLE001 - a missing or extra keyword
-            raise InputShapeError(f"the keyword inputs {sorted(kwargs)} differ from the exported ones: {error}") from None
-        leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
-        if spec != self.in_spec:
-            raise InputShapeError(f"the inputs' structure {spec} differs from the one exported, {self.in_spec}: "
-                                  "call the module the way the example inputs were given")
-        feeds = []
-        for (kind, what), value in zip(self.inputs, leaves):
-            if kind == "tensor":
-                if not isinstance(value, torch.Tensor):
-                    raise InputShapeError(f"input {what!r} must be a tensor, got {type(value).__name__}")
-                feeds.append((what, value))
-            elif not _same_constant(value, what):
-                raise InputShapeError(f"an input was fixed to {what!r} at export; this call passes {value!r}")
-        return feeds
-
-    @functools.cached_property
-    def _positional_names(self) -> tuple[str, ...] | None:
-        """The ONNX input names when the model takes its tensors positionally and nothing else, else None."""
-        if any(kind != "tensor" for kind, _ in self.inputs):
-            return None
-        _, flat = pytree.tree_flatten((tuple(torch.empty(0) for _ in self.inputs), {}))
-        return tuple(name for _, name in self.inputs) if flat == self.in_spec else None
-
-    def outputs_from(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The model's output structure, from the ONNX outputs in order."""
-        leaves = [tensors[what] if kind == "tensor" else what for kind, what in self.outputs]
-        return pytree.tree_unflatten(leaves, self.out_spec)
-
-
-def thawed(spec: pytree.TreeSpec) -> pytree.TreeSpec:
-    """``spec`` with torch.fx's ``immutable_dict`` / ``immutable_list`` (what a traced graph returns for the
-    model's dicts and lists) made the plain ``dict`` / ``list`` the model returned.
-
-    Example:
-        >>> from torch.fx.immutable_collections import immutable_dict
-        >>> thawed(pytree.tree_flatten(immutable_dict(a=torch.ones(1)))[1]) == pytree.tree_flatten({"a": 0})[1]
-        True
-    """
-    from torch.fx.immutable_collections import immutable_dict, immutable_list
-
-    if spec.is_leaf():
-        return spec
-    # The spec's own nodes are rebuilt: unflattening would run custom containers' code (a transformers cache).
-    kind = {immutable_dict: dict, immutable_list: list}.get(spec.type, spec.type)
-    return pytree.TreeSpec(kind, spec.context, [thawed(child) for child in spec.children_specs])
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) or (a is None and b is None)
-    except Exception:  # noqa: BLE001 - values that do not compare
-        return a is b
-
-
-# ---------------------------------------------------------------------------------------------- sessions
-
-def default_providers() -> list[str]:
-    """CUDA when torch sees a GPU and ONNX Runtime has the CUDA provider, else CPU (listed explicitly,
-    so a GPU build of ONNX Runtime on a CPU-only machine does not try, and complain about, CUDA).
-
-    Example:
-        >>> default_providers()[-1]
-        'CPUExecutionProvider'
-    """
-    import onnxruntime as ort
-
-    if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def ort_refusal(device: torch.device) -> str | None:
-    """Why ONNX Runtime cannot run a model on ``device`` on its own hardware here, or None.
-
-    A model on a GPU needs ONNX Runtime's CUDA provider (the ``onnxruntime-gpu`` package); without it the
-    session would run on the CPU, which is no contender for the GPU's targets.
-
-    Example:
-        >>> ort_refusal(torch.device("cpu")) is None
-        True
-    """
-    if device.type != "cuda":
-        return None
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        return None
-    return ("not raced: this onnxruntime has no CUDAExecutionProvider (the onnxruntime-gpu package), so it "
-            "would run the CUDA model on the CPU")
-
-
-def session_options(intra_op_num_threads: int | None = None, *, spinning: bool = False) -> Any:
-    """ONNX Runtime ``SessionOptions`` as fxforge uses them.
-
-    ``intra_op_num_threads`` defaults to torch's thread count (so both use the same cores); one
-    inter-op thread; worker threads do not spin waiting for work (``session.intra_op.allow_spinning =
-    "0"``: a spinning pool competes with the rest of the process for the cores between runs); warnings
-    from ONNX Runtime's logger are off (errors still raise).
-
-    Example:
-        >>> session_options(3).intra_op_num_threads
-        3
-    """
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = int(intra_op_num_threads or torch.get_num_threads())
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    flag = "1" if spinning else "0"
-    options.add_session_config_entry("session.intra_op.allow_spinning", flag)
-    options.add_session_config_entry("session.inter_op.allow_spinning", flag)
-    return options
-
-
-def _provider_options(providers: Sequence[Any]) -> list[Any]:
-    """Put the current torch CUDA device on a bare ``"CUDAExecutionProvider"``."""
-    result = []
-    for provider in providers:
-        if provider == "CUDAExecutionProvider" and torch.cuda.is_available():
-            provider = ("CUDAExecutionProvider", {"device_id": torch.cuda.current_device()})
-        result.append(provider)
-    return result
 
 
 def _dims_text(shape: Sequence[Any]) -> str:
@@ -320,7 +96,7 @@ class OnnxRuntimeModule(nn.Module):
         >>> module(torch.ones(4, 3))
         Traceback (most recent call last):
         ...
-        fxforge.exporters.ort_module.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic=True, dynamic_batch=True or dynamic_shapes= for other sizes)
+        fxforge.exporters.io_spec.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic=True, dynamic_batch=True or dynamic_shapes= for other sizes)
     """
 
     def __init__(self, path: str | os.PathLike | None, io: IOSpec | None = None, *,
@@ -358,7 +134,7 @@ class OnnxRuntimeModule(nn.Module):
 
         ``export(args, kwargs, path, module_options)`` writes the checked, validated ONNX file at ``path``
         and returns ``(OnnxExport, the OnnxRuntimeModule that validated it)``
-        (:func:`fxforge.planner.onnxruntime_module` hands in fxforge's export). The file goes to ``path`` if
+        (:func:`fxforge.targets.onnxruntime.onnxruntime_module` hands in fxforge's export). The file goes to ``path`` if
         given, else to a temporary folder removed with the module.
 
         ``dynamic=None`` (``torch.compile``'s automatic dynamic): when a later call differs from the exported
@@ -370,7 +146,7 @@ class OnnxRuntimeModule(nn.Module):
         exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
         Example:
-            >>> from fxforge.planner import onnxruntime_module
+            >>> from fxforge.targets.onnxruntime import onnxruntime_module
             >>> m = onnxruntime_module(torch.nn.Tanh().eval(), intra_op_num_threads=1)
             >>> m(torch.zeros(2)).tolist(), m.intra_op_num_threads
             ([0.0, 0.0], 1)
@@ -390,7 +166,7 @@ class OnnxRuntimeModule(nn.Module):
         exported again for other sizes. Read-only.
 
         Example:
-            >>> from fxforge.planner import onnxruntime_module
+            >>> from fxforge.targets.onnxruntime import onnxruntime_module
             >>> m = onnxruntime_module(torch.nn.ReLU().eval(), (torch.ones(2, 3),), dynamic=True)
             >>> _ = m(torch.ones(5, 3)); m.exports
             1

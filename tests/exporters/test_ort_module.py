@@ -90,7 +90,7 @@ def test_session_options_and_providers_at_creation():
 
 
 def test_a_cuda_model_is_refused_where_onnxruntime_has_no_cuda_provider(monkeypatch):
-    from fxforge.exporters.ort_module import ort_refusal
+    from fxforge.exporters.ort_session import ort_refusal
 
     assert ort_refusal(torch.device("cpu")) is None
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
@@ -150,7 +150,7 @@ def test_calls_it_was_not_exported_for():
 
 
 def test_positional_tensors_take_the_short_way_and_anything_else_the_checked_one():
-    from fxforge.exporters.ort_module import IOSpec
+    from fxforge.exporters.io_spec import IOSpec
 
     spec = IOSpec.for_tensors(["a", "b"], 1)
     a, b = torch.ones(1), torch.zeros(1)
