@@ -1,13 +1,16 @@
-"""The fxforge comparison harness.
+"""fxforge's benchmarks: one harness, one section protocol.
 
-``python -m benchmarks`` builds every model of the suite (:mod:`benchmarks.suite`), prepares every
-contender (:mod:`benchmarks.contenders`) on it, times them in one run with interleaved repetitions and
-medians (:mod:`benchmarks.run`), and writes ``benchmarks/out/results.json`` plus the harness block of
-``benchmarks/RESULTS.md`` (:mod:`benchmarks.report`).
+``python -m benchmarks --suite NAME [options]`` runs a section (:mod:`benchmarks.harness`);
+``python -m benchmarks --list`` lists them (:data:`benchmarks.sections.SECTIONS`); every section is a
+:class:`benchmarks.section.Section` (name, description, ``add_arguments(parser)``, ``run(args)``).
+Without ``--suite``, the ``default`` section compares eager, torch.compile, ONNX Runtime and fxforge on
+the default models of the suite (:mod:`benchmarks.timed`). Results go to ``benchmarks/out/`` (JSON) and
+each section's own block of ``benchmarks/RESULTS.md`` (:mod:`benchmarks.report`).
 
-``python -m benchmarks --suite conv`` runs a section instead (the convolutional models at batch 1 and 8
-against ``optimize_for_inference`` and torch.compile): ``benchmarks/out/results-conv.json`` and its own
-block of ``RESULTS.md``, with summary lines under its table. ``--suite attention`` runs the BERT encoder
-at S = 512 / 1024 / 2048 and the LLaMA decoder at S = 2048 against torch.compile, with latency and peak
-memory (:mod:`benchmarks.memory`).
+- the timed sections (:mod:`benchmarks.timed`, measured by :mod:`benchmarks.rounds`): ``default``,
+  ``conv``, ``attention`` (with peak memory, :mod:`benchmarks.memory`), ``onnx``, ``targets``;
+- ``dynamic`` (a trace of changing shapes), ``training`` (a step's memory and checkpointing),
+  ``pipeline`` (pipeline splits), ``zoo`` (torchvision and timm), ``onnx-forms`` (the ORT kernel
+  choices), ``optimize-time`` (first-time optimize in new processes), ``against`` (this checkout
+  against another), ``guard-overhead``, ``memory-reorder``.
 """

@@ -1,8 +1,8 @@
-"""``python -m benchmarks``: see :func:`benchmarks.run.main`."""
+"""``python -m benchmarks``: see :mod:`benchmarks.harness`."""
 
 import sys
 
-from benchmarks.run import main
+from benchmarks.harness import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.against PATH``: this checkout against another (e.g. its parent), alternating new processes.
+"""``python -m benchmarks --suite against PATH``: this checkout against another (e.g. its parent), alternating new processes.
 
 For a change that must not move performance (a restructure), two figures per model, each measured in a new
 Python process with an empty autotune cache, the two checkouts alternating (this, other, this, other...):
@@ -13,8 +13,8 @@ Per model it prints the medians per checkout and two ratios, both "this / other"
 Example::
 
     git worktree add /tmp/parent HEAD~1
-    python -m benchmarks.against /tmp/parent --models hf_resnet50 --reps 3
-    python -m benchmarks.against /tmp/parent --suite conv --reps 3 --markdown benchmarks/RESULTS.md
+    python -m benchmarks --suite against /tmp/parent --models hf_resnet50 --reps 3
+    python -m benchmarks --suite against /tmp/parent --tag conv --reps 3
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from benchmarks.section import Section, UsageError, csv_list
 
 REGRESSION = 0.97
 
@@ -121,22 +123,27 @@ def markdown(table: list[dict], command: str, reps: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Alternate the two checkouts, print each repetition and the comparison; returns the exit code."""
-    from benchmarks import suite
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite against``."""
     parser.add_argument("other", help="the other fxforge checkout (e.g. a git worktree of the parent commit)")
-    parser.add_argument("--models", default=None, help="comma-separated suite entries")
-    parser.add_argument("--suite", default=None, help="a section's models (e.g. conv)")
+    parser.add_argument("--models", type=csv_list, default=None, help="comma-separated suite entries")
+    parser.add_argument("--tag", default="conv", help="without --models: the suite entries of this section "
+                        "(default conv)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=30, help="interleaved eager/fxforge calls per process")
     parser.add_argument("--threads", type=int, default=2)
-    opts = parser.parse_args(argv)
-    if opts.models:
-        models = [m.strip() for m in opts.models.split(",") if m.strip()]
-    else:
-        models = [e.name for e in suite.select(None, tag=opts.suite or "conv")]
+
+
+def run(opts: argparse.Namespace) -> int:
+    """Alternate the two checkouts, print each repetition and the comparison; returns the exit status."""
+    from benchmarks import suite
+
+    try:
+        models = [e.name for e in suite.select(opts.models, tag=opts.tag)]
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    if not models or opts.reps < 1 or opts.rounds < 1:
+        raise UsageError(f"no suite entry is tagged {opts.tag!r}" if not models else "--reps, --rounds must be >= 1")
     checkouts = {"this": ".", "other": opts.other}
     runs: dict[str, list[list[dict]]] = {name: [] for name in checkouts}
     for rep in range(opts.reps):
@@ -146,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(rows)
             print(f"rep {rep} {name:5s}: " + ", ".join(f"{r['model']} {r['optimize_s']:.2f} s {r['speedup']:.2f}x"
                                                        for r in rows), flush=True)
-    command = "python -m benchmarks.against " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(markdown(compare(runs, models), command, opts.reps))
+    print(markdown(compare(runs, models), opts.command, opts.reps))
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTION = Section("against", "this checkout against another (e.g. the parent commit), alternating new processes: "
+                  "first-time optimize seconds and speedup over eager per model (a restructure's no-regression check)",
+                  add_arguments, run)

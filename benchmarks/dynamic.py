@@ -40,7 +40,7 @@ Example::
 
     python -m benchmarks --suite dynamic
     python -m benchmarks --suite dynamic --calls 20 --models bert --no-markdown
-    python -m benchmarks.dynamic --calls 200 --models bert,gpt2,llama --contenders eager,compile,ort,fxforge,fxforge_ort
+    python -m benchmarks --suite dynamic --calls 200 --models bert,gpt2,llama --contenders eager,compile,ort,fxforge,fxforge_ort
 """
 
 from __future__ import annotations
@@ -51,10 +51,8 @@ import gc
 import io
 import os
 import random
-import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import weakref
@@ -69,8 +67,10 @@ from torch.utils._pytree import tree_leaves
 
 from benchmarks import report
 from benchmarks.contenders import ort_providers, ort_session, ort_session_options
+from benchmarks.log import error_text, log
+from benchmarks.section import Section, UsageError, csv_list
 
-SECTION = "dynamic"
+NAME = "dynamic"
 
 MODELS = ("bert", "gpt2", "llama")
 DEFAULT_CONTENDERS = ("eager", "compile", "ort", "fxforge", "fxforge_ort")
@@ -441,15 +441,6 @@ def trace_stats(times_s: Sequence[float], eager_s: Sequence[float] | None, warmu
 # one model
 
 
-def _error_text(exc: BaseException, limit: int = 600) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _work(setup: Setup) -> int | None:
     try:
         return setup.count()
@@ -470,7 +461,7 @@ def new_row(model: str, contender: str) -> dict[str, Any]:
 
 def run_model(model: TraceModel, trace: Sequence[Request], contenders: Sequence[str], *, seed: int = 0,
               warmup_calls: int = WARMUP_CALLS, rtol: float = RTOL, atol: float = ATOL,
-              log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
+              log: Callable[[str], None] = log) -> list[dict[str, Any]]:
     """Set every contender up on :func:`example_request`, then run ``trace`` through all of them, interleaved.
 
     ``eager`` is always run (first in the list if missing): the reference for outputs and ratios. A contender
@@ -496,8 +487,8 @@ def run_model(model: TraceModel, trace: Sequence[Request], contenders: Sequence[
                 setup = SETUPS[name](target, example)
                 setup.fn(**example)
         except Exception as exc:  # noqa: BLE001 - one failed contender, not a failed run
-            row.update(status="failed", stage="set-up", error=_error_text(exc))
-            log(f"[{model.name}] {name}: set-up failed: {_error_text(exc, 300)}")
+            row.update(status="failed", stage="set-up", error=error_text(exc, 600))
+            log(f"[{model.name}] {name}: set-up failed: {error_text(exc, 300)}")
             continue
         row["setup_s"] = time.perf_counter() - t0
         count = _work(setup)
@@ -530,8 +521,8 @@ def run_model(model: TraceModel, trace: Sequence[Request], contenders: Sequence[
                     elapsed = time.perf_counter() - t0
                 except Exception as exc:  # noqa: BLE001 - this contender stops, the trace goes on
                     rows[name].update(status="failed", stage=f"call {i} (batch {request.batch}, S {request.seq})",
-                                      error=_error_text(exc))
-                    log(f"[{model.name}] {name}: failed at call {i}: {_error_text(exc, 300)}")
+                                      error=error_text(exc, 600))
+                    log(f"[{model.name}] {name}: failed at call {i}: {error_text(exc, 300)}")
                     continue
                 finally:
                     gc.enable()
@@ -539,7 +530,7 @@ def run_model(model: TraceModel, trace: Sequence[Request], contenders: Sequence[
                 try:
                     outputs[name] = first_tensor(out)
                 except ValueError as exc:
-                    rows[name].update(status="failed", stage=f"call {i}: output", error=_error_text(exc))
+                    rows[name].update(status="failed", stage=f"call {i}: output", error=error_text(exc, 600))
                     continue
                 finally:
                     del out
@@ -745,23 +736,18 @@ def markdown_block(result: dict[str, Any]) -> str:
 
 def write_markdown(path: str, result: dict[str, Any]) -> None:
     """Replace this section's block of ``path`` (appended if missing); the rest is kept byte for byte."""
-    report.write_block(path, markdown_block(result), SECTION)
+    report.write_block(path, markdown_block(result), NAME)
 
 
 # --------------------------------------------------------------------------------------------------
 # CLI
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def build_parser(prog: str = "python -m benchmarks.dynamic") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, description="A request trace of changing shapes on BERT, GPT-2 and LLaMA (issue 19, part 6).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``--suite dynamic``."""
     p.add_argument("--calls", type=int, default=CALLS, help=f"calls in the trace (default {CALLS})")
-    p.add_argument("--models", type=_csv, default=list(MODELS), help=f"comma-separated, of {','.join(MODELS)}")
-    p.add_argument("--contenders", type=_csv, default=list(DEFAULT_CONTENDERS),
+    p.add_argument("--models", type=csv_list, default=list(MODELS), help=f"comma-separated, of {','.join(MODELS)}")
+    p.add_argument("--contenders", type=csv_list, default=list(DEFAULT_CONTENDERS),
                    help=f"comma-separated, of {','.join(SETUPS)} (default {','.join(DEFAULT_CONTENDERS)}); "
                    "eager is always run")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the trace (default 0)")
@@ -769,27 +755,23 @@ def build_parser(prog: str = "python -m benchmarks.dynamic") -> argparse.Argumen
                    help=f"calls left out of p99/p50 after warm-up (default {WARMUP_CALLS})")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and ORT intra-op threads "
                    "(default 2, as the harness)")
-    report.add_output_options(p, SECTION)
-    return p
+    report.add_output_options(p, NAME)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.dynamic") -> int:
-    """Run the trace on every model; returns the exit status (0 done, 2 usage)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(prog)
-    opts = parser.parse_args(argv)
+def run(opts: argparse.Namespace) -> int:
+    """Run the trace on every model; returns the exit status."""
     unknown = [n for n in opts.models if n not in MODELS] + [n for n in opts.contenders if n not in SETUPS]
     if unknown:
-        parser.error(f"unknown model(s) or contender(s): {', '.join(unknown)}")
+        raise UsageError(f"unknown model(s) or contender(s): {', '.join(unknown)}")
     if opts.calls < 1 or opts.threads < 1 or opts.warmup_calls < 0:
-        parser.error("--calls and --threads must be >= 1, --warmup-calls >= 0")
+        raise UsageError("--calls and --threads must be >= 1, --warmup-calls >= 0")
     threads_before = torch.get_num_threads()
     cache_before = os.environ.get("FXFORGE_CACHE_DIR")
     # fxforge's set-up is a first use: autotune measures afresh (its on-disk cache would replay another run's).
     os.environ["FXFORGE_CACHE_DIR"] = cache_dir = tempfile.mkdtemp(prefix="fxforge-bench-autotune-")
     torch.set_num_threads(opts.threads)
     try:
-        return _run(opts, f"{prog} {shlex.join(argv)}".strip())
+        return _run(opts, opts.command)
     finally:
         torch.set_num_threads(threads_before)
         if cache_before is None:
@@ -800,18 +782,16 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.dyn
 
 
 def _run(opts: argparse.Namespace, command: str) -> int:
-    from benchmarks.run import git_commit
-
     contenders = list(dict.fromkeys(["eager", *opts.contenders]))
     trace = make_trace(opts.calls, seed=opts.seed)
     result: dict[str, Any] = {
         "meta": {
-            "suite": SECTION,
+            "suite": NAME,
             "title": (f"Dynamic shapes: a trace of {opts.calls} requests, batch in {{1, 2, 4, 8}}, S in [16, 512] "
                       "(issue 19)"),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command,
-            "commit": git_commit(),
+            "commit": report.git_commit(),
             "machine": report.machine_info(torch.get_num_threads()),
             "contenders": {c: DESCRIPTIONS[c] for c in contenders},
             "models": opts.models,
@@ -822,8 +802,8 @@ def _run(opts: argparse.Namespace, command: str) -> int:
         },
         "rows": [],
     }
-    json_path = os.path.join(opts.out, f"results-{SECTION}.json")
-    _log(f"dynamic: {len(opts.models)} model(s) × {len(contenders)} contender(s), {opts.calls} calls, "
+    json_path = os.path.join(opts.out, f"results-{NAME}.json")
+    log(f"dynamic: {len(opts.models)} model(s) × {len(contenders)} contender(s), {opts.calls} calls, "
          f"{torch.get_num_threads()} thread(s)")
     for name in opts.models:
         model = build_model(name, seed=opts.seed)
@@ -835,15 +815,15 @@ def _run(opts: argparse.Namespace, command: str) -> int:
     result["meta"]["loadavg_end"] = report.load_average()
     result["summary"] = summary(result["rows"])
     report.write_json(json_path, result)
-    _log(f"wrote {json_path}")
+    log(f"wrote {json_path}")
     if not opts.no_markdown:
         write_markdown(opts.markdown, result)
-        _log(f"wrote {opts.markdown}")
+        log(f"wrote {opts.markdown}")
     print(report.markdown_table(result["rows"], COLUMNS))
     for line in result["summary"]:
         print(line)
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SECTION = Section(NAME, "a 200-request trace of changing batch and sequence length on BERT, GPT-2 and LLaMA, "
+                  "every call timed, first-time work included (issue 19)", add_arguments, run)

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.guard_overhead``: what the per-call guards of an optimized module cost (issue 18).
+"""``python -m benchmarks --suite guard-overhead``: what the per-call guards of an optimized module cost (issue 18).
 
 Every call of an optimized module first checks everything its plan assumed (the model's state epoch and
 hooks, the call's signature, every module's training flag, grad mode and autocast, and the sources of
@@ -16,8 +16,8 @@ difference of two noisy medians (it also holds ``nn.Module.__call__``'s own cost
 
 Example::
 
-    python -m benchmarks.guard_overhead                      # the conv and attention suites at batch 1
-    python -m benchmarks.guard_overhead --models tiny_mlp --rounds 3 --reps 50 --no-write
+    python -m benchmarks --suite guard-overhead          # the conv and attention suites at batch 1
+    python -m benchmarks --suite guard-overhead --models tiny_mlp --rounds 3 --reps 50 --no-markdown
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ import torch
 
 import fxforge
 from benchmarks import report, suite
+from benchmarks.section import Section, csv_list
 
 # The suites' batch-1 models (the conv section's and the attention section's), then two tiny ones, whose
 # latency is a few microseconds: there the guards are a visible share, shown for what they are.
 DEFAULT_MODELS = ["densenet_b1", "inception_b1", "unet_b1", "hf_resnet50", "hf_mobilenet_v2_224", "bert_s512",
                   "bert_s1024", "llama_s2048", "hf_bert", "tiny_conv_bn", "tiny_mlp"]
 TARGET = 0.02  # guards at most 2 % of a call
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BLOCK = "guards"  # its block of RESULTS.md
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> list[float]:
@@ -107,28 +108,27 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.guard_overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="suite entries, comma-separated")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite guard-overhead``."""
+    parser.add_argument("--models", type=csv_list, default=list(DEFAULT_MODELS), help="suite entries, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--no-write", action="store_true", help="print the block, leave RESULTS.md alone")
-    args = parser.parse_args(argv)
+    report.add_markdown_options(parser, BLOCK)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure every model, print each row and the block; write the block unless ``--no-markdown``."""
     rows = []
-    for name in args.models.split(","):
+    for name in args.models:
         row = measure(name, args.rounds, args.reps)
         print(row, flush=True)
         rows.append(row)
-    command = "python -m benchmarks.guard_overhead" + (f" --models {args.models}"
-                                                        if args.models != ",".join(DEFAULT_MODELS) else "")
-    block = markdown(rows, command)
+    block = markdown(rows, args.command)
     print(block)
-    if not args.no_write:
-        with open(RESULTS, encoding="utf-8") as f:
-            text = f.read()
-        report.write_atomic(RESULTS, report.replace_block(text, block, "guards"))
+    if not args.no_markdown:
+        report.write_block(args.markdown, block, BLOCK)
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SECTION = Section("guard-overhead", "what the per-call guards of an optimized module cost against the call, per "
+                  "model at batch 1 (issue 18; target at most 2 %)", add_arguments, run)

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.memory_reorder``: peak activation memory before and after ``memory_reorder``.
+"""``python -m benchmarks --suite memory-reorder``: peak activation memory before and after ``memory_reorder``.
 
 For each graph of ``examples.models.branchy.BRANCHY`` (captured with fxforge's default capture): the peak
 in the capture order and in the scheduled order, simulated (``fxforge.core.memory.simulate_peak``) and
@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Any
@@ -31,16 +29,17 @@ from typing import Any
 import torch
 
 import fxforge
+from benchmarks import report
+from benchmarks.log import log
 from benchmarks.memory import peak_memory
 from benchmarks.report import cpu_model
+from benchmarks.section import Section, UsageError, csv_list
 from examples.models.branchy import BRANCHY
 from fxforge.core.memory import simulate_peak
 from fxforge.rewrites.memory_reorder import MAX_STATES, TIME_BUDGET_S, Schedule, apply_order, plan
 from fxforge.runtime.memory import measure_peak
 
-BEGIN = "<!-- harness:memory:begin -->"
-END = "<!-- harness:memory:end -->"
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BLOCK = "memory"  # its block of RESULTS.md
 TOLERANCE = 0.05
 LONG_TIME_LIMIT_S = 600.0
 METHOD_SHORT = {"exact search": "exact", "greedy least-peak": "greedy", "list by bytes freed": "list",
@@ -109,8 +108,8 @@ def run_graph(name: str, long_states: int) -> dict[str, Any]:
         "schedule": schedule, "seconds": seconds, "long": long, "same": same,
         "long_seconds": long_seconds if long is not None else None,
     }
-    print(f"{name}: {sim_before} -> {sim_after} simulated, {measured_before} -> {measured_after} measured, "
-          f"proven {best.proven_optimal}, {seconds:.2f} s", file=sys.stderr)
+    log(f"{name}: {sim_before} -> {sim_after} simulated, {measured_before} -> {measured_after} measured, "
+        f"proven {best.proven_optimal}, {seconds:.2f} s")
     return row
 
 
@@ -196,64 +195,27 @@ def markdown(rows: list[dict[str, Any]], long_states: int, command: str) -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the memory block replaced (appended when its markers are missing).
-
-    Example:
-        >>> text = "\\n".join(["a", BEGIN, "old", END, "b"])
-        >>> replace_block(text, "new").splitlines()
-        ['a', '<!-- harness:memory:begin -->', 'new', '<!-- harness:memory:end -->', 'b']
-    """
-    new = f"{BEGIN}\n{block.rstrip()}\n{END}"
-    start = text.find(BEGIN)
-    end = text.find(END, start) if start >= 0 else -1
-    if start >= 0 and end >= 0:
-        return text[:start] + new + text[end + len(END):]
-    return text.rstrip("\n") + "\n\n" + new + "\n"
-
-
-def write_block(path: str, block: str) -> None:
-    """Replace the memory block of ``path``, writing a temporary file and renaming it over ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = f.read()
-    except FileNotFoundError:
-        old = "# fxforge benchmark results\n"
-    fd, tmp = tempfile.mkstemp(prefix=".RESULTS.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(replace_block(old, block))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the graphs, write the block into ``RESULTS.md`` (or print it with ``--no-write``)."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory_reorder", description=__doc__.splitlines()[0])
-    parser.add_argument("--graphs", default=",".join(BRANCHY), help="comma-separated names from BRANCHY")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite memory-reorder``."""
+    parser.add_argument("--graphs", type=csv_list, default=list(BRANCHY), help="comma-separated names from BRANCHY")
     parser.add_argument("--states", type=int, default=1_000_000,
                         help="search states for graphs the default budget does not prove (0: none)")
-    parser.add_argument("--results", default=RESULTS, help="the RESULTS.md to update")
-    parser.add_argument("--no-write", action="store_true", help="print the block instead of writing it")
-    args = parser.parse_args(argv)
-    names = [n.strip() for n in args.graphs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BRANCHY]
+    report.add_markdown_options(parser, BLOCK)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the graphs, print the block and write it into ``RESULTS.md`` (unless ``--no-markdown``)."""
+    unknown = [n for n in args.graphs if n not in BRANCHY]
     if unknown:
-        parser.error(f"unknown graphs: {', '.join(unknown)}; choose from {', '.join(BRANCHY)}")
+        raise UsageError(f"unknown graphs: {', '.join(unknown)}; choose from {', '.join(BRANCHY)}")
     torch.manual_seed(0)
-    rows = [run_graph(name, args.states) for name in names]
-    command = "python -m benchmarks.memory_reorder" + ("" if argv is None or not argv else " " + " ".join(argv))
-    block = markdown(rows, args.states, command)
-    if args.no_write:
-        print(block)
-    else:
-        write_block(args.results, block)
-        print(block)
+    rows = [run_graph(name, args.states) for name in args.graphs]
+    block = markdown(rows, args.states, args.command)
+    if not args.no_markdown:
+        report.write_block(args.markdown, block, BLOCK)
+    print(block)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTION = Section("memory-reorder", "peak activation memory before and after memory_reorder on the branchy example "
+                  "graphs, simulated and measured, and whether each order is proven optimal", add_arguments, run)

@@ -1,10 +1,12 @@
-"""Measure which ONNX form ONNX Runtime runs fastest for each op fxforge translates.
+"""``python -m benchmarks --suite onnx-forms``: which ONNX form ONNX Runtime runs fastest for each op fxforge
+translates.
 
 This is the measurement behind the choices in :mod:`fxforge.exporters.translations`; run it again on
 another machine or ONNX Runtime build with::
 
-    python -m fxforge.exporters.measure            # the shapes the choices were made on
-    python -m fxforge.exporters.measure --quick    # tiny shapes, one round (a smoke test)
+    python -m benchmarks --suite onnx-forms            # the shapes the choices were made on
+    python -m benchmarks --suite onnx-forms --quick    # tiny shapes, one round (a smoke test)
+    python -m benchmarks --suite onnx-forms --only residual_norm
 
 Each comparison builds both forms, checks they agree, and times them in interleaved rounds (the order
 rotates every round) with medians, in sessions with torch's thread count and
@@ -21,7 +23,7 @@ first form's median time to the second's (> 1: the second is faster).
   ``com.microsoft.SkipLayerNormalization``) vs ``Sum`` + ``LayerNormalization`` (ORT keeps both kernels).
 
 Example:
-    >>> rows = main(["--quick", "--only", "linear"], out=None)
+    >>> rows = measure(["linear"], quick=True)
     >>> rows[0]["forms"]
     ('standard', 'FusedGemm')
 """
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.section import Section
 from fxforge.lowering.timing import time_in_blocks
 
 FUSED_CONV_ACTIVATIONS = {"relu": ("Relu", []), "sigmoid": ("Sigmoid", []), "tanh": ("Tanh", []),
@@ -288,16 +291,14 @@ def measure_attention(lengths=ATTENTION_LENGTHS, hidden: int = 768, heads: int =
 
 # ---------------------------------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None, out: Any = sys.stdout) -> list[dict]:
-    """Run the measurements, print one line per case (unless ``out`` is None), return the rows."""
-    parser = argparse.ArgumentParser(prog="python -m fxforge.exporters.measure", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes and one round (a smoke test)")
-    kinds = ["conv", "linear", "attention", "residual_norm"]
-    parser.add_argument("--only", choices=kinds, action="append", help="measure only these (repeatable)")
-    options = parser.parse_args(argv)
-    only = set(options.only or kinds)
+KINDS = ("conv", "linear", "attention", "residual_norm")
+
+
+def measure(only: list[str] | tuple[str, ...] = KINDS, quick: bool = False) -> list[dict]:
+    """The comparison rows of the kinds in ``only``, on the shapes the choices were made on, or (``quick``)
+    on tiny shapes with one round."""
     rows: list[dict] = []
-    if options.quick:
+    if quick:
         if "conv" in only:
             rows += measure_conv([((1, 4, 8, 8), 4, 3)], ("relu",), rounds=1, reps=1)
         if "linear" in only:
@@ -311,15 +312,32 @@ def main(argv: list[str] | None = None, out: Any = sys.stdout) -> list[dict]:
         rows += measure_linear() if "linear" in only else []
         rows += measure_attention() if "attention" in only else []
         rows += measure_residual_norm() if "residual_norm" in only else []
-    if out is not None:
-        print(f"onnxruntime, CPU, {torch.get_num_threads()} threads, allow_spinning=0; ratio = "
-              "first form's median / second's (> 1: the second is faster)", file=out)
-        for row in rows:
-            a, b = row["forms"]
-            print(f"{row['case']:55} {a} {row['ms'][a]:8.3f} ms  {b} {row['ms'][b]:8.3f} ms  "
-                  f"{a}/{b} {row['ratio']:.3f}  (max diff {row['max_abs_diff']:.2g})", file=out)
     return rows
 
 
-if __name__ == "__main__":
-    main()
+def print_rows(rows: list[dict], out: Any = None) -> None:
+    """One line per case: both forms' medians and the ratio."""
+    out = sys.stdout if out is None else out
+    print(f"onnxruntime, CPU, {torch.get_num_threads()} threads, allow_spinning=0; ratio = "
+          "first form's median / second's (> 1: the second is faster)", file=out)
+    for row in rows:
+        a, b = row["forms"]
+        print(f"{row['case']:55} {a} {row['ms'][a]:8.3f} ms  {b} {row['ms'][b]:8.3f} ms  "
+              f"{a}/{b} {row['ratio']:.3f}  (max diff {row['max_abs_diff']:.2g})", file=out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite onnx-forms``."""
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and one round (a smoke test)")
+    parser.add_argument("--only", choices=KINDS, action="append", help="measure only these (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print one line per case; returns the exit status."""
+    print_rows(measure(args.only or KINDS, args.quick))
+    return 0
+
+
+SECTION = Section("onnx-forms", "which ONNX form ONNX Runtime runs fastest for each op fxforge translates (Conv / "
+                  "Gemm + activation vs the fused contrib ops, attention kernels, residual + LayerNormalization): "
+                  "the measurement behind fxforge.exporters.translations", add_arguments, run)

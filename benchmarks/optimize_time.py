@@ -1,17 +1,18 @@
-"""``python -m benchmarks.optimize_time``: how long a first-time ``fxforge.optimize`` takes (issue 3).
+"""``python -m benchmarks --suite optimize-time``: how long a first-time ``fxforge.optimize`` takes (issue 3).
 
 Each repetition is a new Python process with an empty autotune cache (``FXFORGE_CACHE_DIR`` set to a new
 folder), so nothing measured earlier is reused: it builds a suite entry (``benchmarks/suite.py``), calls
 the model once (as the harness does before timing), then times ``fxforge.optimize(model, inputs)`` plus
-the first call. With ``--against PATH`` (another checkout of fxforge, e.g. a ``git worktree`` of the
+the first call. ``--models`` takes several entries (ResNet-50 is ``hf_resnet50``, BERT-base ``hf_bert_base``),
+timed one after the other. With ``--against PATH`` (another checkout of fxforge, e.g. a ``git worktree`` of the
 previous commit) the two checkouts run alternately, and the per-pair ratios are printed, so a change is
 compared with its parent on the same machine in the same minutes.
 
 Example::
 
-    python -m benchmarks.optimize_time --model hf_resnet50 --reps 5
+    python -m benchmarks --suite optimize-time --models hf_resnet50,hf_bert_base --reps 5
     git worktree add /tmp/before HEAD~1
-    python -m benchmarks.optimize_time --model hf_resnet50 --reps 5 --against /tmp/before
+    python -m benchmarks --suite optimize-time --models hf_resnet50 --reps 5 --against /tmp/before
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 import tempfile
 
 from benchmarks.report import COLD_CONTENDER
+from benchmarks.section import Section, UsageError, csv_list
 
 # Runs in the child process: the checkout under test is first on sys.path.
 _CHILD = r"""
@@ -90,30 +92,43 @@ def cold_row(model: str, reps: int = 5, threads: int = 2) -> dict:
                     f"(min {totals[0]:.2f} s, max {totals[-1]:.2f} s)"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print each repetition and the medians; returns the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="hf_resnet50", help="a suite entry (python -m benchmarks --list)")
-    parser.add_argument("--reps", type=int, default=5)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite optimize-time``."""
+    parser.add_argument("--models", "--model", type=csv_list, default=["hf_resnet50"],
+                        help="comma-separated suite entries (default hf_resnet50; see --suite default --list-models)")
+    parser.add_argument("--reps", type=int, default=5, help="new processes per model (and checkout; default 5)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--against", default=None, help="another fxforge checkout, run alternately")
-    opts = parser.parse_args(argv)
+
+
+def run(opts: argparse.Namespace) -> int:
+    """Print each repetition and the medians, per model; returns the exit status."""
+    from benchmarks import suite
+
+    known = {e.name for e in suite.SUITE}
+    unknown = [m for m in opts.models if m not in known]
+    if unknown or opts.reps < 1:
+        raise UsageError(f"unknown suite entr{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}"
+                         if unknown else "--reps must be >= 1")
     checkouts = {"this": "."} | ({"against": opts.against} if opts.against else {})
-    totals: dict[str, list[float]] = {name: [] for name in checkouts}
-    for rep in range(opts.reps):
-        for name, checkout in checkouts.items():
-            run = time_once(checkout, opts.model, opts.threads)
-            totals[name].append(run["total"])
-            print(f"rep {rep} {name:7s}: optimize {run['prepare']:.2f} s + first call {run['first_call']:.2f} s "
-                  f"= {run['total']:.2f} s  {run['counts']}", flush=True)
-    for name, values in totals.items():
-        print(f"{name:7s}: median {statistics.median(values):.2f} s, min {min(values):.2f} s over {len(values)}")
-    if opts.against:
-        ratios = [a / b for a, b in zip(totals["this"], totals["against"])]
-        print(f"this / against per pair: median {statistics.median(ratios):.2f} "
-              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    for model in opts.models:
+        totals: dict[str, list[float]] = {name: [] for name in checkouts}
+        for rep in range(opts.reps):
+            for name, checkout in checkouts.items():
+                result = time_once(checkout, model, opts.threads)
+                totals[name].append(result["total"])
+                print(f"{model} rep {rep} {name:7s}: optimize {result['prepare']:.2f} s + first call "
+                      f"{result['first_call']:.2f} s = {result['total']:.2f} s  {result['counts']}", flush=True)
+        for name, values in totals.items():
+            print(f"{model} {name:7s}: median {statistics.median(values):.2f} s, min {min(values):.2f} s over "
+                  f"{len(values)}")
+        if opts.against:
+            ratios = [a / b for a, b in zip(totals["this"], totals["against"])]
+            print(f"{model} this / against per pair: median {statistics.median(ratios):.2f} "
+                  f"({', '.join(f'{r:.2f}' for r in ratios)})")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTION = Section("optimize-time", "a first-time fxforge.optimize of suite entries (default hf_resnet50), each in "
+                  "new processes with an empty autotune cache; --against another checkout (issue 3)",
+                  add_arguments, run)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -37,9 +36,11 @@ import torch
 
 from benchmarks import report
 from benchmarks import training_models as models_mod
-from benchmarks.zoo import ZOO_PYTHON, zoo_passthrough
+from benchmarks.log import error_text, log
+from benchmarks.section import Section, UsageError, csv_list
+from benchmarks.zoo_env import ZOO_PYTHON, run_in_zoo
 
-SECTION = "pipeline"
+NAME = "pipeline"
 
 MODELS = ("gpt2", "llama", "resnet50", "vit_small")
 STAGES = (2, 4, 8)
@@ -62,15 +63,6 @@ MEASURED = {
 """The smaller configurations run for real at 2 stages (a step of GPT-2 small on 2 CPU cores takes minutes)."""
 _TINY = models_mod.Spec(batch=16, seq=32, hidden=32, layers=2, heads=2, kv_heads=1, vocab=256, image=64)
 QUICK = dict.fromkeys(MODELS, _TINY)
-
-
-def log(msg: str) -> None:
-    print(f"[pipeline] {msg}", file=sys.stderr, flush=True)
-
-
-def _error(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def env_name() -> str:
@@ -97,7 +89,7 @@ def plan_rows(name: str, model: torch.nn.Module, inputs: tuple, stages: int) -> 
     try:
         found["fxforge"] = partition(model, inputs, stages, microbatches=microbatches, units=units)
     except RuntimeError as exc:
-        engine = _error(exc, 300)
+        engine = error_text(exc, 300, one_line=True)
     even = found.get("even-layers")
     rows = []
     for policy in POLICIES:
@@ -159,7 +151,7 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
             try:
                 run = run_pipeline(parts[policy], inputs, steps=steps, worker_setup=_worker_setup(name))
             except (RuntimeError, ValueError) as exc:
-                failed[policy] = _error(exc)
+                failed[policy] = error_text(exc, 400, one_line=True)
                 log(f"[{name}] {policy} run failed: {failed[policy]}")
                 continue
             times[policy] += list(run.step_seconds[1:])      # the first step warms up
@@ -175,7 +167,7 @@ def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int,
             run = run_pipeline(part, inputs, dtype=torch.float64, worker_setup=_worker_setup(name))
             exact[policy] = (run.ok, max(run.output_error, run.gradient_error))
         except (RuntimeError, ValueError) as exc:
-            exact[policy] = (False, _error(exc))
+            exact[policy] = (False, error_text(exc, 400, one_line=True))
     rows = []
     single = statistics.median(reference) if reference else None
     for policy, part in parts.items():
@@ -210,8 +202,8 @@ def run_model(name: str, spec: models_mod.Spec, opts: argparse.Namespace) -> tup
         try:
             plans += plan_rows(name, model, inputs, stages)
         except Exception as exc:  # noqa: BLE001 - a failing model fails its rows, not the run
-            log(f"[{name}] {stages} stages failed: {_error(exc)}")
-            plans.append({"model": name, "stages": stages, "policy": "fxforge", "status": "failed", "error": _error(exc)})
+            log(f"[{name}] {stages} stages failed: {error_text(exc, 400, one_line=True)}")
+            plans.append({"model": name, "stages": stages, "policy": "fxforge", "status": "failed", "error": error_text(exc, 400, one_line=True)})
         log(f"[{name}] {stages} stages: " + ", ".join(
             f"{r['policy']} {r.get('bottleneck', float('nan')):.3f}" for r in plans if r["stages"] == stages))
     measured = []
@@ -222,8 +214,8 @@ def run_model(name: str, spec: models_mod.Spec, opts: argparse.Namespace) -> tup
                 _settle_batch_norm(name, model, inputs)
             measured = measured_rows(name, model, inputs, opts.rounds, opts.steps)
         except Exception as exc:  # noqa: BLE001
-            log(f"[{name}] measured run failed: {_error(exc)}")
-            measured = [{"model": name, "stages": 2, "policy": "fxforge", "status": "failed", "error": _error(exc)}]
+            log(f"[{name}] measured run failed: {error_text(exc, 400, one_line=True)}")
+            measured = [{"model": name, "stages": 2, "policy": "fxforge", "status": "failed", "error": error_text(exc, 400, one_line=True)}]
     return plans, measured
 
 
@@ -243,11 +235,10 @@ def _settle_batch_norm(name: str, model: torch.nn.Module, inputs: tuple) -> None
             model(torch.randn_like(inputs[0]))
 
 
-def run_in_zoo_env(models: list[str], argv_rest: list[str], python: str) -> dict[str, Any]:
-    """This runner for the zoo ``models`` in the zoo environment; failed rows when it cannot run."""
-    from benchmarks.zoo import run_runner_in_zoo
-
-    result, why = run_runner_in_zoo("benchmarks.pipeline", SECTION, models, argv_rest, python, log)
+def run_in_zoo_env(models: list[str], argv: list[str], python: str) -> dict[str, Any]:
+    """This section for the zoo ``models`` in the zoo environment, given our arguments ``argv``; failed rows
+    when it cannot run."""
+    result, why = run_in_zoo(NAME, models, argv, python)
     if result is None:
         return {"meta": {}, "plans": [{"model": m, "status": "failed", "error": why} for m in models], "measured": []}
     return result
@@ -335,10 +326,9 @@ def summary(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def build_parser(prog: str = "python -m benchmarks.pipeline") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="fxforge's pipeline split against the even-by-layer and "
-                                "the parameter-size splits (issue 23).")
-    p.add_argument("--models", type=lambda s: [m for m in s.split(",") if m], default=list(MODELS),
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``--suite pipeline``."""
+    p.add_argument("--models", type=csv_list, default=list(MODELS),
                    help=f"comma-separated, of {','.join(MODELS)} (default all; resnet50 and vit_small run in the "
                    "zoo environment)")
     p.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",") if x], default=list(STAGES),
@@ -348,19 +338,14 @@ def build_parser(prog: str = "python -m benchmarks.pipeline") -> argparse.Argume
     p.add_argument("--quick", action="store_true", help="tiny models, one round of 2 steps: a smoke run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zoo-python", default=ZOO_PYTHON)
-    report.add_output_options(p, SECTION)
-    return p
+    report.add_output_options(p, NAME)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.pipeline") -> int:
-    from benchmarks.run import git_commit
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(prog)
-    opts = parser.parse_args(argv)
+def run(opts: argparse.Namespace) -> int:
+    """Plan (and at 2 stages measure) every model; returns the exit status."""
     unknown = [m for m in opts.models if m not in MODELS]
     if unknown or opts.rounds < 0 or opts.steps < 2 or not opts.stages or min(opts.stages) < 1:
-        parser.error(f"unknown model(s) {unknown}" if unknown else "--rounds >= 0, --steps >= 2, stages >= 1")
+        raise UsageError(f"unknown model(s) {unknown}" if unknown else "--rounds >= 0, --steps >= 2, stages >= 1")
     if opts.quick:
         opts.rounds, opts.steps = min(opts.rounds, 1), 2
     specs = QUICK if opts.quick else FULL
@@ -373,36 +358,37 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.pip
         define_torchvision_op_schemas()
     torch.set_num_threads(2)
     result: dict[str, Any] = {"meta": {
-        "suite": SECTION, "title": "Pipeline stages: fxforge's split against the even-by-layer and parameter-size "
+        "suite": NAME, "title": "Pipeline stages: fxforge's split against the even-by-layer and parameter-size "
         "splits (issue 23)", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": f"{prog} {shlex.join(argv)}".strip(), "commit": git_commit(),
+        "command": opts.command, "commit": report.git_commit(),
         "machine": report.machine_info(torch.get_num_threads()), "env": env_name(),
         "models": {m: specs[m].describe(m) for m in opts.models},
         "measured_models": {m: (specs if opts.quick else MEASURED)[m].describe(m) for m in opts.models},
         "complete": False}, "plans": [], "measured": []}
-    json_path = os.path.join(opts.out, f"results-{SECTION}.json")
+    json_path = os.path.join(opts.out, f"results-{NAME}.json")
     for name in here:
         try:
             plans, measured = run_model(name, specs[name], opts)
         except Exception as exc:  # noqa: BLE001 - a model that fails to build fails its rows
-            log(f"[{name}] failed: {_error(exc)}")
-            plans, measured = [{"model": name, "status": "failed", "error": _error(exc)}], []
+            log(f"[{name}] failed: {error_text(exc, 400, one_line=True)}")
+            plans, measured = [{"model": name, "status": "failed", "error": error_text(exc, 400, one_line=True)}], []
         result["plans"] += plans
         result["measured"] += measured
         report.write_json(json_path, result)
     if elsewhere:
-        zoo = run_in_zoo_env(elsewhere, zoo_passthrough(argv), opts.zoo_python)
+        zoo = run_in_zoo_env(elsewhere, getattr(opts, "argv", []), opts.zoo_python)
         result["plans"] += zoo["plans"]
         result["measured"] += zoo["measured"]
     result["meta"]["complete"] = True
     report.write_json(json_path, result)
     block = markdown(result)
     if not opts.no_markdown:
-        report.write_block(opts.markdown, block, SECTION)
+        report.write_block(opts.markdown, block, NAME)
         log(f"wrote {opts.markdown}")
     print(block)
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SECTION = Section(NAME, "pipeline stages of GPT-2, LLaMA, ResNet-50 and ViT-S at 2/4/8 stages: fxforge's split "
+                  "against the even-by-layer and parameter-size splits (bottleneck ratio, simulated 1F1B/GPipe "
+                  "throughput), and 2 stages measured on gloo (issue 23)", add_arguments, run)

@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,20 @@ def add_output_options(parser, section: str) -> None:
     """
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"directory for results-{section}.json (default benchmarks/out/)")
-    parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help=f"markdown file whose {section} block is replaced")
+    add_markdown_options(parser, section)
+
+
+def add_markdown_options(parser, section: str) -> None:
+    """A section's ``--markdown`` and ``--no-markdown`` (its block of RESULTS.md; with ``--no-markdown`` the
+    block is printed only).
+
+    Example:
+        >>> import argparse; p = argparse.ArgumentParser(); add_markdown_options(p, "zoo")
+        >>> p.parse_args([]).markdown == DEFAULT_MARKDOWN
+        True
+    """
+    parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help=f"markdown file whose {section} block is replaced "
+                        "(default benchmarks/RESULTS.md)")
     parser.add_argument("--no-markdown", action="store_true", help="do not write the markdown file")
 
 BEGIN = "<!-- harness:begin -->"
@@ -63,7 +77,7 @@ SKELETON = f"""# fxforge benchmark results
 
 Every number here is a ratio against a peer measured in the same run (interleaved repetitions, medians).
 The block between the harness markers below is rewritten by `python -m benchmarks` (see
-`benchmarks/run.py`); text outside the markers is kept as is, so other sections can live here.
+`benchmarks/timed.py`); text outside the markers is kept as is, so other sections can live here.
 
 {BEGIN}
 _No harness run recorded yet: run `python -m benchmarks`._
@@ -539,6 +553,22 @@ def machine_info(threads: int) -> dict[str, Any]:
         pass
     info["loadavg_start"] = load_average()
     return info
+
+
+def git_commit() -> str | None:
+    """The short commit of the repository, `` (dirty)`` when tracked files differ from it; None without git."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", REPO_ROOT, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}{' (dirty)' if dirty else ''}" if sha else None
 
 
 def load_average() -> list[float] | None:

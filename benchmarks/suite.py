@@ -9,7 +9,7 @@ Entries come from three places:
   ``--models``).
 
 Entries tagged with a section's name (``tags=("conv",)``) form that section: ``python -m benchmarks
---suite conv`` runs them (see :data:`benchmarks.run.SECTIONS`). The section entries are ``default=False``,
+--suite conv`` runs them (see :data:`benchmarks.timed.TIMED`). The section entries are ``default=False``,
 so the plain ``python -m benchmarks`` run stays as it was. ``--suite attention`` runs the BERT encoder at
 S = 512 / 1024 / 2048 and the LLaMA decoder at S = 2048.
 
@@ -158,6 +158,17 @@ def hf_bert() -> tuple[nn.Module, tuple]:
         attn_implementation="eager",
         return_dict=False,
     )
+    model = BertModel(config).eval()
+    input_ids = torch.randint(0, config.vocab_size, (1, 128))
+    attention_mask = torch.ones(1, 128, dtype=torch.long)
+    return model, (input_ids, attention_mask)
+
+
+def hf_bert_base() -> tuple[nn.Module, tuple]:
+    """BERT-base: BertModel, default config (hidden 768, 12 layers, 12 heads), eager attention, batch 1, sequence 128."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(attn_implementation="eager", return_dict=False)
     model = BertModel(config).eval()
     input_ids = torch.randint(0, config.vocab_size, (1, 128))
     attention_mask = torch.ones(1, 128, dtype=torch.long)
@@ -475,6 +486,7 @@ SUITE: list[SuiteEntry] = [
     SuiteEntry("hf_resnet", hf_resnet, "transformers", hf_resnet.__doc__.strip()),
     SuiteEntry("hf_mobilenet_v2", hf_mobilenet_v2, "transformers", hf_mobilenet_v2.__doc__.strip()),
     SuiteEntry("hf_vit", hf_vit, "transformers", hf_vit.__doc__.strip()),
+    SuiteEntry("hf_bert_base", hf_bert_base, "transformers", hf_bert_base.__doc__.strip(), default=False),
     SuiteEntry("tiny_mlp", tiny_mlp, "builtin", TinyMLP.__doc__.strip(), default=False),
     SuiteEntry("tiny_conv_bn", tiny_conv_bn, "builtin", TinyConvBN.__doc__.strip(), default=False),
     *conv_entries(),

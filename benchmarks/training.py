@@ -42,7 +42,7 @@ Example::
 
     python -m benchmarks --suite training
     python -m benchmarks --suite training --quick --models gpt2 --no-markdown
-    python -m benchmarks.training --models gpt2,resnet50 --fractions 0.6 --rounds 3
+    python -m benchmarks --suite training --models gpt2,resnet50 --fractions 0.6 --rounds 3
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import dataclasses
 import gc
 import math
 import os
-import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,11 +69,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from benchmarks import report
 from benchmarks import training_models as models_mod
+from benchmarks.log import error_text, log
+from benchmarks.section import Section, UsageError, csv_list
 from benchmarks.step_memory import mark, step_peak, tracker_peak
 from benchmarks.training_report import COLUMNS, PREDICTION_COLUMNS, summary, write_markdown
-from benchmarks.zoo import ZOO_PYTHON, zoo_passthrough
+from benchmarks.zoo_env import ZOO_PYTHON, run_in_zoo
 
-SECTION = "training"
+NAME = "training"
 
 FRACTIONS = (0.8, 0.6, 0.4)
 KINDS = ("eager", "checkpoint", "inductor", "fxforge", "fxforge-peer", "fxforge-inductor", "fxforge-inductor-peer")
@@ -85,15 +87,6 @@ PEER_KINDS = {"fxforge-peer": "fxforge", "fxforge-inductor-peer": "fxforge-induc
 TIMING = {"rounds": 5, "reps": 1}
 QUICK_TIMING = {"rounds": 1, "reps": 1}
 LR = 1e-5  # small steps: the timed steps keep training the same weights without drifting far
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def error_text(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def env_name() -> str:
@@ -194,7 +187,7 @@ def fail(row: dict[str, Any], stage: str, exc: BaseException) -> None:
     """Mark ``row`` failed at ``stage``; "refused" when fxforge said the budget cannot be met (its
     ``BudgetError``: an answer, not a crash)."""
     refused = any(cls.__name__ == "BudgetError" for cls in type(exc).__mro__)
-    row.update(status="refused" if refused else "failed", stage=stage, error=error_text(exc))
+    row.update(status="refused" if refused else "failed", stage=stage, error=error_text(exc, 600, one_line=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,7 +302,7 @@ def predict(name: str, model: nn.Module, inputs: tuple[Any, ...]) -> dict[str, A
         tm.measure()
         row["measure_s"] = time.perf_counter() - start
     except Exception as exc:  # noqa: BLE001 - the prediction failing loses its row, not the model's
-        row.update(status="failed", error=error_text(exc))
+        row.update(status="failed", error=error_text(exc, 600, one_line=True))
         return row
     table = tm.table
     row.update(predicted_peak_bytes=tm.peak_bytes, measured_peak_bytes=tm.measured.peak_bytes,
@@ -427,7 +420,7 @@ def _prepare(c: Contender, model: nn.Module, inputs: tuple[Any, ...], loss: Call
         grads = gradients(c, inputs, loss)
     except Exception as exc:  # noqa: BLE001 - any error fails this contender, not the run
         fail(c.row, "prepare", exc)
-        log(f"[{c.row['model']}] {c.name}: {c.row['status']} while preparing: {error_text(exc, 300)}")
+        log(f"[{c.row['model']}] {c.name}: {c.row['status']} while preparing: {error_text(exc, 300, one_line=True)}")
         return False
     c.row["prepare_s"] = time.perf_counter() - start
     c.row["max_grad_err"], c.row["rel_grad_err"] = gradient_error(reference, grads)
@@ -447,7 +440,7 @@ def _float64_check(eager: Contender, inputs: tuple[Any, ...], loss: Callable[[An
         loss(model64(*inputs64)).backward()
         grads64 = [None if p.grad is None else p.grad.detach() for p in model64.parameters()]
     except Exception as exc:  # noqa: BLE001 - the scale is extra
-        eager.row["info"]["float64_error"] = error_text(exc)
+        eager.row["info"]["float64_error"] = error_text(exc, 600, one_line=True)
         return
     eager.row["max_grad_err"], eager.row["rel_grad_err"] = gradient_error(grads64, reference)
     log(f"[{eager.row['model']}] eager float32 against float64: max abs gradient error "
@@ -478,7 +471,7 @@ def _measure(c: Contender, inputs: tuple[Any, ...], loss: Callable[[Any], torch.
         measure_memory(c, inputs, loss)
     except Exception as exc:  # noqa: BLE001 - any error fails this contender, not the run
         fail(c.row, "memory", exc)
-        log(f"[{c.row['model']}] {c.name}: failed while measured: {error_text(exc, 300)}")
+        log(f"[{c.row['model']}] {c.name}: failed while measured: {error_text(exc, 300, one_line=True)}")
         return
     log(f"[{c.row['model']}] {c.name}: whole-step peak {c.row['peak_bytes'] / 2**20:.1f} MiB, activations "
         f"{c.row['activation_peak_bytes'] / 2**20:.1f} MiB")
@@ -493,7 +486,7 @@ def _cross_check(eager: Contender, inputs: tuple[Any, ...], loss: Callable[[Any]
     try:
         tracked = tracker_peak(lambda: train_step(eager, inputs, loss))
     except Exception as exc:  # noqa: BLE001 - the cross-check is extra
-        row["info"]["tracker_error"] = error_text(exc)
+        row["info"]["tracker_error"] = error_text(exc, 600, one_line=True)
         return
     profiled = row["peak_bytes"] - row["persistent_bytes"]
     row["info"].update(tracker_peak_bytes=tracked, profiler_peak_bytes=profiled,
@@ -579,7 +572,7 @@ def _time(contenders: list[Contender], inputs: tuple[Any, ...], loss: Callable[[
                         times[c.name].append((time.perf_counter_ns() - start) / 1e6)
                 except Exception as exc:  # noqa: BLE001 - any error fails this contender
                     fail(c.row, "time", exc)
-                    log(f"[{c.row['model']}] {c.name}: failed while timed: {error_text(exc, 300)}")
+                    log(f"[{c.row['model']}] {c.name}: failed while timed: {error_text(exc, 300, one_line=True)}")
             gc.enable()
             gc.collect()  # between rounds, not inside a timed step
             gc.disable()
@@ -600,13 +593,10 @@ def _time(contenders: list[Contender], inputs: tuple[Any, ...], loss: Callable[[
 # the zoo models in the zoo environment
 
 
-def run_in_zoo_env(models: list[str], argv_rest: list[str], python: str = ZOO_PYTHON,
-                   log: Callable[[str], None] = log) -> dict[str, Any]:
-    """Run this runner for ``models`` in the zoo environment's ``python`` (a subprocess, its log on our stderr)
-    and return its result; a result with failed rows when it cannot run."""
-    from benchmarks.zoo import run_runner_in_zoo
-
-    result, why = run_runner_in_zoo("benchmarks.training", SECTION, models, argv_rest, python, log)
+def run_in_zoo_env(models: list[str], argv: list[str], python: str = ZOO_PYTHON) -> dict[str, Any]:
+    """This section for ``models`` in the zoo environment's ``python`` (a subprocess, its log on our stderr),
+    given our arguments ``argv``; a result with failed rows when it cannot run."""
+    result, why = run_in_zoo(NAME, models, argv, python)
     return result if result is not None else _failed_result(models, why)
 
 
@@ -621,20 +611,14 @@ def _failed_result(models: list[str], why: str) -> dict[str, Any]:
 # CLI
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def build_parser(prog: str = "python -m benchmarks.training") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="A training step's memory: fxforge's prediction, and "
-                                "fxforge's checkpointing against per-block checkpointing and Inductor's "
-                                "activation memory budget (issue 22).")
-    p.add_argument("--models", type=_csv, default=list(models_mod.MODELS),
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``--suite training``."""
+    p.add_argument("--models", type=csv_list, default=list(models_mod.MODELS),
                    help=f"comma-separated, of {','.join(models_mod.MODELS)} (default all; "
                    f"{','.join(models_mod.ZOO_MODELS)} run in the zoo environment)")
-    p.add_argument("--contenders", type=_csv, default=list(KINDS),
+    p.add_argument("--contenders", type=csv_list, default=list(KINDS),
                    help=f"comma-separated kinds, of {','.join(KINDS)} (default all; eager always runs)")
-    p.add_argument("--fractions", type=lambda s: [float(x) for x in _csv(s)], default=list(FRACTIONS),
+    p.add_argument("--fractions", type=lambda s: [float(x) for x in csv_list(s)], default=list(FRACTIONS),
                    help="fractions of the unconstrained activation peak (default 0.8,0.6,0.4)")
     p.add_argument("--quick", action="store_true", help="tiny models (batch 2, S 32, hidden 32, 64x64 images), "
                    "one round: a smoke run")
@@ -643,44 +627,36 @@ def build_parser(prog: str = "python -m benchmarks.training") -> argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--zoo-python", default=ZOO_PYTHON, help="the zoo environment's python (default .venv-zoo)")
-    report.add_output_options(p, SECTION)
-    return p
+    report.add_output_options(p, NAME)
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m benchmarks.training") -> int:
-    """Run the benchmark; returns the exit status (0 done, 2 usage)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(prog)
-    opts = parser.parse_args(argv)
+def run(opts: argparse.Namespace) -> int:
+    """Run the benchmark; returns the exit status."""
     unknown = [m for m in opts.models if m not in models_mod.MODELS] + [k for k in opts.contenders if k not in KINDS]
     if unknown:
-        parser.error(f"unknown model(s) or contender(s): {', '.join(unknown)}")
+        raise UsageError(f"unknown model(s) or contender(s): {', '.join(unknown)}")
     timing = dict(QUICK_TIMING if opts.quick else TIMING)
     for key in timing:
         if getattr(opts, key) is not None:
             timing[key] = getattr(opts, key)
     if timing["rounds"] < 1 or timing["reps"] < 1 or opts.threads < 1 or not all(0 < f <= 1 for f in opts.fractions):
-        parser.error("--rounds, --reps and --threads must be >= 1, fractions in (0, 1]")
+        raise UsageError("--rounds, --reps and --threads must be >= 1, fractions in (0, 1]")
     threads_before = torch.get_num_threads()
     torch.set_num_threads(opts.threads)
     cache_before = os.environ.get("FXFORGE_CACHE_DIR")
     os.environ["FXFORGE_CACHE_DIR"] = cache_dir = tempfile.mkdtemp(prefix="fxforge-bench-autotune-")
     try:
-        return _run(opts, argv, timing, f"{prog} {shlex.join(argv)}".strip())
+        return _run(opts, getattr(opts, "argv", []), timing, opts.command)
     finally:
         torch.set_num_threads(threads_before)
         if cache_before is None:
             os.environ.pop("FXFORGE_CACHE_DIR", None)
         else:
             os.environ["FXFORGE_CACHE_DIR"] = cache_before
-        import shutil
-
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def _run(opts: argparse.Namespace, argv: list[str], timing: dict[str, int], command: str) -> int:
-    from benchmarks.run import git_commit
-
     sizes = models_mod.SIZES["quick" if opts.quick else "full"]
     here = [m for m in opts.models if m in models_mod.HF_MODELS or models_mod.zoo_available()]
     elsewhere = [m for m in opts.models if m not in here]
@@ -691,12 +667,12 @@ def _run(opts: argparse.Namespace, argv: list[str], timing: dict[str, int], comm
     run_opts = RunOptions(tuple(opts.fractions), tuple(dict.fromkeys(["eager", *opts.contenders])), **timing)
     result: dict[str, Any] = {
         "meta": {
-            "suite": SECTION,
+            "suite": NAME,
             "title": "Training memory: fxforge's prediction, and checkpointing under a budget against per-block "
                      "checkpointing and Inductor's activation memory budget (issue 22)",
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command,
-            "commit": git_commit(),
+            "commit": report.git_commit(),
             "machine": report.machine_info(torch.get_num_threads()),
             "env": env_name(),
             "env_models": here,
@@ -709,21 +685,21 @@ def _run(opts: argparse.Namespace, argv: list[str], timing: dict[str, int], comm
         "predictions": [],
         "rows": [],
     }
-    json_path = os.path.join(opts.out, f"results-{SECTION}.json")
+    json_path = os.path.join(opts.out, f"results-{NAME}.json")
     log(f"training: {', '.join(here)} here ({env_name()})" + (f", {', '.join(elsewhere)} in the zoo environment"
                                                                 if elsewhere else ""))
     for name in here:
         try:
             prediction, rows = run_model(name, sizes[name], run_opts, seed=opts.seed)
         except Exception as exc:  # noqa: BLE001 - a model that fails to build fails its row, not the run
-            log(f"[{name}] failed: {error_text(exc, 300)}")
-            prediction, rows = {"model": name, "env": env_name(), "status": "failed", "error": error_text(exc)}, [
-                {**new_row(name, "eager", "eager"), "status": "failed", "stage": "build", "error": error_text(exc)}]
+            log(f"[{name}] failed: {error_text(exc, 300, one_line=True)}")
+            prediction, rows = {"model": name, "env": env_name(), "status": "failed", "error": error_text(exc, 600, one_line=True)}, [
+                {**new_row(name, "eager", "eager"), "status": "failed", "stage": "build", "error": error_text(exc, 600, one_line=True)}]
         result["predictions"].append(prediction)
         result["rows"].extend(rows)
         report.write_json(json_path, result)  # partial results survive a crash or ^C
     if elsewhere:
-        zoo = run_in_zoo_env(elsewhere, zoo_passthrough(argv), python=opts.zoo_python)
+        zoo = run_in_zoo_env(elsewhere, argv, python=opts.zoo_python)
         result["predictions"] += zoo["predictions"]
         result["rows"] += zoo["rows"]
         zoo_meta = zoo.get("meta") or {}
@@ -757,5 +733,6 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SECTION = Section(NAME, "a training step's memory: fxforge's prediction against a measured step, then fxforge's "
+                  "checkpointing under budgets against per-block checkpointing and Inductor's activation memory "
+                  "budget, on GPT-2, BERT, LLaMA, ResNet-50 and ViT-S (issue 22)", add_arguments, run)

@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks import report
 
-SECTION = "training"
+NAME = "training"
 
 def _mib(nbytes: float | None, digits: int = 1) -> str:
     return report.fmt_mib(nbytes, digits)
@@ -276,4 +276,4 @@ def markdown_block(result: dict[str, Any]) -> str:
 
 def write_markdown(path: str, result: dict[str, Any]) -> None:
     """Replace this section's block of ``path`` (appended if missing); the rest is kept byte for byte."""
-    report.write_block(path, markdown_block(result), SECTION)
+    report.write_block(path, markdown_block(result), NAME)

@@ -2,7 +2,7 @@
 
 For each model: capture, rewrite and run natively (``fxforge.optimize``), compare with eager on fresh inputs;
 export to ONNX plainly (``rewrites=[]``) and after fxforge's rewrites, and run the file in ONNX Runtime on
-fresh inputs. :func:`run_model` returns one row; ``python -m benchmarks.zoo`` writes the table to
+fresh inputs. :func:`run_model` returns one row; ``python -m benchmarks --suite zoo`` writes the table to
 ``benchmarks/RESULTS.md`` (its own ``zoo`` block) and ``tests/zoo`` asserts on the same rows.
 
 The zoo needs torchvision and timm, which the main environment does not have: the torchvision wheel the
@@ -25,20 +25,18 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
-import shlex
-import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
 from torch import nn
 
-from benchmarks.report import REPO_ROOT
+from benchmarks import report
+from benchmarks.section import Section, UsageError, csv_list
 
-SECTION = "zoo"
+NAME = "zoo"
 IMAGE_SIZE = 224
 SEED = 0
 # Segmentation heads of torchvision (they take weights_backbone=None: no download).
@@ -191,9 +189,9 @@ def run_model(name: str, workdir: str | None = None) -> ZooRow:
         with torch.no_grad():
             actual = opt(*fresh)
     row.fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-    report = opt.report
-    row.method, row.counts = report.method, dict(report.counts)
-    row.near_misses, row.rolled_back = len(report.near_misses), [str(r) for r in report.rolled_back]
+    opt_report = opt.report
+    row.method, row.counts = opt_report.method, dict(opt_report.counts)
+    row.near_misses, row.rolled_back = len(opt_report.near_misses), [str(r) for r in opt_report.rolled_back]
     compared = compare_outputs(expected, actual)
     row.native_ok, row.native_error, row.native_problem = compared.ok, compared.max_abs_err, compared.reason or ""
     del opt
@@ -237,8 +235,6 @@ def _cell(value: float | None, fmt: str = ".1e") -> str:
 
 def markdown(rows: list[ZooRow], command: str, commit: str | None) -> str:
     """The zoo block of ``RESULTS.md``: one line per model, then the models that fall short and why."""
-    from benchmarks import report
-
     versions = ", ".join(f"{m} {_installed(m)}" for m in ("torch", "torchvision", "timm", "onnxruntime-gpu"))
     lines = ["### Model zoo: torchvision and timm with random weights (issue 20)", "",
              (f"Command: `{command}`; commit {commit or '?'}; "
@@ -263,20 +259,19 @@ def markdown(rows: list[ZooRow], command: str, commit: str | None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the zoo and write its block of ``RESULTS.md``; exit status 0 when every model meets the bar."""
-    from benchmarks import report
-    from benchmarks.run import git_commit
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.zoo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(ZOO), metavar="NAME")
-    parser.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--suite zoo``."""
+    parser.add_argument("--models", type=csv_list, default=list(ZOO), metavar="NAME,...",
+                        help="comma-separated zoo models (default all)")
     parser.add_argument("--threads", type=int, default=2)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    opts = parser.parse_args(argv)
+    report.add_markdown_options(parser, NAME)
+
+
+def run(opts: argparse.Namespace) -> int:
+    """Run the zoo and write its block of ``RESULTS.md``; exit status 0 when every model meets the bar."""
     unknown = [n for n in opts.models if n not in ZOO]
     if unknown:
-        parser.error(f"unknown model(s): {', '.join(unknown)}; the zoo has {', '.join(ZOO)}")
+        raise UsageError(f"unknown model(s): {', '.join(unknown)}; the zoo has {', '.join(ZOO)}")
     torch.set_num_threads(opts.threads)
     rows = []
     for name in opts.models:
@@ -284,68 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {row.method} {row.counts} native {row.native_error} export {row.export} "
               f"ORT {row.ort_error} {'; '.join(row.problems()) or 'ok'}", flush=True)
         rows.append(row)
-    command = f"python -m benchmarks.zoo {shlex.join(argv)}".strip()
-    try:
-        with open(opts.results, encoding="utf-8") as f:
-            old = f.read()
-    except FileNotFoundError:
-        old = ""
-    report.write_atomic(opts.results, report.replace_block(old, markdown(rows, command, git_commit()), SECTION))
+    block = markdown(rows, opts.command, report.git_commit())
+    if opts.no_markdown:
+        print(block)
+    else:
+        report.write_block(opts.markdown, block, NAME)
     return 0 if not any(r.problems() for r in rows) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-# --------------------------------------------------------------------------------------------------
-# other runners' zoo models
-
-
-ZOO_PYTHON = os.path.join(REPO_ROOT, ".venv-zoo", "bin", "python")
-"""The zoo environment's interpreter (``make zoo`` builds it)."""
-
-ZOO_RUNNER_OPTIONS = ("--models", "--out", "--markdown", "--zoo-python")
-"""Options a runner sets itself for its zoo subprocess (the rest of its command line passes through)."""
-
-
-def zoo_passthrough(argv: list[str]) -> list[str]:
-    """The arguments a runner's zoo subprocess gets: all but :data:`ZOO_RUNNER_OPTIONS` (with their values)
-    and ``--no-markdown``.
-
-    Example:
-        >>> zoo_passthrough(["--models", "a,b", "--quick", "--out=x", "--no-markdown", "--rounds", "2"])
-        ['--quick', '--rounds', '2']
-    """
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ZOO_RUNNER_OPTIONS:
-            skip = True
-        elif arg.split("=")[0] not in ZOO_RUNNER_OPTIONS and arg != "--no-markdown":
-            out.append(arg)
-    return out
-
-
-def run_runner_in_zoo(module: str, section: str, models: list[str], argv_rest: list[str], python: str,
-                      log: Callable[[str], None] = print) -> tuple[dict | None, str | None]:
-    """``python -m MODULE --models ... --out TMP --no-markdown ARGV_REST`` in the zoo environment's ``python``
-    (its log on our stderr): ``(its results-SECTION.json, None)``, or ``(None, why)`` when it cannot run."""
-    import json
-    import subprocess
-
-    if not os.path.exists(python):
-        return None, f"the zoo environment is missing ({python}; `make zoo` builds it)"
-    with tempfile.TemporaryDirectory(prefix=f"fxforge-bench-{section}-") as out:
-        cmd = [python, "-m", module, "--models", ",".join(models), "--out", out, "--no-markdown", *argv_rest]
-        log(f"zoo models in {os.path.dirname(os.path.dirname(python))}: {shlex.join(cmd[1:])}")
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, check=False)
-        path = os.path.join(out, f"results-{section}.json")
-        if not os.path.exists(path):
-            return None, f"the zoo run exited with status {proc.returncode} and wrote no results"
-        with open(path, encoding="utf-8") as f:
-            result = json.load(f)
-    if proc.returncode != 0:
-        result.setdefault("meta", {})["zoo_returncode"] = proc.returncode
-    return result, None
+SECTION = Section(NAME, "torchvision and timm models with random weights through fxforge as a new user would try "
+                  "them: optimize, plain export and export after the rewrites, ONNX Runtime (issue 20; the zoo "
+                  "environment, make zoo)", add_arguments, run)

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from benchmarks import report, suite
-from benchmarks.run import SECTIONS, main
+from benchmarks.harness import main
+from benchmarks.timed import TIMED
 
 BEGIN, END = report.markers("attention")
 CONV_BLOCK = "<!-- harness:conv:begin -->\nconv table | keep | me |\n<!-- harness:conv:end -->"
@@ -38,15 +39,12 @@ def section_run(tmp_path_factory):
         *(tagged(f"bert_s{s}", suite.bert_encoder(s, **TINY)) for s in SEQS),
         tagged("llama_s128", suite.llama_decoder(128, kv_heads=1, **TINY)),
     ]
-    section = SECTIONS["attention"]
-    SECTIONS["attention"] = dataclasses.replace(
-        section, contenders=tuple(c for c in section.contenders if c != "torch.compile")
-    )
-    try:
-        rc = main(["--suite", "attention", "--quick", "--out", str(tmp / "out"), "--markdown", str(md)],
-                  suite=test_suite)
-    finally:
-        SECTIONS["attention"] = section
+    section = TIMED["attention"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(TIMED, "attention", dataclasses.replace(
+            section, contenders=tuple(c for c in section.contenders if c != "torch.compile")))
+        patch.setattr(suite, "SUITE", test_suite)
+        rc = main(["--suite", "attention", "--quick", "--out", str(tmp / "out"), "--markdown", str(md)])
     data = json.loads((tmp / "out" / "results-attention.json").read_text(encoding="utf-8"))
     return rc, data, md.read_text(encoding="utf-8")
 
@@ -100,7 +98,7 @@ def test_section_block(section_run):
     assert text.startswith(f"{PROSE}{CONV_BLOCK}\n\n{BEGIN}\n")
     assert text.count(BEGIN) == 1 and "stale attention table" not in text
     block = text[text.index(BEGIN): text.index(END)]
-    assert f"## {SECTIONS['attention'].title}" in block
+    assert f"## {TIMED['attention'].title}" in block
     assert "- Command: `python -m benchmarks --suite attention --quick" in block
     assert "- Peak memory: one more call per contender after the timed rounds" in block
     assert "| model | contender | median ms | × vs eager | prepare s | max abs err | peak MiB | note |" in block
@@ -111,7 +109,7 @@ def test_section_block(section_run):
     assert data["summary"] and all(block.index(line) > table_end for line in data["summary"])
 
 
-def test_memory_flag(tmp_path):
+def test_memory_flag(tmp_path, monkeypatch):
     """``--memory`` adds the measurement to any run; ``--no-memory`` takes it off a section."""
     rc = main(["--quick", "--models", "tiny_mlp", "--contenders", "eager", "--memory",
                "--out", str(tmp_path), "--markdown", str(tmp_path / "R.md")])
@@ -120,8 +118,9 @@ def test_memory_flag(tmp_path):
     assert "| peak MiB |" in (tmp_path / "R.md").read_text(encoding="utf-8")
 
     entry = suite.SuiteEntry("bert_s16", suite.bert_encoder(16, **TINY), tags=("attention",), default=False)
+    monkeypatch.setattr(suite, "SUITE", [entry])
     rc = main(["--suite", "attention", "--quick", "--contenders", "eager", "--no-memory",
-               "--out", str(tmp_path), "--no-markdown"], suite=[entry])
+               "--out", str(tmp_path), "--no-markdown"])
     data = json.loads((tmp_path / "results-attention.json").read_text(encoding="utf-8"))
     assert rc == 0 and data["meta"]["memory"] is False and "peak_bytes" not in data["rows"][0]
 
@@ -245,8 +244,8 @@ def test_attention_entries_selected_together_and_not_by_default():
     names = ["bert_s512", "bert_s1024", "bert_s2048", "llama_s2048"]
     assert [e.name for e in suite.select(None, tag="attention")] == names
     assert not set(names) & {e.name for e in suite.select(None)}
-    assert SECTIONS["attention"].contenders == ("eager", "torch.compile", "fxforge", "fxforge-attention")
-    assert SECTIONS["attention"].memory and not SECTIONS["conv"].memory
+    assert TIMED["attention"].contenders == ("eager", "torch.compile", "fxforge", "fxforge-attention")
+    assert TIMED["attention"].memory and not TIMED["conv"].memory
 
 
 @pytest.mark.parametrize("name, seq", [("bert_s2048", 2048), ("llama_s2048", 2048), ("bert_s512", 512)])

@@ -17,7 +17,9 @@ from torch import nn
 
 from benchmarks import report, suite
 from benchmarks.contenders import CONTENDERS, as_prepared
-from benchmarks.run import SECTIONS, main, max_abs_error
+from benchmarks.harness import main
+from benchmarks.rounds import max_abs_error
+from benchmarks.timed import TIMED
 
 CONV_BEGIN, CONV_END = report.markers("conv")
 MAIN_BLOCK = f"{report.BEGIN}\nmain harness table | keep | me |\n{report.END}"
@@ -68,15 +70,12 @@ def section_run(tmp_path_factory):
         dataclasses.replace(by_name["tiny_conv_bn"], tags=("conv",)),
         suite.SuiteEntry("test_data_dependent", data_dependent, "test", default=False, tags=("conv",)),
     ]
-    section = SECTIONS["conv"]
-    SECTIONS["conv"] = dataclasses.replace(
-        section, contenders=tuple(c for c in section.contenders if c != "torch.compile")
-    )
-    try:
-        rc = main(["--suite", "conv", "--quick", "--out", str(tmp / "out"), "--markdown", str(md)],
-                  suite=test_suite)
-    finally:
-        SECTIONS["conv"] = section
+    section = TIMED["conv"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(TIMED, "conv", dataclasses.replace(
+            section, contenders=tuple(c for c in section.contenders if c != "torch.compile")))
+        patch.setattr(suite, "SUITE", test_suite)
+        rc = main(["--suite", "conv", "--quick", "--out", str(tmp / "out"), "--markdown", str(md)])
     data = json.loads((tmp / "out" / "results-conv.json").read_text(encoding="utf-8"))
     return rc, data, md.read_text(encoding="utf-8"), tmp / "out"
 
@@ -126,7 +125,7 @@ def test_section_block_and_other_block_kept(section_run):
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert "stale conv table" not in text
     block = text[text.index(CONV_BEGIN): text.index(CONV_END)]
-    assert f"## {SECTIONS['conv'].title}" in block
+    assert f"## {TIMED['conv'].title}" in block
     assert "- Command: `python -m benchmarks --suite conv --quick" in block
     assert "ONNX Runtime" not in block  # not a contender of this section
     assert "| tiny_conv_bn | optimize_for_inference |" in block

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from benchmarks import dynamic, report
-from benchmarks.run import runner_section
+from benchmarks.harness import build_parser
+from benchmarks.sections import SECTIONS
 
 TINY = dynamic.ModelSize(hidden=32, layers=2, heads=2, kv_heads=1, vocab=1000)
 CALLS = 6
@@ -129,11 +130,11 @@ def test_compare_ignores_padding_only():
     assert dynamic.compare(ref, torch.zeros(1, 2, 2), mask) == (False, float("inf"))
 
 
-def test_stats_and_the_harness_hands_the_dynamic_suite_over():
+def test_stats_and_the_harness_parses_the_dynamic_options():
     stats = dynamic.trace_stats([0.1, 0.001, 0.002, 0.004], [0.001, 0.001, 0.001, 0.002], warmup_calls=1)
     assert stats["trace_s"] == pytest.approx(0.107)
     assert stats["warm_p99_over_p50"] == pytest.approx(3.96 / 2)
     assert stats["per_call_vs_eager"] == pytest.approx(0.5)
-    assert runner_section(["--suite", "dynamic", "--calls", "5"]) == ("dynamic", ["--calls", "5"])
-    assert runner_section(["--suite=dynamic"]) == ("dynamic", [])
-    assert runner_section(["--suite", "conv"]) is None
+    args = build_parser(SECTIONS["dynamic"], SECTIONS).parse_args(["--suite", "dynamic", "--calls", "5"])
+    assert args.suite == "dynamic" and args.calls == 5 and args.models == list(dynamic.MODELS)
+    assert SECTIONS["dynamic"] is dynamic.SECTION

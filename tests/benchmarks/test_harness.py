@@ -15,7 +15,8 @@ from torch import nn
 
 from benchmarks import report, suite
 from benchmarks.contenders import CONTENDERS, Prepared, register
-from benchmarks.run import OutputMismatch, main, max_abs_error, time_interleaved
+from benchmarks.harness import main
+from benchmarks.rounds import OutputMismatch, max_abs_error, time_interleaved
 
 PROSE_BEFORE = "# My results\n\nHand-written text before the harness block.\n\n"
 PROSE_AFTER = "\n## fxforge -> ORT\n\nA section another issue wrote. | keep | this |\n"
@@ -45,7 +46,9 @@ def run(tmp_path_factory):
         "--markdown", str(md),
     ]
     threads = torch.get_num_threads()
-    rc = main(argv, suite=test_suite)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(suite, "SUITE", test_suite)
+        rc = main(argv)
     assert torch.get_num_threads() == threads  # main() leaves torch's thread count as it found it
     data = json.loads((tmp / "out" / "results.json").read_text(encoding="utf-8"))
     return rc, data, md.read_text(encoding="utf-8")

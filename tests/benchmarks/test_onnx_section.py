@@ -1,7 +1,7 @@
 """The ONNX section (issue 6): its entries, contenders and summary lines against the issue's targets."""
 
 from benchmarks import report, suite
-from benchmarks.run import SECTIONS
+from benchmarks.timed import TIMED
 
 
 def _row(model, contender, ms):
@@ -12,7 +12,7 @@ def test_section_reuses_the_attention_and_cnn_entries():
     tagged = [e.name for e in suite.select(None, tag="onnx")]
     assert tagged == [n for n in [e.name for e in suite.SUITE] if n in suite.ONNX_MODELS]
     assert sorted(tagged) == sorted(suite.ONNX_MODELS)
-    assert SECTIONS["onnx"].contenders == ("eager", "ort", "ort-transformers-optimizer", "fxforge-ort")
+    assert TIMED["onnx"].contenders == ("eager", "ort", "ort-transformers-optimizer", "fxforge-ort")
 
 
 def test_summary_reads_ratios_against_the_plain_export_and_the_targets():

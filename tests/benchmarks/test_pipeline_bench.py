@@ -10,15 +10,16 @@ import json
 import pytest
 
 from benchmarks import pipeline
-from benchmarks.run import RUNNER_SECTIONS, runner_section
+from benchmarks.harness import main
+from benchmarks.sections import SECTIONS
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     markdown = out / "RESULTS.md"
-    assert pipeline.main(["--quick", "--models", "gpt2", "--stages", "2,4", "--out", str(out),
-                          "--markdown", str(markdown)]) == 0
+    assert main(["--suite", "pipeline", "--quick", "--models", "gpt2", "--stages", "2,4", "--out", str(out),
+                 "--markdown", str(markdown)]) == 0
     return json.loads((out / "results-pipeline.json").read_text()), markdown.read_text()
 
 
@@ -48,5 +49,5 @@ def test_the_block_and_the_section(result):
     assert "<!-- harness:pipeline:begin -->" in text and "<!-- harness:pipeline:end -->" in text
     assert "| gpt2 | 2 | fxforge |" in text and "Measured at 2 stages" in text and "- gpt2: k=2: fxforge" in text
     assert data["meta"]["complete"] is True
-    assert "pipeline" in RUNNER_SECTIONS
-    assert runner_section(["--suite", "pipeline", "--quick"]) == ("pipeline", ["--quick"])
+    assert SECTIONS["pipeline"] is pipeline.SECTION
+    assert data["meta"]["command"].startswith("python -m benchmarks --suite pipeline --quick --models gpt2")

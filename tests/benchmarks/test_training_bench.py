@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from benchmarks import report, training, training_report
-from benchmarks.run import RUNNER_SECTIONS, runner_section
+from benchmarks.harness import main
+from benchmarks.sections import SECTIONS
 from benchmarks.step_memory import step_peak, tracker_peak
 from benchmarks.training_models import SIZES, Spec, build, checkpoint_blocks
-from benchmarks.zoo import zoo_passthrough
+from benchmarks.zoo_env import zoo_passthrough
 
 TINY = SIZES["quick"]["gpt2"]
 KINDS = ("eager", "checkpoint", "fxforge", "fxforge-peer")
@@ -159,12 +160,11 @@ def test_summary_counts_only_fxforge_rows_at_or_under_the_peers_peak():
 
 
 def test_the_command_line_writes_its_json(tmp_path):
-    assert "training" in RUNNER_SECTIONS
-    assert runner_section(["--suite", "training", "--quick"]) == ("training", ["--quick"])
-    assert zoo_passthrough(["--models", "a", "--quick", "--out=x", "--fractions", "0.6", "--no-markdown"]) == [
-        "--quick", "--fractions", "0.6"]
-    status = training.main(["--quick", "--models", "gpt2", "--contenders", "eager,checkpoint", "--no-markdown",
-                            "--out", str(tmp_path)])
+    assert SECTIONS["training"] is training.SECTION
+    assert zoo_passthrough(["--suite", "training", "--models", "a", "--quick", "--out=x", "--fractions", "0.6",
+                            "--no-markdown"]) == ["--quick", "--fractions", "0.6"]
+    status = main(["--suite", "training", "--quick", "--models", "gpt2", "--contenders", "eager,checkpoint",
+                   "--no-markdown", "--out", str(tmp_path)])
     assert status == 0
     saved = json.loads((tmp_path / "results-training.json").read_text(encoding="utf-8"))
     assert saved["meta"]["complete"] and [r["contender"] for r in saved["rows"]] == ["eager", "per-block checkpoint"]
