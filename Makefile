@@ -41,7 +41,7 @@ bench: $(VENV)/.installed-dev
 
 # The model zoo (torchvision, timm) in an environment of its own: the registries' torchvision is a CUDA build
 # whose compiled ops do not load with the CPU torch, and once installed it breaks `import transformers`, so it
-# stays out of $(VENV). `make zoo` runs tests/zoo; `$(ZOO_VENV)/bin/python -m benchmarks.zoo` writes its table.
+# stays out of $(VENV). `make zoo` runs tests/zoo; `$(ZOO_VENV)/bin/python -m benchmarks --suite zoo` writes its table.
 ZOO_VENV ?= .venv-zoo
 ZOO_PY := $(ZOO_VENV)/bin/python
 

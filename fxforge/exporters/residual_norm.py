@@ -2,14 +2,14 @@
 
 ONNX Runtime fuses ``Add(a, b) -> LayerNormalization`` into ``com.microsoft.SkipLayerNormalization``
 (its ``SkipLayerNormFusion``). On its CPU provider (1.31) that fused kernel is 3.2-4.5x slower than the
-two kernels it replaces, exact to float rounding (``python -m fxforge.exporters.measure --only
+two kernels it replaces, exact to float rounding (``python -m benchmarks --suite onnx-forms --only
 residual_norm``: [1, 1024, 256] 0.73 against 0.20 ms, [1, 1024, 768] 2.19 against 0.49 ms, five shapes
 from 128 to 2048 rows, hidden 256-1024). In a BERT encoder (hidden 256, S = 1024) its nine fused norms
 took 6.7 of 71 ms (ORT's profiler), against 2.0 ms as ``Sum`` + ``LayerNormalization``. ORT fuses only
 ``Add``, so the rule below writes the same sum as ``Sum``, which computes ``a + b`` bit for bit.
 
-The rule: **an ``Add`` whose result is a ``LayerNormalization``'s input becomes a ``Sum`` of the same
-two operands**, refused (left as ``Add``, with the reason) when an operand is broadcast (its shape is not
+The rule (:class:`ResidualSum`, an onnxscript rewrite rule): **an ``Add`` whose result is a
+``LayerNormalization``'s input becomes a ``Sum`` of the same two operands**, refused (left as ``Add``, with the reason) when an operand is broadcast (its shape is not
 the result's, or a shape is unknown): a bias add is not a residual. It is applied for the CPU provider
 only: ORT's CUDA ``SkipLayerNormalization`` is its ``LayerNormalization`` kernel with the residual read in
 (one kernel instead of two), so an export for CUDA keeps ``Add`` (not measured here: no GPU).
@@ -21,17 +21,16 @@ Example:
     >>> add = ir.Node("", "Add", [x, r], outputs=[ir.Value(name="s", shape=ir.Shape([2, 4]))])
     >>> norm = ir.Node("", "LayerNormalization", [add.outputs[0]], outputs=[ir.Value(name="y")])
     >>> graph = ir.Graph([x, r], norm.outputs, nodes=[add, norm])
-    >>> separate_residual_adds(graph), add.op_type
-    ((1, []), 'Sum')
+    >>> separate_residual_adds(graph), norm.inputs[0].producer().op_type, norm.inputs[0].name
+    ((1, []), 'Sum', 's')
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from onnxscript import ir
 
-from fxforge.exporters.onnx_ir import is_onnx_op, producer, shape_text
+from fxforge.exporters.onnx_engine import NOT_HERE, PatternRule, apply_to_graph, pattern_pass
+from fxforge.exporters.onnx_ir import is_onnx_op, shape_text
 
 RESIDUAL_NORM = "residual Add + LayerNormalization -> Sum + LayerNormalization (ORT's CPU SkipLayerNormalization is slower)"
 
@@ -55,26 +54,41 @@ def residual_refusal(add: ir.Node) -> str | None:
     return None
 
 
-def separate_residual_adds(graph: Any) -> tuple[int, list[str]]:
-    """Rewrite each ``Add`` feeding a ``LayerNormalization``'s input as ``Sum`` (see the module's rule), in
-    ``graph`` and its subgraphs; returns how many were rewritten and the reasons for those left as ``Add``
-    (the module's example rewrites one).
+class ResidualSum(PatternRule):
+    """The module's rule as an onnxscript rule: ``Add(a, b)`` read by a ``LayerNormalization`` as its input
+    becomes ``Sum(a, b)``; an ``Add`` no ``LayerNormalization`` reads is not this rule's business, a
+    broadcast one is refused with :func:`residual_refusal`'s reason.
+
+    Example:
+        >>> ResidualSum().what == RESIDUAL_NORM
+        True
+    """
+
+    what = RESIDUAL_NORM
+
+    def pattern(self, op, a, b):
+        return op.Add(a, b)
+
+    def refusal(self, context, a, b):
+        add = context.root
+        if not any(is_onnx_op(user, "LayerNormalization") and index == 0 for user, index in add.outputs[0].uses()):
+            return NOT_HERE
+        return residual_refusal(add)
+
+    def rewrite(self, op, a, b):
+        return op.Sum(a, b)
+
+
+residual_norm = pattern_pass(ResidualSum)
+
+
+def separate_residual_adds(graph: ir.Graph) -> tuple[int, list[str]]:
+    """:class:`ResidualSum` applied to ``graph`` and its subgraphs outside an export; returns how many ``Add``
+    were rewritten and the reasons for those left as ``Add`` (the module's example rewrites one).
 
     Example:
         >>> separate_residual_adds(ir.Graph([], [], nodes=[]))
         (0, [])
     """
-    rewritten, refused = 0, []
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        if not is_onnx_op(node, "LayerNormalization") or not node.inputs:
-            continue
-        add = producer(node.inputs[0], "Add")
-        if add is None:
-            continue
-        reason = residual_refusal(add)
-        if reason is not None:
-            refused.append(reason)
-            continue
-        add.op_type = "Sum"
-        rewritten += 1
-    return rewritten, refused
+    ctx = apply_to_graph(residual_norm, graph, "residual_norm")
+    return sum(ctx.counts().values()), ctx.reasons()

@@ -3,7 +3,7 @@
 ``torch.onnx.export(..., custom_translation_table=Translations(opset).table())`` uses them. Each choice
 was measured in ONNX Runtime 1.31 (CPU, 2 shared threads, ``session.intra_op.allow_spinning = "0"``,
 interleaved rounds, medians; two runs, ranges over shapes and activations below);
-``python -m fxforge.exporters.measure`` repeats the measurement on this machine. Figures are speeds
+``python -m benchmarks --suite onnx-forms`` repeats the measurement on this machine. Figures are speeds
 relative to a baseline (baseline time / time): for conv and linear, the ``com.microsoft`` alternative's
 relative to the chosen standard ops (> 1: the alternative ran faster); for attention, each fused form's
 relative to the plain MatMul/Softmax export.
@@ -42,13 +42,9 @@ multiple of 8)             heads read in place, no past)                mask; GQ
                                                                         (S=2048, 4 q / 2 kv heads)
 =========================  ===========================================  ==========================================
 
-Whole models (``python -m benchmarks --suite onnx``, fxforge -> ORT vs plain export -> ORT): attention
-and the layer norms after residual adds are then where the two differ; the linear layers
-(``Gemm``/``MatMul``) and GELU are the same ORT kernels in both. After the translations, a residual
-``Add`` before a ``LayerNormalization`` is written as ``Sum`` for the CPU provider, which ORT does not
-fuse into its slower ``SkipLayerNormalization`` (3.2-4.5x; :mod:`fxforge.exporters.residual_norm`), and
-the attention rewrite's row guards that ORT's MultiHeadAttention makes redundant are dropped
-(:mod:`fxforge.exporters.attention_guards`).
+Whole models (``python -m benchmarks --suite onnx``, fxforge -> ORT vs plain export -> ORT): attention and the
+layer norms after residual adds are where the two differ; linear layers and GELU are the same ORT kernels in
+both. After the translations, :data:`fxforge.exporters.onnx_rules.ONNX_RULES` rewrite the ONNX graph.
 Packing the q, k, v projections into one ``MatMul`` (+ ``Split``) measured 0.86-0.90x at long sequences
 (ORT 1.31's CPU MultiHeadAttention does not take packed QKV); over few rows it pays
 (:mod:`~fxforge.exporters.pack_projections`), and over at most 512 keys the projections and the attention
@@ -253,6 +249,7 @@ class Translations:
             or ``"plain"`` (torch.onnx's own translation).
         used: how many nodes each translation produced (``{"fxforge::conv_pointwise -> Conv": 3}``).
         kept_plain: for each attention left to torch.onnx's translation, why (with its source line).
+        notes: other lines for the summary (causal attention kept ``MultiHeadAttention``, and why).
 
     Example:
         >>> t = Translations(opset=20, attention="plain")

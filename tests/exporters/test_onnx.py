@@ -17,6 +17,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from ir_graphs import onnx_applied
 from torch import nn
 
 import fxforge
@@ -280,14 +281,17 @@ def test_attention_becomes_an_ort_attention_kernel(case, tmp_path):
     # the q and kv projections packed into one (12 rows); inside ORT's Attention where it projects them itself
     assert "Softmax" not in every and every["MatMul"] + every[ATTENTION] == 1
     if model.causal:  # causal self-attention: GroupQueryAttention, key/value heads read in place
-        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1", PACKED, KV_SLICED]
+        assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1"]
+        assert onnx_applied(result.report) == [KV_SLICED, PACKED], result.report
         assert ops[GQA] == 1 and MHA not in every and "Expand" not in ops
         assert _attribute(path, "GroupQueryAttention", "kv_num_heads") == model.kv_heads
     elif mask is None or mask.shape[-2] != 1:  # a full [.., S, L] mask is not checked at run time
-        assert result.translations == [PROJECTED, "attention -> com.microsoft.MultiHeadAttention: 1", PACKED, KV_SLICED]
+        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1"]
+        assert onnx_applied(result.report) == [KV_SLICED, PACKED, PROJECTED], result.report
         assert ops[ATTENTION] == 1 and MHA not in ops and "If" not in ops
     else:  # a key padding mask: checked at run time, MultiHeadAttention without it (flash) or with it
-        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED, PACKED]
+        assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
+        assert onnx_applied(result.report) == [PACKED], result.report
         assert ops["If"] == 1 and MHA not in ops and every[MHA] == 2
     assert_runs_like(model, path, torch.randn(2, 6, 32) * 2, *inputs[1:])
     if mask is not None:  # a mask that masks nothing (the If's other branch)
@@ -353,7 +357,8 @@ def test_attention_3d_is_one_head(tmp_path):
     mask = torch.randn(2, 5, 7)
     path = str(tmp_path / "three_d.onnx")
     result = export_onnx(AnyRank().eval(), path, (q, k, v, mask), rewrites=[])
-    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.MultiHeadAttention: 1"]
+    assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1"]
+    assert onnx_applied(result.report) == [UNIT_TRANSPOSED] and result.report.counts == {"onnx unit_transposes": 3}
     assert "Transpose" not in onnx_ops(path)
     assert_runs_like(AnyRank(), path, torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4), mask * 2)
 
@@ -362,13 +367,15 @@ def test_attention_3d_causal_and_bool_mask(tmp_path):
     q, k, v = torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8)
     path = str(tmp_path / "causal.onnx")
     result = export_onnx(CrossCausal().eval(), path, (q, k, v), rewrites=[])
-    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.GroupQueryAttention (causal): 1"]
+    assert result.translations == ["attention -> com.microsoft.GroupQueryAttention (causal): 1"]
+    assert onnx_applied(result.report) == [UNIT_TRANSPOSED], result.report
     assert_runs_like(CrossCausal(), path, torch.randn(2, 6, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 8))
     keep = torch.ones(2, 1, 6, dtype=torch.bool)  # a key padding mask, broadcast over the queries
     keep[1, :, -2:] = False
     path = str(tmp_path / "bool.onnx")
     result = export_onnx(AnyRank().eval(), path, (q, k, v, keep), rewrites=[])
-    assert result.translations == [UNIT_TRANSPOSED, "attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
+    assert result.translations == ["attention -> com.microsoft.MultiHeadAttention: 1", MASK_CHECKED]
+    assert onnx_applied(result.report) == [UNIT_TRANSPOSED], result.report
     assert_runs_like(AnyRank(), path, q * 2, k, v, keep)
     assert_runs_like(AnyRank(), path, q, k, v, torch.ones_like(keep))
 
@@ -422,7 +429,8 @@ def test_attention_plain_on_request(tmp_path):
     model = Attention().eval()
     path = str(tmp_path / "plain.onnx")
     result = export_onnx(model, path, (torch.randn(1, 6, 32),), attention="plain")
-    assert result.translations == [PACKED] and "Softmax" in onnx_ops(path)  # no attention kernel
+    assert result.translations == [] and "Softmax" in onnx_ops(path)  # no attention kernel
+    assert onnx_applied(result.report) == [PACKED], result.report
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -463,8 +471,8 @@ def test_transformers_models(name, tmp_path):
         assert len(kernels & set(result.translations)) == 1, result.translations
     # LayerNorm after a residual add (BERT, GPT-2, ViT) is kept apart from it for ORT's CPU provider; LLaMA's
     # RMSNorm and ResNet have none
-    separated = any(line.startswith(RESIDUAL_NORM) for line in result.translations)
-    assert separated == (name in ("bert", "gpt2", "vit")), result.translations
+    separated = any(line.startswith(RESIDUAL_NORM) for line in onnx_applied(result.report))
+    assert separated == (name in ("bert", "gpt2", "vit")), result.report
     assert {"input_ids", "pixel_values"} & set(result.dynamic)
 
 
@@ -645,21 +653,3 @@ def test_dynamic_batch_from_a_batch_of_one(method, tmp_path):
     assert result.captured.method == method and list(result.validation) == ["example inputs", "batch 2", "batch 3"]
     assert result.dynamic == {"x": {0: "batch"}}
     assert_runs_like(model, path, torch.randn(6, 3, 8, 8))
-
-
-def test_measure_smoke():
-    from fxforge.exporters import measure
-
-    rows = measure.main(["--quick", "--only", "conv"], out=None)
-    assert [row["forms"] for row in rows] == [("standard", "FusedConv")] * 2
-    assert all(row["max_abs_diff"] < 1e-4 for row in rows)
-
-
-def test_measure_attention_smoke():
-    from fxforge.exporters import measure
-
-    rows = measure.main(["--quick", "--only", "attention"], out=None)
-    assert [row["forms"] for row in rows] == [
-        ("plain", "MultiHeadAttention"), ("plain", "Attention-23"), ("plain", "MultiHeadAttention"),
-        ("MultiHeadAttention-unidirectional", "GroupQueryAttention")]
-    assert all(row["max_abs_diff"] < 1e-4 for row in rows)

@@ -14,10 +14,10 @@ from test_onnx import assert_runs_like
 from torch import nn
 
 from fxforge import export_onnx
+from fxforge.exporters.export import captured_for_export
 from fxforge.exporters.onnx import _export
 from fxforge.exporters.ort_module import session_options
 from fxforge.exporters.residual_norm import RESIDUAL_NORM, residual_refusal, separate_residual_adds
-from fxforge.exporters.export import captured_for_export
 
 
 class PostNorm(nn.Module):
@@ -137,11 +137,3 @@ def test_rule_on_ir_graphs():
     assert residual_refusal(unknown) == "operand shapes not known at export time"
     other_dim = ir.Node("", "Add", [_value("a", ["batch", 4]), _value("b", ["n", 4])], outputs=[_value("c", ["batch", 4])])
     assert residual_refusal(other_dim).startswith("an operand is broadcast")
-
-
-def test_measure_residual_norm_smoke():
-    from fxforge.exporters import measure
-
-    rows = measure.main(["--quick", "--only", "residual_norm"], out=None)
-    assert [row["forms"] for row in rows] == [("Add", "Sum")]
-    assert rows[0]["max_abs_diff"] < 1e-5
