@@ -5,6 +5,13 @@ operators, and ``aten.*`` ops in exported graphs. :data:`OPS` lists them once pe
 to bottom; every stage asks :func:`calls` ("is this node a softmax?") or :func:`op_name` instead of
 keeping a table of its own, so the rewrites, the memory model and the profiler agree on what a node is.
 
+One name per op: the profiler's ``op`` column, the pattern engine's canonical ops
+(:data:`SIGNATURES`) and the rewrites' readers all use the names of :data:`OPS`. ``nn.ReLU6``, ``F.relu6``
+and ``aten.relu6`` are ``hardtanh`` (with ``min_val=0, max_val=6``: :data:`FIXED_ARGUMENTS`): torch itself
+defines ReLU6 as ``Hardtanh(0, 6)`` (``nn.ReLU6`` subclasses ``nn.Hardtanh``, ``aten.relu6`` decomposes to
+``hardtanh``, and a profile of eager PyTorch shows the ``hardtanh`` kernel), so one pattern with the bounds as
+arguments matches both, and a profile groups them as the one kernel they run.
+
 A function form is a callable (``torch.softmax``, ``F.dropout``, ``operator.add``), an ATen overload
 (``aten.to.dtype``: that overload only) or an ATen packet (``aten.relu``: any of its overloads). A module
 form is an ``nn.Module`` class; a subclass counts only if it keeps the class's ``forward``.
@@ -136,6 +143,11 @@ OPS: dict[str, CallForms] = {
                      (nn.Sigmoid,)),
     "tanh": forms((F.tanh, torch.tanh, torch.tanh_, aten.tanh, aten.tanh_), ("tanh", "tanh_"), (nn.Tanh,)),
     "hardswish": forms((F.hardswish, aten.hardswish, aten.hardswish_), (), (nn.Hardswish,)),
+    "elu": forms((F.elu, F.elu_, aten.elu, aten.elu_), (), (nn.ELU,)),
+    "selu": forms((F.selu, F.selu_, torch.selu, torch.selu_, aten.selu, aten.selu_), (), (nn.SELU,)),
+    "celu": forms((F.celu, F.celu_, torch.celu, torch.celu_, aten.celu, aten.celu_), (), (nn.CELU,)),
+    "prelu": forms((F.prelu, torch.prelu, aten.prelu, aten._prelu_kernel), (), (nn.PReLU,)),
+    "glu": forms((F.glu, aten.glu), (), (nn.GLU,)),
     "softmax": forms((F.softmax, torch.softmax, torch.special.softmax, aten.softmax.int, aten._softmax.default),
                      ("softmax",), (nn.Softmax,)),
     # arithmetic
@@ -145,11 +157,22 @@ OPS: dict[str, CallForms] = {
     "div": forms((operator.truediv, operator.itruediv, torch.div, torch.true_divide, aten.div, aten.div_,
                   aten.true_divide), ("div", "div_", "true_divide", "__truediv__", "__itruediv__")),
     "pow": forms((operator.pow, operator.ipow, torch.pow, aten.pow, aten.pow_), ("pow", "pow_", "__pow__", "__ipow__")),
-    "matmul": forms((operator.matmul, torch.matmul, torch.bmm, aten.matmul, aten.mm, aten.bmm),
+    "neg": forms((operator.neg, torch.neg, torch.negative, aten.neg, aten.neg_),
+                 ("neg", "neg_", "negative", "__neg__")),
+    "floor_divide": forms((operator.floordiv, operator.ifloordiv, torch.floor_divide, aten.floor_divide,
+                           aten.floor_divide_), ("floor_divide", "floor_divide_", "__floordiv__", "__ifloordiv__")),
+    "remainder": forms((operator.mod, operator.imod, torch.remainder, aten.remainder, aten.remainder_),
+                       ("remainder", "remainder_", "__mod__", "__imod__")),
+    "matmul": forms((operator.matmul, operator.imatmul, torch.matmul, torch.bmm, aten.matmul, aten.mm, aten.bmm),
                     ("matmul", "mm", "bmm", "__matmul__")),  # mm and bmm are matmul on the inputs they accept
     "einsum": forms((torch.einsum, torch.functional.einsum, aten.einsum.default)),
+    # boolean masks (``&`` and ``~`` of bool tensors are their logical forms)
     "logical_and": forms((operator.and_, torch.logical_and, torch.bitwise_and, aten.__and__.Tensor,
                           aten.bitwise_and.Tensor, aten.logical_and.default)),
+    "logical_not": forms((operator.invert, torch.logical_not, torch.bitwise_not, aten.logical_not.default,
+                          aten.bitwise_not.default), ("logical_not", "bitwise_not", "__invert__")),
+    **{op: forms((getattr(operator, op), getattr(torch, op), getattr(aten, op).Tensor, getattr(aten, op).Scalar),
+                 (op, f"__{op}__")) for op in ("le", "lt", "ge", "gt", "eq", "ne")},
     # layers
     "linear": forms((F.linear, aten.linear), (), (nn.Linear,)),
     "conv1d": forms((F.conv1d, aten.conv1d), (), (nn.Conv1d,)),
@@ -165,13 +188,15 @@ OPS: dict[str, CallForms] = {
     "dropout": forms(_DROPOUT_FUNCTIONS, (),
                      (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)),
     "identity": forms((aten.alias.default,), (), (nn.Identity,)),
+    "multi_head_attention": forms((F.multi_head_attention_forward,), (), (nn.MultiheadAttention,)),
     # dtype, device and memory-format copies
     "to": forms((aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.to.other, aten._to_copy.default,
                  aten.type_as.default),
                 ("to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte",
                  "char", "cpu", "cuda")),
     "contiguous": forms((aten.contiguous.default, torch.Tensor.contiguous), ("contiguous",)),
-    "clone": forms((torch.clone, aten.clone.default), ("clone",)),
+    "clone": forms((torch.clone, aten.clone.default, aten.lift_fresh_copy.default), ("clone",)),
+    "detach": forms((torch.detach, torch.Tensor.detach, aten.detach.default), ("detach",)),
     # shapes and layouts
     "view": forms((aten.view.default, aten._unsafe_view.default), ("view", "view_as")),
     "reshape": forms((torch.reshape, aten.reshape.default), ("reshape", "reshape_as")),
@@ -183,12 +208,26 @@ OPS: dict[str, CallForms] = {
     "permute": forms((torch.permute, aten.permute.default), ("permute",)),
     "t": forms((torch.t, aten.t.default), ("t",)),
     "mT": forms((aten.mT.default,)),  # the last two dims swapped, at any rank
+    "squeeze": forms((torch.squeeze, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims), ("squeeze",)),
+    # selections: a part of the input's values
+    "getitem": forms((operator.getitem,), ("__getitem__",)),
+    "slice": forms((aten.slice.Tensor,)),
+    "select": forms((torch.select, aten.select.int), ("select",)),
+    "narrow": forms((torch.narrow, aten.narrow.default), ("narrow",)),
+    "index": forms((aten.index.Tensor,)),
+    "index_select": forms((torch.index_select, aten.index_select.default), ("index_select",)),
     "repeat_interleave": forms((torch.repeat_interleave, aten.repeat_interleave.self_int), ("repeat_interleave",)),
     # masks
     "masked_fill": forms((torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Scalar,
                           aten.masked_fill_.Tensor), ("masked_fill", "masked_fill_")),
     "where": forms((torch.where, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar),
                    ("where",)),
+    # constructors (a ``*_like`` or ``new_*`` one is named by what it fills: ``zeros_like`` is ``zeros``)
+    "arange": forms((torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)),
+    "zeros": forms((torch.zeros, torch.zeros_like, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default),
+                   ("new_zeros", "zero_")),
+    "ones": forms((torch.ones, torch.ones_like, aten.ones.default, aten.ones_like.default, aten.new_ones.default),
+                  ("new_ones",)),
     # constructors that read only the shape, dtype and device of their first argument, never its values
     "new_like": forms((torch.zeros_like, torch.ones_like, torch.full_like, aten.new_ones.default, aten.new_zeros.default,
                        aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default),
@@ -202,6 +241,53 @@ SDPA_TARGETS = (F.scaled_dot_product_attention, aten.scaled_dot_product_attentio
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # dtype, device and memory-format copies that keep shape and values (as far as the dtype holds them).
 CASTS = ("to", "contiguous", "clone")
+# Copies of the input as it is: the same shape, dtype and values.
+COPIES = ("contiguous", "clone", "identity", "detach")
+# Ops whose result holds only values of their first input: views, copies and selections.
+SAME_VALUES = (*RESHAPES, "transpose", "permute", "t", "mT", "squeeze", *COPIES, "getitem", "slice", "select", "narrow",
+               "index", "index_select")
+# Elementwise comparisons, by the name of their operator.
+COMPARISONS = ("le", "lt", "ge", "gt", "eq", "ne")
+
+
+
+class _Required:
+    """The default of a parameter that has none (its value must be given)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+
+# The ops the pattern engine binds (fxforge.rewrites.canonical): their parameters in order, with defaults
+# (REQUIRED: none). Every call form of one of these ops is bound to these names.
+SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "relu": (("input", REQUIRED),),
+    "hardtanh": (("input", REQUIRED), ("min_val", -1.0), ("max_val", 1.0)),
+    "leaky_relu": (("input", REQUIRED), ("negative_slope", 0.01)),
+    "gelu": (("input", REQUIRED), ("approximate", "none")),
+    "silu": (("input", REQUIRED),),
+    "sigmoid": (("input", REQUIRED),),
+    "tanh": (("input", REQUIRED),),
+    "hardswish": (("input", REQUIRED),),
+    "add": (("input", REQUIRED), ("other", REQUIRED), ("alpha", 1)),
+    "sub": (("input", REQUIRED), ("other", REQUIRED), ("alpha", 1)),
+    "mul": (("input", REQUIRED), ("other", REQUIRED)),
+    "div": (("input", REQUIRED), ("other", REQUIRED), ("rounding_mode", None)),
+    "pow": (("input", REQUIRED), ("exponent", REQUIRED)),
+    "matmul": (("input", REQUIRED), ("other", REQUIRED)),
+    "linear": (("input", REQUIRED), ("weight", REQUIRED), ("bias", None)),
+    "batch_norm": (("input", REQUIRED), ("running_mean", REQUIRED), ("running_var", REQUIRED), ("weight", None),
+                   ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5)),
+    **{f"conv{n}d": (("input", REQUIRED), ("weight", REQUIRED), ("bias", None), ("stride", 1), ("padding", 0),
+                     ("dilation", 1), ("groups", 1)) for n in (1, 2, 3)},
+}
+# Binary ops whose two operands may be swapped.
+COMMUTATIVE = frozenset({"add", "mul"})
+# Forms that are their op with some arguments fixed: ReLU6 is hardtanh(0, 6) (see the module docstring).
+FIXED_ARGUMENTS: dict[Any, dict[str, Any]] = {F.relu6: {"min_val": 0.0, "max_val": 6.0},
+                                              aten.relu6: {"min_val": 0.0, "max_val": 6.0}}
 
 # What reads only a tensor's metadata, never its values: attributes, methods and ATen ops.
 METADATA_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
@@ -265,9 +351,24 @@ def module_op_name(module: Any) -> str | None:
     """
     if not isinstance(module, nn.Module) or has_hooks(module):
         return None
+    return class_op_name(type(module))
+
+
+def class_op_name(cls: type) -> str | None:
+    """The canonical op instances of the module class ``cls`` compute (a subclass counts only if it keeps the
+    ``forward`` of the class :data:`OPS` lists), or None; unlike :func:`module_op_name`, hooks an instance
+    may have are not looked at.
+
+    Example:
+        >>> class Mine(nn.Linear): pass
+        >>> class Other(nn.Linear):
+        ...     def forward(self, x): return x
+        >>> class_op_name(nn.ReLU6), class_op_name(Mine), class_op_name(Other)
+        ('hardtanh', 'linear', None)
+    """
     table = _by_module_class()
-    cls = next((c for c in type(module).__mro__ if c in table), None)
-    return table[cls] if cls is not None and type(module).forward is cls.forward else None
+    found = next((c for c in cls.__mro__ if c in table), None)
+    return table[found] if found is not None and cls.forward is found.forward else None
 
 
 def _by_function() -> dict[Any, str]:

@@ -1,10 +1,11 @@
 """Canonical ops: a graph node read as the op it calls, with its arguments bound by name.
 
-Every call form of an op (see :mod:`fxforge.core.vocabulary`) is bound to one signature
-(:data:`SIGNATURES`), defaults filled in: ``nn.ReLU()``, ``F.relu``, ``torch.relu``, ``x.relu()``,
-``relu_``, ``inplace=True`` and ``aten.relu_`` are all ``relu``; ``+``, ``torch.add``, ``x.add_`` and
-``aten.add.Tensor`` are all ``add``; ``nn.Conv2d``, ``F.conv2d``, ``aten.conv2d`` and ``aten.convolution``
-are all ``conv2d`` (strides, paddings and dilations as tuples). The pattern engine
+Every call form of an op is bound to the op's signature, defaults filled in; the op names, their forms and
+their signatures are the vocabulary's (:mod:`fxforge.core.vocabulary`: ``OPS``, ``SIGNATURES``,
+``FIXED_ARGUMENTS``). ``nn.ReLU()``, ``F.relu``, ``torch.relu``, ``x.relu()``, ``relu_``, ``inplace=True`` and
+``aten.relu_`` are all ``relu``; ``+``, ``torch.add``, ``x.add_`` and ``aten.add.Tensor`` are all ``add``;
+``nn.ReLU6`` and ``F.relu6`` are ``hardtanh`` from 0 to 6; ``nn.Conv2d``, ``F.conv2d``, ``aten.conv2d`` and
+``aten.convolution`` are all ``conv2d`` (strides, paddings and dilations as tuples). The pattern engine
 (:mod:`fxforge.rewrites.pattern`) compares graphs in these terms.
 
 Example:
@@ -27,38 +28,10 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.core.nodes import CALL_OPS, attribute_tensor, is_inplace, submodule
-from fxforge.core.vocabulary import module_op_name, op_name
+from fxforge.core.vocabulary import FIXED_ARGUMENTS, REQUIRED, SIGNATURES, module_op_name, op_name
 
 F = nn.functional
 aten = torch.ops.aten
-_REQUIRED = object()
-
-# Canonical ops: argument names in order, with defaults. Every call form is bound to these names.
-SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
-    "relu": (("input", _REQUIRED),),
-    "hardtanh": (("input", _REQUIRED), ("min_val", -1.0), ("max_val", 1.0)),
-    "leaky_relu": (("input", _REQUIRED), ("negative_slope", 0.01)),
-    "gelu": (("input", _REQUIRED), ("approximate", "none")),
-    "silu": (("input", _REQUIRED),),
-    "sigmoid": (("input", _REQUIRED),),
-    "tanh": (("input", _REQUIRED),),
-    "hardswish": (("input", _REQUIRED),),
-    "add": (("input", _REQUIRED), ("other", _REQUIRED), ("alpha", 1)),
-    "sub": (("input", _REQUIRED), ("other", _REQUIRED), ("alpha", 1)),
-    "mul": (("input", _REQUIRED), ("other", _REQUIRED)),
-    "div": (("input", _REQUIRED), ("other", _REQUIRED), ("rounding_mode", None)),
-    "pow": (("input", _REQUIRED), ("exponent", _REQUIRED)),
-    "matmul": (("input", _REQUIRED), ("other", _REQUIRED)),
-    "linear": (("input", _REQUIRED), ("weight", _REQUIRED), ("bias", None)),
-    "batch_norm": (("input", _REQUIRED), ("running_mean", _REQUIRED), ("running_var", _REQUIRED), ("weight", None),
-                   ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5)),
-    **{f"conv{n}d": (("input", _REQUIRED), ("weight", _REQUIRED), ("bias", None), ("stride", 1), ("padding", 0),
-                     ("dilation", 1), ("groups", 1)) for n in (1, 2, 3)},
-}
-COMMUTATIVE = {"add", "mul"}
-
-
-_FIXED = {F.relu6: {"min_val": 0.0, "max_val": 6.0}, aten.relu6: {"min_val": 0.0, "max_val": 6.0}}
 # Multi-output batch norms of decomposed export graphs, seen through ``getitem(node, 0)``.
 _BN_TUPLES = {getattr(aten, n) for n in ("_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
                                          "native_batch_norm") if hasattr(aten, n)}
@@ -233,8 +206,8 @@ def _lookup(node: Node, gm: torch.fx.GraphModule) -> tuple[Any, dict | None, tup
         return (f"conv{len(bound['stride'])}d" if bound else None), bound, ()
     name = _canonical(node, gm)
     bound = _bind_call(node) if name else None
-    if bound is not None and packet in _FIXED:
-        bound.update(_FIXED[packet])
+    if bound is not None and packet in FIXED_ARGUMENTS:
+        bound.update(FIXED_ARGUMENTS[packet])
     return name, bound, ()
 
 
@@ -262,7 +235,7 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
         return None
     args = {}
     for arg, default in SIGNATURES[name]:
-        if arg not in bound and default is _REQUIRED:
+        if arg not in bound and default is REQUIRED:
             return None
         args[arg] = bound.pop(arg, default)
     if any(k not in _IGNORED_ARGS for k in bound):

@@ -48,16 +48,8 @@ from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
 from fxforge.core.symbolic import size_expr
 from fxforge.core.tracing import symbolic_trace
-from fxforge.core.vocabulary import reads_metadata
-from fxforge.rewrites.canonical import (
-    COMMUTATIVE,
-    SIGNATURES,
-    Op,
-    ParamRef,
-    bound_tensor,
-    canonicalize,
-    same_value,
-)
+from fxforge.core.vocabulary import COMMUTATIVE, SIGNATURES, reads_metadata
+from fxforge.rewrites.canonical import Op, ParamRef, bound_tensor, canonicalize, same_value
 from fxforge.rewrites.folding import fold_constants
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
 

@@ -8,7 +8,8 @@ eager, 0 in SDPA's safe softmax), so the replacement patches those rows in with 
 call (``where(all(mask == -inf), NaN, out)``) unless the mask cannot hold ``-inf``. A constant mask is
 checked by value; a mask computed from the inputs (symbolic sizes, a padding mask) is read here: it is finite
 if every value it can take is built from finite numbers by ops that cannot overflow (selections, fills,
-views, widening casts). Sums and products are not read (``finfo.min + finfo.min`` is ``-inf``).
+views, widening casts: the vocabulary's :data:`~fxforge.core.vocabulary.SAME_VALUES` and ``to``, in any call
+form). Sums and products are not read (``finfo.min + finfo.min`` is ``-inf``).
 
 Example:
     >>> from fxforge.core.shapes import annotate
@@ -23,31 +24,19 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
 from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
-from fxforge.core.vocabulary import calls
+from fxforge.core.vocabulary import SAME_VALUES, calls
 
 aten = torch.ops.aten
 
-# Ops whose result holds only values of their first input (views, copies, selections).
-_SAME_VALUES = ("view", "reshape", "unsqueeze", "expand", "transpose", "permute", "t", "contiguous", "clone",
-                "identity", "flatten")
-_SAME_VALUES_ATEN = (aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.default,
-                     aten.squeeze.dims, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
-                     aten._unsafe_view.default, aten.index.Tensor, aten.index_select.default)
-_SAME_VALUES_METHODS = ("squeeze", "detach", "__getitem__", "select", "narrow", "index_select")
 # Ops filling a new tensor with one number: its position among the args, or its keyword.
 _FILLED = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.scalar_tensor.default: 0,
            torch.full: 1, torch.full_like: 1, torch.scalar_tensor: 0}
-# Ops filling a new tensor with zeros or ones.
-_CONSTANT_FILLS = (aten.zeros.default, aten.ones.default, aten.zeros_like.default, aten.ones_like.default,
-                   aten.new_zeros.default, aten.new_ones.default, torch.zeros, torch.ones, torch.zeros_like,
-                   torch.ones_like)
 
 
 def never_infinite(value: Any, seen: dict | None = None) -> bool:
@@ -87,14 +76,12 @@ def _never_infinite(node: Node, seen: dict) -> bool:
         position = _FILLED[node.target]
         number = args[position] if len(args) > position else node.kwargs.get("fill_value", node.kwargs.get("s"))
         return never_infinite(number, seen)
-    if node.target in _CONSTANT_FILLS or (node.op == "call_method" and node.target in ("new_zeros", "new_ones")):
+    if calls(node, "zeros", "ones"):
         return True
     source = args[0] if args else None
-    if calls(node, "to") or node.target in (aten._to_copy.default,) or (
-            node.op == "call_method" and node.target in ("float", "double", "type_as")):
+    if calls(node, "to"):
         return _cast_keeps_finite(source, fake) and never_infinite(source, seen)
-    if (calls(node, *_SAME_VALUES) or node.target in _SAME_VALUES_ATEN or node.target is operator.getitem
-            or (node.op == "call_method" and node.target in _SAME_VALUES_METHODS)):
+    if calls(node, *SAME_VALUES):
         return never_infinite(source, seen)
     return False
 

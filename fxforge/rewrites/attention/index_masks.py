@@ -6,12 +6,12 @@ shape-generic graph its sizes are symbols, so no value can be computed; but a ma
 (transformers' ``kv_idx <= q_idx``, ``arange(S)[:, None] >= arange(S)``) can be read as a formula over
 index positions and proven causal for every size.
 
-An integer tensor built from ``arange`` is an :class:`Index`: its element at position ``p`` is
-``offset + sum(coefficient[d] * p[d])``, dims counted from the right (-1 is the last), which is what
-broadcasting aligns. A boolean tensor is a :class:`Keep`: the conjunction of conditions ``diff <op> 0`` on
-such formulas. An additive mask ``where(keep, 0, -inf)`` is an :class:`Additive` of its keep. Views that
-only add, drop or broadcast size-1 dims, full slices and casts keep the formula; anything else reads as
-None (not proven).
+An integer tensor built from ``arange`` reads as an ``Index`` (a formula over index positions), a boolean
+one as a ``Keep`` (a conjunction of conditions on formulas), an additive mask ``where(keep, 0, -inf)`` as an
+``Additive`` of its keep; :mod:`fxforge.rewrites.attention.index_formulas` says what they mean and proves
+what they keep. Views that only add, drop or broadcast size-1 dims, full slices and casts keep the formula;
+anything else reads as None (not proven). Ops are recognised by their names in :mod:`fxforge.core.vocabulary`,
+in any call form.
 
 Example:
     >>> from fxforge.core.shapes import annotate
@@ -29,77 +29,33 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import operator
 from typing import Any
 
 import torch
 from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
-from fxforge.core.vocabulary import calls
+from fxforge.core.vocabulary import COMPARISONS, COPIES, calls
+from fxforge.rewrites.attention.index_formulas import (
+    LARGE_NEGATIVE,
+    Additive,
+    Index,
+    Keep,
+    always_true,
+    hides,
+    holds_everywhere,
+    is_causal,
+    negated,
+    python_number,
+    terms_of,
+)
+
+# The formulas' names, read here by the other attention modules too.
+__all__ = ["LARGE_NEGATIVE", "Additive", "Index", "Keep", "causal_for_every_size", "hides", "holds_everywhere",
+           "is_causal", "negated", "python_number", "read", "read_mask"]
 
 aten = torch.ops.aten
-# A fill or additive value at or below this hides a key (see :mod:`fxforge.rewrites.attention`).
-LARGE_NEGATIVE = -1e4
-
-_COMPARISONS = {
-    "le": (operator.le, torch.le, aten.le.Tensor, aten.le.Scalar),
-    "lt": (operator.lt, torch.lt, aten.lt.Tensor, aten.lt.Scalar),
-    "ge": (operator.ge, torch.ge, aten.ge.Tensor, aten.ge.Scalar),
-    "gt": (operator.gt, torch.gt, aten.gt.Tensor, aten.gt.Scalar),
-    "eq": (operator.eq, torch.eq, aten.eq.Tensor, aten.eq.Scalar),
-    "ne": (operator.ne, torch.ne, aten.ne.Tensor, aten.ne.Scalar),
-}
-_METHOD_COMPARISONS = {"le": "le", "lt": "lt", "ge": "ge", "gt": "gt", "eq": "eq", "ne": "ne", "__le__": "le",
-                       "__lt__": "lt", "__ge__": "ge", "__gt__": "gt", "__eq__": "eq", "__ne__": "ne"}
-_NEGATED = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
-_ARANGE = (torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
-_NOT = (torch.logical_not, torch.bitwise_not, operator.invert, aten.logical_not.default,
-        aten.bitwise_not.default)
-_ZEROS = (torch.zeros, aten.zeros.default, torch.zeros_like, aten.zeros_like.default, aten.new_zeros.default)
-_ONES = (torch.ones, aten.ones.default, torch.ones_like, aten.ones_like.default, aten.new_ones.default)
-_SAME_VALUES = (aten.lift_fresh_copy.default, aten.detach.default, aten.alias.default, torch.Tensor.detach)
 _SLICE_END = 2 ** 62
-
-
-@dataclasses.dataclass(frozen=True)
-class Index:
-    """An integer tensor of rank ``rank`` whose element at position ``p`` is
-    ``offset + sum(c * p[d] for d, c in terms)`` (``d`` counted from the right)."""
-
-    rank: int
-    terms: tuple[tuple[int, int], ...]
-    offset: Any = 0
-
-    def plus(self, other: Index) -> Index:
-        terms = dict(self.terms)
-        for d, c in other.terms:
-            terms[d] = terms.get(d, 0) + c
-        return Index(max(self.rank, other.rank), _terms(terms), self.offset + other.offset)
-
-    def times(self, factor: int) -> Index:
-        return Index(self.rank, _terms({d: c * factor for d, c in self.terms}), self.offset * factor)
-
-
-@dataclasses.dataclass(frozen=True)
-class Keep:
-    """A boolean tensor of rank ``rank``: True where every condition ``(diff, op)`` holds (``diff op 0``)."""
-
-    rank: int
-    conditions: tuple[tuple[Index, str], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Additive:
-    """An additive mask: 0 where ``keep`` holds, a value that hides the key elsewhere."""
-
-    keep: Keep
-
-
-def _terms(terms: dict[int, int]) -> tuple[tuple[int, int], ...]:
-    return tuple(sorted((d, c) for d, c in terms.items() if c != 0))
 
 
 def _number(value: Any) -> Any:
@@ -115,33 +71,10 @@ def _number(value: Any) -> Any:
     return None
 
 
-def python_number(value: Any) -> float | None:
-    """A Python int or float as a float; None for anything else (graph values, bools).
-
-    Example:
-        >>> python_number(2), python_number(True), python_number("2")
-        (2.0, None, None)
-    """
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def hides(value: Any) -> bool:
-    """Whether ``value``, a Python number, hides a key as a fill or an additive mask: ``-inf`` or at most
-    :data:`LARGE_NEGATIVE`.
-
-    Example:
-        >>> hides(float("-inf")), hides(-1e9), hides(-5.0), hides(float("nan"))
-        (True, True, False, False)
-    """
-    number = python_number(value)
-    return number is not None and (number == -math.inf or number <= LARGE_NEGATIVE)
-
-
 def _is_zeros(value: Any) -> bool:
     if python_number(value) == 0.0:
         return True
-    return isinstance(value, Node) and (value.target in _ZEROS or (
-        value.op == "call_method" and value.target in ("new_zeros", "zero_")))
+    return calls(value, "zeros")
 
 
 def _shape(node: Node) -> tuple | None:
@@ -175,15 +108,13 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
     if node.op not in ("call_function", "call_method"):
         return None
     target, args = node.target, node.args
-    if target in _ARANGE:
+    if calls(node, "arange"):
         return _arange(node)
-    if target in _ONES or (node.op == "call_method" and target == "new_ones"):
+    if calls(node, "ones"):
         value = fake_value(node)  # a boolean tensor of ones: true everywhere
         return Keep(value.ndim, ()) if isinstance(value, torch.Tensor) and value.dtype == torch.bool else None
-    if node.op == "call_method" and target in _METHOD_COMPARISONS:
-        return _compare(_METHOD_COMPARISONS[target], read(args[0], seen), args[1], seen, node)
-    for op, targets in _COMPARISONS.items():
-        if target in targets:
+    for op in COMPARISONS:
+        if calls(node, op):
             return _compare(op, read(args[0], seen), args[1], seen, node)
     if calls(node, "add", "sub") and len(args) == 2 and node.kwargs.get("alpha", 1) == 1:
         return _add(read(args[0], seen), args[1], seen, sign=-1 if calls(node, "sub") else 1)
@@ -196,7 +127,7 @@ def _read(node: Node, seen: dict) -> Index | Keep | Additive | None:
         if isinstance(a, Keep) and isinstance(b, Keep):
             return Keep(max(a.rank, b.rank), a.conditions + b.conditions)
         return None
-    if target in _NOT or (node.op == "call_method" and target in ("logical_not", "bitwise_not", "__invert__")):
+    if calls(node, "logical_not"):
         inner = read(args[0], seen)
         return negated(inner) if isinstance(inner, Keep) else None
     if calls(node, "where") and len(args) == 3:
@@ -243,7 +174,7 @@ def _diff(node: Node, seen: dict) -> Index | None:
 
 def _never(keep: Keep) -> bool:
     """Whether some condition of ``keep`` compares a constant in a way that never holds."""
-    return any(not diff.terms and isinstance(diff.offset, int) and not _always_true(diff, op)
+    return any(not diff.terms and isinstance(diff.offset, int) and not always_true(diff, op)
                for diff, op in keep.conditions)
 
 
@@ -279,7 +210,7 @@ def _indexed(node: Node, seen: dict) -> Index | Keep | None:
             for d, k in position.terms:
                 terms[d] = terms.get(d, 0) + c * k
             offset = offset + c * position.offset
-        return Index(rank, _terms(terms), offset)
+        return Index(rank, terms_of(terms), offset)
 
     return None if isinstance(inner, Additive) else _mapped(inner, at, rank)
 
@@ -330,8 +261,7 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
     inner = read(source, seen)
     if inner is None or not isinstance(source, Node):
         return None
-    if node.target in _SAME_VALUES or calls(node, "contiguous", "clone", "identity") or (
-            node.op == "call_method" and node.target in ("detach", "contiguous", "clone")):
+    if calls(node, *COPIES):
         return inner
     if calls(node, "to"):
         def kind(dtype: Any) -> str:  # a cast within bools or within integers keeps every value
@@ -344,9 +274,8 @@ def _moved(node: Node, seen: dict) -> Index | Keep | Additive | None:
     before, after = _shape(source), _shape(node)
     if before is None or after is None:
         return None
-    if (node.target in (aten.slice.Tensor,) or (node.op == "call_method" and node.target == "__getitem__")
-            or node.target is operator.getitem):
-        if node.target is aten.slice.Tensor:
+    if calls(node, "slice", "getitem"):
+        if calls(node, "slice"):
             start = node.args[2] if len(node.args) > 2 else 0
             end = node.args[3] if len(node.args) > 3 else None
             step = node.args[4] if len(node.args) > 4 else 1
@@ -418,82 +347,15 @@ def _relaid(value: Index | Keep | Additive, before: tuple, after: tuple) -> Inde
                     continue  # an index over a dim of size 1 is always 0
                 return None
             terms[where[d]] = c
-        return Index(len(after), _terms(terms), ix.offset)
+        return Index(len(after), terms_of(terms), ix.offset)
 
     return _mapped(value, index, len(after))
-
-
-def negated(keep: Keep) -> Keep | None:
-    """Where ``keep`` does not hold: one condition negated (a conjunction's negation is no conjunction: None).
-
-    Example:
-        >>> negated(Keep(1, ((Index(1, ((-1, 1),)), "le"),))).conditions[0][1]
-        'gt'
-    """
-    if len(keep.conditions) != 1:
-        return None
-    (diff, op), = keep.conditions
-    return Keep(keep.rank, ((diff, _NEGATED[op]),))
 
 
 def read_mask(node: Any) -> Keep | Additive | None:
     """``node`` read as a boolean mask (:class:`Keep`) or an additive one (:class:`Additive`), or None."""
     value = read(node)
     return value if isinstance(value, (Keep, Additive)) else None
-
-
-def _always_true(diff: Index, op: str) -> bool:
-    if diff.terms or not isinstance(diff.offset, int):
-        return False
-    return {"le": diff.offset <= 0, "lt": diff.offset < 0, "ge": diff.offset >= 0, "gt": diff.offset > 0,
-            "eq": diff.offset == 0, "ne": diff.offset != 0}[op]
-
-
-def holds_everywhere(keep: Keep) -> bool:
-    """Whether ``keep`` is True at every position for every size: each condition compares with 0 an index
-    formula that positions (never negative) cannot bring to the other side, such as transformers'
-    ``q_idx >= 0`` that spreads a padding mask over the queries.
-
-    Example:
-        >>> query = Index(2, ((-2, 1),))
-        >>> holds_everywhere(Keep(2, ((query, "ge"),))), holds_everywhere(Keep(2, ((query, "gt"),)))
-        (True, False)
-    """
-    for diff, op in keep.conditions:
-        if _always_true(diff, op):
-            continue
-        if op in ("le", "lt"):
-            diff, op = diff.times(-1), {"le": "ge", "lt": "gt"}[op]
-        if op not in ("ge", "gt") or not isinstance(diff.offset, int) or any(c < 0 for _, c in diff.terms):
-            return False
-        if diff.offset < (0 if op == "ge" else 1):  # sum of c * p >= 0: offset >= 0 (> 0 for a strict >)
-            return False
-    return True
-
-
-def is_causal(keep: Keep) -> bool:
-    """Whether ``keep`` holds exactly where the key index is at most the query index (dims -1 and -2), for
-    every size: one condition equivalent to ``key - query <= 0`` (others always true).
-
-    Example:
-        >>> key_minus_query = Index(2, ((-2, -1), (-1, 1)))
-        >>> is_causal(Keep(2, ((key_minus_query, "le"),))), is_causal(Keep(2, ((key_minus_query, "lt"),)))
-        (True, False)
-    """
-    conditions = [(d, op) for d, op in keep.conditions if not _always_true(d, op)]
-    if len(conditions) != 1:
-        return False
-    (diff, op), = conditions
-    if op in ("ge", "gt"):
-        diff, op = diff.times(-1), {"ge": "le", "gt": "lt"}[op]
-    if op not in ("le", "lt"):
-        return False
-    terms = dict(diff.terms)
-    if set(terms) != {-1, -2} or terms[-1] <= 0 or terms[-1] != -terms[-2] or not isinstance(diff.offset, int):
-        return False
-    # k * (key - query) + c <= 0 (or < 0): key - query <= 0 exactly when 0 <= -c / k < 1 (c - 1 for <)
-    bound = -diff.offset if op == "le" else -diff.offset - 1
-    return 0 <= bound < terms[-1]
 
 
 def causal_for_every_size(masks: list[Any], scores: Node) -> bool:

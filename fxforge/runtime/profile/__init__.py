@@ -2,8 +2,8 @@
 
 - :mod:`~fxforge.runtime.profile.measure`: :func:`profile_graph`, the measurement itself;
 - :mod:`~fxforge.runtime.profile.runner`: runs the graph node by node (time, FLOPs, bytes, live memory);
-- :mod:`~fxforge.runtime.profile.flops`: FLOP formulas for fxforge's own ops;
-- :mod:`~fxforge.runtime.profile.op_names`: one op name per op type, whatever the call form;
+- :mod:`~fxforge.runtime.profile.flops`: torch's FLOP counter with the formulas of :mod:`fxforge.core.costs`;
+- :mod:`~fxforge.runtime.profile.op_names`: each node's op, named by :mod:`fxforge.core.vocabulary`;
 - :mod:`~fxforge.runtime.profile.modules`: the user's module each node belongs to;
 - :mod:`~fxforge.runtime.profile.table`: :class:`Profile`, the table and its summaries;
 - :mod:`~fxforge.runtime.profile.plots`: matplotlib plots of a profile.

@@ -1,36 +1,31 @@
-"""What a profile calls each node's op: one name per op type, whatever the call form.
+"""What a profile calls each node's op: the name :mod:`fxforge.core.vocabulary` gives it, whatever the call form.
+
+Ops the vocabulary lists are named by it (``nn.ReLU``, ``F.relu``, ``x.relu_()`` and ``aten.relu.default``
+are all ``relu``; ``nn.ReLU6`` is ``hardtanh``, the op torch runs for it); fxforge's fused ops and the kernels
+they lower to are named by the fused op; any other op by what it calls (an ATen op's name, a method's, a
+``torch.nn`` module's class in snake case, another module's class).
 
 Example:
-    >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU6()))
     >>> [op_type(n, gm) for n in gm.graph.nodes if n.op == "call_module"]
-    ['linear', 'relu']
+    ['linear', 'hardtanh']
 """
 
 from __future__ import annotations
 
-import operator
 import re
 
 import torch
 
 from fxforge.core.nodes import submodule
+from fxforge.core.vocabulary import class_op_name, op_name
 
-aten = torch.ops.aten
-
-
-_OPERATORS = {operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.isub: "sub",
-              operator.mul: "mul", operator.imul: "mul", operator.truediv: "div", operator.itruediv: "div",
-              operator.floordiv: "floor_divide", operator.matmul: "matmul", operator.imatmul: "matmul",
-              operator.neg: "neg", operator.pow: "pow", operator.getitem: "getitem", operator.mod: "remainder"}
-_FUSED = {"fxforge::conv_pointwise": "fxforge.conv_pointwise", "fxforge::linear_pointwise": "fxforge.linear_pointwise",
-          "mkldnn::_convolution_pointwise": "fxforge.conv_pointwise",
-          "mkldnn::_linear_pointwise": "fxforge.linear_pointwise",
-          "aten::cudnn_convolution_relu": "fxforge.conv_pointwise",
-          "aten::cudnn_convolution_add_relu": "fxforge.conv_pointwise"}
-_MODULES = {"BatchNorm1d": "batch_norm", "BatchNorm2d": "batch_norm", "BatchNorm3d": "batch_norm",
-            "ReLU": "relu", "ReLU6": "relu6", "GELU": "gelu", "SiLU": "silu", "PReLU": "prelu", "ELU": "elu",
-            "SELU": "selu", "CELU": "celu", "GLU": "glu", "LeakyReLU": "leaky_relu", "MultiheadAttention":
-            "multi_head_attention"}
+# fxforge's fused ops, and the oneDNN/cuDNN kernels the runtime lowers them to, by qualified op name.
+FUSED = {"fxforge::conv_pointwise": "fxforge.conv_pointwise", "fxforge::linear_pointwise": "fxforge.linear_pointwise",
+         "mkldnn::_convolution_pointwise": "fxforge.conv_pointwise",
+         "mkldnn::_linear_pointwise": "fxforge.linear_pointwise",
+         "aten::cudnn_convolution_relu": "fxforge.conv_pointwise",
+         "aten::cudnn_convolution_add_relu": "fxforge.conv_pointwise"}
 
 
 def _snake(name: str) -> str:
@@ -43,13 +38,24 @@ def _plain(name: str) -> str:
     return name[:-1] if name.endswith("_") and not name.endswith("__") and len(name) > 1 else name
 
 
+def _module_type(module: torch.nn.Module) -> str:
+    """A module's op: the vocabulary's for its class (hooks do not change what it computes), else its class
+    name (in snake case for ``torch.nn``'s)."""
+    cls = type(module)
+    name = class_op_name(cls)
+    if name is not None:
+        return name
+    return _snake(cls.__name__) if cls.__module__.startswith("torch.nn") else cls.__name__
+
+
 def op_type(node: torch.fx.Node, graph_module: torch.nn.Module | None = None) -> str:
     """The kind of op a node runs, the same however the user's code reached it.
 
-    ``nn.Conv2d``, ``F.conv2d`` and ``torch.conv2d`` are all ``"conv2d"``; ``nn.ReLU``, ``F.relu``,
-    ``x.relu_()`` and ``aten.relu.default`` are all ``"relu"``; ``+`` is ``"add"``; fxforge's fused ops (and
-    the oneDNN/cuDNN kernels the runtime lowers them to) are ``"fxforge.conv_pointwise"`` and
-    ``"fxforge.linear_pointwise"``; a module that is not from ``torch.nn`` is its class name.
+    ``nn.Conv2d``, ``F.conv2d`` and ``aten.conv2d`` are all ``"conv2d"``; ``nn.ReLU``, ``F.relu``,
+    ``x.relu_()`` and ``aten.relu.default`` are all ``"relu"``; ``+`` is ``"add"`` (the names of
+    :data:`fxforge.core.vocabulary.OPS`); fxforge's fused ops (and the oneDNN/cuDNN kernels the runtime lowers
+    them to) are ``"fxforge.conv_pointwise"`` and ``"fxforge.linear_pointwise"``; a module that is not from
+    ``torch.nn`` is its class name.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1), torch.nn.ReLU()))
@@ -59,24 +65,18 @@ def op_type(node: torch.fx.Node, graph_module: torch.nn.Module | None = None) ->
     target = node.target
     if node.op == "call_module":
         module = submodule(node, graph_module) if graph_module is not None else None
-        if module is None:
-            return str(target)
-        cls = type(module)
-        if not cls.__module__.startswith("torch.nn"):
-            return cls.__name__
-        return _MODULES.get(cls.__name__) or _snake(cls.__name__)
+        return str(target) if module is None else _module_type(module)
+    name = op_name(node)
+    if name is not None:
+        return name
     if node.op == "call_method":
         return _plain(str(target))
     if isinstance(target, torch._ops.OpOverload):
-        name = target._schema.name
-        if name in _FUSED:
-            return _FUSED[name]
-        if target.namespace == "aten":
-            return _plain(target._opname)
-        return f"{target.namespace}.{target._opname}"
+        qualified = target._schema.name
+        if qualified in FUSED:
+            return FUSED[qualified]
+        return _plain(target._opname) if target.namespace == "aten" else f"{target.namespace}.{target._opname}"
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return _FUSED.get(target._qualified_op_name, str(target))
-    if target in _OPERATORS:
-        return _OPERATORS[target]
+        return FUSED.get(target._qualified_op_name, str(target))
     fused = getattr(target, "fxforge_op", None)  # a kernel function that runs one of fxforge's fused ops
     return fused or _plain(getattr(target, "__name__", str(target)))
