@@ -21,43 +21,82 @@ class Applied:
     pattern matched; this is what a pass changed).
 
     Attributes:
-        rule: the rewrite's name (a key of ``Report.counts``).
+        rule: the rewrite's name (with ``stage``, a key of ``Report.counts``).
         what: a short description of the change ("dropout in eval removed").
         nodes: the names of the nodes it replaced.
         source: the user's source line of the first replaced node, where known.
+        stage: the graph it was applied to: ``"fx"`` (the captured graph) or ``"onnx"`` (the exported
+            ONNX graph, :mod:`fxforge.exporters.onnx_rules`).
+        count: how many applications this entry stands for (an ONNX rule that says only how many).
 
     Example:
         >>> str(Applied("cleanup", "identity removed", ["id_1"], None))
         'cleanup: identity removed [id_1]'
+        >>> str(Applied("residual_norm", "Add -> Sum", [], stage="onnx", count=9))
+        'onnx residual_norm: Add -> Sum x9'
     """
 
     rule: str
     what: str
     nodes: list[str]
     source: str | None = None
+    stage: str = "fx"
+    count: int = 1
+
+    @property
+    def key(self) -> str:
+        """The rule as ``Report.counts`` names it: ``rule`` for fx rewrites, ``"onnx residual_norm"`` for
+        the others.
+
+        Example:
+            >>> Applied("cleanup", "x", []).key, Applied("rotary", "x", [], stage="onnx").key
+            ('cleanup', 'onnx rotary')
+        """
+        return stage_key(self.rule, self.stage)
 
     def __str__(self) -> str:
         where = f"  ({self.source})" if self.source else ""
-        return f"{self.rule}: {self.what} [{', '.join(self.nodes)}]{where}"
+        nodes = f" [{', '.join(self.nodes)}]" if self.nodes or self.stage == "fx" else ""
+        times = f" x{self.count}" if self.count != 1 else ""
+        return f"{self.key}: {self.what}{nodes}{times}{where}"
+
+
+def stage_key(rule: str, stage: str) -> str:
+    """How a rule of ``stage`` is named in the report: fx rewrites by their name, others prefixed with the
+    stage.
+
+    Example:
+        >>> stage_key("attention", "fx"), stage_key("transpose_pairs", "onnx")
+        ('attention', 'onnx transpose_pairs')
+    """
+    return rule if stage == "fx" else f"{stage} {rule}"
 
 
 @dataclasses.dataclass(frozen=True)
 class NearMiss:
     """A place where a rewrite almost applied, and the reason it refused.
 
+    Attributes:
+        rule, node, reason, source: the rule, the node it refused at (may be empty), why, the user's line.
+        stage: as :attr:`Applied.stage`.
+
     Example:
         >>> str(NearMiss("cleanup", "to", "dtype changes", None))
         'cleanup refused at to: dtype changes'
+        >>> str(NearMiss("rotary", "", "head size 8", stage="onnx"))
+        'onnx rotary refused: head size 8'
     """
 
     rule: str
     node: str
     reason: str
     source: str | None = None
+    stage: str = "fx"
 
     def __str__(self) -> str:
         where = f"  ({self.source})" if self.source else ""
-        return f"{self.rule} refused at {self.node}: {self.reason}{where}"
+        at = f" at {self.node}" if self.node else ""
+        return f"{stage_key(self.rule, self.stage)} refused{at}: {self.reason}{where}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +272,11 @@ class Report:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Applications kept per rule, e.g. ``{"cleanup": 3}``."""
-        return dict(Counter(m.rule for m in self.matches))
+        """Applications kept per rule, e.g. ``{"cleanup": 3}``; ONNX rules prefixed: ``{"onnx residual_norm": 9}``."""
+        counts: Counter[str] = Counter()
+        for m in self.matches:
+            counts[m.key] += m.count
+        return dict(counts)
 
     def copy(self) -> Report:
         """A copy whose lists can be extended without touching this report."""
@@ -287,7 +329,8 @@ class Report:
             (f"<div class='fxforge-report'><b>fxforge</b>: captured with {esc(self.method)}; "
             f"{self.nodes_before} &rarr; {self.nodes_after} nodes; applied: {esc(counts)}"),
             table("Applied", ["rule", "change", "nodes", "source"],
-                  [[m.rule, m.what, ", ".join(m.nodes), m.source or ""] for m in self.matches]),
+                  [[m.key, m.what + (f" (x{m.count})" if m.count != 1 else ""), ", ".join(m.nodes), m.source or ""]
+                   for m in self.matches]),
             table("Autotune", ["rule", "subject", "choice", "timings (ms)", "note"],
                   [[t.rule, t.subject, t.choice,
                     ", ".join(f"{k} {v:.3g}" + ("" if t.unit == "ms" else f" {t.unit}") for k, v in t.timings.items()),
@@ -296,7 +339,7 @@ class Report:
             table("Rolled back", ["rule", "matches", "error"],
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],
-                  [[n.rule, n.node, n.reason, n.source or ""] for n in self.near_misses]),
+                  [[stage_key(n.rule, n.stage), n.node, n.reason, n.source or ""] for n in self.near_misses]),
             table(f"Target race: {self.race.winner} ({self.race.why})" if self.race else "",
                   ["target", "latency (ms)", "prepare (s)", "max abs error", "refused"],
                   [[c.target, "" if c.latency_ms is None else f"{c.latency_ms:.3g}",
