@@ -2,10 +2,8 @@
 
 - :mod:`~fxforge.exporters.program`: ``torch.export`` programs of rewritten graphs; validation against PyTorch;
 - :mod:`~fxforge.exporters.onnx`: a checked, validated ONNX file (with :mod:`~fxforge.exporters.translations`
-  of fxforge's ops, and the passes on the ONNX graph: :mod:`~fxforge.exporters.residual_norm`,
-  :mod:`~fxforge.exporters.attention_guards`, :mod:`~fxforge.exporters.qkv_slices`, :mod:`~fxforge.exporters.rms_norm`,
-  :mod:`~fxforge.exporters.rotary`, :mod:`~fxforge.exporters.channel_gates`,
-  :mod:`~fxforge.exporters.transpose_pairs`, asking :mod:`~fxforge.exporters.onnx_ir`);
+  of fxforge's ops, and the rules on the ONNX graph: one list, :mod:`~fxforge.exporters.onnx_rules`, run by
+  :mod:`~fxforge.exporters.onnx_engine`, each rule's module asking :mod:`~fxforge.exporters.onnx_ir`);
 - :mod:`~fxforge.exporters.pt2`: a ``.pt2`` artifact and :func:`~fxforge.exporters.pt2.load`;
 - :mod:`~fxforge.exporters.ort_module`: :class:`OnnxRuntimeModule`, the ONNX Runtime runner;
 - :mod:`~fxforge.exporters.ort_decorator`: decorated classes that run in ONNX Runtime.

@@ -7,8 +7,8 @@ first) through these steps, each of which either succeeds or leaves nothing behi
    which :func:`fxforge.export_onnx` also builds for ``dynamic=True``: the batch and sequence dims;
    :func:`fxforge.exporters.program.export_program`);
 2. ``torch.onnx.export`` with fxforge's translations of its fused ops and of attention
-   (:mod:`fxforge.exporters.translations`), into a temporary folder next to the target; for ONNX Runtime's
-   CPU provider, residual adds before a LayerNormalization become ``Sum`` (:mod:`~fxforge.exporters.residual_norm`);
+   (:mod:`fxforge.exporters.translations`), into a temporary folder next to the target; then the rules on
+   its ONNX graph, :data:`~fxforge.exporters.onnx_rules.ONNX_RULES` (in the report as ``onnx <rule>``);
 3. ``onnx.checker.check_model(full_check=True)``;
 4. the file run in ONNX Runtime on the example inputs and compared with the PyTorch model; a file with
    dynamic dims also on two other sizes of every dynamic dim (one larger, one smaller where the dim's range
@@ -41,31 +41,16 @@ import traceback
 from typing import Any
 
 import torch
-from onnxscript.ir.passes.common import RemoveUnusedNodesPass
 
 from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
-from fxforge.exporters.attention_guards import drop_attention_guards, fold_mask_constants
-from fxforge.exporters.channel_gates import keep_gates_blocked
-from fxforge.exporters.gathers import gather_moved_rows
+from fxforge.exporters.onnx_engine import run_onnx_rules
+from fxforge.exporters.onnx_rules import ONNX_RULES
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
-from fxforge.exporters.pack_projections import PACK_PROJECTIONS, pack_projections
 from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
-from fxforge.exporters.projected_attention import PROJECTED_ATTENTION, project_attention
-from fxforge.exporters.qkv_slices import read_qkv_as_slices
-from fxforge.exporters.residual_norm import RESIDUAL_NORM, separate_residual_adds
-from fxforge.exporters.rms_norm import RMS_NORM, divide_rms_norms
-from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
-from fxforge.exporters.split_projections import SPLIT_PROJECTIONS, split_projections
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
-from fxforge.exporters.transpose_pairs import (
-    TRANSPOSE_PAIRS,
-    UNIT_TRANSPOSES,
-    fold_transpose_pairs,
-    fold_unit_transposes,
-)
 
 
 @dataclasses.dataclass
@@ -167,6 +152,8 @@ def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, 
         module = OnnxRuntimeModule(scratch_path, exported["io"], **(module_options or {}))
         validation = validate(module, captured, exported["other_sizes"])
         report = captured.report.copy()
+        report.matches.extend(exported["matches"])
+        report.near_misses.extend(exported["near_misses"])
         report.notes.extend(f"onnx: {line}" for line in exported["translations"].summary())
         report.notes.extend(f"onnx: validated in ONNX Runtime on {k}: max abs error {v:.3g}" for k, v in validation.items())
         _move_into_place(scratch, directory, name)
@@ -195,20 +182,11 @@ def runs_on_cpu(providers: Any = None) -> bool:
 def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dynamic_shapes: Any,
             attention: str, external_data: bool | None = None, *, cpu: bool = True,
             refine: Any = False) -> dict[str, Any]:
-    """torch.export then torch.onnx.export of the captured graph into ``path``; for the CPU provider
-    (``cpu``), residual adds before a LayerNormalization are written as ``Sum``, the attention guards ORT's
-    kernel makes redundant are dropped (:mod:`~fxforge.exporters.attention_guards`), q, k and v unpacked from
-    one projection are read as slices of it (:mod:`~fxforge.exporters.qkv_slices`) and a projection read only
-    in slices is one per slice (:mod:`~fxforge.exporters.split_projections`), projections of one input over few
-    rows are one product (:mod:`~fxforge.exporters.pack_projections`), attention over q, k, v projected from
-    one input is ORT's ``Attention`` (:mod:`~fxforge.exporters.projected_attention`), rows moved by several copies are
-    gathered once (:mod:`~fxforge.exporters.gathers`), RMS norms take the form
-    ORT fuses (:mod:`~fxforge.exporters.rms_norm`), rotary embeddings of a GroupQueryAttention move into it
-    (:mod:`~fxforge.exporters.rotary`) and squeeze-and-excitation gates take the form ORT keeps in its
-    blocked layout (:mod:`~fxforge.exporters.channel_gates`); for any
-    provider, transposes around a reshape of size-1 dims become one and a transpose that moves only size-1
-    dims becomes a reshape (:mod:`~fxforge.exporters.transpose_pairs`).
-    Also returns the inputs of other sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
+    """torch.export then torch.onnx.export of the captured graph into ``path``, then the rules of
+    :data:`~fxforge.exporters.onnx_rules.ONNX_RULES` on its ONNX graph (those for the CPU provider only where
+    ``cpu``). Returns what :func:`write_checked` needs: the io spec, the translations used, the dims made
+    dynamic, the rules' applications and refusals (``"matches"``, ``"near_misses"``) and the inputs of other
+    sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
     log = io.StringIO()
@@ -219,42 +197,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
                                              custom_translation_table=translations.table())
     except Exception as error:
         raise translation_error(error, type(captured.module).__name__, log.getvalue()) from error
-    if cpu:
-        rewritten, refused = separate_residual_adds(onnx_program.model.graph)
-        if rewritten:
-            translations.used[RESIDUAL_NORM] = rewritten
-        translations.notes.extend(f"residual Add kept before LayerNormalization: {reason}" for reason in refused)
-        with quiet(log):  # the folder logs each node it could not evaluate (ORT evaluates those at run time)
-            fold_mask_constants(onnx_program.model)
-        for what, count in drop_attention_guards(onnx_program.model.graph).items():
-            translations.used[f"dropped: {what}"] = count
-        translations.used.update(read_qkv_as_slices(onnx_program.model.graph))
-        RemoveUnusedNodesPass()(onnx_program.model)  # the unpackings the slices replaced still read the product
-        split = split_projections(onnx_program.model.graph)
-        if split:
-            translations.used[SPLIT_PROJECTIONS] = split
-        translations.used.update(gather_moved_rows(onnx_program.model.graph))
-        divided = divide_rms_norms(onnx_program.model.graph)
-        if divided:
-            translations.used[RMS_NORM] = divided
-        rotated, kept_rotary = fuse_rotary_embeddings(onnx_program.model.graph)
-        if rotated:
-            translations.used[ROTARY] = rotated
-        translations.notes.extend(kept_rotary)
-        gates, kept = keep_gates_blocked(onnx_program.model.graph)
-        translations.used.update(gates)
-        translations.notes.extend(f"channel gate kept as torch wrote it: {reason}" for reason in kept)
-        packed = pack_projections(onnx_program.model.graph)
-        if packed:
-            translations.used[PACK_PROJECTIONS] = packed
-        projected = project_attention(onnx_program.model.graph)
-        if projected:
-            translations.used[PROJECTED_ATTENTION] = projected
-    for what, fold in ((TRANSPOSE_PAIRS, fold_transpose_pairs), (UNIT_TRANSPOSES, fold_unit_transposes)):
-        folded = fold(onnx_program.model.graph)
-        if folded:
-            translations.used[what] = folded
-    RemoveUnusedNodesPass()(onnx_program.model)  # what computed dropped guards' conditions, folded transposes
+    matches, near_misses = run_onnx_rules(onnx_program.model, ONNX_RULES, cpu=cpu)
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):
             onnx_program._rename_dynamic_axes(dynamic_shapes)
@@ -275,7 +218,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     other_sizes = validation_inputs(program, captured, lambda index, axis: dynamic.get(
         input_names[index], {}).get(axis) if index < len(input_names) else None)
     return {"io": io_spec, "translations": translations, "other_sizes": other_sizes,
-            "dynamic": {k: v for k, v in dynamic.items() if v}}
+            "dynamic": {k: v for k, v in dynamic.items() if v}, "matches": matches, "near_misses": near_misses}
 
 
 def check_file(path: str) -> None:

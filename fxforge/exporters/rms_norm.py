@@ -6,7 +6,7 @@ LLaMA, Mistral, Qwen and T5 normalize with ``weight * (x * rsqrt(mean(x**2, -1) 
 kernels, three of them over the whole [B, S, hidden] tensor. In LLaMA at S = 1024 (ORT's CPU provider)
 the fused form measured 1.02-1.03x on the whole model.
 
-The rule: **``Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps))))`` whose result is scaled by
+The rule (:class:`DividedRmsNorm`, an onnxscript rewrite rule): **``Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps))))`` whose result is scaled by
 a 1-D weight becomes ``Div(x, Sqrt(...))``**, only when :func:`onnxruntime_fuses_rms_norm` finds that the
 installed ONNX Runtime fuses that form (so the file never trades a ``Mul`` for a slower ``Div``). The
 fused kernel divides where eager multiplies by ``rsqrt``: results differ in the last bits (the file is
@@ -26,6 +26,7 @@ import functools
 import numpy as np
 from onnxscript import ir
 
+from fxforge.exporters.onnx_engine import NOT_HERE, PatternRule, apply_to_graph, pattern_pass
 from fxforge.exporters.onnx_ir import (
     constant,
     constant_value,
@@ -39,29 +40,55 @@ from fxforge.exporters.onnx_ir import (
 RMS_NORM = "RMS norm x * Reciprocal(Sqrt(.)) -> x / Sqrt(.) (ORT fuses it into SimplifiedLayerNormalization)"
 
 
+NOT_FUSED = "the installed ONNX Runtime does not fuse x / Sqrt(.) into SimplifiedLayerNormalization"
+
+
+class DividedRmsNorm(PatternRule):
+    """The module's rule as an onnxscript rule: ``Mul(x, Reciprocal(s))`` (either operand order) of the main
+    graph where ``s`` is ``Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps))`` and the result is scaled by a 1-D
+    weight becomes ``Div(x, s)``; refused everywhere when ``fuses`` is False (default: probe the installed
+    ONNX Runtime once, at the first norm found, :func:`onnxruntime_fuses_rms_norm`).
+
+    Example:
+        >>> DividedRmsNorm(fuses=True).what == RMS_NORM
+        True
+    """
+
+    what = RMS_NORM
+    commute = True
+
+    def __init__(self, fuses: bool | None = None) -> None:
+        super().__init__()
+        self.fuses = fuses
+
+    def pattern(self, op, x, s):
+        return op.Mul(x, op.Reciprocal(s))
+
+    def refusal(self, context, x, s):
+        found = _rms_norm(context.root) if context.graph_or_function is context.model.graph else None
+        if found is None or found[0] is not x:
+            return NOT_HERE
+        if self.fuses is None:
+            self.fuses = onnxruntime_fuses_rms_norm()
+        return None if self.fuses else NOT_FUSED
+
+    def rewrite(self, op, x, s):
+        return op.Div(x, s)
+
+
+rms_norm = pattern_pass(DividedRmsNorm)
+
+
 def divide_rms_norms(graph: ir.Graph, *, fuses: bool | None = None) -> int:
-    """Apply the module's rule in ``graph`` (not in subgraphs); returns how many norms were rewritten.
-    ``fuses`` says whether ORT fuses the divided form (default: probe the installed ONNX Runtime once,
-    :func:`onnxruntime_fuses_rms_norm`); False changes nothing.
+    """:class:`DividedRmsNorm` applied to ``graph`` outside an export; returns how many norms were rewritten
+    (``fuses`` as the rule takes it; False changes nothing).
 
     Example:
         >>> divide_rms_norms(ir.Graph([], [], nodes=[]), fuses=True)
         0
     """
-    norms = [(node, found) for node in graph if (found := _rms_norm(node)) is not None]
-    if not norms:
-        return 0
-    if fuses is None:
-        fuses = onnxruntime_fuses_rms_norm()
-    if not fuses:
-        return 0
-    for mul, (x, reciprocal) in norms:
-        old = mul.outputs[0]
-        div = ir.Node("", "Div", [x, reciprocal.inputs[0]], outputs=[
-            ir.Value(name=f"{old.name}_divided", type=old.type, shape=old.shape)])
-        ir.convenience.replace_nodes_and_values(graph, mul, [mul], [div], [old], div.outputs)
-        graph.remove(reciprocal, safe=True)  # ORT's fusion wants the Sqrt read once
-    return len(norms)
+    run = pattern_pass(functools.partial(DividedRmsNorm, fuses=fuses))
+    return sum(apply_to_graph(run, graph, "rms_norm").counts().values())
 
 
 def _rms_norm(mul: ir.Node) -> tuple[ir.Value, ir.Node] | None:

@@ -74,9 +74,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +84,7 @@ from onnxscript import ir, values
 
 from fxforge.core.source import node_source
 from fxforge.exporters.onnx_ir import same_dim
+from fxforge.exporters.torch_onnx import as_function, torchlib_translation, translating_node
 from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
 
 MIN_OPSET = 18
@@ -202,41 +201,6 @@ def _per_dim(values: Any, dims: int) -> list[int]:
     return values * dims if len(values) == 1 else values
 
 
-def _translating_node() -> torch.fx.Node | None:
-    """The fx node torch.onnx is translating right now (read from its frame), for notes and errors."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        node = frame.f_locals.get("node")
-        if isinstance(node, torch.fx.Node) and frame.f_code.co_name.startswith("_handle_call_function"):
-            return node
-        frame = frame.f_back
-    return None
-
-
-@functools.cache
-def _torchlib_translation(target: Any, opset: int) -> Callable[..., Any]:
-    """torch.onnx's own translation of ``target`` at ``opset`` (what a plain export uses)."""
-    from torch.onnx._internal.exporter import _registration
-
-    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
-    candidates = [meta for meta in registry.get_decomps(target)
-                  if not meta.is_complex and getattr(meta, "opset_introduced", 0) <= opset]
-    if not candidates:
-        raise RuntimeError(f"torch.onnx has no translation of {target} at opset {opset}")
-    return max(candidates, key=lambda meta: getattr(meta, "opset_introduced", 0)).onnx_function
-
-
-def _function(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A plain function calling ``method`` with its signature (torch.onnx sets attributes on translations,
-    which bound methods cannot take)."""
-
-    @functools.wraps(method)
-    def translation(*args: Any, **kwargs: Any) -> Any:
-        return method(*args, **kwargs)
-
-    return translation
-
-
 # ---------------------------------------------------------------------------------------------- the table
 
 @dataclasses.dataclass
@@ -270,10 +234,10 @@ class Translations:
 
     def table(self) -> dict[Any, Callable[..., Any]]:
         """``custom_translation_table`` for ``torch.onnx.export``."""
-        table: dict[Any, Callable[..., Any]] = {CONV_POINTWISE: _function(self.conv_pointwise),
-                                                LINEAR_POINTWISE: _function(self.linear_pointwise)}
+        table: dict[Any, Callable[..., Any]] = {CONV_POINTWISE: as_function(self.conv_pointwise),
+                                                LINEAR_POINTWISE: as_function(self.linear_pointwise)}
         if self.attention == "MultiHeadAttention":
-            table[SDPA] = _function(self.scaled_dot_product_attention)
+            table[SDPA] = as_function(self.scaled_dot_product_attention)
         return table
 
     def _count(self, what: str) -> None:
@@ -338,11 +302,11 @@ class Translations:
         recorded) where those kernels cannot carry the call."""
         reason = self.attention_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale)
         if reason is not None:
-            node = _translating_node()
+            node = translating_node()
             where = node_source(node) if node is not None else None
             self.kept_plain.append(f"{reason}{f'  ({where})' if where else ''}")
             self._count("attention -> torch.onnx's translation (MatMul, Softmax, MatMul)")
-            plain = _torchlib_translation(SDPA, self.opset)
+            plain = torchlib_translation(SDPA, self.opset)
             return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         op = self.op
         one = op.Constant(value_ints=[1])

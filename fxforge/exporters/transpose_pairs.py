@@ -11,7 +11,8 @@ else ``Reshape(Transpose(x))`` with one transpose**. Only values (no arithmetic)
 exact. The first transpose and the reshape stay where something else reads them.
 
 A lone transpose is the same case with nothing around it: **``Transpose(x)``, where x's shape is static and
-its dims larger than 1 keep their order, becomes ``Reshape(x)``** (:func:`fold_unit_transposes`). ONNX
+its dims larger than 1 keep their order, becomes ``Reshape(x)``** (:class:`UnitTranspose`, an onnxscript
+rewrite rule). ONNX
 Runtime copies the tensor for a ``Transpose`` and only relabels it for a ``Reshape``; vit_b_16 at batch 1
 kept 24 such copies (``[1, 197, 768] -> [197, 1, 768]`` around torchvision's attention) after its own
 optimizer ran.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from onnxscript import ir
 
+from fxforge.exporters.onnx_engine import NOT_HERE, PatternRule, apply_to_graph, pattern_pass
 from fxforge.exporters.onnx_ir import is_onnx_op, producer, register_constant, static_shape
 
 TRANSPOSE_PAIRS = "Transpose + Reshape (size-1 dims) + Transpose -> one Reshape or one Transpose"
@@ -68,9 +70,48 @@ def fold_transpose_pairs(graph: ir.Graph) -> int:
     return folded
 
 
+class UnitTranspose(PatternRule):
+    """The lone-transpose rule as an onnxscript rule: a ``Transpose`` of the main graph (not of subgraphs)
+    whose input has a static shape and whose dims larger than 1 keep their order becomes a ``Reshape`` to its
+    output shape (an initializer ``<output>_shape``); one that moves a dim larger than 1 past another is not
+    this rule's business.
+
+    Example:
+        >>> UnitTranspose().what == UNIT_TRANSPOSES
+        True
+    """
+
+    what = UNIT_TRANSPOSES
+
+    def pattern(self, op, x):
+        return op.Transpose(x, _allow_other_attributes=True)
+
+    def refusal(self, context, x):
+        node = context.root
+        perm = _transpose(node)
+        shape = None if perm is None else static_shape(x)
+        if context.graph_or_function is not context.model.graph or shape is None or len(perm) != len(shape) \
+                or node.outputs[0].is_graph_output():
+            return NOT_HERE
+        big = [axis for axis in perm if shape[axis] != 1]
+        if big != sorted(big):
+            return NOT_HERE  # a dim larger than 1 moves past another: the data moves
+        self._target = (context.graph_or_function, node.outputs[0].name, [shape[axis] for axis in perm])
+        return None
+
+    def rewrite(self, op, x):
+        graph, name, shape = self._target
+        out = op.Reshape(x, register_constant(graph, f"{name}_shape", shape))
+        out.shape, out.type = ir.Shape(shape), x.type
+        return out
+
+
+unit_transposes = pattern_pass(UnitTranspose)
+
+
 def fold_unit_transposes(graph: ir.Graph) -> int:
-    """Write each ``Transpose`` of ``graph`` (not of subgraphs) that moves only dims of size 1 of a static
-    shape as a ``Reshape``; returns how many.
+    """:class:`UnitTranspose` applied to ``graph`` outside an export; returns how many transposes became
+    a ``Reshape``.
 
     Example:
         >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 197, 768]))
@@ -78,22 +119,10 @@ def fold_unit_transposes(graph: ir.Graph) -> int:
         ...             outputs=[ir.Value(name="t", type=x.type, shape=ir.Shape([197, 1, 768]))])
         >>> out = ir.Node("", "Relu", [t.outputs[0]], outputs=[ir.Value(name="y", type=x.type)])
         >>> graph = ir.Graph([x], out.outputs, nodes=[t, out])
-        >>> fold_unit_transposes(graph), out.inputs[0].producer().op_type
-        (1, 'Reshape')
+        >>> fold_unit_transposes(graph), out.inputs[0].producer().op_type, out.inputs[0].shape
+        (1, 'Reshape', Shape([197, 1, 768]))
     """
-    folded = 0
-    for node in list(graph):
-        perm = _transpose(node)
-        shape = None if perm is None else static_shape(node.inputs[0])
-        if shape is None or len(perm) != len(shape) or node.outputs[0].is_graph_output():
-            continue
-        big = [axis for axis in perm if shape[axis] != 1]
-        if big != sorted(big):
-            continue  # a dim larger than 1 moves past another: the data moves
-        node.outputs[0].shape = ir.Shape([shape[axis] for axis in perm])
-        _replace_by_reshape(graph, node, node.inputs[0], [])
-        folded += 1
-    return folded
+    return sum(apply_to_graph(unit_transposes, graph, "unit_transposes").counts().values())
 
 
 def _replace_by_reshape(graph: ir.Graph, transpose: ir.Node, source: ir.Value, nodes: list[ir.Node]) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ir_graphs import onnx_applied, onnx_refused
 from onnxscript import ir
 from test_onnx import assert_runs_like
 from torch import nn
@@ -77,8 +78,8 @@ def test_gate_stays_blocked_with_the_models_values(efficientnet, pool, tmp_path)
     model = SqueezeExcitation(efficientnet=efficientnet, pool=pool).eval()
     path = str(tmp_path / "se.onnx")
     result = export_onnx(model, path, (torch.randn(1, 3, 12, 12),))
-    assert f"{SPATIAL_MEAN}: 1" in result.translations, result.translations
-    assert f"{CHANNEL_GATE}: 1" in result.translations, result.translations
+    assert f"{SPATIAL_MEAN}: 1" in onnx_applied(result.report), result.report
+    assert f"{CHANNEL_GATE}: 1" in onnx_applied(result.report), result.report
     around = _optimized_ops_around_mul(path)
     assert around and not {"ReorderInput", "ReorderOutput"} & set(around), around
     assert_runs_like(model, path, torch.randn(1, 3, 12, 12))
@@ -93,7 +94,7 @@ def test_dynamic_batch_keeps_the_rule(tmp_path):
     model = SqueezeExcitation().eval()
     path = str(tmp_path / "se.onnx")
     result = export_onnx(model, path, (torch.randn(2, 3, 10, 10),), dynamic_batch=True)
-    assert f"{CHANNEL_GATE}: 1" in result.translations, result.translations
+    assert f"{CHANNEL_GATE}: 1" in onnx_applied(result.report), result.report
     assert_runs_like(model, path, torch.randn(3, 3, 10, 10))
 
 
@@ -103,9 +104,10 @@ def test_channels_off_the_block_keep_torchs_gate(tmp_path):
     model = SqueezeExcitation(channels=24).eval()
     path = str(tmp_path / "se.onnx")
     result = export_onnx(model, path, (torch.randn(1, 3, 12, 12),))
-    assert CHANNEL_GATE not in " ".join(result.translations), result.translations
+    assert CHANNEL_GATE not in " ".join(onnx_applied(result.report)), result.report
     assert any("channel gate kept as torch wrote it" in line and "24 channels" in line
-               for line in result.translations), result.translations
+               for line in onnx_refused(result.report)), result.report
+    assert "onnx channel_gates refused: channel gate kept as torch wrote it" in str(result.report)
     assert_runs_like(model, path, torch.randn(1, 3, 12, 12))
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ir_graphs import op_counts, run_graph
+from ir_graphs import onnx_applied, op_counts, run_graph
 from models import TRANSFORMERS
 from onnxscript import ir
 from test_onnx import Attention, _mask, all_onnx_ops, assert_runs_like
@@ -148,7 +148,7 @@ def test_exported_attention_runs_like_eager(mask_kind, tmp_path):
     path = str(tmp_path / "attention.onnx")
     result = export_onnx(model, path, inputs, rewrites=[])
     every = all_onnx_ops(path)
-    assert any(t.startswith(PROJECTED_ATTENTION) for t in result.translations), result.translations
+    assert any(t.startswith(PROJECTED_ATTENTION) for t in onnx_applied(result.report)), result.report
     assert every[f"{MSFT}:MultiHeadAttention"] == 0 and every["MatMul"] == 0, every  # q, k, v inside Attention
     x = torch.randn(2, 6, 32)
     x[1, 3, 5] = float("nan")  # a NaN token: its batch row is NaN, the other row is not
@@ -164,7 +164,7 @@ def test_both_branches_of_a_checked_padding_mask_become_attention(tmp_path):
     model.eval()
     path = str(tmp_path / "bert.onnx")
     result = export_onnx(model, path, inputs)
-    assert f"{PROJECTED_ATTENTION}: 4" in result.translations, result.translations  # 2 layers x 2 branches
+    assert f"{PROJECTED_ATTENTION}: 4" in onnx_applied(result.report), result.report  # 2 layers x 2 branches
     every = all_onnx_ops(path)
     assert every[f"{MSFT}:MultiHeadAttention"] == 0 and every["If"] == 2, every
     ids, mask = inputs["input_ids"], inputs["attention_mask"].clone()
@@ -193,7 +193,7 @@ def test_a_sequence_first_attention_at_batch_one_reads_its_input_regrouped(tmp_p
     model = SequenceFirst().eval()
     path = str(tmp_path / "attention.onnx")
     result = export_onnx(model, path, (torch.randn(9, 1, 32),))
-    assert f"{PROJECTED_ATTENTION}: 1" in result.translations, result.translations
+    assert f"{PROJECTED_ATTENTION}: 1" in onnx_applied(result.report), result.report
     x = torch.randn(9, 1, 32)
     x[4, 0, 0] = float("inf")
     assert_runs_like(model, path, x)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ir_graphs import run_graph
+from ir_graphs import onnx_applied, onnx_refused, run_graph
 from onnxscript import ir
 from test_onnx import onnx_ops
 from test_onnx_dynamic import assert_matches_eager
@@ -92,7 +92,7 @@ def test_llama_rotations_move_into_the_attention(dynamic, tmp_path):
     model = llama()
     path = str(tmp_path / "llama.onnx")
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (2, 12))}, dynamic=dynamic)
-    assert f"{ROTARY}: 2" in result.translations, result.translations
+    assert f"{ROTARY}: 2" in onnx_applied(result.report), result.report
     assert rotating_attentions(path) == 2
     assert onnx_ops(path)["Neg"] == 0  # no rotate_half left for q or k
     module = OnnxRuntimeModule(path, result.io)
@@ -106,7 +106,7 @@ def test_a_returned_cache_is_read_from_the_attentions_present_key(tmp_path):
     model = llama(use_cache=True)
     path = str(tmp_path / "llama.onnx")
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (2, 12))})
-    assert f"{ROTARY}: 2" in result.translations, result.translations
+    assert f"{ROTARY}: 2" in onnx_applied(result.report), result.report
     assert onnx_ops(path)["Neg"] == 0
     outputs = {node.output[1] for node in onnx.load(path).graph.node if node.op_type == "GroupQueryAttention"}
     assert outputs <= {value.name for value in onnx.load(path).graph.output}  # both layers' keys
@@ -137,7 +137,7 @@ def test_the_nan_row_guard_reads_the_unrotated_query(tmp_path):
     model = RotaryCrossAttention().eval()
     path = str(tmp_path / "cross.onnx")
     result = export_onnx(model, path, (torch.randn(2, 8, 32), torch.randn(2, 8, 32)))
-    assert f"{ROTARY}: 1" in result.translations, result.translations
+    assert f"{ROTARY}: 1" in onnx_applied(result.report), result.report
     assert onnx_ops(path)["IsNaN"] == 1 and onnx_ops(path)["Neg"] == 0
     x = torch.randn(2, 8, 32)
     x[1, 5, 3] = float("nan")
@@ -154,7 +154,7 @@ def test_a_head_size_onnxruntime_cannot_rotate_keeps_the_rotations(tmp_path):
     path = str(tmp_path / "llama.onnx")
     result = export_onnx(model, path, {"input_ids": torch.randint(1, 128, (1, 10))})
     reason = "head size 8 is not a multiple of 16 (GroupQueryAttention rotates only those)"
-    assert sum(reason in line for line in result.translations) == 2, result.translations
+    assert sum(reason in line for line in onnx_refused(result.report)) == 2, result.report
     assert rotating_attentions(path) == 0 and onnx_ops(path)["com.microsoft:GroupQueryAttention"] == 2
     assert_matches_eager(model, OnnxRuntimeModule(path, result.io), input_ids=torch.randint(1, 128, (1, 10)))
 
