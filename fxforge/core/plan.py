@@ -30,10 +30,15 @@ class CallConditions:
             fused kernels; double backward works).
         autocast: ``(device type, dtype)`` of each autocast region the call runs in: its plan has only ops
             autocast knows, and is verified under the same autocast.
+        guards_as_ops: the graph is for a target whose translation chooses the kernels (an ONNX export for
+            ONNX Runtime): guards a rewrite adds only because torch's kernel differs from eager (the attention
+            rewrite's NaN query rows) are written as one op each (``torch.ops.fxforge.nan_rows``), which that
+            translation drops where its kernel gives eager's value itself. Same values; for inference graphs
+            (the ops have no autograd formula).
 
     Example:
         >>> CallConditions.now()
-        CallConditions(gradients=False, autocast=())
+        CallConditions(gradients=False, autocast=(), guards_as_ops=False)
         >>> with torch.autocast("cpu", torch.bfloat16):
         ...     CallConditions.now().autocast
         (('cpu', torch.bfloat16),)
@@ -41,6 +46,7 @@ class CallConditions:
 
     gradients: bool = False
     autocast: tuple = ()
+    guards_as_ops: bool = False
 
     # The words a rewrite's refusal ends with when it refused only because the calls record gradients (the
     # optimized module says once that such calls run without those rewrites).

@@ -190,7 +190,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
                                                                refine=refine)
     log = io.StringIO()
-    translations = Translations(opset=opset, attention=attention)
+    translations = Translations(opset=opset, attention=attention, cpu=cpu)
     try:
         with tracing(), quiet(log):
             onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset, optimize=True,

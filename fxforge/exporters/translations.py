@@ -83,9 +83,11 @@ from onnx.defs import OpSchema
 from onnxscript import ir, values
 
 from fxforge.core.source import node_source
+from fxforge.exporters.attention_guards import multi_head_attention_keeps_nan_rows
 from fxforge.exporters.onnx_ir import same_dim
 from fxforge.exporters.torch_onnx import as_function, torchlib_translation, translating_node
 from fxforge.rewrites import fused_ops  # noqa: F401 - registers torch.ops.fxforge.*
+from fxforge.rewrites.attention.guards import NAN_ROWS
 
 MIN_OPSET = 18
 DEFAULT_OPSET = 20  # torch.onnx's default, and the first with Gelu
@@ -213,6 +215,8 @@ class Translations:
             or ``"plain"`` (torch.onnx's own translation).
         used: how many nodes each translation produced (``{"fxforge::conv_pointwise -> Conv": 3}``).
         kept_plain: for each attention left to torch.onnx's translation, why (with its source line).
+        cpu: the file is for ONNX Runtime's CPU provider (whose ``MultiHeadAttention`` keeps NaN rows).
+        multi_head_outputs: the values SDPA calls were translated into through ``MultiHeadAttention``.
         notes: other lines for the summary (causal attention kept ``MultiHeadAttention``, and why).
 
     Example:
@@ -225,6 +229,8 @@ class Translations:
     attention: str = "MultiHeadAttention"
     used: dict[str, int] = dataclasses.field(default_factory=dict)
     kept_plain: list[str] = dataclasses.field(default_factory=list)
+    cpu: bool = True
+    multi_head_outputs: list = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -234,7 +240,8 @@ class Translations:
 
     def table(self) -> dict[Any, Callable[..., Any]]:
         """``custom_translation_table`` for ``torch.onnx.export``."""
-        table: dict[Any, Callable[..., Any]] = {CONV_POINTWISE: as_function(self.conv_pointwise),
+        table: dict[Any, Callable[..., Any]] = {NAN_ROWS: as_function(self.nan_rows),
+                                                CONV_POINTWISE: as_function(self.conv_pointwise),
                                                 LINEAR_POINTWISE: as_function(self.linear_pointwise)}
         if self.attention == "MultiHeadAttention":
             table[SDPA] = as_function(self.scaled_dot_product_attention)
@@ -341,10 +348,24 @@ class Translations:
         # onnx infers no shape through a contrib op: typed here, the shape computations after it fold to
         # constants and the transposes that follow are seen to move only size-1 dims where they do
         out.dtype, out.shape = dtype, ir.Shape([q[0], q[2], heads * v_head_size])
-        if three_d:  # [B, S, 1 * Hv] is the answer
-            return out
-        split = op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[heads, v_head_size]), axis=0)
-        return op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
+        if not three_d:  # else [B, S, 1 * Hv] is the answer
+            split = op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[heads, v_head_size]), axis=0)
+            out = op.Transpose(op.Reshape(out, split), perm=[0, 2, 1, 3])
+        if not group_query:  # ORT's MultiHeadAttention: NaN in query rows with a NaN, where the kernel keeps them
+            self.multi_head_outputs.append(out)
+        return out
+
+    def nan_rows(self, out, q):
+        """``fxforge::nan_rows`` (:mod:`fxforge.rewrites.attention.guards`): nothing (an ``Identity``) where ``out``
+        is what this table translated an SDPA to ``MultiHeadAttention`` into and the installed ONNX Runtime's
+        CPU kernel (``cpu``) gives NaN in those rows itself (:func:`~fxforge.exporters.attention_guards.multi_head_attention_keeps_nan_rows`);
+        elsewhere the guard, ``Where(IsNaN(ReduceSum(Mul(q, 0), [-1])), NaN, out)``."""
+        op = self.op
+        if self.cpu and any(out is value for value in self.multi_head_outputs) and multi_head_attention_keeps_nan_rows():
+            self._count("NaN-row guard left to MultiHeadAttention, which gives NaN there itself")
+            return op.Identity(out)
+        rows = op.ReduceSum(op.Mul(q, _constant(op, 0.0, q)), op.Constant(value_ints=[-1]), keepdims=1)
+        return op.Where(op.IsNaN(rows), _constant(op, math.nan, out), out)
 
     @staticmethod
     def group_query_refusal(q: list, k: list, v: list) -> str | None:

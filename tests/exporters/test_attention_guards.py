@@ -14,14 +14,19 @@ from ir_graphs import onnx_applied
 from onnxscript import ir
 from torch import nn
 
+import fxforge
 from fxforge import export_onnx
+from fxforge.core.plan import CallConditions
 from fxforge.exporters.attention_guards import (
     CONSTANT_WHERE,
     NAN_GUARD,
     drop_attention_guards,
     multi_head_attention_keeps_nan_rows,
 )
+from fxforge.exporters.onnx import _export, write_checked
 from fxforge.exporters.ort_module import OnnxRuntimeModule
+from fxforge.rewrites.attention.guards import NAN_ROWS
+from fxforge.rewrites.pipeline import rewrite
 
 
 class BiasedAttention(nn.Module):
@@ -143,6 +148,78 @@ def test_group_query_attention_keeps_its_guard(tmp_path):
     assert found["GroupQueryAttention"] == 1 and found["IsNaN"] == 1, found
     assert not any(line.startswith(f"dropped: {NAN_GUARD}") for line in onnx_applied(result.report)), result.report
     assert_nan_rows_as_eager(model, path, with_nan(torch.randn(2, 8, 32)), torch.randn(2, 8, 32), keep, nan_rows=1)
+
+
+# ------------------------------------------------------------------------------- guards written as one op
+
+
+def _rewritten_with_guards_as_ops(model: nn.Module, inputs: tuple) -> fxforge.Captured:
+    """``model`` captured and rewritten for calls whose kernels the export's translation chooses (what the
+    ONNX path passes: ``CallConditions(guards_as_ops=True)``), verified as every rewrite is."""
+    captured = fxforge.capture(model, inputs)
+    return rewrite(captured, conditions=CallConditions(guards_as_ops=True))
+
+
+def _calls(captured, target) -> int:
+    return sum(node.target is target for node in captured.graph_module.graph.nodes)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_guards_as_ops_leave_nan_rows_to_the_kernel_that_keeps_them(causal, tmp_path):
+    """The rewrite writes the NaN-row guard as fxforge::nan_rows (verified against eager, NaN rows included);
+    the translation drops it under MultiHeadAttention and writes it out under GroupQueryAttention (whose CPU
+    kernel answers a number there): no ONNX rule has to find it afterwards."""
+    torch.manual_seed(0)
+    model = PaddedAttention(causal=causal).eval()
+    keep = torch.tensor([[True] * 8, [True] * 5 + [False] * 3])
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32), keep)
+    new = _rewritten_with_guards_as_ops(model, inputs)
+    assert new.report.counts.get("attention") == 1 and not new.report.rolled_back, new.report
+    assert _calls(new, NAN_ROWS) == 1 and _calls(new, torch.isnan) == 0
+    plain = rewrite(fxforge.capture(model, inputs))  # the default: the guard as torch ops, as before
+    assert _calls(plain, NAN_ROWS) == 0 and _calls(plain, torch.isnan) == 1
+
+    result, _ = write_checked(new, str(tmp_path / "m.onnx"))
+    found = ops(result.path)
+    assert not any(line.startswith(f"dropped: {NAN_GUARD}") for line in onnx_applied(result.report)), result.report
+    if causal:
+        assert found["GroupQueryAttention"] == 1 and found["IsNaN"] == 1, found
+    else:
+        assert "IsNaN" not in found and "ReduceSum" not in found, found
+        assert "NaN-row guard left to MultiHeadAttention, which gives NaN there itself: 1" in result.translations
+    for mask in (keep, torch.ones(2, 8, dtype=torch.bool)):
+        assert_nan_rows_as_eager(model, result.path, with_nan(torch.randn(2, 8, 32)), torch.randn(2, 8, 32), mask,
+                                 nan_rows=1)
+
+
+def test_guards_as_ops_keep_the_guard_in_a_file_for_another_provider(tmp_path):
+    """Only ORT's CPU MultiHeadAttention was probed to keep NaN rows: a file for another provider keeps the guard."""
+    torch.manual_seed(0)
+    model = PaddedAttention().eval()
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.ones(2, 8, dtype=torch.bool))
+    path = str(tmp_path / "cuda.onnx")
+    _export(_rewritten_with_guards_as_ops(model, inputs), path, 20, False, None, "MultiHeadAttention", cpu=False)
+    found = ops(path)
+    assert found["IsNaN"] == 1 and found["If"] == 1, found
+
+
+def test_guards_as_ops_keep_the_guard_where_the_attention_stays_plain(tmp_path):
+    torch.manual_seed(0)
+    model = PaddedAttention().eval()
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.ones(2, 8, dtype=torch.bool))
+    new = _rewritten_with_guards_as_ops(model, inputs)
+    result, _ = write_checked(new, str(tmp_path / "plain.onnx"), attention="plain")
+    found = ops(result.path)
+    assert found["IsNaN"] == 1 and "Softmax" in found, found
+    assert_nan_rows_as_eager(model, result.path, with_nan(torch.randn(2, 8, 32)), *inputs[1:], nan_rows=1)
+
+
+def test_nan_rows_op_is_the_guard():
+    out, q = torch.randn(2, 4, 5, 3), torch.randn(2, 4, 5, 8)
+    q[1, 2, 3, 0], q[0, 0, 1, 7] = float("nan"), float("-inf")
+    expected = torch.where(torch.isnan((q * 0).sum(-1, keepdim=True)), float("nan"), out)
+    assert torch.equal(NAN_ROWS(out, q).isnan(), expected.isnan())
+    assert int(NAN_ROWS(out, q).isnan().all(-1).sum()) == 2
 
 
 # ---------------------------------------------------------------------------------------------- the rule on IR

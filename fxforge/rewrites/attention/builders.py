@@ -31,6 +31,7 @@ from fxforge.core.vocabulary import calls
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import fold_keep, fold_mask
+from fxforge.rewrites.attention.guards import NAN_ROWS
 from fxforge.rewrites.attention.index_masks import Keep, holds_everywhere, read_mask
 from fxforge.rewrites.attention.masks import LARGE_NEGATIVE, MaskPlan
 from fxforge.rewrites.attention.operands import Operand
@@ -66,6 +67,7 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "contiguous": (torch.clone, aten.clone.default),
     "to": (torch.Tensor.to, aten._to_copy.default),
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
+    "nan_rows": (NAN_ROWS, NAN_ROWS),
 }
 
 
@@ -188,8 +190,11 @@ def _scale(attention: Attention, builder: GraphBuilder) -> Any:
     return scale
 
 
-def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
-    """Emit the SDPA call and what it needs; return the node that replaces the value product.
+def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder, *, guards_as_ops: bool = False) -> Node:
+    """Emit the SDPA call and what it needs; return the node that replaces the value product. With
+    ``guards_as_ops`` (:attr:`~fxforge.core.plan.CallConditions.guards_as_ops`), the guard of query rows
+    with a NaN is one ``fxforge::nan_rows`` call on SDPA's output (:mod:`~fxforge.rewrites.attention.guards`)
+    where it is the guard alone (not AND-ed with an additive mask's rows; q, k, v of at most 4 dims).
 
     Example:
         >>> from fxforge.rewrites.attention.checks import trace_attention
@@ -230,6 +235,9 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     if attention.gqa:
         kwargs["enable_gqa"] = True
     out = builder.call("sdpa", q, k, v, **kwargs)
+    named = guards_as_ops and leading is None and plan.fix != "additive"
+    if named:  # on SDPA's own output, where a translation sees which kernel it chose for that SDPA
+        out = builder.call("nan_rows", out, q_rows)
     for _ in range(lift):
         out = builder.call("squeeze", out, 0)
     if leading is not None:
@@ -241,11 +249,12 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder) -> Node:
     # as a NaN sum of q * 0 (NaN exactly where q holds a NaN or an infinity, which gives NaN in eager and
     # SDPA alike): one vectorised pass, about 10x cheaper than isnan(q).any(-1), and a sum propagates NaN in
     # every runtime (ONNX Runtime's ReduceMax does not).
-    nan_rows = builder.call("isnan", builder.call("sum", builder.call("mul", q_rows, 0), -1, True))
+    nan_rows = None if named else builder.call("isnan", builder.call("sum", builder.call("mul", q_rows, 0), -1, True))
     alive = builder.call("any", keep, -1, True) if plan.fix and keep is not None else None
     if alive is not None and plan.fix == "additive":
         nan_rows = builder.call("logical_and", nan_rows, alive)
-    out = builder.call("where", nan_rows, math.nan, out)
+    if nan_rows is not None:
+        out = builder.call("where", nan_rows, math.nan, out)
     if alive is not None and plan.fix != "additive":
         fallback = _mean_of_v(attention, builder, v_operand) if plan.fix == "mean" else math.nan
         out = builder.call("where", alive, out, fallback)

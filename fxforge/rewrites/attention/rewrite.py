@@ -99,7 +99,7 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
     anchor = attention.values.product
     builder = GraphBuilder(gm, anchor, aten_ops=ctx.method == "export", constants=constants)
     try:
-        result = build(attention, plan, builder)
+        result = build(attention, plan, builder, guards_as_ops=ctx.conditions.guards_as_ops and not ctx.training)
     except Exception as error:  # noqa: BLE001 - this attention stays as it is; the others still go
         for node in reversed(builder.nodes):
             gm.graph.erase_node(node)
