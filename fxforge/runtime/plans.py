@@ -14,12 +14,14 @@ A :class:`PlanCache` is the per-call half of an optimized module. For each call 
    after a training-mode call (BatchNorm updates its statistics without telling their version counters);
 5. runs the plan's executable.
 
-Building a plan (capture -> rewrite -> lower) is the orchestrator's job: :mod:`fxforge.planner` hands its
-build function in, so nothing here imports the stages that make plans.
+Building a plan (capture -> rewrite -> lower) is :mod:`fxforge.lowering.build`'s job: the target hands its
+build function in, so nothing here imports the stages that make plans. How plans treat input sizes and how
+many a cache holds is :mod:`fxforge.runtime.plan_policy`; the warnings it gives are in
+:mod:`fxforge.runtime.fallbacks` (both importable from here as before).
 
 Example:
     >>> import torch
-    >>> from fxforge.planner import plan_builder
+    >>> from fxforge.lowering.build import plan_builder
     >>> relu = torch.nn.ReLU()
     >>> cache = PlanCache(relu, plan_builder(relu))
     >>> cache((torch.ones(2),), {}).tolist()
@@ -31,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Hashable
@@ -45,7 +46,14 @@ from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
 from fxforge.core.verify import compare_outputs, isolated
+from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, silenced_hooks
+from fxforge.runtime.plan_policy import (  # noqa: F401 - MAX_PLANS: importable from here as before
+    MAX_PLANS,
+    MAX_REBUILDS,
+    MAX_SERVED,
+    ShapePolicy,
+)
 from fxforge.runtime.signature import (
     describe_signature,
     differing_dims,
@@ -59,40 +67,6 @@ from fxforge.runtime.signature import (
 # only, else the input dims to keep symbolic or a torch.export dynamic_shapes spec); raises when the module
 # cannot be captured.
 PlanBuilder = Callable[..., Plan]
-# After this many rebuilds because the model's state changed, the model runs eagerly (with one warning):
-# something sets its attributes on every call, and each rebuild costs a capture.
-MAX_REBUILDS = 8
-# Plans one module holds at most (torch.compile's recompile limit is 8 too); calls no plan serves past it run
-# eagerly, after one warning.
-MAX_PLANS = 8
-# Input signatures remembered as served by a shape-generic plan (the first call of a signature checks the
-# plan's shape guard; later ones find it here): the oldest are forgotten past this many.
-MAX_SERVED = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapePolicy:
-    """How an optimized module's plans treat input sizes.
-
-    Attributes:
-        dynamic: None (as ``torch.compile``): the first call's sizes are static; when a later call differs
-            from earlier ones only in sizes, those dims become dynamic and one shape-generic plan serves
-            all their sizes. Calls with token inputs (integer or bool tensors of rank >= 2: ids, masks) are
-            the exception: their batch and sequence dims (:func:`~fxforge.runtime.signature.token_dims`) are
-            dynamic from the first plan, since every request has its own length. True: the first plan is
-            shape-generic in every input dim already. False: one plan per input signature.
-        dynamic_shapes: torch.export's ``dynamic_shapes`` for the first plan (the user knows the ranges).
-        max_plans: plans held at most; calls that no plan serves past it run eagerly, after one warning.
-
-    Example:
-        >>> ShapePolicy().max_plans
-        8
-    """
-
-    dynamic: bool | None = None
-    dynamic_shapes: Any = None
-    max_plans: int = MAX_PLANS
-
 
 _MISSING = object()
 
@@ -102,19 +76,10 @@ def _numel(sizes: list) -> int:
     return sum(int(torch.Size(leaf[0]).numel()) for leaf in sizes if leaf is not None)
 
 
-class FallbackWarning(UserWarning):
-    """fxforge could not capture a model for some inputs and runs it eagerly instead."""
-
-
 def _copy_input(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of an input that capture may run the model on (outside inference mode, as the caller's
     tensor requires gradients or not)."""
     return tensor.detach().clone().requires_grad_(tensor.requires_grad)
-
-
-class GradientsWarning(UserWarning):
-    """A call recorded gradients, so it runs a plan without the rewrites that would stop them (folding
-    parameters, fused kernels): slower than the inference plan, as exact as eager."""
 
 
 class PlanCache:
@@ -125,12 +90,12 @@ class PlanCache:
 
     Args:
         module: the model.
-        build: ``(args, kwargs, conditions, dynamic=None) -> Plan`` (see :func:`fxforge.planner.plan_builder`).
+        build: ``(args, kwargs, conditions, dynamic=None) -> Plan`` (see :func:`fxforge.lowering.build.plan_builder`).
         eager: what runs when no plan can be built (default: the module).
         policy: how plans treat input sizes (a :class:`ShapePolicy`).
 
     Example:
-        >>> from fxforge.planner import plan_builder
+        >>> from fxforge.lowering.build import plan_builder
         >>> linear = torch.nn.Linear(2, 2)
         >>> cache = PlanCache(linear, plan_builder(linear))
         >>> with torch.no_grad():
