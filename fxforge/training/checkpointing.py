@@ -14,20 +14,25 @@ joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute
    time is minimal. When HiGHS stops at its time limit its best solution is used (the report gives the
    gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead;
    when no bound and no pattern fits, a descent on the simulation itself adds one or two pieces'
-   recomputation at a time from the closest choice (:func:`_descend`). Another partitioner's choices may be
-   offered (``candidates=``; for ``target="inductor"``, Inductor's min cut at several budgets,
-   :mod:`fxforge.training.inductor_partitions`): each is simulated whole, and each piece's part of each is
-   one more choice for that piece in the MILP; the cheapest that fits wins.
+   recomputation at a time from the closest choice (:func:`~fxforge.training.budget_search._descend`).
+   Another partitioner's choices may be offered (``candidates=``; for ``target="inductor"``, Inductor's
+   min cut at several budgets, :mod:`fxforge.training.inductor_partitions`): each is simulated whole, and
+   each piece's part of each is one more choice for that piece in the MILP; the cheapest that fits wins.
 3. **The whole step simulated** (:mod:`fxforge.training.timeline`, backward liveness included: each saved
    value freed after its last use, recomputed values alive only around their use, gradients growing): the
    bound on saved bytes is only a proxy, so it is lowered by the simulated excess until the simulated peak
    fits the budget, then raised again while the peak still fits, to recompute as little as possible.
    Then, from the plan found, recomputation is given back group by group, most seconds first, while the
-   simulated step still fits (:func:`_relax`). The plan returned always fits by simulation, so as the
-   budget falls the predicted peak falls with it.
+   simulated step still fits (:func:`~fxforge.training.budget_search._relax`). The plan returned always
+   fits by simulation, so as the budget falls the predicted peak falls with it.
 
 Torch's default partitioner then splits the joint graph with the chosen units tagged ``MUST_RECOMPUTE``,
 placing each recomputation right before its first use in the backward.
+
+The jobs live in their own modules: the units and pieces in :mod:`fxforge.training.recompute_units`, the
+choices and the MILP in :mod:`fxforge.training.recompute_choices`, the searches against the simulation in
+:mod:`fxforge.training.budget_search`, the answer in :mod:`fxforge.training.checkpoint_plan`; this module
+reads the budget (:func:`parse_budget`) and plans a step (:func:`plan_step`).
 
 Budgets: ``"60%"`` is 60 % of the unconstrained *activation peak* (the most bytes the forward and backward
 hold at once beyond weights, optimizer state, inputs and parameter gradients); an ``int`` is a cap in bytes
@@ -44,27 +49,37 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import operator
 import re
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from fxforge.core.memory import tensor_leaves
-from fxforge.core.symbolic import hint
 from fxforge.runtime.roofline import Machine, measure_machine
+from fxforge.training.budget_search import (
+    _cheapest,
+    _descend,
+    _greedy,
+    _offered,
+    _relax,
+    _search,
+    _Trials,
+)
+from fxforge.training.checkpoint_plan import CheckpointPlan, _size
 from fxforge.training.costs import graph_seconds, node_seconds
-from fxforge.training.step_graph import StepGraphs, is_forward, is_random
+from fxforge.training.recompute_choices import (  # noqa: F401 - Choice, _solve: importable from here as before
+    Choice,
+    _choices,
+    _offered_choices,
+    _solve,
+)
+from fxforge.training.recompute_units import _pieces, _units
+from fxforge.training.step_graph import StepGraphs
 from fxforge.training.timeline import StepSimulation, simulate_step
 
 MILP_TIME_LIMIT_S = 10.0
-MAX_ROUNDS = 12
 OFFERED_MILP_TIME_LIMIT_S = 4.0
 OFFERED_SEARCH_SECONDS = 30.0
 """With offered choices (``candidates=``), each MILP stops after 4 s and no round starts after 30 s."""
@@ -102,351 +117,6 @@ def parse_budget(budget: Any) -> tuple[str, float]:
             if value > 0:
                 return "bytes", value
     raise ValueError(f"memory_budget {budget!r}: give bytes (an int, '2GiB') or a percentage ('60%')")
-
-
-@dataclasses.dataclass
-class Unit:
-    """A forward node (with its ``getitem`` nodes): what saving it costs and what recomputing it costs."""
-
-    name: str
-    nodes: list[str]
-    nbytes: int
-    seconds: float
-    recomputable: bool
-    needed_by_backward: bool
-    producers: list[int] = dataclasses.field(default_factory=list)
-
-
-def _units(step: StepGraphs, machine: Machine, fused: bool = False) -> list[Unit]:
-    joint = step.joint
-    primal_keys = set()
-    for node in joint.graph.find_nodes(op="placeholder"):
-        for leaf in tensor_leaves(node.meta.get("val")):
-            primal_keys.add(leaf.untyped_storage()._cdata)
-    (out,) = joint.graph.find_nodes(op="output")
-    flat_outputs = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    step_outputs = {n for n in flat_outputs[:step.num_fwd_outputs] if isinstance(n, torch.fx.Node)}
-    units: list[Unit] = []
-    index: dict[torch.fx.Node, int] = {}
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or not is_forward(node):
-            continue
-        if node.target is operator.getitem and node.args[0] in index:
-            unit = units[index[node.args[0]]]
-            unit.nodes.append(node.name)
-            index[node] = index[node.args[0]]
-            unit.nbytes += _bytes(node, primal_keys)
-            unit.needed_by_backward |= any(not is_forward(u) for u in node.users if u.op != "output")
-            if node in step_outputs:
-                unit.recomputable = False
-            continue
-        value = node.meta.get("val")
-        multi = isinstance(value, (tuple, list))
-        tensors = tensor_leaves(value)
-        unit = Unit(node.name, [node.name], 0 if multi else _bytes(node, primal_keys),
-                    node_seconds(node, machine, fused=fused),
-                    bool(tensors) and not is_random(node) and node not in step_outputs
-                    and not node.is_impure(impure_random=False),
-                    any(not is_forward(u) for u in node.users if u.op != "output"))
-        unit.producers = sorted({index[i] for i in node.all_input_nodes if i in index})
-        index[node] = len(units)
-        units.append(unit)
-    return units
-
-
-def _bytes(node: torch.fx.Node, primal_keys: set[int]) -> int:
-    """Bytes of the storages ``node`` allocates: not a parameter's or an input's, not one of its inputs'."""
-    total, seen = 0, set()
-    for source in node.all_input_nodes:
-        for leaf in tensor_leaves(source.meta.get("val")):
-            seen.add(leaf.untyped_storage()._cdata)
-    for leaf in tensor_leaves(node.meta.get("val")):
-        storage = leaf.untyped_storage()
-        if storage._cdata in primal_keys or storage._cdata in seen:
-            continue
-        seen.add(storage._cdata)
-        total += hint(storage.nbytes())
-    return total
-
-
-EXPENSIVE_SECONDS_PER_BYTE = 2e-10
-"""A unit whose recompute costs more than this per byte it frees (matrix products, convolutions, attention:
-about 10x a copy) is kept in a segment's ``"cheap"`` mode; pointwise ops and views are recomputed."""
-
-
-def _cheap(unit: Unit) -> bool:
-    return unit.seconds <= EXPENSIVE_SECONDS_PER_BYTE * max(unit.nbytes, 1) or unit.nbytes == 0
-
-
-MAX_SPAN = 24
-"""The most pieces of the forward one recomputed segment may span (bounds the MILP's size)."""
-
-
-@dataclasses.dataclass
-class Choice:
-    """One way to keep a run of pieces: ``recomputed`` units, ``saved`` bytes, bytes the backward
-    ``rematerialized`` at once, ``seconds`` of recompute; ``pieces`` the run ``[first, last]``."""
-
-    pieces: tuple[int, int]
-    recomputed: set[int]
-    saved: int
-    rematerialized: int
-    seconds: float
-    mode: str
-
-
-def _pieces(units: list[Unit]) -> list[tuple[list[int], int]]:
-    """The forward cut into pieces where one value carries everything on: ``(units, boundary unit)``.
-
-    Views of parameters (a transposed weight) and values used across more than half of the forward (a
-    causal mask, rotary tables) are free to cross a cut: they cost nothing, or are global. A position is a
-    cut when one other value crosses it; consecutive cuts crossed by the same value are one (the last).
-    """
-    n = len(units)
-    free = [False] * n
-    last_use = list(range(n))
-    for i, unit in enumerate(units):
-        free[i] = unit.nbytes == 0 and all(free[p] for p in unit.producers)
-        for p in unit.producers:
-            last_use[p] = max(last_use[p], i)
-    starts: dict[int, list[int]] = {}
-    for i in range(n):
-        if not free[i] and last_use[i] > i and last_use[i] - i <= n // 2:
-            starts.setdefault(i + 1, []).append(i)
-    alive: set[int] = set()
-    cuts: list[tuple[int, int]] = []
-    for i in range(1, n):
-        alive.update(starts.get(i, ()))
-        alive = {v for v in alive if last_use[v] >= i}
-        if len(alive) == 1:
-            value = next(iter(alive))
-            if cuts and cuts[-1][1] == value:
-                cuts[-1] = (i, value)
-            else:
-                cuts.append((i, value))
-    pieces, previous = [], 0
-    for position, boundary in [*cuts, (n, n - 1)]:
-        if position > previous:
-            pieces.append((list(range(previous, position)), boundary))
-            previous = position
-    return pieces
-
-
-def _choice(units: list[Unit], pieces: tuple[int, int], inside: list[int], boundary: int, chosen: set[int],
-            mode: str) -> Choice:
-    """Keeping the pieces ``pieces`` (units ``inside``, ``boundary`` at the end) by recomputing ``chosen``: it
-    saves what the backward uses and what a recomputed unit needs, and the boundary (the next piece may be
-    recomputed from it); it rematerializes in the backward what it does not save of what the backward uses."""
-    saved = sum(units[i].nbytes for i in inside if i not in chosen and (
-        units[i].needed_by_backward or i == boundary or any(i in units[j].producers for j in chosen)))
-    stored = sum(units[i].nbytes for i in inside if units[i].needed_by_backward)
-    return Choice(pieces, set(chosen), saved, max(0, stored - saved) if chosen else 0,
-                  sum(units[i].seconds for i in chosen), mode)
-
-
-def _choices(units: list[Unit], pieces: list[tuple[list[int], int]]) -> list[Choice]:
-    """Per piece: store it, or recompute its cheap units; per run of up to :data:`MAX_SPAN` pieces:
-    recompute everything in it but the boundary at its end."""
-    choices: list[Choice] = []
-    for k, (inside, boundary) in enumerate(pieces):
-        choices.append(_choice(units, (k, k), inside, boundary, set(), "store"))
-        cheap = {i for i in inside if units[i].recomputable and i != boundary and _cheap(units[i])}
-        if cheap:
-            choices.append(_choice(units, (k, k), inside, boundary, cheap, "cheap"))
-    for first in range(len(pieces)):
-        inside: list[int] = []
-        for last in range(first, min(len(pieces), first + MAX_SPAN)):
-            inside = inside + pieces[last][0]
-            boundary = pieces[last][1]
-            chosen = {i for i in inside if units[i].recomputable and i != boundary}
-            if chosen:
-                choices.append(_choice(units, (first, last), inside, boundary, chosen, "recompute"))
-    return choices
-
-
-def _offered_choices(units: list[Unit], pieces: list[tuple[list[int], int]], offered: list[set[int]]
-                     ) -> list[Choice]:
-    """Per piece, the part of each offered recomputation (another partitioner's) that falls in it, as one more
-    way to keep that piece (duplicates left out)."""
-    choices, seen = [], set()
-    for chosen_all in offered:
-        for k, (inside, boundary) in enumerate(pieces):
-            chosen = frozenset(i for i in inside if i in chosen_all)
-            if chosen and (k, chosen) not in seen:
-                seen.add((k, chosen))
-                choices.append(_choice(units, (k, k), inside, boundary, set(chosen), "offered"))
-    return choices
-
-
-def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: float
-           ) -> tuple[set[int], str] | None:
-    """The choices covering every piece once with the least recompute time whose saved bytes, plus the
-    largest run the backward rematerializes at once, stay under ``saved_limit`` (a set-partitioning MILP
-    over the chain of pieces, exact for that model)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
-    m = len(choices)
-    if m == 0:
-        return set(), "milp (nothing to choose)"
-    cost = np.array([c.seconds for c in choices] + [0.0])
-    rows, cols, vals, lower, upper = [], [], [], [], []
-    for col, choice in enumerate(choices):  # every piece covered by exactly one choice
-        for k in range(choice.pieces[0], choice.pieces[1] + 1):
-            rows.append(k)
-            cols.append(col)
-            vals.append(1.0)
-    lower += [1.0] * pieces
-    upper += [1.0] * pieces
-    row = pieces
-    for col, choice in enumerate(choices):  # z >= what each chosen run rematerializes
-        if choice.rematerialized:
-            rows += [row, row]
-            cols += [col, m]
-            vals += [float(choice.rematerialized), -1.0]
-            lower.append(-math.inf)
-            upper.append(0.0)
-            row += 1
-    for col, choice in enumerate(choices):  # saved bytes + z <= limit
-        rows.append(row)
-        cols.append(col)
-        vals.append(float(choice.saved))
-    rows.append(row)
-    cols.append(m)
-    vals.append(1.0)
-    lower.append(-math.inf)
-    upper.append(max(0.0, saved_limit))
-    row += 1
-    matrix = coo_matrix((vals, (rows, cols)), shape=(row, m + 1))
-    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper),
-                  integrality=np.array([1] * m + [0]), bounds=Bounds(np.zeros(m + 1), np.array([1.0] * m + [math.inf])),
-                  options={"time_limit": time_limit, "mip_rel_gap": 1e-4})
-    if result.x is None:
-        return None
-    chosen: set[int] = set()
-    for col, choice in enumerate(choices):
-        if result.x[col] > 0.5:
-            chosen |= choice.recomputed
-    status = "optimal" if result.status == 0 else "time limit: best found"
-    return chosen, f"milp (HiGHS, {status}) over {pieces} pieces, {m} choices"
-
-
-@dataclasses.dataclass
-class CheckpointPlan:
-    """What a budgeted step saves and recomputes, and what it is predicted to cost.
-
-    Attributes:
-        budget: the budget as given; ``budget_kind``: ``"fraction"`` or ``"bytes"``.
-        budget_bytes: the bytes it allows: for a fraction, of the activation peak; for bytes, of the step.
-        unconstrained_activation_bytes: the activation peak without checkpointing.
-        predicted_activation_peak_bytes: the plan's simulated activation peak.
-        unconstrained_peak_bytes, predicted_peak_bytes: the whole step's peak without and with the plan
-            (weights, buffers, inputs, optimizer state, gradients, activations; the optimizer step included).
-        saved: forward nodes whose values the backward keeps; ``recomputed``: forward nodes it recomputes.
-        recompute_seconds, step_seconds: estimated recompute time and the unconstrained forward+backward.
-        overhead: ``recompute_seconds / step_seconds``.
-        solver: how the choice was made; ``rounds``: ``(bound on saved bytes, simulated figure, fits)`` (for a
-            pattern the stride in place of the bound, for a step of the descent the units recomputed).
-        step: the chosen partition; ``simulation``: its replay.
-        loss_bytes: what the caller's loss was sized at (None when no loss was given).
-        backward_reordered: whether the memory scheduler reordered the backward (a lower simulated peak).
-        margin_bytes: kept back from the budget, for what a measured step held beyond its simulation (negative:
-            added to it, for what a measured step held below its simulation).
-        measured_bytes: the figure the budget bounds (the activation peak for a fraction, the forward and
-            backward's step peak for bytes), measured on one real step of the plan; None when not measured.
-        layout_optimization: for ``target="inductor"``, whether Inductor compiled the graphs with its layout
-            optimization (convolutions in channels-last); None for the op-by-op runner.
-        compile_record: for ``target="inductor"``, what the compilers chose, counted as AOTAutograd compiles
-            each graph (the backward at the step's first backward): ``"onednn_matmuls"``, the matrix products
-            run on oneDNN (:func:`~fxforge.lowering.gemm.route_matmuls`); None for the op-by-op runner.
-    """
-
-    budget: Any
-    budget_kind: str
-    budget_bytes: int
-    unconstrained_activation_bytes: int
-    predicted_activation_peak_bytes: int
-    unconstrained_peak_bytes: int
-    predicted_peak_bytes: int
-    saved: list[str]
-    recomputed: list[str]
-    recompute_seconds: float
-    step_seconds: float
-    solver: str
-    rounds: list[tuple[int, int, bool]]
-    step: StepGraphs
-    simulation: StepSimulation
-    persistent_bytes: int = 0
-    optimizer_peak_bytes: int = 0
-    plan_seconds: float = 0.0
-    loss_bytes: int | None = None
-    backward_reordered: bool = False
-    margin_bytes: int = 0
-    measured_bytes: int | None = None
-    layout_optimization: bool | None = None
-    compile_record: dict[str, int] | None = None
-
-    @property
-    def overhead(self) -> float:
-        """Predicted extra step time from recomputation, as a fraction of the forward+backward time."""
-        return self.recompute_seconds / self.step_seconds if self.step_seconds else 0.0
-
-    def lines(self) -> list[str]:
-        """The plan as report lines."""
-        what = (f"{self.budget} of the activation peak -> activations <= {_size(self.budget_bytes)}"
-                if self.budget_kind == "fraction" else f"{_size(self.budget_bytes)} for the whole step")
-        return [
-            f"budget: {what}",
-            (f"activation peak: {_size(self.unconstrained_activation_bytes)} -> "
-             f"{_size(self.predicted_activation_peak_bytes)} (simulated, backward liveness included)"),
-            f"step peak: {_size(self.unconstrained_peak_bytes)} -> {_size(self.predicted_peak_bytes)}",
-            (f"saved for backward: {len(self.saved)} values ({_size(self.simulation.saved_bytes)}); "
-             f"recomputed: {len(self.recomputed)} nodes"),
-            (f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
-             f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)"),
-            f"solver: {self.solver}; {len(self.rounds)} rounds of simulation; planned in {self.plan_seconds:.2f} s",
-            ("backward: reordered by the memory scheduler (a lower simulated peak)" if self.backward_reordered
-             else "backward: in autograd's order (the memory scheduler found no lower peak)"),
-            *([] if self.layout_optimization is None else [
-                "compiled by Inductor, layout optimization " + ("on (checked on a measured step)"
-                                                                if self.layout_optimization else "off")]),
-            *([] if self.compile_record is None else [
-                ("matrix products on oneDNN (measured faster than BLAS here): "
-                 f"{self.compile_record.get('onednn_matmuls', 0)}")]),
-            *([] if self.measured_bytes is None else [self._measured_line()]),
-        ]
-
-    def _measured_line(self) -> str:
-        what = "activation peak" if self.budget_kind == "fraction" else "step peak"
-        verdict = "fits" if self.measured_bytes <= self.budget_bytes else "OVER the budget"
-        if self.margin_bytes > 0:
-            kept = (f"; planned {_size(self.margin_bytes)} under the budget, what an earlier measured plan held "
-                    "beyond its simulation")
-        elif self.margin_bytes < 0:
-            kept = (f"; planned {_size(-self.margin_bytes)} over the budget, what an earlier measured plan held "
-                    "below its simulation")
-        else:
-            kept = ""
-        return f"measured on one step: {what} {_size(self.measured_bytes)}, {verdict}{kept}"
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-    def table(self):
-        """The recomputed nodes as a pandas table (node, op, MiB freed from the saved set is not additive)."""
-        import pandas as pd
-
-        by_name = {n.name: n for n in self.step.joint.graph.nodes}
-        return pd.DataFrame([{"node": name, "op": str(by_name[name].target) if name in by_name else ""}
-                             for name in self.recomputed])
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that reads best: ``512 B``, ``3.2 KiB``, ``12.5 MiB``, ``1.25 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 class BudgetError(ValueError):
@@ -563,199 +233,6 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
                           chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,
                           loss_bytes, margin_bytes=margin_bytes)
-
-
-def _names(units: list[Unit], chosen: set[int]) -> set[str]:
-    return {name for i in chosen for name in units[i].nodes}
-
-
-@dataclasses.dataclass
-class _Trials:
-    """One step against one budget: simulates a choice of recomputed units, records it as a round
-    ``(mark, simulated figure, fits)``, and keeps the choice that came closest to fitting."""
-
-    step: StepGraphs
-    units: list[Unit]
-    excess: Callable[[StepSimulation], int]
-    limit: int
-    simulate: Callable[[StepGraphs], StepSimulation]
-    rounds: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
-    closest: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def run(self, chosen: set[int], mark: float | None = None) -> tuple[int, StepGraphs, StepSimulation]:
-        """``(excess, partition, simulation)`` of recomputing ``chosen``; a round is recorded when ``mark``
-        is given."""
-        candidate = self.step.repartition(_names(self.units, chosen))
-        sim = self.simulate(candidate)
-        over = self.excess(sim)
-        if mark is not None:
-            self.rounds.append((int(mark), int(self.limit + over), over <= 0))
-        if "over" not in self.closest or over < self.closest["over"]:
-            self.closest.update(over=over, chosen=set(chosen))
-        return over, candidate, sim
-
-    def seconds(self, chosen: set[int]) -> float:
-        return sum(self.units[i].seconds for i in chosen)
-
-
-def _cheapest(*found: tuple | None) -> tuple | None:
-    """The cheapest of the fitting choices found (``None`` where a search found none)."""
-    return min((f for f in found if f is not None), key=lambda f: f[0], default=None)
-
-
-def _search(trials: _Trials, pieces, choices: list[Choice], saved_total: float, time_limit: float,
-            seconds: float = math.inf) -> tuple | None:
-    """Bisect the bound on saved bytes: the largest whose MILP choice fits the budget by simulation.
-
-    Storing everything does not fit (else no search). A bound whose choice fits is a lower end (try saving
-    more); one that does not, an upper end (lowered by the simulated excess first, then halfway); a bound
-    the MILP cannot meet at all raises the floor. No round starts after ``seconds``.
-    """
-    high, low, floor = saved_total, None, -1.0
-    bound = max(0.0, saved_total - trials.excess(trials.simulate(trials.step)))
-    best = None
-    started = time.perf_counter()
-    for _ in range(MAX_ROUNDS):
-        if time.perf_counter() - started > seconds:
-            break
-        solved = _solve(choices, len(pieces), bound, time_limit) if bound > floor else None
-        if solved is None:
-            floor = max(floor, bound)
-            if low is not None and high - floor < 0.01 * max(saved_total, 1):
-                break
-            bound = (max(floor, low or floor) + high) / 2
-            continue
-        chosen, note = solved
-        over, candidate, sim = trials.run(chosen, bound)
-        if over <= 0:
-            best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim, note))
-            low = bound if low is None else max(low, bound)
-            if high - low < 0.01 * max(saved_total, 1):
-                break
-            bound = (low + high) / 2
-        else:
-            high = min(high, bound)
-            if low is not None:
-                if high - low < 0.01 * max(saved_total, 1):
-                    break
-                bound = (low + high) / 2
-            else:
-                bound = max(0.0, min(bound - over, bound - 0.05 * saved_total))
-                if bound <= floor:
-                    bound = (floor + high) / 2 if floor >= 0 else 0.0
-                if high <= 0:
-                    break
-    return best
-
-
-def _offered(trials: _Trials, offered: dict[str, set[int]]) -> tuple | None:
-    """The cheapest offered recomputation (another partitioner's) that fits by simulation."""
-    best = None
-    for label, chosen in offered.items():
-        over, candidate, sim = trials.run(chosen, len(chosen))
-        if over <= 0:
-            best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim, label))
-    return best
-
-
-def _greedy(trials: _Trials, pieces: list[tuple[list[int], int]]) -> tuple | None:
-    """Fixed patterns, when the MILP's choices do not fit: keep one boundary every ``stride`` pieces (at each
-    offset) and recompute the rest, as checkpointing every block does when a block is ``stride`` pieces;
-    the cheapest pattern that fits by simulation."""
-    best = None
-    for stride in (2, 3, 4, 6, 8, 1):
-        for offset in range(stride):
-            chosen = {i for k, (inside, boundary) in enumerate(pieces) for i in inside
-                      if trials.units[i].recomputable and not (i == boundary and k % stride == offset)}
-            over, candidate, sim = trials.run(chosen, stride)
-            if over <= 0:
-                best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim,
-                                        f"pattern (a boundary kept every {stride} pieces)"))
-    return best
-
-
-DESCENT_ROUNDS = 8
-"""The most steps :func:`_descend` takes."""
-
-DESCENT_MARGIN = 0.05
-""":func:`_descend` starts only from a choice this close to fitting (its excess a fraction of the budget): a
-budget far out of reach is refused without it."""
-
-DESCENT_SECONDS = 30.0
-""":func:`_descend` stops after the step that passes this many seconds."""
-
-
-def _descend(trials: _Trials, choices: list[Choice]) -> tuple | None:
-    """When neither the MILP's bound nor a pattern fits: a descent on the simulation itself, from the choice
-    that came nearest. Each step adds the recomputation that lowers the simulated excess most, among one
-    piece's cheap units, one piece, or two consecutive pieces; it stops when the step fits or no addition
-    lowers the excess. It starts only within :data:`DESCENT_MARGIN` of the budget and stops after
-    :data:`DESCENT_ROUNDS` steps or :data:`DESCENT_SECONDS`.
-
-    The MILP bounds saved bytes plus the largest run the backward rematerializes at once, a proxy that can
-    stall just above a budget whose peak is reached before any rematerialization (at a language model's
-    head, every saved value is still alive): there, saving one value less is what fits, and only the
-    simulation sees it.
-    """
-    closest = trials.closest
-    if "chosen" not in closest or closest["over"] > DESCENT_MARGIN * trials.limit:
-        return None
-    local = [c for c in choices if c.mode != "store" and c.pieces[1] - c.pieces[0] <= 1]
-    chosen, current = closest["chosen"], closest["over"]
-    started = time.perf_counter()
-    for _ in range(DESCENT_ROUNDS):
-        if time.perf_counter() - started > DESCENT_SECONDS:
-            return None
-        best = None
-        for choice in local:
-            if not choice.recomputed <= chosen:
-                trial = chosen | choice.recomputed
-                over, candidate, sim = trials.run(trial)
-                if best is None or over < best[0]:
-                    best = (over, trial, candidate, sim)
-        if best is None or best[0] >= current:
-            return None
-        current, chosen = best[0], best[1]
-        trials.rounds.append((len(chosen), int(trials.limit + current), current <= 0))
-        if current <= 0:
-            return (trials.seconds(chosen), chosen, best[2], best[3],
-                    f"descent on the simulation ({len(trials.rounds)} rounds)")
-    return None
-
-
-RELAX_SECONDS = 15.0
-""":func:`_relax` stops after the trial that passes this many seconds."""
-
-
-def _relax(trials: _Trials, pieces: list[tuple[list[int], int]], best: tuple) -> tuple:
-    """Give back recomputation the simulation shows is not needed: from the plan found, drop one group of
-    recomputed units at a time, most seconds first (each expensive unit, a matrix product or a convolution,
-    on its own; each piece's cheap units together), and keep each drop whose step still fits. The searches
-    fit a proxy (a bound on saved bytes, a partitioner's estimate); the budget is the simulated peak, which
-    often has room left. Stops after :data:`RELAX_SECONDS`.
-    """
-    _, chosen, candidate, sim, solver = best
-    groups = []
-    for inside, _ in pieces:
-        part = chosen & set(inside)
-        expensive = {i for i in part if not _cheap(trials.units[i])}
-        groups += [{i} for i in expensive]
-        if part - expensive:
-            groups.append(part - expensive)
-    groups.sort(key=trials.seconds, reverse=True)
-    started, dropped = time.perf_counter(), 0
-    for group in groups:
-        if time.perf_counter() - started > RELAX_SECONDS or not trials.seconds(group):
-            break
-        trial = chosen - group
-        over, trial_step, trial_sim = trials.run(trial)
-        if over <= 0:
-            chosen, candidate, sim, dropped = trial, trial_step, trial_sim, dropped + len(group)
-    if not dropped:
-        return best
-    trials.rounds.append((len(chosen), int(trials.limit + trials.excess(sim)), True))
-    return (trials.seconds(chosen), chosen, candidate, sim,
-            f"{solver}; then {dropped} recomputed nodes given back where the simulated step still fits")
 
 
 def _device(step: StepGraphs) -> str:
