@@ -356,14 +356,14 @@ class Translations:
         return out
 
     def nan_rows(self, out, q):
-        """``fxforge::nan_rows`` (:mod:`fxforge.rewrites.attention.guards`): nothing (an ``Identity``) where ``out``
+        """``fxforge::nan_rows`` (:mod:`fxforge.rewrites.attention.guards`): ``out`` itself where ``out``
         is what this table translated an SDPA to ``MultiHeadAttention`` into and the installed ONNX Runtime's
         CPU kernel (``cpu``) gives NaN in those rows itself (:func:`~fxforge.exporters.attention_guards.multi_head_attention_keeps_nan_rows`);
         elsewhere the guard, ``Where(IsNaN(ReduceSum(Mul(q, 0), [-1])), NaN, out)``."""
         op = self.op
         if self.cpu and any(out is value for value in self.multi_head_outputs) and multi_head_attention_keeps_nan_rows():
             self._count("NaN-row guard left to MultiHeadAttention, which gives NaN there itself")
-            return op.Identity(out)
+            return out  # the value itself: nothing is computed
         rows = op.ReduceSum(op.Mul(q, _constant(op, 0.0, q)), op.Constant(value_ints=[-1]), keepdims=1)
         return op.Where(op.IsNaN(rows), _constant(op, math.nan, out), out)
 

@@ -185,7 +185,7 @@ def test_guards_as_ops_leave_nan_rows_to_the_kernel_that_keeps_them(causal, tmp_
     if causal:
         assert found["GroupQueryAttention"] == 1 and found["IsNaN"] == 1, found
     else:
-        assert "IsNaN" not in found and "ReduceSum" not in found, found
+        assert not {"IsNaN", "ReduceSum", "Identity"} & set(found), found
         assert "NaN-row guard left to MultiHeadAttention, which gives NaN there itself: 1" in result.translations
     for mask in (keep, torch.ones(2, 8, dtype=torch.bool)):
         assert_nan_rows_as_eager(model, result.path, with_nan(torch.randn(2, 8, 32)), torch.randn(2, 8, 32), mask,
