@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxforge.pipeline.partition import build_pipe
+from fxforge.pipeline.engine import build_pipe
 
 
 def _schedule_class(name: str) -> Any:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fxforge
-from fxforge.pipeline.partition import build_pipe, compare_policies
+from fxforge.pipeline.engine import build_pipe
+from fxforge.pipeline.partition import compare_policies
 from fxforge.pipeline.units import split_candidates, stage_units
 from fxforge.runtime.roofline import Machine
 from tests.training import models

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.pipelining import SplitPoint
 
 import fxforge
+from fxforge.pipeline.engine import build_pipe
 from fxforge.pipeline.launch import run_pipeline
-from fxforge.pipeline.partition import build_pipe
 from fxforge.pipeline.restructure import (
     GradFree,
     no_grad_forward,
