@@ -202,7 +202,8 @@ def pattern_pass(rule: Callable[[], PatternRule]) -> OnnxPass:
     """An :class:`OnnxRule`'s function that applies a :class:`PatternRule` (made by ``rule()`` for each run)
     to every node of the model's graph and subgraphs, in graph order: each match its check passes is
     replaced (the replacement's single node takes the name of the single node it replaces; the new values
-    take the old ones' names), and recorded with the names of the nodes it matched.
+    take the old ones' names), and recorded with the names of the nodes it matched. A rule with
+    ``remove_nodes=False`` replaces only the match's root; the other nodes stay for their other readers.
 
     Example:
         >>> class NegNeg(PatternRule):
@@ -241,6 +242,8 @@ def pattern_pass(rule: Callable[[], PatternRule]) -> OnnxPass:
                 ctx.applied(instance.what, matched)
                 ir.convenience.replace_nodes_and_values(graph, node, matched if instance.remove_nodes else [],
                                                         delta.new_nodes, delta.match.outputs, delta.new_outputs)
+                if not instance.remove_nodes and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+                    graph.remove(node, safe=True)  # the root, replaced; the rest of the match stays where read
                 break
 
     run.__name__ = run.__qualname__ = f"{getattr(rule, '__name__', 'pattern')}_pass"

@@ -34,7 +34,7 @@ from fxforge.exporters.residual_norm import residual_norm
 from fxforge.exporters.rms_norm import rms_norm
 from fxforge.exporters.rotary import ROTARY, fuse_rotary_embeddings
 from fxforge.exporters.split_projections import SPLIT_PROJECTIONS, split_projections
-from fxforge.exporters.transpose_pairs import TRANSPOSE_PAIRS, fold_transpose_pairs, unit_transposes
+from fxforge.exporters.transpose_pairs import transpose_pairs, unit_transposes
 
 
 def attention_guards(model: ir.Model, ctx: OnnxContext) -> None:
@@ -143,17 +143,6 @@ def projected_attention(model: ir.Model, ctx: OnnxContext) -> None:
         []
     """
     ctx.applied(PROJECTED_ATTENTION, count=project_attention(model.graph))
-
-
-def transpose_pairs(model: ir.Model, ctx: OnnxContext) -> None:
-    """Transposes around a reshape of size-1 dims become one (:mod:`~fxforge.exporters.transpose_pairs`).
-
-    Example:
-        >>> ctx = OnnxContext("transpose_pairs")
-        >>> transpose_pairs(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10), ctx); ctx.matches
-        []
-    """
-    ctx.applied(TRANSPOSE_PAIRS, count=fold_transpose_pairs(model.graph))
 
 
 # The rules, in the order they run. cpu_only: for ONNX Runtime's CPU provider alone (what each module measured).

@@ -5,7 +5,7 @@ torchvision's attention keeps q, k and v as [L, B·H, E] and transposes them to 
 Runtime's transpose optimizer cancels transposes that meet, but not across the ``Reshape`` between them, so
 in vit_b_16 (batch 1) each of the 12 layers ran three pairs of transposes whose product moves nothing.
 
-The rule: **``Transpose(Reshape(Transpose(x)))``, where the reshape only inserts or removes dims of size 1
+The rule (:class:`TransposePair`, an onnxscript rewrite rule): **``Transpose(Reshape(Transpose(x)))``, where the reshape only inserts or removes dims of size 1
 and shapes are static, becomes ``Reshape(x)`` when the dims of x larger than 1 come out in their own order,
 else ``Reshape(Transpose(x))`` with one transpose**. Only values (no arithmetic) move, so the result is
 exact. The first transpose and the reshape stay where something else reads them.
@@ -45,29 +45,58 @@ TRANSPOSE_PAIRS = "Transpose + Reshape (size-1 dims) + Transpose -> one Reshape 
 UNIT_TRANSPOSES = "Transpose that moves only size-1 dims -> Reshape"
 
 
+class TransposePair(PatternRule):
+    """The module's rule as an onnxscript rule: ``Transpose(Reshape(Transpose(x)))`` of the main graph, where
+    :func:`_order` finds the reshape only adds or drops size-1 dims of static shapes, becomes ``Reshape(x)``
+    or ``Reshape(Transpose(x))`` (to the second transpose's output shape, an initializer ``<output>_shape``).
+    The first transpose and the reshape are left where they are (``remove_nodes=False``): read elsewhere,
+    they stay; read by nothing, the export drops them with every unused node.
+
+    Example:
+        >>> TransposePair().remove_nodes
+        False
+    """
+
+    what = TRANSPOSE_PAIRS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.remove_nodes = False
+
+    def pattern(self, op, x, shape):
+        first = op.Transpose(x, _allow_other_attributes=True)
+        return op.Transpose(op.Reshape(first, shape, _allow_other_attributes=True), _allow_other_attributes=True)
+
+    def refusal(self, context, x, shape):
+        second = context.root
+        order = _order(second) if context.graph_or_function is context.model.graph else None
+        if order is None:
+            return NOT_HERE
+        self._target = (context.graph_or_function, second.outputs[0], order)
+        return None
+
+    def rewrite(self, op, x, shape):
+        graph, target, (x, perm, moved) = self._target
+        source = x
+        if moved:
+            source = op.Transpose(x, perm=perm)
+            source.name, source.type, source.shape = f"{target.name}_once", x.type, ir.Shape([x.shape[d] for d in perm])
+        out = op.Reshape(source, register_constant(graph, f"{target.name}_shape", [int(d) for d in target.shape]))
+        out.shape, out.type = target.shape, target.type
+        return out
+
+
+transpose_pairs = pattern_pass(TransposePair)
+
+
 def fold_transpose_pairs(graph: ir.Graph) -> int:
-    """Apply the module's rule in ``graph`` (not in subgraphs); returns how many pairs were folded.
+    """:class:`TransposePair` applied to ``graph`` outside an export; returns how many pairs were folded.
 
     Example:
         >>> fold_transpose_pairs(ir.Graph([], [], nodes=[]))
         0
     """
-    folded = 0
-    for second in list(graph):
-        order = _order(second)
-        if order is None:
-            continue
-        (x, perm, moved), target = order, second.outputs[0]
-        nodes = []
-        source = x
-        if moved:
-            nodes.append(ir.Node("", "Transpose", [x], attributes=[ir.AttrInt64s("perm", perm)],
-                                 outputs=[ir.Value(name=f"{target.name}_once", type=x.type,
-                                                   shape=ir.Shape([x.shape[d] for d in perm]))]))
-            source = nodes[-1].outputs[0]
-        _replace_by_reshape(graph, second, source, nodes)
-        folded += 1
-    return folded
+    return sum(apply_to_graph(transpose_pairs, graph, "transpose_pairs").counts().values())
 
 
 class UnitTranspose(PatternRule):
@@ -123,17 +152,6 @@ def fold_unit_transposes(graph: ir.Graph) -> int:
         (1, 'Reshape', Shape([197, 1, 768]))
     """
     return sum(apply_to_graph(unit_transposes, graph, "unit_transposes").counts().values())
-
-
-def _replace_by_reshape(graph: ir.Graph, transpose: ir.Node, source: ir.Value, nodes: list[ir.Node]) -> None:
-    """Put ``nodes`` and then ``Reshape(source)`` to ``transpose``'s static output shape in its place."""
-    target = transpose.outputs[0]
-    shape = register_constant(graph, f"{target.name}_shape", [int(d) for d in target.shape])
-    nodes.append(ir.Node("", "Reshape", [source, shape], outputs=[ir.Value(
-        name=f"{target.name}_folded", type=target.type, shape=target.shape)]))
-    graph.insert_before(transpose, nodes)
-    target.replace_all_uses_with(nodes[-1].outputs[0])
-    graph.remove(transpose, safe=True)
 
 
 def _transpose(node: ir.Node | None) -> list[int] | None:
