@@ -170,7 +170,7 @@ def thawed(spec: pytree.TreeSpec) -> pytree.TreeSpec:
         return spec
     # The spec's own nodes are rebuilt: unflattening would run custom containers' code (a transformers cache).
     kind = {immutable_dict: dict, immutable_list: list}.get(spec.type, spec.type)
-    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.10
+    children = spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # older torch
     return pytree.TreeSpec(kind, spec.context, [thawed(child) for child in children])
 
 
