@@ -35,7 +35,17 @@ def _spec(names: list[str]) -> dict[str, Any]:
 def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[str, Any]],
                split_spec: dict[str, Any], stages: int) -> Any:
     """``torch.distributed.pipelining.pipeline(model, ...)`` at ``split_spec``, undoing the split markers it
-    wraps around the submodules' ``forward`` once traced, and checking it made ``stages`` stages."""
+    wraps around the submodules' ``forward`` once traced, and checking it made ``stages`` stages.
+
+    Raises:
+        RuntimeError: the engine made another number of stages (torch.export traced the model differently).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> pipe = build_pipe(model, ((torch.randn(2, 4),), {}), _spec(["1"]), 2)
+        >>> pipe.num_stages, hasattr(model[1], "_orig_forward")
+        (2, False)
+    """
     from torch.distributed.pipelining import pipeline
 
     try:
@@ -103,6 +113,17 @@ def first_failing_stage(pipe: Any, microbatch: tuple[tuple[Any, ...], dict[str, 
     (``x += residual`` right after a split) fails here as it would on the workers.
 
     The model's buffers (batch-norm statistics) and the random state are restored afterwards.
+
+    Example:
+        >>> class Residual(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        ...     def forward(self, x):
+        ...         h = self.a(x)
+        ...         return self.b(h) + h
+        >>> microbatch = ((torch.randn(2, 4),), {})
+        >>> first_failing_stage(build_pipe(Residual(), microbatch, _spec(["b"]), 2), microbatch) is None
+        True
     """
     module = pipe.split_gm
     stage_names = [n.target for n in module.graph.nodes if n.op == "call_module"]

@@ -5,7 +5,7 @@ instead lowers the step's peak at the price of compute. :func:`plan_checkpointin
 joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute:
 
 1. **Units.** Each forward node (with the ``getitem`` nodes of a multi-output op) is a unit with the bytes
-   of its outputs and the estimated time to compute it again (:mod:`fxforge.training.costs`). Random ops
+   of its outputs and the estimated time to compute it again (:mod:`fxforge.core.costs`). Random ops
    (dropout) are never recomputed: on CPU they would draw other numbers. The step's own outputs are alive
    anyway.
 2. **An exact choice for a bound on the saved bytes** (a MILP solved by scipy's HiGHS): binary ``r[u]``
@@ -50,14 +50,15 @@ Example:
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from fxforge.runtime.roofline import Machine, measure_machine
+from fxforge.core.costs import Machine, graph_seconds, node_seconds
+from fxforge.core.units import format_bytes, parse_budget
+from fxforge.runtime.roofline import measure_machine
 from fxforge.training.budget_search import (
     _cheapest,
     _descend,
@@ -67,8 +68,7 @@ from fxforge.training.budget_search import (
     _search,
     _Trials,
 )
-from fxforge.training.checkpoint_plan import CheckpointPlan, _size
-from fxforge.training.costs import graph_seconds, node_seconds
+from fxforge.training.checkpoint_plan import CheckpointPlan
 from fxforge.training.recompute_choices import (  # noqa: F401 - Choice, _solve: importable from here as before
     Choice,
     _choices,
@@ -84,43 +84,13 @@ OFFERED_MILP_TIME_LIMIT_S = 4.0
 OFFERED_SEARCH_SECONDS = 30.0
 """With offered choices (``candidates=``), each MILP stops after 4 s and no round starts after 30 s."""
 
-_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
-
-
-def parse_budget(budget: Any) -> tuple[str, float]:
-    """``("fraction", f)`` for ``"60%"`` (or a float in (0, 1]), ``("bytes", n)`` for an int or ``"2GiB"``.
-
-    Raises:
-        ValueError: anything else, a fraction outside (0, 100 %], or a size that is not positive.
+class BudgetError(ValueError):
+    """The budget cannot be met by checkpointing (the message says what the least reachable is).
 
     Example:
-        >>> parse_budget("60%"), parse_budget("1.5GiB"), parse_budget(1000)
-        (('fraction', 0.6), ('bytes', 1610612736.0), ('bytes', 1000.0))
+        >>> issubclass(BudgetError, ValueError)
+        True
     """
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return "fraction", float(budget)
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
-        return "bytes", float(budget)
-    if isinstance(budget, str):
-        text = budget.strip().lower().replace(" ", "")
-        if text.endswith("%"):
-            try:
-                value = float(text[:-1]) / 100
-            except ValueError:
-                value = -1.0
-            if 0 < value <= 1:
-                return "fraction", value
-            raise ValueError(f"memory_budget {budget!r}: a percentage must be in (0, 100]")
-        match = re.fullmatch(r"([0-9.]+)([kmg]i?b|b)?", text)
-        if match:
-            value = float(match.group(1)) * _UNITS[match.group(2) or ""]
-            if value > 0:
-                return "bytes", value
-    raise ValueError(f"memory_budget {budget!r}: give bytes (an int, '2GiB') or a percentage ('60%')")
-
-
-class BudgetError(ValueError):
-    """The budget cannot be met by checkpointing (the message says what the least reachable is)."""
 
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
@@ -140,7 +110,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             step (the optimizer's too), as a caller keeping ``out = model(x)`` does.
         fused: the graphs will be compiled by Inductor, which computes a recomputed elementwise op inside
             the kernel that uses it: such recomputation is costed at writing its output once
-            (:func:`~fxforge.training.costs.node_seconds`), so the plan prefers it to recomputing a
+            (:func:`~fxforge.core.costs.node_seconds`), so the plan prefers it to recomputing a
             matrix product or a convolution.
         candidates: called with ``step`` when the step does not fit unconstrained: recomputations another
             partitioner chose (a label -> forward node names; Inductor's min cut at several budgets,
@@ -182,7 +152,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         target = limit - margin_bytes
         if optimizer_phase > limit:
             raise BudgetError(f"memory_budget {budget!r}: the optimizer step alone needs "
-                              f"{_size(optimizer_phase)} (weights, state, gradients, its temporaries)")
+                              f"{format_bytes(optimizer_phase)} (weights, state, gradients, its temporaries)")
 
         def excess(sim: StepSimulation) -> int:
             return whole(sim) - target
@@ -220,11 +190,11 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     if best is None:
         least = min((figure for _, figure, _ in rounds), default=target + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
-        kept = f", {_size(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
+        kept = f", {format_bytes(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
             if margin_bytes > 0 else ""
         free = unconstrained if kind == "fraction" else whole(base)
-        raise BudgetError(f"memory_budget {budget!r} ({_size(limit)}{kept}) is below what recomputation reached: "
-                          f"{what} of {_size(least)} at best (unconstrained {_size(free)})")
+        raise BudgetError(f"memory_budget {budget!r} ({format_bytes(limit)}{kept}) is below what recomputation reached: "
+                          f"{what} of {format_bytes(least)} at best (unconstrained {format_bytes(free)})")
     _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes
                             if n.name in chosen_step.recomputed)
