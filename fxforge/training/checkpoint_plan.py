@@ -2,7 +2,7 @@
 answer (:func:`~fxforge.training.checkpointing.plan_step`).
 
 Example:
-    >>> _size(512), _size(3.2 * 2**10), _size(1.25 * 2**30)
+    >>> format_bytes(512), format_bytes(3.2 * 2**10), format_bytes(1.25 * 2**30)
     ('512 B', '3.2 KiB', '1.25 GiB')
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fxforge.core.units import format_bytes
 from fxforge.training.step_graph import StepGraphs
 from fxforge.training.timeline import StepSimulation
 
@@ -86,14 +87,14 @@ class CheckpointPlan:
 
     def lines(self) -> list[str]:
         """The plan as report lines."""
-        what = (f"{self.budget} of the activation peak -> activations <= {_size(self.budget_bytes)}"
-                if self.budget_kind == "fraction" else f"{_size(self.budget_bytes)} for the whole step")
+        what = (f"{self.budget} of the activation peak -> activations <= {format_bytes(self.budget_bytes)}"
+                if self.budget_kind == "fraction" else f"{format_bytes(self.budget_bytes)} for the whole step")
         return [
             f"budget: {what}",
-            (f"activation peak: {_size(self.unconstrained_activation_bytes)} -> "
-             f"{_size(self.predicted_activation_peak_bytes)} (simulated, backward liveness included)"),
-            f"step peak: {_size(self.unconstrained_peak_bytes)} -> {_size(self.predicted_peak_bytes)}",
-            (f"saved for backward: {len(self.saved)} values ({_size(self.simulation.saved_bytes)}); "
+            (f"activation peak: {format_bytes(self.unconstrained_activation_bytes)} -> "
+             f"{format_bytes(self.predicted_activation_peak_bytes)} (simulated, backward liveness included)"),
+            f"step peak: {format_bytes(self.unconstrained_peak_bytes)} -> {format_bytes(self.predicted_peak_bytes)}",
+            (f"saved for backward: {len(self.saved)} values ({format_bytes(self.simulation.saved_bytes)}); "
              f"recomputed: {len(self.recomputed)} nodes"),
             (f"predicted overhead: {self.overhead:.1%} of forward+backward ({self.recompute_seconds * 1e3:.2f} ms "
              f"of {self.step_seconds * 1e3:.2f} ms, roofline estimate)"),
@@ -113,14 +114,14 @@ class CheckpointPlan:
         what = "activation peak" if self.budget_kind == "fraction" else "step peak"
         verdict = "fits" if self.measured_bytes <= self.budget_bytes else "OVER the budget"
         if self.margin_bytes > 0:
-            kept = (f"; planned {_size(self.margin_bytes)} under the budget, what an earlier measured plan held "
+            kept = (f"; planned {format_bytes(self.margin_bytes)} under the budget, what an earlier measured plan held "
                     "beyond its simulation")
         elif self.margin_bytes < 0:
-            kept = (f"; planned {_size(-self.margin_bytes)} over the budget, what an earlier measured plan held "
+            kept = (f"; planned {format_bytes(-self.margin_bytes)} over the budget, what an earlier measured plan held "
                     "below its simulation")
         else:
             kept = ""
-        return f"measured on one step: {what} {_size(self.measured_bytes)}, {verdict}{kept}"
+        return f"measured on one step: {what} {format_bytes(self.measured_bytes)}, {verdict}{kept}"
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -132,11 +133,3 @@ class CheckpointPlan:
         by_name = {n.name: n for n in self.step.joint.graph.nodes}
         return pd.DataFrame([{"node": name, "op": str(by_name[name].target) if name in by_name else ""}
                              for name in self.recomputed])
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in the unit that reads best: ``512 B``, ``3.2 KiB``, ``12.5 MiB``, ``1.25 GiB``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{int(nbytes)} B"

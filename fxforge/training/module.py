@@ -37,9 +37,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
+from fxforge.core.units import format_bytes, parse_budget
 from fxforge.rewrites.memory_reorder.planning import apply_order
 from fxforge.rewrites.memory_reorder.planning import plan as plan_order
-from fxforge.training.checkpointing import BudgetError, CheckpointPlan, _size, parse_budget, plan_step
+from fxforge.training.checkpointing import BudgetError, CheckpointPlan, plan_step
 from fxforge.training.measure import unique_bytes
 from fxforge.training.optimizer_memory import optimizer_memory
 from fxforge.training.step_graph import StepGraphs, default_loss, trace_step
@@ -225,7 +226,7 @@ class CheckpointedModule(torch.nn.Module):
             entry, over, plan = closest
             self._keep(entry, plan, args, kwargs)
         if over > 0:
-            warnings.warn(f"fxforge: the checkpointing plan measured {_size(over)} over its budget on one "
+            warnings.warn(f"fxforge: the checkpointing plan measured {format_bytes(over)} over its budget on one "
                           "step, after planning again with the excess kept back; it is kept as the closest",
                           stacklevel=3)
         return entry

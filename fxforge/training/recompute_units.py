@@ -1,7 +1,7 @@
 """What a training step could recompute: its forward nodes as units, and the forward cut into pieces.
 
 Each forward node (with the ``getitem`` nodes of a multi-output op) is a :class:`Unit` with the bytes of its
-outputs and the estimated time to compute it again (:mod:`fxforge.training.costs`). Random ops (dropout)
+outputs and the estimated time to compute it again (:mod:`fxforge.core.costs`). Random ops (dropout)
 are never recomputed: on CPU they would draw other numbers. The step's own outputs are alive anyway.
 :func:`_pieces` cuts the forward where one value carries everything on; the planner
 (:mod:`fxforge.training.checkpointing`) chooses per piece.
@@ -19,10 +19,9 @@ import operator
 
 import torch
 
+from fxforge.core.costs import Machine, node_seconds
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
-from fxforge.runtime.roofline import Machine
-from fxforge.training.costs import node_seconds
 from fxforge.training.step_graph import StepGraphs, is_forward, is_random
 
 
