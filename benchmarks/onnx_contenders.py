@@ -38,7 +38,8 @@ from benchmarks.contenders import (
     report_info,
     report_note,
 )
-from fxforge.exporters.residual_norm import RESIDUAL_NORM
+from fxforge.exporters.onnx_rules import ONNX_RULES
+from fxforge.exporters.residual_norm import residual_norm
 
 # config.model_type (transformers) -> the transformers optimizer's model_type.
 OPTIMIZER_MODEL_TYPES = {
@@ -65,35 +66,38 @@ def _fxforge_ort(model: nn.Module, args: tuple) -> Prepared:
                               session_options=ort_session_options(), providers=ort_providers(device))
     translations = module.onnx_export.translations if module.onnx_export is not None else []
     note = report_note(module.report)
-    note += "".join(f", {kernel}×{count}" for kernel, count in ort_kernels(translations).items())
+    note += "".join(f", {kernel}×{count}" for kernel, count in ort_kernels(translations, module.report.counts).items())
     info = report_info(module.report)
     info.update(translations=translations, providers=module.providers, ops=_op_counts(module.path))
     return Prepared(module, note=note, info=info,
                     describe=lambda: {"optimized_graph": optimized_graph_digest(module.path, device)})
 
 
-def ort_kernels(translations: list[str]) -> dict[str, int]:
-    """How many calls each ORT kernel form fxforge chose carries, from an export's translation lines: the
-    attention kernels, and the residual ``Sum`` + ``LayerNormalization`` kept apart from ORT's
-    SkipLayerNormalization.
+# The ONNX rule that keeps the residual Add apart from LayerNormalization (its applications are counted as
+# "onnx <name>" in a report).
+RESIDUAL_NORM_RULE = next(rule.name for rule in ONNX_RULES if rule.run is residual_norm)
+
+
+def ort_kernels(translations: list[str], counts: dict[str, int]) -> dict[str, int]:
+    """How many calls each ORT kernel form fxforge chose carries: the attention kernels (from an export's
+    translation lines), and the residual ``Sum`` + ``LayerNormalization`` kept apart from ORT's
+    SkipLayerNormalization (the ``onnx residual_norm`` rule's applications in the report's ``counts``).
 
     Example:
         >>> ort_kernels(["attention -> com.microsoft.GroupQueryAttention (causal): 4",
-        ...              "attention -> com.microsoft.MultiHeadAttention: 2", "fxforge::linear_pointwise -> Gemm: 1",
-        ...              RESIDUAL_NORM + ": 9"])
+        ...              "attention -> com.microsoft.MultiHeadAttention: 2", "fxforge::linear_pointwise -> Gemm: 1"],
+        ...             {"onnx residual_norm": 9, "cleanup": 3})
         {'GroupQueryAttention': 4, 'MultiHeadAttention': 2, 'Sum+LayerNormalization': 9}
     """
-    counts: dict[str, int] = {}
+    kernels: dict[str, int] = {}
     for line in translations:
         what, _, count = line.rpartition(": ")
         if what.startswith("attention -> com.microsoft."):
             kernel = what.removeprefix("attention -> com.microsoft.").split(" ")[0]
-        elif what == RESIDUAL_NORM:
-            kernel = "Sum+LayerNormalization"
-        else:
-            continue
-        counts[kernel] = counts.get(kernel, 0) + int(count)
-    return counts
+            kernels[kernel] = kernels.get(kernel, 0) + int(count)
+    if counts.get(f"onnx {RESIDUAL_NORM_RULE}"):
+        kernels["Sum+LayerNormalization"] = counts[f"onnx {RESIDUAL_NORM_RULE}"]
+    return kernels
 
 
 def optimizer_model_type(model: nn.Module) -> str:

@@ -83,14 +83,13 @@ def test_a_model_without_both_rows_is_said_so():
 
 
 def test_fxforge_ort_note_counts_each_attention_kernel():
-    from benchmarks.onnx_contenders import ort_kernels
-    from fxforge.exporters.residual_norm import RESIDUAL_NORM
+    from benchmarks.onnx_contenders import RESIDUAL_NORM_RULE, ort_kernels
 
     translations = ["attention -> com.microsoft.MultiHeadAttention: 2",
                     "attention mask checked at run time (a mask that masks nothing: flash attention): 2",
                     "attention -> com.microsoft.GroupQueryAttention (causal): 3",
                     "causal attention as MultiHeadAttention: head size 12 is not a multiple of 8 (...)",
-                    "fxforge::linear_pointwise -> MatMul + Add + gelu: 4", f"{RESIDUAL_NORM}: 9",
-                    "residual Add kept before LayerNormalization: operand shapes not known at export time"]
-    assert ort_kernels(translations) == {"MultiHeadAttention": 2, "GroupQueryAttention": 3,
+                    "fxforge::linear_pointwise -> MatMul + Add + gelu: 4"]
+    assert RESIDUAL_NORM_RULE == "residual_norm"
+    assert ort_kernels(translations, {"onnx residual_norm": 9, "attention": 2}) == {"MultiHeadAttention": 2, "GroupQueryAttention": 3,
                                          "Sum+LayerNormalization": 9}
