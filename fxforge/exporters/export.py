@@ -31,6 +31,7 @@ from fxforge.capture.dynamic import (
     sequence_length,
 )
 from fxforge.core.captured import Captured
+from fxforge.core.plan import CallConditions
 from fxforge.core.source import first_line
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
 from fxforge.exporters.ort_module import OnnxRuntimeModule
@@ -38,6 +39,8 @@ from fxforge.exporters.program import ExportError
 from fxforge.rewrites import pipeline
 from fxforge.rewrites.registry import resolve
 
+# The calls an exported graph serves: no gradients, no autocast; guards the ONNX translation may drop as ops.
+EXPORT_CONDITIONS = CallConditions(guards_as_ops=True)
 # What export_onnx takes besides the model, the path and the inputs; the onnxruntime target passes these on.
 EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "dynamic_shapes", "opset", "attention",
                   "external_data")
@@ -134,7 +137,10 @@ def _for_export(model: nn.Module | Captured, example_inputs: Any, *, example_kwa
 
 
 def _rewritten_for_export(captured: Captured, rewrites: Any, verify: bool) -> Captured:
-    captured = pipeline.rewrite(captured, rewrites, verify)  # no tuner: ONNX Runtime picks its own kernels
+    """The rewrites for an ONNX file: no tuner (ONNX Runtime picks its own kernels), and attention's NaN-row guard
+    written as one op (``fxforge::nan_rows``) that the translation leaves out where ORT's kernel gives NaN there
+    itself, instead of a graph of guards that a later pass would pattern-match away."""
+    captured = pipeline.rewrite(captured, rewrites, verify, conditions=EXPORT_CONDITIONS)
     if captured.report.counts.get("conv_activation"):
         captured.report.notes.append("conv_activation kept without timing PyTorch kernels: the ONNX file runs "
                                      "ONNX Runtime's own")
