@@ -75,8 +75,8 @@ def env_name() -> str:
 
 def plan_rows(name: str, model: torch.nn.Module, inputs: tuple, stages: int) -> list[dict[str, Any]]:
     """One row per policy at ``stages`` stages and ``2 * stages`` microbatches."""
-    from fxforge.pipeline.partition import compare_policies, partition
-    from fxforge.pipeline.units import stage_units
+    from fxforge.parallel.partition import compare_policies, partition
+    from fxforge.parallel.units import stage_units
 
     microbatches = 2 * stages
     start = time.perf_counter()
@@ -117,9 +117,9 @@ def plan_rows(name: str, model: torch.nn.Module, inputs: tuple, stages: int) -> 
 
 def measured_rows(name: str, model: torch.nn.Module, inputs: tuple, rounds: int, steps: int) -> list[dict[str, Any]]:
     """fxforge's and the even split at 2 stages, run on gloo in turns (``rounds`` x ``steps`` steps each)."""
-    from fxforge.pipeline.launch import run_pipeline
-    from fxforge.pipeline.partition import partition
-    from fxforge.pipeline.units import stage_units
+    from fxforge.parallel.launch import run_pipeline
+    from fxforge.parallel.partition import partition
+    from fxforge.parallel.units import stage_units
 
     units = stage_units(model, inputs, microbatches=4)
     parts = {"fxforge": partition(model, inputs, 2, microbatches=4, units=units)}

@@ -16,7 +16,7 @@ from fxforge.exporters import ExportError, OnnxRuntimeModule
 from fxforge.exporters.export import export_onnx
 from fxforge.exporters.pt2 import load
 from fxforge.lowering.build import rewrite
-from fxforge.pipeline import Partition, partition
+from fxforge.parallel import Partition, partition
 from fxforge.rewrites.passes import Pass
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile import Profile

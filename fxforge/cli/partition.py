@@ -54,7 +54,7 @@ def policy_rows(found: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
 
 
 def _partition(model: Any, inputs: tuple, args: argparse.Namespace, compare: bool) -> tuple[Any, dict[str, Any]]:
-    from fxforge.pipeline.partition import compare_policies, partition
+    from fxforge.parallel.partition import compare_policies, partition
 
     options = {"microbatches": args.microbatches, "schedule": args.schedule, "link_gbs": args.link_gbs,
                "costs": args.costs}
@@ -82,7 +82,7 @@ def run_partition(args: argparse.Namespace) -> int:
             step.note(f"bottleneck ratio {part.bottleneck_ratio:.3f}")
         run = None
         if args.launch:
-            from fxforge.pipeline.launch import run_pipeline
+            from fxforge.parallel.launch import run_pipeline
 
             with steps.step(f"run {args.stages} processes ({part.schedule})") as step:
                 try:
@@ -100,7 +100,7 @@ def run_partition(args: argparse.Namespace) -> int:
     console.print("split_spec: {" + ", ".join(f"{n!r}: SplitPoint.BEGINNING" for n in part.split_points) + "}",
                   markup=False, highlight=False, soft_wrap=True)
     if part.column_blocks:
-        console.print(f"  (the split points name fxforge.pipeline.restructure.pipeline_ready(model, {part.column_blocks!r}),"
+        console.print(f"  (the split points name fxforge.parallel.restructure.pipeline_ready(model, {part.column_blocks!r}),"
                       " which shares the model's parameters: Partition.pipeline_model)", markup=False,
                       highlight=False, soft_wrap=True)
     if found:

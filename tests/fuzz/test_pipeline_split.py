@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxforge.pipeline.split import StageTables, best_split, brute_force_split, in_flight
+from fxforge.parallel.split import StageTables, best_split, brute_force_split, in_flight
 
 
 @st.composite
@@ -54,7 +54,7 @@ def test_column_blocks_equal_the_layer_on_random_shapes(in_features, out_feature
     its outputs and gradients, on its own parameters, tied or not."""
     import torch
 
-    from fxforge.pipeline.restructure import with_column_blocks
+    from fxforge.parallel.restructure import with_column_blocks
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Embedding(out_features, in_features),

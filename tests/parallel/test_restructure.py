@@ -1,4 +1,4 @@
-"""The model as torch.distributed.pipelining runs it (fxforge/pipeline/restructure.py): torch.no_grad()
+"""The model as torch.distributed.pipelining runs it (fxforge/parallel/restructure.py): torch.no_grad()
 submodules as GradFree, shared parameters, the model left as it was; and LLaMA, whose rotary embedding
 runs under no_grad, split and run on gloo like the single process."""
 
@@ -9,9 +9,9 @@ import torch
 from torch.distributed.pipelining import SplitPoint
 
 import fxforge
-from fxforge.pipeline.engine import build_pipe
-from fxforge.pipeline.launch import run_pipeline
-from fxforge.pipeline.restructure import (
+from fxforge.parallel.engine import build_pipe
+from fxforge.parallel.launch import run_pipeline
+from fxforge.parallel.restructure import (
     GradFree,
     no_grad_forward,
     no_grad_modules,

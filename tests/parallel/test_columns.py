@@ -1,4 +1,4 @@
-"""A Linear layer heavier than a pipeline stage computed in column blocks (fxforge/pipeline/columns.py):
+"""A Linear layer heavier than a pipeline stage computed in column blocks (fxforge/parallel/columns.py):
 the same outputs and gradients as the layer, on its own (tied) parameters, and a split that shares it
 between stages, run on torch.distributed.pipelining."""
 
@@ -13,15 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxforge
-from fxforge.pipeline.columns import (
+from fxforge.parallel.columns import (
     ALIGN,
     ColumnBlocks,
     block_edges,
     column_plans,
     splittable_linear,
 )
-from fxforge.pipeline.launch import run_pipeline
-from fxforge.pipeline.restructure import with_column_blocks
+from fxforge.parallel.launch import run_pipeline
+from fxforge.parallel.restructure import with_column_blocks
 from fxforge.runtime.roofline import Machine
 from tests.training import models
 

@@ -1,10 +1,10 @@
-"""The pipeline simulator (fxforge/pipeline/simulate.py) against step times worked out by hand."""
+"""The pipeline simulator (fxforge/parallel/simulate.py) against step times worked out by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from fxforge.pipeline.simulate import schedule_order, simulate_pipeline
+from fxforge.parallel.simulate import schedule_order, simulate_pipeline
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fxforge.pipeline.units import StageUnits
+from fxforge.parallel.units import StageUnits
 
 MAX_REFUSALS = 16
 """Split points refused on torch's engine before the search gives up."""

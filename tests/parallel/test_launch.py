@@ -1,5 +1,5 @@
 """Partitioned models run on torch.distributed.pipelining with gloo, one local process per stage, and
-give the single process's outputs and gradients (fxforge/pipeline/launch.py, worker.py).
+give the single process's outputs and gradients (fxforge/parallel/launch.py, worker.py).
 
 Each run starts k Python processes (about 10-25 s on two cores)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxforge
-from fxforge.pipeline.launch import microbatches_of, reference_step, run_pipeline, square_mean_loss
+from fxforge.parallel.launch import microbatches_of, reference_step, run_pipeline, square_mean_loss
 from tests.training import models
 
 
@@ -36,7 +36,7 @@ def test_resnet_through_gloo_equals_one_process(stages, train):
 
 
 def test_the_check_fails_when_gradients_or_outputs_differ():
-    from fxforge.pipeline import launch
+    from fxforge.parallel import launch
 
     model = models.gpt2(dropout=0.0, layers=2).eval()
     batch = {"input_ids": models.ids(batch=4)}

@@ -1,4 +1,4 @@
-"""Running a :class:`~fxforge.pipeline.partition.Partition` for real: one local process per stage, on
+"""Running a :class:`~fxforge.parallel.partition.Partition` for real: one local process per stage, on
 ``torch.distributed`` (gloo on CPU, NCCL on GPUs) and ``torch.distributed.pipelining``'s schedules, then
 checking its outputs and gradients against the model run in one process.
 
@@ -36,9 +36,9 @@ from torch.utils import _pytree as pytree
 
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
-from fxforge.pipeline.partition import Partition
-from fxforge.pipeline.restructure import pipeline_ready
-from fxforge.pipeline.units import microbatches_of
+from fxforge.parallel.partition import Partition
+from fxforge.parallel.restructure import pipeline_ready
+from fxforge.parallel.units import microbatches_of
 
 RTOL, ATOL = 1e-4, 1e-5
 """How close the pipeline's outputs and gradients must be to the single process's (float32 sums in
@@ -182,7 +182,7 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(threads))
         setup = [f"{worker_setup.__module__}:{worker_setup.__qualname__}"] if worker_setup else []
-        procs = [subprocess.Popen([sys.executable, "-m", "fxforge.pipeline.worker", str(payload), str(rank),
+        procs = [subprocess.Popen([sys.executable, "-m", "fxforge.parallel.worker", str(payload), str(rank),
                                    str(part.stages), str(folder), *setup], env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True) for rank in range(part.stages)]
         deadline = time.monotonic() + timeout

@@ -1,12 +1,12 @@
 """``fxforge.partition``: cost-balanced pipeline stages, and this rank's stage on PyTorch's engine.
 
-The model's training step is traced on one microbatch (:mod:`fxforge.pipeline.units`), the places a
+The model's training step is traced on one microbatch (:mod:`fxforge.parallel.units`), the places a
 stage may begin are the submodules called once, and a dynamic program picks the ``k - 1`` of them that
 minimise the slowest stage (forward + backward + what it sends), every stage within
-``memory_per_stage`` (:mod:`fxforge.pipeline.split`). The result gives ``split_spec`` in the form
+``memory_per_stage`` (:mod:`fxforge.parallel.split`). The result gives ``split_spec`` in the form
 ``torch.distributed.pipelining.pipeline()`` takes, the per-stage figures, the simulated step of the 1F1B
-and GPipe schedules (:mod:`fxforge.pipeline.simulate`), and :meth:`Partition.build_stage`. Split points
-that PyTorch's engine cannot build or run are refused and searched around (:mod:`fxforge.pipeline.engine`).
+and GPipe schedules (:mod:`fxforge.parallel.simulate`), and :meth:`Partition.build_stage`. Split points
+that PyTorch's engine cannot build or run are refused and searched around (:mod:`fxforge.parallel.engine`).
 
 Example:
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
@@ -29,11 +29,11 @@ import torch
 from fxforge.core.costs import Machine
 from fxforge.core.nodes import named_submodule
 from fxforge.core.units import parse_budget
-from fxforge.pipeline.columns import column_plans
-from fxforge.pipeline.engine import _engine_split, _spec, build_pipe
-from fxforge.pipeline.restructure import pipeline_ready
-from fxforge.pipeline.simulate import SimulatedPipeline, simulate_pipeline
-from fxforge.pipeline.split import (
+from fxforge.parallel.columns import column_plans
+from fxforge.parallel.engine import _engine_split, _spec, build_pipe
+from fxforge.parallel.restructure import pipeline_ready
+from fxforge.parallel.simulate import SimulatedPipeline, simulate_pipeline
+from fxforge.parallel.split import (
     SCHEDULES,
     StageTables,
     best_split,
@@ -41,7 +41,7 @@ from fxforge.pipeline.split import (
     in_flight,
     parameter_split,
 )
-from fxforge.pipeline.units import StageUnits, stage_units
+from fxforge.parallel.units import StageUnits, stage_units
 
 POLICIES = ("fxforge", "even-layers", "parameters")
 """How the split points are chosen: fxforge's balance of costs, torchtitan's even split of the blocks, or
@@ -81,11 +81,11 @@ class Partition:
         refused: split points a stage could not begin at on torch's engine, with the error (a stage that
             changes a received tensor in place: ``out += identity`` right after the split).
         column_blocks: the ``Linear`` layers computed in blocks of output features so that stages can share
-            them (:mod:`fxforge.pipeline.columns`), with their number of blocks; empty when none is.
+            them (:mod:`fxforge.parallel.columns`), with their number of blocks; empty when none is.
         pipeline_model: the model the split points name, as torch's engine runs it: the model itself, or a
             new root sharing its parameters where submodules had to be replaced (column blocks, and
             ``torch.no_grad()`` submodules the engine cannot split around;
-            :func:`~fxforge.pipeline.restructure.pipeline_ready`).
+            :func:`~fxforge.parallel.restructure.pipeline_ready`).
     """
 
     model: torch.nn.Module
@@ -254,7 +254,7 @@ def partition(model: torch.nn.Module, example_inputs: Any, stages: int, *, memor
             (:attr:`Partition.refused`) and the search runs again without it. fxforge's policy only.
         column_blocks: where a ``Linear`` layer alone takes more than a mean stage (an LM head over a large
             vocabulary), also plan the model with that layer computed in blocks of its output features
-            (:mod:`fxforge.pipeline.columns`; blocks of 1/2, 1/4 and 1/6 of a mean stage are tried), and
+            (:mod:`fxforge.parallel.columns`; blocks of 1/2, 1/4 and 1/6 of a mean stage are tried), and
             keep the best of those plans when its slowest stage is at least 1 % faster. fxforge's policy
             only; the split points then name :attr:`Partition.pipeline_model`.
 

@@ -8,7 +8,7 @@ with the model, where a few submodules are replaced by ones the engine can split
   the pipeline's splitter (torch 2.13) turns into a missing input of the first stage: no split of
   transformers' LLaMA could run.
 - **A ``Linear`` layer heavier than a stage** is computed in column blocks
-  (:mod:`fxforge.pipeline.columns`), when the split planned asks for it.
+  (:mod:`fxforge.parallel.columns`), when the split planned asks for it.
 
 Only the modules on the path to a replaced one are copied (shallowly): the model itself is left as it is.
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxforge.pipeline.columns import ColumnBlocks, splittable_linear
+from fxforge.parallel.columns import ColumnBlocks, splittable_linear
 
 
 def no_grad_forward(module: nn.Module) -> Any:
@@ -139,10 +139,10 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 def with_column_blocks(model: nn.Module, blocks: dict[str, int]) -> nn.Module:
     """``model`` with each ``Linear`` named in ``blocks`` computed as that many
-    :class:`~fxforge.pipeline.columns.ColumnBlocks` (a new root; ``model`` is left as it is).
+    :class:`~fxforge.parallel.columns.ColumnBlocks` (a new root; ``model`` is left as it is).
 
     Raises:
-        ValueError: a name that is not a layer :func:`~fxforge.pipeline.columns.splittable_linear` accepts.
+        ValueError: a name that is not a layer :func:`~fxforge.parallel.columns.splittable_linear` accepts.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 256))

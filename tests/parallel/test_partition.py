@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import fxforge
-from fxforge.pipeline.engine import build_pipe
-from fxforge.pipeline.partition import compare_policies
-from fxforge.pipeline.units import split_candidates, stage_units
+from fxforge.parallel.engine import build_pipe
+from fxforge.parallel.partition import compare_policies
+from fxforge.parallel.units import split_candidates, stage_units
 from fxforge.runtime.roofline import Machine
 from tests.training import models
 

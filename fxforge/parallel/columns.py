@@ -19,7 +19,7 @@ This is the idea of vocabulary parallelism for pipelines (Yeung et al., 2024: th
 the first and last stages the bottleneck), here restricted to what ``split_spec`` can express: the blocks
 go to consecutive stages.
 
-:func:`fxforge.pipeline.restructure.with_column_blocks` makes the model with such layers replaced.
+:func:`fxforge.parallel.restructure.with_column_blocks` makes the model with such layers replaced.
 
 Example:
     >>> layer = torch.nn.Linear(8, 256)

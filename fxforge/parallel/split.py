@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fxforge.pipeline.units import Item, StageUnits
+from fxforge.parallel.units import Item, StageUnits
 
 SCHEDULES = ("1F1B", "GPipe")
 """Schedules the simulator and the memory model know."""
@@ -110,7 +110,7 @@ class StageTables:
 
     @classmethod
     def of_units(cls, units: StageUnits, link_gbs: float = 12.5) -> StageTables:
-        """The tables of a traced model (:func:`fxforge.pipeline.units.stage_units`)."""
+        """The tables of a traced model (:func:`fxforge.parallel.units.stage_units`)."""
         count = len(units)
         state = [*units.parameters, *units.buffers]
         return cls(_span(units.forward_seconds), _span(units.backward_seconds), _sent_on(units.values, count),

@@ -1,8 +1,8 @@
-"""One stage of a local pipeline run (:func:`fxforge.pipeline.launch.run_pipeline` starts one per rank).
+"""One stage of a local pipeline run (:func:`fxforge.parallel.launch.run_pipeline` starts one per rank).
 
 ::
 
-    python -m fxforge.pipeline.worker PAYLOAD RANK WORLD OUT_DIR [SETUP_MODULE:FUNCTION]
+    python -m fxforge.parallel.worker PAYLOAD RANK WORLD OUT_DIR [SETUP_MODULE:FUNCTION]
 
 with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxforge.pipeline.engine import build_pipe
+from fxforge.parallel.engine import build_pipe
 
 
 def _schedule_class(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The split search (fxforge/pipeline/split.py): the DP is exact (equal to brute force), a memory cap is
+"""The split search (fxforge/parallel/split.py): the DP is exact (equal to brute force), a memory cap is
 respected and can force an uneven split, and the peers' splits are what their policies say."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fxforge.pipeline.split import (
+from fxforge.parallel.split import (
     StageTables,
     best_split,
     block_names,
