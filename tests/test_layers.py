@@ -16,6 +16,8 @@ import shutil
 
 import pytest
 
+from tests.import_graph import cycles, is_module, module_name
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fxforge"
 
 # First part of the module path under fxforge -> its layer.
@@ -41,18 +43,6 @@ class Import:
     imported: str  # dotted module name the import resolves to
     names: tuple[str, ...]  # names taken from it (empty for `import x`)
     line: int
-
-
-def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def is_module(name: str, root: pathlib.Path) -> bool:
-    relative = pathlib.Path(*name.split(".")[1:]) if "." in name else pathlib.Path()
-    return (root / relative).with_suffix(".py").is_file() or (root / relative / "__init__.py").is_file()
 
 
 def imports_of(path: pathlib.Path, root: pathlib.Path) -> list[Import]:
@@ -101,25 +91,6 @@ def layer_violations(imports: list[Import]) -> list[str]:
         elif LAYERS[dst] > LAYERS[src]:
             problems.append(f"{imp.importer}:{imp.line} imports {imp.imported} (layer {dst} above {src})")
     return problems
-
-
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle found by a depth-first search (each reported once, as the path that closes it)."""
-    found, state = [], {}
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
-            elif nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = "done"
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node, [node])
-    return found
 
 
 def package_cycles(imports: list[Import]) -> list[list[str]]:

@@ -12,19 +12,9 @@ import shutil
 
 import pytest
 
+from tests.import_graph import cycles, is_module, module_name
+
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def is_module(name: str, root: pathlib.Path) -> bool:
-    relative = pathlib.Path(*name.split(".")[1:]) if "." in name else pathlib.Path()
-    return (root / relative).with_suffix(".py").is_file() or (root / relative / "__init__.py").is_file()
 
 
 def edges_of(root: pathlib.Path) -> dict[str, set[str]]:
@@ -45,25 +35,6 @@ def edges_of(root: pathlib.Path) -> dict[str, set[str]]:
                     imported.add(node.module)
         edges[importer] = {m for m in imported if m != importer and not m.startswith(importer + ".")}
     return edges
-
-
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle found by a depth-first search (each reported once, as the path that closes it)."""
-    found, state = [], {}
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = "open"
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
-            elif nxt not in state:
-                visit(nxt, path + [nxt])
-        state[node] = "done"
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node, [node])
-    return found
 
 
 def test_benchmarks_has_no_import_cycle():

@@ -20,12 +20,18 @@ F = nn.functional
 aten = torch.ops.aten
 
 
+def _in_order(forms) -> list:
+    """A vocabulary entry's forms (a frozenset) in an order every pytest-xdist worker agrees on: by module and
+    name, which do not depend on the process (a set's order of functions does)."""
+    return sorted(forms, key=lambda f: (str(getattr(f, "__module__", "")), str(getattr(f, "__qualname__", f)), repr(f)))
+
+
 def _forms():
     """(op, kind, form) for every form the vocabulary lists."""
     for name, forms in OPS.items():
-        for f in forms.functions:
+        for f in _in_order(forms.functions):
             yield name, "function", f
-        for m in forms.methods:
+        for m in _in_order(forms.methods):
             yield name, "method", m
         for cls in forms.modules:
             yield name, "module", cls
@@ -105,9 +111,9 @@ class _Lambda(nn.Module):
 def _value_forms(names):
     """(op, node maker) for every function and method form of the ops ``names``."""
     for name in names:
-        for f in OPS[name].functions:
+        for f in _in_order(OPS[name].functions):
             yield name, lambda g, a, f=f: g.call_function(f, (a,))
-        for m in OPS[name].methods:
+        for m in _in_order(OPS[name].methods):
             yield name, lambda g, a, m=m: g.call_method(m, (a,))
 
 
