@@ -3,7 +3,8 @@
 For a change that must not move performance (a restructure), two figures per model, each measured in a new
 Python process with an empty autotune cache, the two checkouts alternating (this, other, this, other...):
 
-- ``optimize s``: a first-time ``fxforge.optimize(model, inputs)`` plus its first call;
+- ``optimize s``: a first-time ``fxforge.optimize(model, inputs, target=...)`` (``--target``, default
+  native) plus its first call;
 - ``speedup``: eager latency / optimized latency in that same process (batch as the suite entry has it;
   interleaved calls, medians), so machine load moves both sides of the ratio together.
 
@@ -48,7 +49,7 @@ for name in os.environ["FXFORGE_MODELS"].split(","):
     with torch.no_grad():
         model(*args)
         start = time.perf_counter()
-        optimized = fxforge.optimize(model, args)
+        optimized = fxforge.optimize(model, args, target=os.environ["FXFORGE_TARGET"])
         optimized(*args)
         cold = time.perf_counter() - start
         samples = {"eager": [], "fxforge": []}
@@ -64,8 +65,9 @@ print(json.dumps(rows))
 """
 
 
-def run_checkout(checkout: str, models: list[str], threads: int, rounds: int) -> list[dict]:
-    """One new process with the fxforge in ``checkout`` and an empty autotune cache: a row per model.
+def run_checkout(checkout: str, models: list[str], threads: int, rounds: int, target: str = "native") -> list[dict]:
+    """One new process with the fxforge in ``checkout`` and an empty autotune cache: a row per model, optimized
+    for ``target``.
 
     Example:
         >>> run_checkout(".", ["tiny_conv_bn"], 1, 5)[0]["speedup"] > 0  # doctest: +SKIP
@@ -73,7 +75,8 @@ def run_checkout(checkout: str, models: list[str], threads: int, rounds: int) ->
     """
     with tempfile.TemporaryDirectory(prefix="fxforge-against-") as cache:
         env = dict(os.environ, FXFORGE_CACHE_DIR=cache, FXFORGE_CHECKOUT=os.path.abspath(checkout),
-                   FXFORGE_MODELS=",".join(models), FXFORGE_THREADS=str(threads), FXFORGE_ROUNDS=str(rounds))
+                   FXFORGE_MODELS=",".join(models), FXFORGE_THREADS=str(threads), FXFORGE_ROUNDS=str(rounds),
+                   FXFORGE_TARGET=target)
         result = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
                                 cwd=os.path.abspath(checkout), check=False)
     if result.returncode:
@@ -132,6 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=30, help="interleaved eager/fxforge calls per process")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", default="native", help="the fxforge.optimize target both checkouts build "
+                        "(default native; onnxruntime compares the exported files' speed)")
 
 
 def run(opts: argparse.Namespace) -> int:
@@ -149,7 +154,7 @@ def run(opts: argparse.Namespace) -> int:
     for rep in range(opts.reps):
         order = list(checkouts.items()) if rep % 2 == 0 else list(reversed(checkouts.items()))
         for name, checkout in order:
-            rows = run_checkout(checkout, models, opts.threads, opts.rounds)
+            rows = run_checkout(checkout, models, opts.threads, opts.rounds, opts.target)
             runs[name].append(rows)
             print(f"rep {rep} {name:5s}: " + ", ".join(f"{r['model']} {r['optimize_s']:.2f} s {r['speedup']:.2f}x"
                                                        for r in rows), flush=True)
