@@ -288,24 +288,21 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
-    with eval_mode(model):
-        captured, dims, refine, unrewritten = _for_export(
-            model, example_inputs, rewrites=rewrites, verify=verify, method=method, dynamic_batch=dynamic_batch,
-            dynamic_shapes=dynamic_shapes, dynamic=dynamic)
-        write = functools.partial(write_checked, path=path, opset=opset, dynamic_batch=dynamic_batch,
-                                  dynamic_shapes=dims, attention=attention, external_data=external_data,
-                                  refine=refine)
-        result, module = write_exportable(write, captured, unrewritten, rewrites, verify)
+    options = {"rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
+               "dynamic_batch": dynamic_batch, "dynamic_shapes": dynamic_shapes, "opset": opset,
+               "attention": attention, "external_data": external_data}
+    result, module = export_for_session(model, options, example_inputs, {}, path, {})
     del module  # its session was only for validation
     return result
 
 
 def export_for_session(model: nn.Module, options: dict, args: tuple, kwargs: dict, path: str,
                         module_options: dict, before: tuple | None = None) -> tuple[OnnxExport, OnnxRuntimeModule]:
-    """Export ``model`` for these inputs to ``path`` and validate it in a session with ``module_options``;
-    with ``before`` (the inputs of the export this one replaces), the dims that changed since are dynamic.
-    What :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule` calls to (re-)export (``options``: those of
-    :data:`EXPORT_OPTIONS`).
+    """Export ``model`` (an ``nn.Module``, or a ``Captured`` exported as it is) for these inputs to ``path``
+    and validate it in a session with ``module_options``; with ``before`` (the inputs of the export this one
+    replaces), the dims that changed since are dynamic. What :func:`export_onnx` and
+    :class:`~fxforge.exporters.ort_module.OnnxRuntimeModule` (to (re-)export) call; ``options``: those of
+    :data:`EXPORT_OPTIONS`; ``args`` may be any form of example inputs (a tuple, one tensor, a dict).
 
     Example:
         >>> import os, tempfile

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -79,7 +80,7 @@ class Contract:
         return "; ".join(parts)
 
 
-class Target:
+class Target(abc.ABC):
     """One way to run a model, behind the one protocol every target follows (see the module docstring).
 
     Subclasses set :attr:`name`, :attr:`summary`, :attr:`contract`, :attr:`options` and implement
@@ -110,10 +111,10 @@ class Target:
             raise TypeError(f"dynamic takes None, True or False, got {options['dynamic']!r}")
         return options
 
+    @abc.abstractmethod
     def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
         """The optimized module for an ``nn.Module`` instance (prepared for ``example_inputs`` when given), or a
         subclass for an ``nn.Module`` class. ``options`` were checked by :meth:`check`."""
-        raise NotImplementedError
 
     def graph(self, built: nn.Module) -> Any:
         """The rewritten :class:`~fxforge.core.captured.Captured` that ``built`` runs (its ``before``: the graph
