@@ -1,11 +1,11 @@
-# Two commands for a fresh machine: `make demo` and `make test`.
+# Two commands for a fresh machine: `make demo` and `make test` (`make notebooks` re-runs the notebooks).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The local CPU build of torch is installed first, so the project's open range installs nothing more.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test fuzz lint bench zoo clean
+.PHONY: demo test notebooks fuzz lint bench zoo clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -13,16 +13,31 @@ $(VENV)/.base:
 	$(PY) -m pip install "$(TORCH_PIN)"
 	touch $@
 
+# ONNX Runtime is its CPU build here. An environment made when it was onnxruntime-gpu has that wheel, which
+# fills the same `onnxruntime` module: it is removed first, so the CPU build installs whole.
+CPU_ORT := if $(PY) -m pip show -q onnxruntime-gpu 2>/dev/null; then $(PY) -m pip uninstall -y onnxruntime-gpu onnxruntime; fi
+
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
+	$(CPU_ORT)
 	$(PY) -m pip install -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.base pyproject.toml
+	$(CPU_ORT)
 	$(PY) -m pip install -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+$(VENV)/.installed-notebooks: $(VENV)/.base pyproject.toml
+	$(CPU_ORT)
+	$(PY) -m pip install -e '.[notebooks]'
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
+
+# Runs every notebook in examples/notebooks/ in a fresh kernel and saves it with its outputs (a few minutes).
+notebooks: $(VENV)/.installed-notebooks
+	$(PY) examples/notebooks/execute.py
 
 # Two workers, one per core (each computes on one thread: conftest.py); a file's tests stay on one worker,
 # so its module-scoped fixtures are built once.
