@@ -152,21 +152,29 @@ class Tuning:
 
 @dataclasses.dataclass
 class Contender:
-    """One target ``target="auto"`` raced: built, checked against eager on fresh inputs, timed.
+    """One contender of ``target="auto"``'s race: a target (built, checked against eager on fresh inputs and on
+    inputs of new sizes eager serves, timed), or ``"eager"`` itself (the model as it is, timed in the same
+    rounds).
 
     Attributes:
-        target: ``"native"``, ``"inductor"`` or ``"onnxruntime"``.
+        target: ``"eager"``, ``"native"``, ``"inductor"`` or ``"onnxruntime"``.
         latency_ms: its median milliseconds per call on the example inputs (None: not timed).
         prepare_s: seconds its build took (capture, rewrites, lowering, compile or export).
         max_abs_err: its largest difference from eager on the fresh inputs.
-        refused: why it did not take part (failed to build, differed from eager, skipped by the budget);
-            empty when it did.
+        refused: why it did not take part (failed to build, differed from eager, served fewer inputs than
+            eager, skipped by the budget or because it could not pay back its build); empty when it did.
+        vs_eager: eager's latency over its own (2.0: twice as fast as eager; below 1: slower); None where
+            either was not timed.
+        busy: why its timing is not to be trusted as a result (the machine was busy, or its samples varied
+            more than the race allows), after a re-timing; empty for a steady timing.
 
     Example:
-        >>> str(Contender("native", 1.5, 2.0, 1e-6))
-        'native: 1.5 ms, prepared in 2 s, max abs error 1e-06'
+        >>> str(Contender("native", 1.5, 2.0, 1e-6, vs_eager=2.0))
+        'native: 1.5 ms (2.00x eager), prepared in 2 s, max abs error 1e-06'
         >>> str(Contender("inductor", refused="skipped: compiling would take about 90 s"))
         'inductor: skipped: compiling would take about 90 s'
+        >>> str(Contender("eager", 3.0, vs_eager=1.0, busy="load 2.5 per core while timing"))
+        'eager: 3 ms (1.00x eager) [busy: load 2.5 per core while timing]'
     """
 
     target: str
@@ -174,16 +182,19 @@ class Contender:
     prepare_s: float | None = None
     max_abs_err: float | None = None
     refused: str = ""
+    vs_eager: float | None = None
+    busy: str = ""
 
     def __str__(self) -> str:
         if self.refused:
             return f"{self.target}: {self.refused}"
-        parts = [f"{self.latency_ms:.3g} ms" if self.latency_ms is not None else "not timed"]
+        parts = [(f"{self.latency_ms:.3g} ms" + (f" ({self.vs_eager:.2f}x eager)" if self.vs_eager else ""))
+                 if self.latency_ms is not None else "not timed"]
         if self.prepare_s is not None:
             parts.append(f"prepared in {self.prepare_s:.2g} s")
         if self.max_abs_err is not None:
             parts.append(f"max abs error {self.max_abs_err:.3g}")
-        return f"{self.target}: " + ", ".join(parts)
+        return f"{self.target}: " + ", ".join(parts) + (f" [busy: {self.busy}]" if self.busy else "")
 
 
 @dataclasses.dataclass
@@ -191,9 +202,11 @@ class Race:
     """What ``target="auto"`` measured and why it chose its winner.
 
     Attributes:
-        winner: the target chosen.
+        winner: the contender chosen: a target, or ``"eager"`` when no target was faster than eager (the
+            model then runs as it is).
         why: the evidence in one sentence (its latency against eager's and the runner-up's).
-        contenders: every target considered, in the order built.
+        contenders: every contender, eager first, then the targets in the order built (refused ones with
+            their reason).
         eager_ms: eager's median milliseconds in the same interleaved rounds.
         remembered: the choice was read from the target cache (only the winner was built and re-timed).
         load: the machine's load average per core while timing (busy timings are not remembered).
@@ -204,6 +217,8 @@ class Race:
         >>> print(race)
         target auto: native (fastest); eager 2 ms
           native: 1 ms, prepared in 0.5 s, max abs error 0
+        >>> race.busy, [c.target for c in race.refused]
+        ('', [])
     """
 
     winner: str
@@ -213,6 +228,17 @@ class Race:
     remembered: bool = False
     load: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def busy(self) -> str:
+        """Why the race's timings are not to be trusted as results (the first busy contender's mark, eager's
+        included), or ""."""
+        return next((f"{c.target}: {c.busy}" for c in self.contenders if c.busy), "")
+
+    @property
+    def refused(self) -> list[Contender]:
+        """The contenders that did not take part, each with its reason."""
+        return [c for c in self.contenders if c.refused]
 
     def __str__(self) -> str:
         head = f"target auto: {self.winner} ({self.why})"
@@ -341,10 +367,11 @@ class Report:
             table("Near misses", ["rule", "node", "reason", "source"],
                   [[stage_key(n.rule, n.stage), n.node, n.reason, n.source or ""] for n in self.near_misses]),
             table(f"Target race: {self.race.winner} ({self.race.why})" if self.race else "",
-                  ["target", "latency (ms)", "prepare (s)", "max abs error", "refused"],
+                  ["target", "latency (ms)", "x eager", "prepare (s)", "max abs error", "refused", "busy"],
                   [[c.target, "" if c.latency_ms is None else f"{c.latency_ms:.3g}",
+                    "" if c.vs_eager is None else f"{c.vs_eager:.2f}",
                     "" if c.prepare_s is None else f"{c.prepare_s:.2g}",
-                    "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}", c.refused]
+                    "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}", c.refused, c.busy]
                    for c in (self.race.contenders if self.race else [])]),
             table("Opaque modules", ["modules", "type", "reason", "source"],
                   [[_names(names), o.type, o.reason, o.source or ""] for o, names in grouped_opaque(self.opaque)]),

@@ -117,6 +117,7 @@ class OnnxRuntimeModule(nn.Module):
         self._exported_for: Any = None  # the last export's inputs, as meta tensors (shapes and dtypes only)
         self._owned_dir: str | None = None
         self._grown = False  # the export again (dynamic=None) was tried
+        self._serve: Any = None  # inputs (as meta tensors) the first export must take too
         if owned_dir is not None:
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
         self.io = io
@@ -129,7 +130,8 @@ class OnnxRuntimeModule(nn.Module):
     @classmethod
     def deferred(cls, model: nn.Module, export: Exporter, *, path: str | os.PathLike | None = None,
                  providers: Sequence[Any] | None = None, session_options: Any = None,
-                 intra_op_num_threads: int | None = None, dynamic: bool | None = False) -> OnnxRuntimeModule:
+                 intra_op_num_threads: int | None = None, dynamic: bool | None = False,
+                 serve: Any = None) -> OnnxRuntimeModule:
         """A module that exports ``model`` on its first call (or :meth:`prepare`), with that call's inputs.
 
         ``export(args, kwargs, path, module_options)`` writes the checked, validated ONNX file at ``path``
@@ -145,6 +147,10 @@ class OnnxRuntimeModule(nn.Module):
         :class:`InputShapeError`. True or False: the file of the first export serves every call (the
         exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
+        ``serve``: other inputs ``(args, kwargs)`` the first export must take too: it is made as that export
+        for other sizes is, ``before=`` their shapes, so the dims where they differ from the first call's are
+        dynamic from the start.
+
         Example:
             >>> from fxforge.targets.onnxruntime import onnxruntime_module
             >>> m = onnxruntime_module(torch.nn.Tanh().eval(), intra_op_num_threads=1)
@@ -157,6 +163,9 @@ class OnnxRuntimeModule(nn.Module):
         module._export = export
         module._export_path = os.fspath(path) if path is not None else None
         module._dynamic = dynamic
+        module._serve = pytree.tree_map(
+            lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t,
+            (tuple(serve[0]), dict(serve[1]))) if serve is not None else None
         return module
 
     @property
@@ -179,7 +188,7 @@ class OnnxRuntimeModule(nn.Module):
             return self
         if self._export is None:
             raise RuntimeError("this OnnxRuntimeModule has no ONNX file and no model to export")
-        self._export_now(tuple(args), dict(kwargs))
+        self._export_now(tuple(args), dict(kwargs), before=self._serve)
         return self
 
     def _export_now(self, args: tuple, kwargs: dict, before: Any = None) -> None:

@@ -1,9 +1,22 @@
-"""The ``auto`` target: the fastest of the other targets for this model on this machine, checked against eager.
+"""The ``auto`` target: the fastest of the other targets and eager for this model on this machine.
 
 Every raced target (those of ``TARGETS`` whose contract says ``raced``, or the caller's ``targets=``) is built,
 run on fresh inputs and compared with eager, then timed together with eager
 (:func:`fxforge.runtime.race.race`); the fastest is returned, its report's ``race`` holding every
-contender's latency, prepare time and error, and why it won. A near tie goes to the target whose contract
+contender's latency, ratio to eager, prepare time and error (eager's line first), every refused contender's
+reason, and why the winner won.
+
+A target enters the race only if it serves every input the native plan serves: the race finds the input
+dims eager serves at other sizes (:func:`fxforge.runtime.served.new_sizes`), ONNX Runtime's file is exported
+with those dims dynamic, and it is checked on inputs of those new sizes (refused, with the reason, where it
+does not serve them); keyword inputs reach every target. Eager is a contender: when no target beats eager by
+more than the race's tie, auto says so (the race's ``why`` and a :class:`~fxforge.runtime.race.RaceWarning`)
+and returns the model itself, wrapped (:class:`EagerModule`): rather than the fastest plan, since that plan
+was measured slower than the model as it is, and the model itself keeps every promise (live weights, every
+size). Unless ``targets=`` names them, a target whose build is expected to take longer than
+:data:`~fxforge.runtime.race.PAYBACK_CALLS` eager calls (Inductor's compile for a model whose eager call
+takes a millisecond) is skipped, with that reason: it could not pay its build back. Every step is logged
+(logger ``"fxforge"``, INFO) and shown as a status line on a terminal (:mod:`fxforge.runtime.progress`). A near tie goes to the target whose contract
 promises more (live weights and PyTorch's own autograd first). The choice is remembered on disk
 (:mod:`fxforge.core.target_cache`): the next optimize of a model of the same structure with inputs of the
 same signature on this machine builds only the winner, re-times it against eager, and races everything
@@ -14,23 +27,26 @@ mode (an ONNX export is an inference snapshot).
 Example:
     >>> from fxforge.targets import TARGETS
     >>> net = TARGETS["auto"].build(torch.nn.Linear(8, 8).eval(), (torch.ones(4, 8),), {"targets": ["native"]})
-    >>> net.report.race.winner
-    'native'
+    >>> [c.target for c in net.report.race.contenders]
+    ['eager', 'native']
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from fxforge.capture import normalize_inputs
-from fxforge.core.report import Contender, Race
+from fxforge.core.report import Contender, Race, Report
 from fxforge.core.target_cache import choice_key, target_cache
 from fxforge.rewrites.registry import resolve
-from fxforge.runtime.race import race, remembrable
+from fxforge.runtime.progress import step
+from fxforge.runtime.race import RaceWarning, race, remembrable
+from fxforge.runtime.served import new_sizes
 from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
 
 # Seconds the race may take by default (Inductor's compile is skipped when it would not fit).
@@ -91,15 +107,23 @@ class AutoTarget(Target):
         return self._race(model, example_inputs, dict(options))
 
     def graph(self, built: nn.Module) -> Any:
+        if isinstance(built, EagerModule):
+            return self.registry[built.fastest_target].graph(built.fastest) if built.fastest is not None else None
         return self.registry[built.race.winner].graph(built)
 
     def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> Any:
+        """The winner's file; where eager won, the fastest target's (what it would have run)."""
+        if isinstance(built, EagerModule):
+            if built.fastest is None:
+                raise TypeError("nothing to write: target='auto' chose eager and no target was built")
+            return self.registry[built.fastest_target].write(built.fastest, path, dynamic_batch=dynamic_batch)
         return self.registry[built.race.winner].write(built, path, dynamic_batch=dynamic_batch)
 
     def _race(self, model: nn.Module, example_inputs: Any, options: dict[str, Any]) -> nn.Module:
         began = time.perf_counter()
         args, kwargs = normalize_inputs(example_inputs)
-        targets = tuple(options.pop("targets", None) or (t.name for t in self.raced()))
+        chosen = options.pop("targets", None)
+        targets = tuple(chosen or (t.name for t in self.raced()))
         budget_s = options.pop("budget_s", AUTO_BUDGET_S)
         common = {k: options.get(k, default) for k, default in
                   (("rewrites", "default"), ("verify", True), ("method", "auto"), ("dynamic", None))}
@@ -116,17 +140,21 @@ class AutoTarget(Target):
         notes: list[str] = []
         if stored is not None and stored.get("winner") in entrants:
             winner = stored["winner"]
+            served = self._served(model, args, kwargs, [entrants[winner]], shared)
             built, result = race(model, args, kwargs, [entrants[winner]], budget_s=None, began=began,
-                                 preference=preference)
+                                 preference=preference, served=served)
             then = stored["eager_ms"] / stored["latency_ms"][winner]
-            now = result.eager_ms / result.contenders[0].latency_ms if result.winner else None
-            if now is not None and then / now <= CONTRADICTED:
+            timed = next((c for c in result.contenders if c.target == winner), None)
+            now = result.eager_ms / timed.latency_ms if result.winner and timed and timed.latency_ms else None
+            if now is not None and then / now <= CONTRADICTED and result.winner == winner:
                 return _chosen(built[winner], _remembered(result, stored, then, now))
             notes.append(f"the remembered choice {winner} ({then:.2f}x eager when chosen) was raced again: "
-                         + (f"it ran at {now:.2f}x eager now" if now is not None else result.contenders[0].refused))
+                         + (f"it ran at {now:.2f}x eager now" if now is not None else timed.refused))
         snapshots = [name for name in entrants if model.training and not self.registry[name].contract.training]
-        built, result = race(model, args, kwargs, [e for name, e in entrants.items() if name not in snapshots],
-                             budget_s=budget_s, began=began, preference=preference)
+        racing = [e for name, e in entrants.items() if name not in snapshots]
+        served = self._served(model, args, kwargs, racing, shared)
+        built, result = race(model, args, kwargs, racing, budget_s=budget_s, began=began, preference=preference,
+                             served=served, payback=chosen is None)
         for name in snapshots:
             result.contenders.append(Contender(name, refused="not raced: the model is in training mode (it runs "
                                                              "an inference snapshot)"))
@@ -137,12 +165,59 @@ class AutoTarget(Target):
             module = prepared(fallback.build(model, None, {**common, **own, "rewrites": []}), args, kwargs)
             result.winner, result.why = fallback.name, f"no target agreed with eager: {fallback.name} without rewrites"
             return _chosen(module, result)
-        if cache is not None and remembrable(result):
+        if cache is not None and remembrable(result) and result.winner != "eager":
             cache.put(key, {"winner": result.winner, "eager_ms": result.eager_ms, "load": result.load,
-                            "latency_ms": {c.target: c.latency_ms for c in result.contenders if c.latency_ms},
+                            "latency_ms": {c.target: c.latency_ms for c in result.contenders
+                                           if c.latency_ms and c.target != "eager"},
                             "when": time.strftime("%Y-%m-%d %H:%M")})
             cache.save()
+        if result.winner == "eager":
+            fastest = min((c for c in result.contenders if c.target in built), key=lambda c: c.latency_ms)
+            warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {result.why}",
+                          RaceWarning, stacklevel=4)
+            return _chosen(EagerModule(model, built[fastest.target], fastest.target), result)
         return _chosen(built[result.winner], result)
+
+    @staticmethod
+    def _served(model: nn.Module, args: tuple, kwargs: dict, racing: list, shared: dict[str, Any]) -> Any:
+        """The new sizes eager serves (in ``shared["served"]`` for the entrants' exports), where an entrant
+        runs a file of fixed sizes."""
+        if "served" not in shared and any(e.fixed_sizes and not e.refusal for e in racing):
+            with step("finding the input sizes eager serves"):
+                shared["served"] = new_sizes(model, args, kwargs)
+        return shared.get("served")
+
+
+class EagerModule(nn.Module):
+    """The model itself, as ``target="auto"`` returns it when no target beat eager in its race: calls run the
+    model (its hooks, live weights, every size); it shares the model's parameters, buffers and submodules
+    under their own names (``state_dict`` keys are the model's). ``fastest`` is the fastest target's module
+    (what :meth:`AutoTarget.write` writes and :meth:`AutoTarget.graph` shows), ``report`` says why.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> eager = EagerModule(lin)
+        >>> torch.equal(eager(torch.ones(1, 2)), lin(torch.ones(1, 2))), list(eager.state_dict()) == ["weight", "bias"]
+        (True, True)
+    """
+
+    def __init__(self, model: nn.Module, fastest: nn.Module | None = None, target: str = ""):
+        super().__init__()
+        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            self.__dict__[name] = getattr(model, name)
+        self.__dict__["original"] = model
+        self.__dict__["fastest"] = fastest
+        self.__dict__["fastest_target"] = target
+        self.training = model.training
+        self.report = Report(method="eager", notes=["target='auto' runs the model as it is: no target beat eager"])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.original(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> EagerModule:
+        self.original.train(mode)
+        self.training = mode
+        return self
 
 
 def _remembered(result: Race, stored: dict, then: float, now: float) -> Race:

@@ -29,7 +29,8 @@ from fxforge.exporters.export import EXPORT_OPTIONS, export_for_session
 from fxforge.exporters.onnx import OnnxExport, check_options
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
-from fxforge.runtime.race import Entrant
+from fxforge.core.source import first_line
+from fxforge.runtime.race import Entrant, Narrows
 from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
 
 # The session's options, besides the export's.
@@ -69,8 +70,19 @@ class OnnxRuntimeTarget(Target):
 
     def entrant(self, model: nn.Module, args: tuple, kwargs: dict, options: dict[str, Any],
                 shared: dict[str, Any]) -> Entrant:
-        return Entrant(self.name, lambda: prepared(self.build(model, None, options), args, kwargs),
-                       refusal=ort_refusal(device_of(args, kwargs, model)))
+        def build() -> nn.Module:  # exported with the dims eager serves at other sizes dynamic
+            served = shared.get("served")
+            if served is None:
+                return prepared(onnxruntime_module(model, None, **options), args, kwargs)
+            try:
+                return prepared(onnxruntime_module(model, None, **options, serve=(served.args, served.kwargs)),
+                                args, kwargs)
+            except Exception as error:
+                raise Narrows(f"not raced: it cannot serve the sizes eager serves: exporting it with {served.text} "
+                              f"dynamic failed: {first_line(error)}") from error
+
+        return Entrant(self.name, build, refusal=ort_refusal(device_of(args, kwargs, model)), fixed_sizes=True,
+                       what="export to ONNX")
 
 
 def _copy_whole(source: str, path: str) -> None:
@@ -96,7 +108,7 @@ def _copy_whole(source: str, path: str) -> None:
 
 def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: str | os.PathLike | None = None,
                        providers: Any = None, session_options: Any = None, intra_op_num_threads: int | None = None,
-                       dynamic: bool | None = None, **export_options: Any) -> OnnxRuntimeModule:
+                       dynamic: bool | None = None, serve: Any = None, **export_options: Any) -> OnnxRuntimeModule:
     """``model`` exported with :func:`export_onnx` and run in ONNX Runtime (the ``onnxruntime`` target).
 
     Without ``example_inputs`` the export happens on the first call, with that call's inputs. The file goes
@@ -115,6 +127,9 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
             export (other sizes raise :class:`~fxforge.exporters.ort_module.InputShapeError`). With
             ``dynamic_batch`` or ``dynamic_shapes``, None exports once, with those dims.
             ``module.exports`` counts the exports made.
+        serve: other inputs ``(args, kwargs)`` the first export must serve too (the ``auto`` target's inputs
+            of new sizes eager serves): the dims where their sizes differ from the example's are exported
+            dynamic (with the batch and sequence dims), as ``dynamic=None`` does on a call of new sizes.
         export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
             ``opset``, ``attention``, ``external_data`` (see :func:`export_onnx`).
 
@@ -140,7 +155,8 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
     export = functools.partial(export_for_session, model, {**export_options, "dynamic": bool(dynamic)})
     module = OnnxRuntimeModule.deferred(model, export, path=path, providers=providers,
                                         session_options=session_options, intra_op_num_threads=intra_op_num_threads,
-                                        dynamic=bool(dynamic) if dynamic is not None or explicit else None)
+                                        dynamic=bool(dynamic) if dynamic is not None or explicit else None,
+                                        serve=serve)
     if example_inputs is not None:
         args, kwargs = normalize_inputs(example_inputs)
         module.prepare(*args, **kwargs)
