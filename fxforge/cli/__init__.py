@@ -2,8 +2,9 @@
 
 ::
 
-    fxforge optimize MODEL --input SHAPE[:DTYPE] [--input ...] [--target auto|native|inductor|onnxruntime]
-                     [--rewrites a,b] [--no-verify] [--dynamic-batch] [-o OUT.pt2|OUT.onnx] [--report r.html]
+    fxforge optimize MODEL --input [NAME=]SHAPE[:DTYPE] [--input ...] [--inputs FILE.py:FACTORY]
+                     [--target auto|native|inductor|onnxruntime] [--rewrites a,b] [--no-verify]
+                     [--dynamic auto|none|batch|batch,length|0,1] [-o OUT.pt2|OUT.onnx] [--report r.html]
     fxforge export   MODEL --input ... -o OUT.onnx          (no rewrites)
     fxforge profile  MODEL --input ... [--csv table.csv]    (time, FLOPs, bytes per node)
     fxforge show     MODEL --input ... [-o graph.svg|graph.html]
@@ -15,7 +16,9 @@
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
 called with no arguments or with ``--model-args '{"width": 8}'``; ``--weights file.pt`` loads a state
-dict. Exit codes: 0 done, 1 failed (one line saying why; ``--debug`` for the traceback), 2 usage.
+dict. Inputs: ``--input 2x3x224x224`` (positional), ``--input text=2x8:int64`` (by name),
+``--input batch.image=2x3x16x16`` (into a dict argument), or ``--inputs inputs.py:make_inputs`` (a factory;
+``--input`` then reshapes its tensors); see :mod:`fxforge.cli.inputs`. Exit codes: 0 done, 1 failed (one line saying why; ``--debug`` for the traceback), 2 usage.
 
 Example:
     >>> main(["rewrites"])  # doctest: +ELLIPSIS
@@ -35,20 +38,17 @@ from fxforge.cli.args import (
     check_output_suffix,
     load_model,
     parse_budget,
+    parse_dynamic,
     parse_input,
     parse_model_args,
     parse_rewrites,
 )
-from fxforge.cli.commands import (
-    check_target,
-    run_export,
-    run_optimize,
-    run_profile,
-    run_rewrites,
-    run_show,
-)
-from fxforge.cli.memory import AUTOCAST, run_memory
+from fxforge.cli.commands import check_target, run_export, run_optimize, run_rewrites, run_show
+from fxforge.cli.dynamic import check_dynamic
+from fxforge.cli.inputs import InputError
+from fxforge.cli.memory import AUTOCAST, add_memory_options, run_memory
 from fxforge.cli.partition import add_partition_command
+from fxforge.cli.profile import run_profile
 from fxforge.targets import TARGETS
 from fxforge.training.optimizer_memory import OPTIMIZERS
 
@@ -58,6 +58,9 @@ _EXAMPLES = """\
 examples:
   fxforge optimize examples/models/resnet_cnn.py:ResNetCNN --input 2x3x32x32 -o resnet.pt2 --report report.html
   fxforge optimize my_model.py:build --input 1x128:int64 --model-args '{"width": 8}' -o model.onnx
+  fxforge optimize bert.py:Bert --input input_ids=2x128:int64 --input attention_mask=2x128:int64 -o bert.onnx
+  fxforge optimize towers.py:TwoTower --input batch.image=2x3x64x64 --input batch.tokens=2x16:int64
+  fxforge export my_model.py:Net --inputs my_model.py:make_inputs --input 8x3x224x224 -o net.onnx --dynamic none
   fxforge show examples/models/resnet_cnn.py:ResNetCNN --input 1x3x32x32 -o graph.html
   fxforge memory examples/models/transformer_encoder.py:example --input 8x64:int64 --measure --budget 60%
   fxforge partition examples/models/transformer_encoder.py:example --input 8x64:int64 --stages 2 --run
@@ -67,8 +70,16 @@ examples:
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="path/to/file.py:Name or package.module:Name (an nn.Module class or a factory)")
-    parser.add_argument("--input", action="append", type=parse_input, required=True, metavar="SHAPE[:DTYPE]",
-                        help="one per model input, e.g. 2x3x224x224 or 1x128:int64 (default dtype float32)")
+    parser.add_argument("--input", action="append", type=parse_input, metavar="[NAME=]SHAPE[:DTYPE]",
+                        help="one per model input, in forward's order: 2x3x224x224, 1x128:int64 (default dtype "
+                             "float32; integers are 0 or 1). NAME= passes it by name: attention_mask=2x128:int64; "
+                             "a dotted or bracketed NAME goes into a dict (or list) argument: batch.image=2x3x16x16 "
+                             "batch.tokens=2x6:int64 call forward(batch={'image': ..., 'tokens': ...}), "
+                             "pair[0]=4x12 pair[1]=4x12 call forward(pair=(..., ...)). With --inputs it gives one "
+                             "of the factory's tensors another shape (or dtype)")
+    parser.add_argument("--inputs", metavar="FILE.py:FACTORY",
+                        help="a function returning example inputs: a tuple of positional inputs, one tensor, a "
+                             "dict of keyword inputs, or (args, kwargs); --input then reshapes its tensors")
     parser.add_argument("--model-args", type=parse_model_args, default={}, metavar="JSON",
                         help='keyword arguments for Name, e.g. \'{"width": 8}\'')
     parser.add_argument("--weights", metavar="FILE.pt", help="a state dict to load into the model")
@@ -90,7 +101,13 @@ def _write_arguments(parser: argparse.ArgumentParser, *, output_required: bool) 
                         help=f"what the model runs in; auto (the default) races {raced} and keeps the fastest "
                              f"that agrees with eager; with -o, auto is the target that writes the file's suffix "
                              f"({writers})")
-    parser.add_argument("--dynamic-batch", action="store_true", help="make dim 0 (the batch) of the output dynamic")
+    parser.add_argument("--dynamic", type=parse_dynamic, default="auto", metavar="DIMS",
+                        help="dims of -o's file that take any size: auto (the default: for .onnx the batch, and "
+                             "the sequence length of token inputs, as fxforge.export_onnx(dynamic=True); for "
+                             ".pt2 the batch), none (a static file), batch, batch,length, or dim numbers (0,1: "
+                             "those dims of every input that has them)")
+    parser.add_argument("--dynamic-batch", action="store_const", const="batch", dest="dynamic",
+                        help=argparse.SUPPRESS)  # the older spelling of --dynamic batch
     parser.add_argument("--report", metavar="REPORT.html", help="write a self-contained HTML report")
 
 
@@ -99,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Example:
         >>> build_parser().parse_args(["optimize", "m.py:Net", "--input", "2x8"]).input
-        [((2, 8), torch.float32)]
+        [InputSpec(shape=(2, 8), dtype=None, path=())]
     """
     parser = argparse.ArgumentParser(prog="fxforge", description="Capture, rewrite, export and profile PyTorch models.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--depth", type=int, default=1, metavar="N",
                      help="module names cut to N dots in the per-module table (default 1; 0: the innermost modules)")
     mem.add_argument("--csv", metavar="TABLE.csv", help="save the breakdown (bytes per figure)")
+    add_memory_options(mem)
     mem.set_defaults(run=run_memory, parser=mem)
 
     part = add_partition_command(commands, _model_arguments)
@@ -196,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "input") and not args.input and not getattr(args, "inputs", None):
+            raise argparse.ArgumentTypeError("give the model's example inputs: --input SHAPE[:DTYPE] (one per input) "
+                                             "or --inputs FILE.py:FACTORY")
         if args.command in ("optimize", "export"):
             check_target(args)
+            check_dynamic(args)
             if args.report:
                 check_output_suffix(args.report, (".html", ".htm"), "--report")
         elif args.command == "show" and args.output:
@@ -226,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"fxforge: error: the model called sys.exit({error.code!r})", file=sys.stderr)
         return 1
+    except InputError as error:  # an --input that does not fit the model: a usage error
+        if args.debug:
+            raise
+        print(f"{getattr(args, 'parser', parser).prog}: error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:
         if args.debug:
             raise

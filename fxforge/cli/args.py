@@ -6,7 +6,7 @@ wrong with a well-formed argument (a missing file, a model that raises) is a :cl
 
 Example:
     >>> parse_input("2x3x8x8")
-    ((2, 3, 8, 8), torch.float32)
+    InputSpec(shape=(2, 3, 8, 8), dtype=None, path=())
     >>> parse_rewrites("cleanup,conv_bn_fold")
     ['cleanup', 'conv_bn_fold']
     >>> parse_budget("60%")
@@ -19,7 +19,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.cli.inputs import DTYPES, InputSpec, format_input, parse_input  # noqa: F401 - the CLI's vocabulary
 from fxforge.core import units
-
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64, "int64": torch.int64,
-          "long": torch.int64, "int32": torch.int32, "int": torch.int32, "bool": torch.bool, "uint8": torch.uint8}
-_SHAPE = re.compile(r"^\d+(x\d+)*$")
 
 
 class CommandError(Exception):
@@ -42,37 +37,6 @@ class CommandError(Exception):
         >>> str(CommandError("no such file: m.py"))
         'no such file: m.py'
     """
-
-
-def parse_input(text: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """``2x3x224x224`` or ``1x128:int64`` → shape and dtype (float32 unless given).
-
-    Raises:
-        argparse.ArgumentTypeError: a malformed shape or an unknown dtype.
-
-    Example:
-        >>> parse_input("1x128:int64")
-        ((1, 128), torch.int64)
-    """
-    shape_text, _, dtype_text = text.partition(":")
-    if not _SHAPE.match(shape_text):
-        raise argparse.ArgumentTypeError(f"malformed shape {shape_text!r}; write it like 2x3x224x224")
-    dtype_name = dtype_text or "float32"
-    if dtype_name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {dtype_name!r}; choose one of {', '.join(DTYPES)}")
-    return tuple(int(d) for d in shape_text.split("x")), DTYPES[dtype_name]
-
-
-def format_input(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    """The ``SHAPE[:DTYPE]`` text of one input, as a user writes it.
-
-    Example:
-        >>> format_input((1, 128), torch.int64), format_input((2, 8), torch.float32)
-        ('1x128:int64', '2x8')
-    """
-    shape_text = "x".join(str(d) for d in shape) or "scalar"
-    name = str(dtype).removeprefix("torch.")
-    return shape_text if dtype == torch.float32 else f"{shape_text}:{name}"
 
 
 def parse_rewrites(text: str) -> list[str]:
@@ -151,31 +115,27 @@ def _describe_error(error: BaseException) -> str:
     return first_line(error) + (f" at {where}" if where else "")
 
 
-def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module:
-    """Build the model named by ``path/to/file.py:Name`` or ``package.module:Name``.
-
-    ``Name`` is an ``nn.Module`` class or a factory function, called with ``model_args`` as keyword
-    arguments. A factory may also return ``(model, example_inputs)`` (as the bundled examples do): the
-    model is used.
+def load_callable(spec: str, option: str = "MODEL") -> tuple[Any, str]:
+    """The function or class named by ``path/to/file.py:Name`` or ``package.module:Name``, and its location.
 
     Raises:
         CommandError: a missing file, a module that fails to import (or calls ``sys.exit``), a name not
-            in it, a call that raises (or calls ``sys.exit``), or something that is not an ``nn.Module``.
+            in it, or something not callable.
 
     Example:
-        >>> type(load_model("torch.nn:ReLU")).__name__
+        >>> load_callable("torch.nn:ReLU")[0].__name__
         'ReLU'
     """
-    model_args = model_args or {}
     location, sep, name = spec.rpartition(":")
     if not sep or not location or not name:
-        raise CommandError(f"MODEL must look like path/to/file.py:Name or package.module:Name, got {spec!r}")
+        raise CommandError(f"{option} must look like path/to/file.py:Name or package.module:Name, got {spec!r}")
     if location.endswith(".py"):
         path = Path(location)
         if not path.is_file():
             raise CommandError(f"no such file: {location}")
         root, dotted = _import_root(path.resolve())
-        sys.path.insert(0, str(root))
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
         try:
             module = importlib.import_module(dotted)
         except SystemExit as error:
@@ -196,16 +156,47 @@ def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module
         raise CommandError(f"{location} has no {name!r}")
     if not callable(factory):
         raise CommandError(f"{location}:{name} is a {type(factory).__name__}, not a class or a function")
-    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in model_args.items())})"
+    return factory, name
+
+
+def call_factory(factory: Any, name: str, kwargs: dict[str, Any] | None = None) -> Any:
+    """``factory(**kwargs)``; what it raised (or its ``sys.exit``) as a :class:`CommandError`.
+
+    Example:
+        >>> call_factory(dict, "dict", {"a": 1})
+        {'a': 1}
+    """
+    kwargs = kwargs or {}
+    call = f"{name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
     try:
-        model = factory(**model_args)
+        return factory(**kwargs)
     except SystemExit as error:
         raise CommandError(f"{call} called sys.exit({error.code!r})") from None
     except Exception as error:
         raise CommandError(f"{call} raised {_describe_error(error)}") from error
+
+
+def load_model(spec: str, model_args: dict[str, Any] | None = None) -> nn.Module:
+    """Build the model named by ``path/to/file.py:Name`` or ``package.module:Name``.
+
+    ``Name`` is an ``nn.Module`` class or a factory function, called with ``model_args`` as keyword
+    arguments. A factory may also return ``(model, example_inputs)`` (as the bundled examples do): the
+    model is used.
+
+    Raises:
+        CommandError: a missing file, a module that fails to import (or calls ``sys.exit``), a name not
+            in it, a call that raises (or calls ``sys.exit``), or something that is not an ``nn.Module``.
+
+    Example:
+        >>> type(load_model("torch.nn:ReLU")).__name__
+        'ReLU'
+    """
+    factory, name = load_callable(spec)
+    model = call_factory(factory, name, model_args)
     if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
         model = model[0]  # a factory returning (model, example_inputs)
     if not isinstance(model, nn.Module):
+        call = f"{name}({', '.join(f'{k}={v!r}' for k, v in (model_args or {}).items())})"
         raise CommandError(f"{call} gave a {type(model).__name__}, not an nn.Module")
     return model
 
@@ -240,31 +231,35 @@ def load_weights(model: nn.Module, path: str) -> None:
         raise CommandError(f"weights {path} do not fit {type(model).__name__}: {message[:300]}") from error
 
 
-def example_inputs(specs: list[tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random inputs of the given shapes and dtypes (normal floats; integers 0 or 1; booleans True).
+def example_inputs(specs: list[InputSpec], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random positional inputs of the given shapes and dtypes (normal floats; integers 0 or 1; booleans
+    True); :func:`fxforge.cli.inputs.build_inputs` also places named ones.
 
     Example:
-        >>> [tuple(t.shape) for t in example_inputs([((2, 3), torch.float32), ((2,), torch.int64)])]
+        >>> [tuple(t.shape) for t in example_inputs([parse_input("2x3"), parse_input("2:int64")])]
         [(2, 3), (2,)]
     """
-    generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for shape, dtype in specs:
-        if dtype.is_floating_point:
-            tensors.append(torch.randn(shape, generator=generator).to(dtype))
-        elif dtype == torch.bool:
-            tensors.append(torch.ones(shape, dtype=torch.bool))
-        else:
-            tensors.append(torch.randint(0, 2, shape, generator=generator, dtype=dtype))
-    return tuple(tensors)
+    from fxforge.cli.inputs import build_inputs
+
+    return build_inputs([s._replace(path=()) for s in specs], None, seed)
 
 
-def check_eager(model: nn.Module, inputs: tuple, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> Any:
+def call_model(model: Any, inputs: tuple | dict) -> Any:
+    """``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict of keyword inputs.
+
+    Example:
+        >>> call_model(torch.nn.ReLU(), {"input": -torch.ones(1)}).tolist()
+        [0.0]
+    """
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def check_eager(model: nn.Module, inputs: tuple | dict, specs: list[InputSpec]) -> Any:
     """Run the model once on the inputs; its outputs, or a :class:`CommandError` naming the input shapes
     (the model rejects them, or raises for another reason).
 
     Example:
-        >>> check_eager(torch.nn.Linear(8, 2), (torch.ones(2, 5),), [((2, 5), torch.float32)])
+        >>> check_eager(torch.nn.Linear(8, 2), (torch.ones(2, 5),), [parse_input("2x5")])
         Traceback (most recent call last):
         ...
         fxforge.cli.args.CommandError: Linear raised on example inputs of shape 2x5: RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 8x2)
@@ -273,7 +268,7 @@ def check_eager(model: nn.Module, inputs: tuple, specs: list[tuple[tuple[int, ..
 
     try:
         with isolated(model), torch.no_grad():
-            return model(*inputs)
+            return call_model(model, inputs)
     except Exception as error:
         shapes = ", ".join(format_input(*spec) for spec in specs)
         raise CommandError(f"{type(model).__name__} raised on example inputs of shape {shapes}: "
@@ -318,3 +313,31 @@ def check_output(path: str, suffixes: tuple[str, ...], option: str = "-o") -> st
     if not os.access(folder, os.W_OK):
         raise CommandError(f"cannot write {path}: the folder {folder} is not writable")
     return path
+
+
+_DYNAMIC_WORDS = {"batch": "batch", "length": "length", "seq": "length", "sequence": "length"}
+
+
+def parse_dynamic(text: str) -> str | tuple:
+    """``--dynamic``: ``auto``, ``none``, or a comma-separated list of ``batch``, ``length`` (also ``seq``) or
+    dim numbers (``0,1``), as a tuple.
+
+    Raises:
+        argparse.ArgumentTypeError: another word, a negative dim, names and numbers mixed.
+
+    Example:
+        >>> parse_dynamic("auto"), parse_dynamic("none"), parse_dynamic("batch,seq"), parse_dynamic("0,2")
+        ('auto', 'none', ('batch', 'length'), (0, 2))
+    """
+    words = [w.strip().lower() for w in text.split(",") if w.strip()]
+    if words in (["auto"], ["none"]):
+        return words[0]
+    if not words:
+        raise argparse.ArgumentTypeError("--dynamic takes auto, none, batch, batch,length or dim numbers like 0,1")
+    if all(w.isdigit() for w in words):
+        return tuple(sorted({int(w) for w in words}))
+    unknown = [w for w in words if w not in _DYNAMIC_WORDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--dynamic {text}: unknown dim {unknown[0]!r}; write auto, none, batch, "
+                                         "batch,length, or dim numbers like 0,1 (not mixed with names)")
+    return tuple(dict.fromkeys(_DYNAMIC_WORDS[w] for w in words))

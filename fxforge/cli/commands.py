@@ -1,4 +1,4 @@
-"""The commands: ``optimize``, ``export``, ``profile``, ``show``, ``rewrites``.
+"""The commands: ``optimize``, ``export``, ``show``, ``rewrites`` (``profile``: :mod:`fxforge.cli.profile`).
 
 Each takes the parsed arguments and returns the exit code; a failure is raised (as
 :class:`~fxforge.cli.args.CommandError`, :class:`fxforge.ExportError`...) and turned into one line by
@@ -22,26 +22,32 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from fxforge.cli.args import (
     CommandError,
+    call_factory,
+    call_model,
     check_eager,
     check_output,
     check_output_suffix,
-    example_inputs,
     format_input,
+    load_callable,
     load_model,
     load_weights,
 )
+from fxforge.cli.dynamic import DIMS_STAGES, dynamic_options
+from fxforge.cli.failures import capture_failure
 from fxforge.cli.graphs import draw_available, marked_nodes, node_lines, pictures
 from fxforge.cli.html import render_html
+from fxforge.cli.inputs import build_inputs, described, factory_inputs, reshaped, signature_of
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import Summary, compare_latency, simulated_peak
+from fxforge.core.source import first_line
 from fxforge.targets import TARGETS, Target, by_artifact, lookup
 
 _MAX_WARNINGS = 5  # distinct warnings listed in the summary's notes
+
 
 
 def _console() -> Console:
@@ -81,19 +87,32 @@ def collected_warnings(notes: list[str]) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- shared steps
 
 def _model_and_inputs(args: argparse.Namespace, steps: Steps, *,
-                      train: bool = False) -> tuple[torch.nn.Module, tuple, Any]:
+                      train: bool = False) -> tuple[torch.nn.Module, tuple | dict, Any]:
     """Load the model (and weights), put it in eval mode (train mode with ``train``), make the example
-    inputs, run the model once on them."""
+    inputs (a tuple, or a dict of keyword inputs), run the model once on them. ``args.input`` becomes the
+    specs of the inputs made (a factory's included), which the summaries show."""
     with steps.step("load model") as step:
         model = load_model(args.model, args.model_args)
         if getattr(args, "weights", None):
             load_weights(model, args.weights)
         model.train(train)
-        inputs = example_inputs(args.input)
+        inputs = model_inputs(model, args.input or [], getattr(args, "inputs", None))
+        if getattr(args, "inputs", None):  # the factory's inputs, as reshaped
+            args.input = described(inputs, signature_of(model))
         reference = check_eager(model, inputs, args.input)
         parameters = sum(p.numel() for p in model.parameters())
         step.note(f"{type(model).__name__}, {parameters:,} parameters" + (", train mode" if train else ""))
     return model, inputs, reference
+
+
+def model_inputs(model: torch.nn.Module, specs: list, factory: str | None) -> tuple | dict:
+    """The example inputs: from ``--input`` specs, or from the ``--inputs`` factory reshaped by them."""
+    signature = signature_of(model)
+    if factory is None:
+        return build_inputs(specs, signature, model_name=type(model).__name__)
+    make, name = load_callable(factory, "--inputs")
+    inputs = factory_inputs(call_factory(make, name), factory, signature)
+    return reshaped(inputs, specs, signature, factory)
 
 
 def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps) -> Any:
@@ -103,7 +122,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, steps: Steps) -> Any:
         try:
             captured = fxforge.capture(model, inputs)
         except fxforge.CaptureError as error:
-            raise CommandError(str(error)) from error
+            raise CommandError(capture_failure(type(model).__name__, error)) from error
         step.note(f"{captured.method}, {captured.report.nodes_before} nodes")
     return captured
 
@@ -121,11 +140,11 @@ def _counts(report: Any) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(report.counts.items())) or "nothing applied"
 
 
-def _max_error(reference: Any, runner: Any, inputs: tuple) -> float:
+def _max_error(reference: Any, runner: Any, inputs: tuple | dict) -> float:
     from fxforge.core.verify import compare_outputs
 
     with torch.no_grad():
-        actual = runner(*inputs)
+        actual = call_model(runner, inputs)
     return compare_outputs(reference, actual).max_abs_err
 
 
@@ -192,13 +211,15 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
     notes: list[str] = []
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, reference = _model_and_inputs(args, steps)
-        runner, description = _built(model, inputs, target, rewrites, args, steps)
+        runner, description = _built(model, inputs, target, rewrites, args, steps, notes)
+        if description == "eager":
+            return _eager_fallback(model, runner, args, console)
         new = target.graph(runner)
         before = new.before or new
         errors = {description: _max_error(reference, runner, inputs)}
         if output:
             with steps.step(f"write {target.contract.artifact}, load back, check") as step:
-                written = target.write(runner, output, dynamic_batch=args.dynamic_batch)
+                written = _write(target, runner, output, args.dynamic, inputs, notes)
                 outputs.written(output)
                 if os.path.exists(output + ".data"):
                     outputs.written(output + ".data")
@@ -229,34 +250,73 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
     return 0
 
 
-def _built(model: Any, inputs: tuple, target: Target, rewrites: Any, args: argparse.Namespace,
-           steps: Steps) -> tuple[Any, str]:
+def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args: argparse.Namespace,
+           steps: Steps, notes: list[str]) -> tuple[Any, str]:
     """``fxforge.optimize(model, inputs, target=...)`` as a step: the module and what it runs (``auto:
-    <winner>`` for a race). The CLI plans for the given shapes (``dynamic=False``); ``--dynamic-batch`` asks a
-    target that takes it for a dynamic batch dim."""
+    <winner>`` for a race). The CLI plans for the given shapes (``dynamic=False``), and exports an ``.onnx``
+    with the dims ``--dynamic`` asks for; where the default (``auto``) dims cannot stay dynamic in this model,
+    the file is static and a note says why."""
     import fxforge
 
     options: dict[str, Any] = {"rewrites": rewrites, "verify": not args.no_verify, "dynamic": False}
-    if args.dynamic_batch and "dynamic_batch" in target.options:
-        options["dynamic_batch"] = True
+    if args.output and target.contract.artifact == ".onnx":
+        options.update(dynamic_options(args.dynamic, ".onnx", inputs))
     raced = getattr(target, "raced", None)
     title = (f"race {', '.join(t.name for t in raced())}; keep the fastest" if raced is not None
              else f"optimize for {target.name}: {target.summary}")
     with steps.step(title) as step:
         try:
             runner = fxforge.optimize(model, inputs, target=target.name, **options)
+        except fxforge.ExportError as error:
+            if args.dynamic != "auto" or not options["dynamic"] or error.stage not in DIMS_STAGES:
+                raise
+            notes.append(f"the file is static: its batch and length could not stay dynamic ({first_line(error)}); "
+                         "--dynamic none asks for a static file, --dynamic 0 for the batch alone")
+            runner = fxforge.optimize(model, inputs, target=target.name, **{**options, "dynamic": False})
         except fxforge.CaptureError as error:
-            raise CommandError(str(error)) from error
+            raise CommandError(capture_failure(type(model).__name__, error)) from error
         race = getattr(runner, "race", None)
-        if race is not None:
+        if race is not None and getattr(runner.report, "method", "") != "eager":
             step.note(f"{race.winner}: {race.why}")
             return runner, f"auto: {race.winner}"
         report = runner.report
         if report is None or report.method == "eager":
-            raise CommandError(f"{type(model).__name__} could not be captured: "
-                               + "; ".join(getattr(report, "notes", []) or ["no plan"]))
+            reason = capture_failure(type(model).__name__, "; ".join(getattr(report, "notes", []) or ["no plan"]))
+            if args.output:
+                raise CommandError(reason)
+            step.note(f"runs eagerly: {reason}")
+            return runner, "eager"
         step.note(f"{report.method} capture, {_counts(report)}")
     return runner, target.name
+
+
+def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: Console) -> int:
+    """``optimize`` without ``-o`` of a model that cannot be one graph: what the optimized module does (runs
+    the model eagerly), why, and where; exit 0 (the module works, as eager)."""
+    reason = capture_failure(type(model).__name__, "; ".join(runner.report.notes) or "no plan")
+    summary = Summary(model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
+                      report=runner.report, target="eager (fxforge.optimize returns a module that runs the model "
+                                                   "as it is, with a FallbackWarning)",
+                      notes=[reason, "nothing was rewritten or timed: the optimized module is the model itself"])
+    summary.print(console)
+    return 0
+
+
+def _write(target: Target, runner: Any, output: str, dynamic: str | tuple, inputs: tuple | dict,
+           notes: list[str]) -> Any:
+    """``target.write``; a ``.pt2`` with the batch dynamic (``--dynamic`` auto or batch), static with a note
+    where the default cannot keep it dynamic in this model."""
+    import fxforge
+
+    dynamic_batch = dynamic_options(dynamic, target.contract.artifact, inputs).get("dynamic_batch", False)
+    try:
+        return target.write(runner, output, dynamic_batch=dynamic_batch)
+    except fxforge.ExportError as error:
+        if dynamic != "auto" or not dynamic_batch or error.stage not in DIMS_STAGES:
+            raise
+        notes.append(f"the file is static: its batch could not stay dynamic ({first_line(error)}); --dynamic none "
+                     "asks for a static file")
+        return target.write(runner, output, dynamic_batch=False)
 
 
 def run_optimize(args: argparse.Namespace) -> int:
@@ -312,66 +372,6 @@ def run_show(args: argparse.Namespace) -> int:
         for line in node_lines(gm, marks):
             console.print("  " + line, markup=False)
     return 0
-
-
-# ---------------------------------------------------------------------------------------------- profile
-
-def run_profile(args: argparse.Namespace) -> int:
-    """``fxforge profile``: the per-node time, FLOPs, bytes and bound of the model (``fxforge.profile``)."""
-    import fxforge
-
-    if args.csv:
-        check_output(args.csv, (".csv",), "--csv")
-    profile = getattr(fxforge, "profile", None)
-    if profile is None:
-        raise CommandError("fxforge.profile is not available in this installation")
-    steps = Steps()
-    console = _console()
-    notes: list[str] = []
-    with Outputs() as outputs, collected_warnings(notes):
-        model, inputs, _ = _model_and_inputs(args, steps)
-        subject = model
-        if args.optimized:
-            with steps.step("optimize (capture, rewrite)") as step:
-                subject = fxforge.optimize(model, inputs)
-                counts = subject.report.counts if subject.report is not None else {}
-                step.note(", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "nothing applied")
-        with steps.step(f"profile ({args.repeat} runs)"):
-            result = profile(subject, inputs, warmup=args.warmup, repeat=args.repeat)
-        table = result.table
-        if args.csv:
-            outputs.write_with(args.csv, lambda path: table.to_csv(path, index=False))
-    shown = table.sort_values("time_ms", ascending=False, kind="stable").head(args.top)
-    columns = [c for c in PROFILE_COLUMNS if c in shown.columns]
-    _print_frame(console, shown[columns], f"{type(model).__name__}: top {len(shown)} of {len(table)} nodes by time "
-                                          f"(total {result.total_ms:.3g} ms)")
-    if args.by_op:
-        _print_frame(console, result.by_op().reset_index(), "by op")
-    if args.csv:
-        console.print(f"full table: {args.csv}", markup=False)
-    return 0
-
-
-PROFILE_COLUMNS = ("node", "op", "module", "time_ms", "flops", "bytes", "intensity", "bound", "live_bytes")
-
-
-def _print_frame(console: Console, frame: Any, title: str) -> None:
-    view = Table(title=title, title_justify="left")
-    for column in frame.columns:
-        numeric = frame[column].dtype.kind in "iuf"
-        view.add_column(str(column), justify="right" if numeric else "left", no_wrap=not numeric,
-                        overflow="ellipsis", max_width=None if numeric else 40)
-    for _, row in frame.iterrows():
-        view.add_row(*(_cell(v) for v in row.tolist()))
-    console.print(view)
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    if isinstance(value, int) and abs(value) >= 10_000:
-        return f"{value:.3g}"
-    return "" if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------------------------- rewrites

@@ -127,6 +127,9 @@ class Summary:
         counts = self.report.counts
         applied = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
         refused = self.refused()
+        if self.report.method == "eager":  # not captured: nothing was rewritten
+            return [("model", f"{self.model} ({self.inputs}), not captured"),
+                    *([("target", self.target)] if self.target else [])]
         rows = [("model", f"{self.model} ({self.inputs}), captured with {self.report.method or '?'}"),
                 *([("target", self.target)] if self.target else []),
                 ("rewrites applied", applied),

@@ -90,7 +90,7 @@ def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
     (["--input", "2x8", "--target", "tvm"], "argument --target: invalid choice: 'tvm'", "optimize"),
     (["--input", "2x8", "--model-args", "{width: 8}"], "--model-args is not valid JSON", "optimize"),
     (["--input", "2x8", "--model-args", "[8]"], "--model-args must be a JSON object", "optimize"),
-    ([], "the following arguments are required: --input", "optimize"),
+    ([], "give the model's example inputs: --input SHAPE[:DTYPE] (one per input) or --inputs FILE.py:FACTORY", "optimize"),
     (["--input", "2x8", "-o", "graph.png"], "-o graph.png: the file name must end in .svg or .html or .htm", "show"),
     (["--input", "2x8", "--csv", "t.xlsx"], "--csv t.xlsx: the file name must end in .csv", "profile"),
     (["--input", "2x8"], "the following arguments are required: -o/--output", "export"),
