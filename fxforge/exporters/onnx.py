@@ -49,7 +49,8 @@ from fxforge.core.tracing import tracing
 from fxforge.exporters.onnx_engine import run_onnx_rules
 from fxforge.exporters.onnx_rules import ONNX_RULES
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
-from fxforge.exporters.program import ExportError, export_program, quiet, validate, validation_inputs
+from fxforge.exporters.program import ExportError, export_program, exportable, quiet, validate, validation_inputs
+from fxforge.exporters.torchscript_export import torchscript_export
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 
 
@@ -69,6 +70,11 @@ class OnnxExport:
         validation: the largest absolute difference from PyTorch, per input set validated on.
         left_out: why a rewrite was left out of this export (with it the export failed; also in the report's
             notes), or None.
+        judged: per input set validated on, the reference that judged ONNX Runtime's outputs: ``"float32
+            eager"``, or float64 eager with the distances where float32 eager is itself that far from the
+            exact result (see :func:`~fxforge.exporters.program.validate`).
+        fallback: why the file was written by torch.onnx's TorchScript exporter (its dynamo exporter failed
+            on the model; also in the report's notes), or None.
 
     Example:
         >>> r = OnnxExport("m.onnx", 20, Report(method="fx"), None, None, {}, [], {"example inputs": 0.0})
@@ -85,12 +91,17 @@ class OnnxExport:
     translations: list[str]
     validation: dict[str, float]
     left_out: str | None = None
+    judged: dict[str, str] = dataclasses.field(default_factory=dict)
+    fallback: str | None = None
 
     def __str__(self) -> str:
         shapes = "dynamic " + ", ".join(f"{k}{v}" for k, v in self.dynamic.items()) if self.dynamic else "static shapes"
         lines = [f"{self.path}: opset {self.opset}, {shapes}"]
         lines += [f"  {t}" for t in self.translations]
-        lines += [f"  validated in ONNX Runtime on {k}: max abs error {v:.3g}" for k, v in self.validation.items()]
+        lines += [f"  validated in ONNX Runtime on {k}: max abs error {v:.3g}"
+                  + (f", judged by {self.judged[k]}" if self.judged.get(k, "float32 eager") != "float32 eager" else "")
+                  for k, v in self.validation.items()]
+        lines += [f"  {self.fallback}"] if self.fallback else []
         return "\n".join(lines)
 
 
@@ -150,19 +161,23 @@ def write_checked(captured: Captured, path: str, *, opset: int = DEFAULT_OPSET, 
                            cpu=runs_on_cpu((module_options or {}).get("providers")), refine=refine)
         check_file(scratch_path)
         module = OnnxRuntimeModule(scratch_path, exported["io"], **(module_options or {}))
-        validation = validate(module, captured, exported["other_sizes"])
+        judged: dict[str, str] = {}
+        validation = validate(module, captured, exported["other_sizes"], judged=judged)
         report = captured.report.copy()
         report.matches.extend(exported["matches"])
         report.near_misses.extend(exported["near_misses"])
         report.notes.extend(f"onnx: {line}" for line in exported["translations"].summary())
-        report.notes.extend(f"onnx: validated in ONNX Runtime on {k}: max abs error {v:.3g}" for k, v in validation.items())
+        report.notes.extend(f"onnx: {exported['fallback']}" for _ in [1] if exported["fallback"])
+        report.notes.extend(f"onnx: validated in ONNX Runtime on {k}: max abs error {v:.3g}, judged by {judged[k]}"
+                            for k, v in validation.items())
         _move_into_place(scratch, directory, name)
         module.path = os.path.join(directory, name)
         module.report = report
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result = OnnxExport(module.path, opset, report, captured, exported["io"], exported["dynamic"],
-                        exported["translations"].summary(), validation)
+                        exported["translations"].summary(), validation, judged=judged,
+                        fallback=exported["fallback"])
     return result, module
 
 
@@ -196,7 +211,15 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset, optimize=True,
                                              custom_translation_table=translations.table())
     except Exception as error:
-        raise translation_error(error, type(captured.module).__name__, log.getvalue()) from error
+        failure = translation_error(error, type(captured.module).__name__, log.getvalue())
+        if raised_in_fxforge(error):  # fxforge's own translation failed: a bug to fix, not to export around
+            raise failure from error
+        try:
+            return _torchscript_fallback(program, captured, out_structure, path, opset, external_data,
+                                         translations, failure, dynamic_shapes)
+        except ExportError as second:
+            raise ExportError(f"{failure}; {second}", stage=failure.stage, op=failure.op,
+                              source=failure.source) from error
     matches, near_misses = run_onnx_rules(onnx_program.model, ONNX_RULES, cpu=cpu)
     if dynamic_shapes is not None:  # name the dims as the spec does ("batch"), where torch.onnx can
         with contextlib.suppress(Exception), quiet(log):
@@ -217,8 +240,39 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
                             if not isinstance(dim, int)} for value in graph.inputs}
     other_sizes = validation_inputs(program, captured, lambda index, axis: dynamic.get(
         input_names[index], {}).get(axis) if index < len(input_names) else None)
-    return {"io": io_spec, "translations": translations, "other_sizes": other_sizes,
+    return {"io": io_spec, "translations": translations, "other_sizes": other_sizes, "fallback": None,
             "dynamic": {k: v for k, v in dynamic.items() if v}, "matches": matches, "near_misses": near_misses}
+
+
+def _torchscript_fallback(program: torch.export.ExportedProgram, captured: Captured, out_structure: Any, path: str,
+                          opset: int, external_data: bool | None, translations: Translations,
+                          failure: ExportError, dynamic_shapes: Any = None) -> dict[str, Any]:
+    """What :func:`_export` returns, for ``program`` written by torch.onnx's TorchScript exporter after its
+    dynamo exporter failed (``failure``): no fxforge translations or ONNX rules (those work on the dynamo
+    exporter's graph); validated as any other file. Raises :class:`ExportError` where it fails too."""
+    import onnx
+
+    args, kwargs = program.example_inputs or (tuple(captured.example_args), dict(captured.example_kwargs))
+    module, _ = exportable(captured.graph_module)  # the graph export_program exported
+    input_names = torchscript_export(program, module, args, kwargs, path, opset, dynamic_shapes)
+    model = onnx.load(path)
+    if external_data:
+        onnx.save_model(model, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
+    try:
+        io_spec = IOSpec.from_exported_program(program, input_names, len(model.graph.output),
+                                               out_structure=out_structure)
+    except ValueError as error:
+        raise ExportError(f"the TorchScript exporter's inputs/outputs do not line up with the model's: {error}",
+                          stage="translation") from error
+    dynamic = {value.name: {axis: dim.dim_param for axis, dim in enumerate(value.type.tensor_type.shape.dim)
+                            if dim.dim_param} for value in model.graph.input}
+    other_sizes = validation_inputs(program, captured, lambda index, axis: dynamic.get(
+        input_names[index], {}).get(axis) if index < len(input_names) else None)
+    reason = (f"torch.onnx dynamo exporter failed: {failure}; exported with the TorchScript exporter "
+              "(torch.onnx.export(dynamo=False); no fxforge ONNX translations or rules)")
+    unused = Translations(opset=translations.opset, attention=translations.attention, cpu=translations.cpu)
+    return {"io": io_spec, "translations": unused, "other_sizes": other_sizes, "fallback": reason,
+            "dynamic": {k: v for k, v in dynamic.items() if v}, "matches": [], "near_misses": []}
 
 
 def check_file(path: str) -> None:
@@ -284,6 +338,22 @@ def _root_cause(error: BaseException) -> BaseException:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return error
+
+
+def raised_in_fxforge(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s root cause is fxforge's own code (one of its translations),
+    not torch.onnx's or onnxscript's.
+
+    Example:
+        >>> try:
+        ...     check_file("/nonexistent.onnx")
+        ... except ExportError as error:
+        ...     raised_in_fxforge(error)
+        False
+    """
+    frames = list(traceback.walk_tb(_root_cause(error).__traceback__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return bool(frames) and os.path.abspath(frames[-1][0].f_code.co_filename).startswith(package + os.sep)
 
 
 def translation_error(error: BaseException, model_name: str, log: str = "") -> ExportError:
