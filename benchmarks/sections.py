@@ -14,6 +14,7 @@ from __future__ import annotations
 from benchmarks import (
     against,
     dynamic,
+    first_calls,
     guard_overhead,
     memory_reorder,
     onnx_forms,
@@ -37,6 +38,7 @@ SECTIONS: dict[str, Section] = {
         optimize_time.SECTION,
         against.SECTION,
         guard_overhead.SECTION,
+        first_calls.SECTION,
         memory_reorder.SECTION,
     )
 }

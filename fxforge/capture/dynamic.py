@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from fxforge.capture.dims import (  # noqa: F401 - the dims' names, importable from here as before
     batch_dynamic_shapes,
@@ -110,8 +111,9 @@ def capture_with_dims(model: nn.Module, args: tuple, kwargs: dict, dims: set[tup
 
     Each dim is ``Dim.AUTO``: torch.export keeps it dynamic where the model allows, relates dims that must
     agree (the sequence length of the ids and of the mask), bounds them where the model does (position
-    embeddings), and specialises what it must. Sizes 0 and 1 stay specialised by ``Dim.AUTO`` (its range
-    starts at 2), so a dim of size 1 in the example stays static.
+    embeddings), and specialises what it must. A dim of size 1 in the inputs is captured at a stand-in size
+    of 2 (:func:`stand_in`), and ``Dim.AUTO``'s ranges, which start at 2, are widened to start at 1: the plan
+    is checked against eager at a size of 1 on its first call there, rather than specialised on it.
 
     The batch dim is the exception: dim 0 of every input whose dim 0 is the batch size
     (:func:`batch_size`), when it is among ``dims``, is one ``Dim("batch", min=1)``, so that the plan also
@@ -129,22 +131,62 @@ def capture_with_dims(model: nn.Module, args: tuple, kwargs: dict, dims: set[tup
         >>> [int(r.lower) for r in cap.graph_module.meta["fxforge_ranges"].values()]   # a batch of 1 served
         [1]
     """
+    shapes = [tuple(t.shape) for t in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(t, torch.Tensor)]
+    args, kwargs = stand_in(args, kwargs, dims)
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
     auto = {(leaf, dim): torch.export.Dim.AUTO for leaf, dim in sorted(dims)
             if isinstance(leaves[leaf], torch.Tensor) and leaves[leaf].shape[dim] > 1}
-    batch, refused = batch_size(args, kwargs), None
+    batch, refused, captured = batch_size(args, kwargs), None, None
     batch_dims = {(leaf, 0) for leaf, dim in auto if dim == 0 and batch is not None and batch > 1
                   and leaves[leaf].shape[0] == batch}
     if batch_dims:
         shared = torch.export.Dim(BATCH, min=1)
         try:
-            return capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, {**auto, **dict.fromkeys(batch_dims, shared)}))
+            captured = capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, {**auto, **dict.fromkeys(batch_dims, shared)}))
         except CaptureError as error:
             refused = first_line(error)
-    captured = capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, auto))
+    if captured is None:
+        captured = capture_dynamic(model, args, kwargs, _spec(model, args, kwargs, auto))
     if refused is not None:
         captured.report.notes.append(f"a batch of one needs a plan of its own: {refused}")
+    if shapes != [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]:
+        captured.report.notes.append("dims of size 1 in the call were captured at a stand-in size of 2, so the plan "
+                                     "does not specialise on them (it is checked against eager at 1 before it serves 1)")
+    _serve_ones(captured.graph_module)
     return captured
+
+
+def stand_in(args: tuple, kwargs: dict, dims: set[tuple[int, int]]) -> tuple[tuple, dict]:
+    """The inputs to capture with the input dims ``dims`` dynamic on: every one of those dims of size 1 grown to
+    a stand-in size of 2 (:func:`resized`; torch.export specialises a size of 1, and a batch or a length of one
+    is what users' examples often have). The inputs themselves when no dim is 1.
+
+    Example:
+        >>> (x,), _ = stand_in((torch.ones(1, 5),), {}, {(0, 0), (0, 1)})
+        >>> x.shape
+        torch.Size([2, 5])
+    """
+    leaves, structure = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    ones = [(leaf, dim) for leaf, dim in sorted(dims) if isinstance(leaves[leaf], torch.Tensor)
+            and dim < leaves[leaf].dim() and leaves[leaf].shape[dim] == 1]
+    if not ones:
+        return tuple(args), dict(kwargs)
+    for leaf, dim in ones:
+        leaves[leaf] = resized(leaves[leaf], dim, 2)
+    return pytree.tree_unflatten(leaves, structure)
+
+
+def _serve_ones(graph_module: torch.fx.GraphModule) -> None:
+    """Let the graph's dynamic dims that torch.export ranged from 2 (``Dim.AUTO``'s default: it traces at 2 or
+    more) serve a size of 1 too: a plan's first call at 1 is checked against eager before it serves it
+    (:meth:`~fxforge.core.symbolic.ShapeGuard.untraced`), and a plan that differs there gets a plan of its own,
+    instead of a second capture for every batch or length of one."""
+    ranges = graph_module.meta.get("fxforge_ranges")
+    if not ranges:
+        return
+    for symbol, value_range in list(ranges.items()):
+        if value_range.lower == 2:
+            ranges[symbol] = ValueRanges(1, value_range.upper)
 
 
 def _spec(model: nn.Module, args: tuple, kwargs: dict, dims: dict[tuple[int, int], Any]) -> Any:

@@ -242,6 +242,18 @@ class ShapeGuard:
         """
         self.excluded.append(values)
 
+    def excludes(self, sizes: Sequence[tuple[tuple, tuple] | None]) -> bool:
+        """Whether a call (the leaves' ``(shape, strides)``) binds the symbols to values :meth:`exclude` took out.
+
+        Example:
+            >>> s0 = sympy.Symbol("s0")
+            >>> guard = ShapeGuard([((s0,), (1,))], {s0: (1, math.inf)})
+            >>> guard.exclude(frozenset({(s0, 1)})); guard.excludes([((1,), (1,))]), guard.excludes([((2,), (1,))])
+            (True, False)
+        """
+        binding = self.bind(sizes)
+        return not isinstance(binding, str) and any(all(binding.get(s) == v for s, v in values) for values in self.excluded)
+
     def describe(self) -> str:
         """The symbols and their ranges, for reports: ``s0 in [2, inf), s1 in [2, 512]``.
 

@@ -105,7 +105,9 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
     ``(args, kwargs)`` (captured by :func:`~fxforge.capture.dynamic.capture_with_dims`), or a
     ``dynamic_shapes`` spec in torch.export's format. The graph then has symbolic sizes; the plan's
     ``shapes`` (a :class:`~fxforge.core.symbolic.ShapeGuard`) says which calls it serves, including the size
-    relations rewrites assumed (listed in the report's notes).
+    relations rewrites assumed (listed in the report's notes). ``"fx"``: a plan for these inputs captured by
+    torch.fx's symbolic trace (which records sizes as the ops that read them), whatever ``method`` says: what
+    an optimized module tries at new sizes (after a check against eager) where torch.export specialises a dim.
 
     Raises:
         CaptureError: the module could not be captured (with those dims dynamic).
@@ -117,8 +119,9 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
     """
     conditions = conditions or CallConditions()
     with torch.inference_mode(False), no_collection():
-        if dynamic is None:
-            captured, guard = capture(module, args, method, example_kwargs=kwargs, check=verify), None
+        if dynamic is None or dynamic == "fx":
+            how = "fx" if dynamic == "fx" else method
+            captured, guard = capture(module, args, how, example_kwargs=kwargs, check=verify), None
         else:
             if isinstance(dynamic, (set, frozenset)):
                 captured = capture_with_dims(module, args, kwargs, dynamic)
@@ -133,7 +136,7 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
             kept = [p for p in resolve(rewrites) if p.name not in lowering.left_out] if lowering.left_out else rewrites
             rewritten = rewrite(captured, kept, verify=verify, tuning=tuning if lowering.tuned else None,
                                 conditions=conditions)
-            plan = lowering.lower(rewritten, dynamic is not None)
+            plan = lowering.lower(rewritten, dynamic is not None and dynamic != "fx")
     if guard is not None and guard.symbols:
         plan.shapes = guard
         assumed = guard.take_assumptions()

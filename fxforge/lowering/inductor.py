@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
@@ -55,7 +56,10 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
         expected = gm(*args, **kwargs)
     start = time.perf_counter()  # the first call compiles
     try:
-        with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
+        # A graph with dynamic dims is compiled size-oblivious: torch.compile would otherwise specialise a size of
+        # 1 and compile again for a batch of one (seconds, on a user's call); the plan's first call at 1 is
+        # checked against eager by the plan cache instead.
+        with isolated(gm, inputs=(args, kwargs)), torch.no_grad(), fx_config.patch(backed_size_oblivious=dynamic):
             actual = compiled(*args, **kwargs)
     except Exception as error:  # any compile failure refuses the plan, with its reason
         raise CompileRefused(f"torch.compile failed: {type(error).__name__}: {error}".splitlines()[0]) from error

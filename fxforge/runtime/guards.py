@@ -351,3 +351,19 @@ def silenced_hooks(modules: list[nn.Module]) -> Iterator[None]:
         for table, key, hook in replaced:
             if key in table:  # (a hook removed meanwhile stays removed)
                 table[key] = hook
+
+
+def needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``module`` records gradients (grad mode on, and a parameter or an input requires
+    them): its plan must keep every op eager has.
+
+    Example:
+        >>> with torch.no_grad():
+        ...     needs_grad(torch.nn.Linear(1, 1), (torch.ones(1),), {})
+        False
+    """
+    if not torch.is_grad_enabled():
+        return False
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves((args, kwargs)))

@@ -103,14 +103,15 @@ class OptimizedModule(nn.Module):
     @property
     def plans_built(self) -> int:
         """How many plans were built (captures made) so far: one per input signature with ``dynamic=False``;
-        with dynamic sizes, one more per dim that became dynamic, not one per size.
+        with dynamic sizes, one more per dim that became dynamic, not one per size, and none for new sizes that
+        a torch.fx plan serves once checked against eager (``cache.plans_reused`` counts those).
 
         Example:
             >>> opt = fxforge.optimize(torch.nn.Linear(2, 2))
             >>> with torch.no_grad():
             ...     _ = [opt(torch.ones(n, 2)) for n in (2, 3, 4, 5)]
-            >>> opt.plans_built   # sizes 2 (static), then one plan for every batch size
-            2
+            >>> opt.plans_built, opt.cache.plans_reused   # sizes 2 (its plan), then 3, 4 and 5 served by it
+            (1, 3)
         """
         return self.cache.plans_built
 

@@ -9,7 +9,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Hashable
 from typing import Any
+
+from fxforge.core.sequence_dims import batch_and_sequence
+from fxforge.runtime.signature import differing_dims, sizes_of, token_dims
 
 # After this many rebuilds because the model's state changed, the model runs eagerly (with one warning):
 # something sets its attributes on every call, and each rebuild costs a capture.
@@ -44,3 +49,107 @@ class ShapePolicy:
     dynamic: bool | None = None
     dynamic_shapes: Any = None
     max_plans: int = MAX_PLANS
+
+
+def leaves_of(signature: Hashable) -> list[tuple[tuple, Any] | None]:
+    """``(shape, dtype)`` of each input leaf of an input signature (None for a leaf that is not a tensor)."""
+    return [(key[1], key[3]) if key[0] == "tensor" else None for key in signature[1]]
+
+
+def grown_dims(signature: Hashable, changed: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The input dims ``(leaf, dim)`` a new shape-generic plan keeps dynamic when ``changed`` changed: those,
+    the batch (dim 0 of every input whose dim 0 is the batch size), and an image's sibling spatial dims (a
+    floating-point input of rank >= 4 whose H or W changed gets H and W, or D, H and W, dynamic together), so
+    that one re-plan serves every new image size and batch instead of one per dim that changes next.
+    Sizes of 1 are kept: capture traces them at a stand-in size of 2 (see
+    :func:`~fxforge.capture.dynamic.capture_with_dims`).
+
+    Example:
+        >>> import torch
+        >>> from fxforge.runtime.signature import input_signature
+        >>> sig = input_signature((torch.ones(1, 3, 64, 48),), {}, False)
+        >>> sorted(grown_dims(sig, {(0, 3)}))
+        [(0, 0), (0, 2), (0, 3)]
+        >>> sorted(grown_dims(input_signature((torch.ones(2, 12, 6),), {}, False), {(0, 1)}))
+        [(0, 0), (0, 1)]
+    """
+    if not changed:
+        return set()
+    leaves = leaves_of(signature)
+    batch = batch_and_sequence(leaves)[0]
+    dims = set(changed)
+    dims.update((leaf, 0) for leaf, entry in enumerate(leaves) if entry is not None and len(entry[0]) > 0
+                and entry[0][0] == batch)
+    for leaf, dim in changed:
+        shape, dtype = leaves[leaf]
+        if dtype.is_floating_point and len(shape) >= 4 and dim >= 2:
+            dims.update((leaf, axis) for axis in range(2, len(shape)))
+    return dims
+
+
+def dims_for(policy: ShapePolicy, signature: Hashable, built: list[Hashable], made: set) -> Any:
+    """What a new plan for ``signature`` keeps dynamic: None (its sizes only), a frozenset of input dims, or the
+    user's ``dynamic_shapes``; ``built``: the signatures of its family that plans were built for, ``made``:
+    the dims made dynamic so far (see :attr:`ShapePolicy.dynamic`).
+
+    Example:
+        >>> import torch
+        >>> from fxforge.runtime.signature import input_signature
+        >>> ids = input_signature((torch.ones(1, 64, dtype=torch.long),), {}, False)
+        >>> sorted(dims_for(ShapePolicy(), ids, [], set()))   # a batch of 1 stays dynamic
+        [(0, 0), (0, 1)]
+    """
+    if policy.dynamic is False:
+        return None
+    if policy.dynamic_shapes is not None and not built:
+        return policy.dynamic_shapes  # the user's ranges, for the first plan; calls outside them as below
+    sizes = sizes_of(signature)
+    if policy.dynamic is True:
+        return frozenset((leaf, dim) for leaf, entry in enumerate(sizes) if entry is not None
+                         for dim in range(len(entry[0])))
+    if not built:
+        # Token inputs: every request has its own length, so the batch and sequence dims are dynamic from the
+        # first plan (a static one would be rebuilt at the second call, seconds on the call path).
+        return frozenset(token_dims(signature)) or None
+    changed = set(made)
+    for other in built:
+        changed |= differing_dims(signature, other)
+    return frozenset(grown_dims(signature, changed)) or None
+
+
+def numel(sizes: list) -> int:
+    """The elements of a call's tensors, from :func:`~fxforge.runtime.signature.sizes_of`."""
+    return sum(int(math.prod(leaf[0])) for leaf in sizes if leaf is not None)
+
+
+def smaller_example(example: tuple | None, signature: Hashable, dynamic: Any) -> tuple | None:
+    """The remembered inputs ``(signature, args, kwargs)`` of a family to build a plan keeping the input dims
+    ``dynamic`` on, instead of the call's own: where they are smaller, differ from the call only in those
+    dims, and are over 1 in each of them. None otherwise.
+
+    Example:
+        >>> smaller_example(None, None, frozenset()) is None
+        True
+    """
+    if not isinstance(dynamic, frozenset) or example is None:
+        return None
+    theirs, ours = sizes_of(example[0]), sizes_of(signature)
+    if not differing_dims(example[0], signature) <= dynamic:
+        return None
+    if any(theirs[leaf][0][dim] <= 1 for leaf, dim in dynamic):
+        return None
+    return example if numel(theirs) < numel(ours) else None
+
+
+def kept_dims(shapes: Any) -> set[tuple[int, int]]:
+    """The input dims ``(leaf, dim)`` a plan's :class:`~fxforge.core.symbolic.ShapeGuard` keeps symbolic (none
+    for a plan of one input signature, ``shapes`` None).
+
+    Example:
+        >>> kept_dims(None)
+        set()
+    """
+    if shapes is None:
+        return set()
+    return {(leaf, dim) for leaf, entry in enumerate(shapes.inputs) if entry is not None
+            for dim, size in enumerate(entry[0]) if not isinstance(size, int)}

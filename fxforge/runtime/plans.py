@@ -14,10 +14,8 @@ A :class:`PlanCache` is the per-call half of an optimized module. For each call 
    after a training-mode call (BatchNorm updates its statistics without telling their version counters);
 5. runs the plan's executable.
 
-Building a plan (capture -> rewrite -> lower) is :mod:`fxforge.lowering.build`'s job: the target hands its
-build function in, so nothing here imports the stages that make plans. How plans treat input sizes and how
-many a cache holds is :mod:`fxforge.runtime.plan_policy`; the warnings it gives are in
-:mod:`fxforge.runtime.fallbacks` (both importable from here as before).
+Building a plan is :mod:`fxforge.lowering.build`'s job (the target hands its build function in). How plans treat
+sizes is :mod:`fxforge.runtime.plan_policy`, the checks at new sizes :mod:`fxforge.runtime.first_use`.
 
 Example:
     >>> import torch
@@ -45,14 +43,19 @@ from torch.utils import _pytree as pytree
 from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
-from fxforge.core.verify import compare_outputs, isolated
+from fxforge.core.verify import Comparison
 from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning
-from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, silenced_hooks
+from fxforge.runtime.first_use import against_eager, at, fx_plan_of_family, sizes
+from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad, silenced_hooks
 from fxforge.runtime.plan_policy import (  # noqa: F401 - MAX_PLANS: importable from here as before
     MAX_PLANS,
     MAX_REBUILDS,
     MAX_SERVED,
     ShapePolicy,
+    dims_for,
+    kept_dims,
+    numel,
+    smaller_example,
 )
 from fxforge.runtime.signature import (
     describe_signature,
@@ -60,7 +63,6 @@ from fxforge.runtime.signature import (
     family_of,
     input_signature,
     sizes_of,
-    token_dims,
 )
 
 # (args, kwargs, conditions, dynamic) -> the plan for calls like this one (dynamic: None for the input signature
@@ -69,11 +71,6 @@ from fxforge.runtime.signature import (
 PlanBuilder = Callable[..., Plan]
 
 _MISSING = object()
-
-
-def _numel(sizes: list) -> int:
-    """The elements of a call's tensors, from :func:`~fxforge.runtime.signature.sizes_of`."""
-    return sum(int(torch.Size(leaf[0]).numel()) for leaf in sizes if leaf is not None)
 
 
 def _copy_input(tensor: torch.Tensor) -> torch.Tensor:
@@ -116,9 +113,9 @@ class PlanCache:
         self._families: dict[Hashable, list[Hashable]] = {}  # family -> signatures built for, in order
         self._dynamic_dims: dict[Hashable, set] = {}  # family -> input dims made dynamic so far
         self._static_only: set[Hashable] = set()  # families torch.export could not make dynamic
-        # family -> (signature, args, kwargs): copies of the smallest inputs a plan of the family was built on,
-        # which a later shape-generic plan of the family is built on (capture, verification and autotune then
-        # run the model at those sizes, not at the size of the call that needed the plan)
+        self._specialized: dict[Hashable, set] = {}  # family -> input dims torch.export kept static when asked
+        # family -> (signature, args, kwargs): copies of the smallest inputs a plan of the family was built on, which
+        # a later shape-generic plan of the family is built on (capture, checks and autotune run at those sizes)
         self._examples: dict[Hashable, tuple[Hashable, tuple, dict]] = {}
         self.last: Plan | None = None
         self.notes: list[str] = []
@@ -136,8 +133,11 @@ class PlanCache:
         self._eager_reason: str | None = None
         self._lock = threading.RLock()
         self._building = threading.local()
-        self._first = threading.local()  # pending: (plan, untraced) when this thread's call needs _first_use
+        self._first = threading.local()  # pending: (plan, untraced, reuse key) when this call needs _first_use
         self._checked_at: dict[int, set[frozenset]] = {}  # id(plan) -> untraced values checked against eager
+        self._unchecked: dict[Hashable, frozenset] = {}  # key -> untraced values of a plan built on a stand-in size
+        self._no_reuse: set[Hashable] = set()  # keys a torch.fx plan of other sizes differed from eager at
+        self.plans_reused = 0  # new input signatures served by a torch.fx plan of other sizes, after a check
 
     @property
     def capturing(self) -> bool:
@@ -162,12 +162,14 @@ class PlanCache:
             signature = input_signature(args, kwargs, self.module.training)
             key = (signature, self._watch.modes(), conditions)
             plan = self.plans.get(key, _MISSING)
+            if key in self._unchecked:  # a shape-generic plan built for a call at a size it was not traced at
+                self._first.pending = (plan, self._unchecked[key], None)
             if plan is _MISSING:
                 plan = self._served.get(key)
                 if plan is not None:
                     self._served.move_to_end(key)
                 else:
-                    plan = self._shape_generic_plan(key, signature)
+                    plan = self._shape_generic_plan(key, signature) or self._reusable(key, signature)
                 if plan is None:
                     plan = self._new_plan(key, signature, args, kwargs, conditions)
                     if plan is _MISSING:
@@ -182,16 +184,15 @@ class PlanCache:
     def _shape_generic_plan(self, key: Hashable, signature: Hashable) -> Plan | None:
         """A shape-generic plan of the call's family that serves it (remembered for its signature), or None.
 
-        A call that binds a symbol to 0 or 1 (a batch of one) is at a size torch.export never traced: the
-        first such call of a plan (per symbols at those values) is checked against eager before the plan
-        serves it (:meth:`_first_use`); until then the signature is not remembered."""
+        A call that binds a symbol to 0 or 1 (a batch of one) is at a size torch.export never traced: the first
+        such call of a plan (per symbols at those values) is checked against eager first (:meth:`_first_use`)."""
         family = (family_of(signature), *key[1:])
         sizes = sizes_of(signature)
         for plan in self._generic.get(family, ()):
             if plan.shapes.check_sizes(sizes) is None:
                 untraced = plan.shapes.untraced(sizes)
                 if untraced and untraced not in self._checked_at.get(id(plan), ()):
-                    self._first.pending = (plan, untraced)
+                    self._first.pending = (plan, untraced, None)
                     return plan
                 self._serve(key, plan)
                 return plan
@@ -202,31 +203,56 @@ class PlanCache:
         if len(self._served) > MAX_SERVED:
             self._served.popitem(last=False)
 
-    def _first_use(self, plan: Plan, untraced: frozenset, args: tuple, kwargs: dict) -> Any:
-        """Run a call at sizes ``plan`` was never traced at (``untraced``: symbols bound to 0 or 1): the plan
-        and eager, both isolated (same random numbers, state put back), compared; the plan serves those
-        values from then on if they agree, and never again if not (a model whose code branches on a batch of
-        one: a plan of their own is built on the next such call). The call itself then runs as usual."""
-        with torch.no_grad():
-            with isolated(self.module, inputs=(args, kwargs)):
-                got = plan.executable(*args, **kwargs)
-            with isolated(self.module, inputs=(args, kwargs)), silenced_hooks(self._watch.watched()):
-                expected = self.eager(*args, **kwargs)
-        result = compare_outputs(expected, got)
-        at = ", ".join(f"{s} = {v}" for s, v in sorted(untraced, key=str))
+    def _reusable(self, key: Hashable, signature: Hashable) -> Plan | None:
+        """A torch.fx plan of the call's family built for other sizes, to try on this call after a check
+        (:func:`~fxforge.runtime.first_use.fx_plan_of_family`); only while a call runs, not with ``dynamic=False``."""
+        if not getattr(self._first, "calling", False) or key in self._no_reuse or self.policy.dynamic is False:
+            return None
+        plan = fx_plan_of_family(self.plans, key)
+        if plan is not None:
+            self._first.pending = (plan, frozenset(), key)
+        return plan
+
+    def _first_use(self, plan: Plan, untraced: frozenset, args: tuple, kwargs: dict, reuse: Hashable = None) -> Any:
+        """Run a call at sizes ``plan`` was never traced at (``untraced``: symbols bound to 0 or 1; ``reuse``: the
+        key of a call of new sizes that a torch.fx plan built for others may serve, see :meth:`_reusable`): the
+        plan and eager, both isolated (same random numbers, state put back), compared (for ``reuse`` on random
+        inputs of the same sizes too); the plan serves those values from then on if they agree, and never
+        again if not (a model whose code branches on a batch of one: a plan of their own is built on the next
+        such call). The call itself then runs as usual."""
+        result = against_eager(plan.executable, self.eager, self.module, self._watch.watched(), (args, kwargs),
+                               random=reuse is not None)
         with self._lock:
-            if result.ok:
+            if reuse is not None:
+                self._reused_check(plan, reuse, result)
+            elif result.ok:
                 self._checked_at.setdefault(id(plan), set()).add(untraced)
-                self.notes.append(f"checked against eager at {at} (a size torch.export does not trace): served")
+                for k in [k for k, v in self._unchecked.items() if v == untraced and self.plans.get(k) is plan]:
+                    del self._unchecked[k]
+                self.notes.append(f"checked against eager at {at(untraced)} (a size torch.export does not trace): served")
             else:
                 plan.shapes.exclude(untraced)
                 self._served = collections.OrderedDict((k, p) for k, p in self._served.items() if p is not plan
                                                        or plan.shapes.check_sizes(sizes_of(k[0])) is None)
-                self.notes.append(f"the shape-generic plan differs from eager at {at} ({result.reason}): those "
-                                  "sizes get a plan of their own")
+                for k in [k for k, v in self._unchecked.items() if v == untraced and self.plans.get(k) is plan]:
+                    del self._unchecked[k], self.plans[k]  # (the plan stays held by its family)
+                self.notes.append(f"the shape-generic plan differs from eager at {at(untraced)} ({result.reason}): "
+                                  "those sizes get a plan of their own")
         if result.ok:
             return plan.executable(*args, **kwargs)
         return self.eager(*args, **kwargs)
+
+    def _reused_check(self, plan: Plan, key: Hashable, result: Comparison) -> None:
+        """Serve ``key`` by ``plan`` from now on if the check agreed, else build a plan for it on its next call."""
+        built = f"the torch.fx plan built for {describe_signature(plan.captured.example_args, plan.captured.example_kwargs)}"
+        if result.ok:
+            self.plans_reused += 1
+            self._serve(key, plan)
+        else:
+            self._no_reuse.add(key)
+        self.notes.append(f"served new sizes {sizes(key[0])} by {built}, checked against eager on the call's inputs and "
+                          "random ones (no re-plan)" if result.ok else f"{built} differs from eager at {sizes(key[0])} "
+                          f"({result.reason}): those sizes get a plan of their own")
 
     def _new_plan(self, key: Hashable, signature: Hashable, args: tuple, kwargs: dict,
                   conditions: CallConditions) -> Any:
@@ -242,8 +268,9 @@ class PlanCache:
                        "many sizes, or a larger max_plans=", once="max_plans")
             self.plans[key] = None
             return None
-        dynamic = self._dynamic_for(family, signature)
-        example = self._smaller_example(family, signature, dynamic)
+        differed = [g for g in self._generic.get(family, ()) if g.shapes.excludes(sizes_of(signature))]
+        dynamic = None if differed else self._dynamic_for(family, signature)  # (sizes a generic plan differed at)
+        example = smaller_example(self._examples.get(family), signature, dynamic)
         if example is not None:
             plan = self._build(example[1], example[2], conditions, dynamic, quiet=True)
             if self._forward_set_state():
@@ -257,7 +284,9 @@ class PlanCache:
             plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None, family=family)
         if self._forward_set_state():
             return _MISSING
-        if dynamic is not None:
+        if isinstance(dynamic, frozenset) and plan is not None:
+            self._specialized.setdefault(family, set()).update(dynamic - kept_dims(plan.shapes))
+        if dynamic is not None and dynamic != "fx":
             reason = ("torch.export could not capture it" if plan is None else "torch.export kept no dim dynamic"
                       if plan.shapes is None else plan.shapes.check_sizes(sizes_of(signature)))
             if reason is not None:
@@ -269,6 +298,9 @@ class PlanCache:
                 if self._forward_set_state():
                     return _MISSING
         self.plans[key] = plan
+        if plan is not None and plan.shapes is not None and plan.shapes.untraced(sizes_of(signature)):
+            self._unchecked[key] = plan.shapes.untraced(sizes_of(signature))  # (built on a stand-in size)
+            self._first.pending = (plan, self._unchecked[key], None)
         self._families.setdefault(family, []).append(signature)
         if plan is not None and plan.shapes is not None:
             self._adopt(family, plan, dynamic)
@@ -276,46 +308,19 @@ class PlanCache:
         return plan
 
     def _dynamic_for(self, family: Hashable, signature: Hashable) -> Any:
-        """What a new plan for this signature keeps dynamic: None (its sizes only), a set of input dims, or
-        the user's ``dynamic_shapes``."""
-        if self.policy.dynamic is False or family in self._static_only:
+        """What a new plan for this signature keeps dynamic (:func:`~fxforge.runtime.plan_policy.dims_for`)."""
+        if family in self._static_only:
             return None
-        if self.policy.dynamic_shapes is not None and not self._families.get(family):
-            return self.policy.dynamic_shapes  # the user's ranges, for the first plan; calls outside them as below
-        if self.policy.dynamic is None and not self._families.get(family):
-            # Token inputs: every request has its own length, so the batch and sequence dims are dynamic from
-            # the first plan (a static one would be rebuilt at the second call, seconds on the call path).
-            sizes = sizes_of(signature)
-            return frozenset((leaf, dim) for leaf, dim in token_dims(signature) if sizes[leaf][0][dim] > 1) or None
-        if self.policy.dynamic is True:
-            return frozenset((leaf, dim) for leaf, sizes in enumerate(sizes_of(signature)) if sizes is not None
-                             for dim in range(len(sizes[0])))
-        dims = set(self._dynamic_dims.get(family, ()))
-        for other in self._families.get(family, ()):
-            dims |= differing_dims(signature, other)
-        sizes = sizes_of(signature)
-        dims = {(leaf, dim) for leaf, dim in dims if sizes[leaf][0][dim] > 1}  # sizes 0 and 1 stay specialised
-        return frozenset(dims) or None
-
-    def _smaller_example(self, family: Hashable, signature: Hashable, dynamic: Any) -> tuple | None:
-        """The remembered inputs of ``family`` to build a plan keeping the input dims ``dynamic`` on, instead of
-        the call's own: where they are smaller, differ from the call only in those dims, and are over 1 in each
-        of them (a size of 0 or 1 would be specialised). None otherwise."""
-        example = self._examples.get(family)
-        if not isinstance(dynamic, frozenset) or example is None:
-            return None
-        theirs, ours = sizes_of(example[0]), sizes_of(signature)
-        if not differing_dims(example[0], signature) <= dynamic:
-            return None
-        if any(theirs[leaf][0][dim] <= 1 for leaf, dim in dynamic):
-            return None
-        return example if _numel(theirs) < _numel(ours) else None
+        changed = set().union(*(differing_dims(signature, other) for other in self._families.get(family, [])))
+        if changed & self._specialized.get(family, set()):
+            return "fx"  # torch.export specialises a dim that changed: a torch.fx graph, tried at new sizes
+        return dims_for(self.policy, signature, self._families.get(family, []), self._dynamic_dims.get(family, set()))
 
     def _remember_example(self, family: Hashable, args: tuple, kwargs: dict) -> None:
         """Keep copies of a build's inputs as ``family``'s example when they are its smallest so far."""
         signature = input_signature(args, kwargs, self.module.training)
         held = self._examples.get(family)
-        if held is None or _numel(sizes_of(signature)) < _numel(sizes_of(held[0])):
+        if held is None or numel(sizes_of(signature)) < numel(sizes_of(held[0])):
             self._examples[family] = (signature, args, kwargs)
 
     def _adopt(self, family: Hashable, plan: Plan, dynamic: Any) -> None:
@@ -433,13 +438,16 @@ class PlanCache:
             warnings.warn(f"fxforge: {message}", FallbackWarning, stacklevel=5)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        self._first.pending = None
-        plan = self.checked_plan(args, kwargs)
+        self._first.pending, self._first.calling = None, True
+        try:
+            plan = self.checked_plan(args, kwargs)
+        finally:
+            self._first.calling = False
         if plan is None:
             return self.eager(*args, **kwargs)
         pending, self._first.pending = self._first.pending, None
         if pending is not None and pending[0] is plan:
-            return self._first_use(plan, pending[1], args, kwargs)
+            return self._first_use(plan, pending[1], args, kwargs, pending[2])
         return plan.executable(*args, **kwargs)
 
     def checked_plan(self, args: tuple, kwargs: dict) -> Plan | None:
@@ -458,22 +466,13 @@ class PlanCache:
             self._warn(f"running {type(self.module).__name__} eagerly while module hooks registered for every "
                        "module exist (a plan does not call the modules it replaced)")
             return None
-        plan = self.plan_for(args, kwargs, CallConditions.now(self._needs_grad(args, kwargs)))
+        plan = self.plan_for(args, kwargs, CallConditions.now(needs_grad(self.module, args, kwargs)))
         if plan is None:
             return None
         plan.derived.refresh_if_stale()
         if self._watch.updates_state():
             self._training_calls += 1
         return plan
-
-    def _needs_grad(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this call records gradients (its plan must keep every op eager has)."""
-        if not torch.is_grad_enabled():
-            return False
-        if any(p.requires_grad for p in self.module.parameters()):
-            return True
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
 
     @property
     def captured(self) -> Captured | None:
@@ -488,6 +487,8 @@ class PlanCache:
             self._generic.clear()
             self._refreshed.clear()
             self._checked_at.clear()
+            self._unchecked.clear()
+            self._no_reuse.clear()
             self.last = None
             self._watch.rewatch()
             self._epoch = self._watch.epoch

@@ -99,20 +99,31 @@ def test_an_unpadded_decoder_without_a_mask_stays_causal_in_its_shape_generic_pl
             ids = torch.randint(1, 100, (1, length))
             torch.testing.assert_close(opt(ids)[0], model(ids)[0], rtol=1e-4, atol=1e-5)
         assert opt.plans_built == 1
-        ids = torch.randint(1, 100, (1, 1))  # a sequence of one stays specialised (only the batch ranges from 1)
+        ids = torch.randint(1, 100, (1, 1))  # a sequence of one: served once checked against eager, no re-plan
         torch.testing.assert_close(opt(ids)[0], model(ids)[0], rtol=1e-4, atol=1e-5)
-    assert opt.plans_built == 2
+    assert opt.plans_built == 1
+    assert any("checked against eager at" in note for note in opt.cache.notes)
 
 
 def test_a_model_without_token_inputs_is_static_until_a_size_changes():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
-    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
+    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),), method="export")
     assert opt.plans_built == 1 and opt.cache.last.shapes is None  # as torch.compile: the first plan is static
     with torch.no_grad():
         for shape in [(2, 9, 8), (2, 3, 8), (2, 40, 8)]:
             x = torch.randn(shape)
             torch.testing.assert_close(opt(x), model(x))
     assert opt.plans_built == 2 and opt.cache.last.shapes is not None
+
+
+def test_a_torch_fx_plan_serves_new_sizes_after_a_check_instead_of_a_capture():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
+    with torch.no_grad():
+        for shape in [(2, 9, 8), (2, 3, 8), (1, 40, 8), (2, 9, 8)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt.plans_built == 1 and opt.cache.plans_reused == 3 and opt.cache.last.shapes is None
 
 
 def test_a_decoder_returning_its_cache_is_shape_generic_from_the_first_plan():
@@ -131,7 +142,7 @@ def test_a_decoder_returning_its_cache_is_shape_generic_from_the_first_plan():
 
 def test_retired_plans_are_freed_and_held_plans_are_bounded():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
-    opt = fxforge.optimize(model, (torch.randn(2, 8),))
+    opt = fxforge.optimize(model, (torch.randn(2, 8),), method="export")  # (a torch.fx plan would serve them all)
     static = weakref.ref(opt.cache.last)
     with torch.no_grad():
         for n in (3, 4, 5, 9):
@@ -144,7 +155,7 @@ def test_retired_plans_are_freed_and_held_plans_are_bounded():
 
 def test_a_shape_generic_plan_is_built_on_the_smallest_earlier_inputs_that_fit():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
-    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),))
+    opt = fxforge.optimize(model, (torch.randn(2, 5, 8),), method="export")
 
     def built_on() -> list[str]:
         return [n for n in opt.report.notes if "built on an earlier call" in n]
@@ -168,7 +179,7 @@ class BranchesOnABatchOfOne(nn.Module):
 
 def test_a_model_that_branches_on_a_batch_of_one_gets_a_plan_of_its_own_for_it():
     model = BranchesOnABatchOfOne()
-    opt = fxforge.optimize(model, (torch.randn(2, 5),))
+    opt = fxforge.optimize(model, (torch.randn(2, 5),), method="export")
     with torch.no_grad():
         for shape in [(4, 5), (3, 5), (1, 5), (1, 5)]:
             x = torch.randn(shape)
