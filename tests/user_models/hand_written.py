@@ -361,8 +361,9 @@ class CustomActivationNet(nn.Module):
         y = self.fc2(h)
         y += h
         y.relu_()
-        y.mul_(0.5)
-        return self.fc3(y)
+        out = self.fc3(y)
+        out.mul_(0.5)
+        return out
 
 
 def custom_autograd() -> UserModel:
@@ -443,3 +444,13 @@ USER_MODELS: dict[str, Callable[[], UserModel]] = {
     "data_branch": data_branch,
     "numpy_call": numpy_call,
 }
+
+
+def user_model(name: str) -> nn.Module:
+    """The model of ``USER_MODELS[name]`` alone, for the command line (``--model-args '{"name": "unet"}'``).
+
+    Example:
+        >>> type(user_model("gpt")).__name__
+        'GPT'
+    """
+    return USER_MODELS[name]().model
