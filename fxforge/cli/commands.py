@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -42,7 +43,8 @@ from fxforge.cli.html import render_html
 from fxforge.cli.inputs import build_inputs, described, factory_inputs, reshaped, signature_of
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
-from fxforge.cli.summary import Summary, compare_latency, simulated_peak
+from fxforge.cli.summary import Summary, measure_latency, race_latency, simulated_peak
+from fxforge.core.nodes import count_calls
 from fxforge.core.source import first_line
 from fxforge.targets import TARGETS, Target, by_artifact, lookup
 
@@ -213,8 +215,14 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
         model, inputs, reference = _model_and_inputs(args, steps)
         runner, description = _built(model, inputs, target, rewrites, args, steps, notes)
         if description == "eager":
-            return _eager_fallback(model, runner, args, console)
+            return _eager_fallback(model, runner, args, console, "; ".join(runner.report.notes) or "no plan")
         new = target.graph(runner)
+        if new is None:  # auto chose eager, and no target was built
+            race = runner.race
+            why = "; ".join([race.why, *(f"{c.target}: {c.refused}" for c in race.contenders if c.refused)])
+            if output:
+                raise CommandError(f"nothing to write: {capture_failure(type(model).__name__, why)}")
+            return _eager_fallback(model, runner, args, console, why)
         before = new.before or new
         errors = {description: _max_error(reference, runner, inputs)}
         if output:
@@ -226,17 +234,18 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
                 step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in written.validation.items()))
             errors[f"{output} loaded back"] = max(written.validation.values())
             notes.extend(f"{target.name}: {line}" for line in getattr(written, "translations", []))
-        latency = None
-        if bench and args.bench_reps > 0:
+        latency = race_latency(runner.race) if getattr(runner, "race", None) is not None else None
+        if latency is None and bench and args.bench_reps > 0:
             with steps.step(f"time eager vs optimized ({args.bench_reps} interleaved reps)") as step:
-                latency = compare_latency(model, runner, inputs, reps=args.bench_reps)
-                step.note(f"{latency[0]:.3g} ms -> {latency[1]:.3g} ms")
+                latency = measure_latency(model, runner, inputs, reps=args.bench_reps)
+                step.note(latency.text())
         summary = Summary(
             model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
             report=runner.report, target=description, output=output,
             peak_before=simulated_peak(before.graph_module), peak_after=simulated_peak(new.graph_module),
             latency=latency, reps=args.bench_reps, max_error=max(errors.values()),
-            error_of=", ".join(errors), notes=notes)
+            error_of=", ".join(errors), notes=notes,
+            nodes=(count_calls(before.graph_module.graph), count_calls(new.graph_module.graph)))
         if args.report:
             with steps.step("write report") as step:
                 drawn = pictures(before.graph_module, new.graph_module, type(model).__name__)
@@ -277,7 +286,8 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
             raise CommandError(capture_failure(type(model).__name__, error)) from error
         race = getattr(runner, "race", None)
         if race is not None and getattr(runner.report, "method", "") != "eager":
-            step.note(f"{race.winner}: {race.why}")
+            busy = getattr(race, "busy", "")
+            step.note(f"{race.winner}: {race.why}" + (f" (machine busy: {busy}; not a result)" if busy else ""))
             return runner, f"auto: {race.winner}"
         report = runner.report
         if report is None or report.method == "eager":
@@ -290,12 +300,16 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
     return runner, target.name
 
 
-def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: Console) -> int:
+def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: Console, why: str) -> int:
     """``optimize`` without ``-o`` of a model that cannot be one graph: what the optimized module does (runs
     the model eagerly), why, and where; exit 0 (the module works, as eager)."""
-    reason = capture_failure(type(model).__name__, "; ".join(runner.report.notes) or "no plan")
+    from fxforge.core.report import Report
+
+    reason = capture_failure(type(model).__name__, why)
+    report = runner.report if getattr(runner, "report", None) is not None else Report(method="eager")
+    report = report if report.method == "eager" else dataclasses.replace(report, method="eager")
     summary = Summary(model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
-                      report=runner.report, target="eager (fxforge.optimize returns a module that runs the model "
+                      report=report, target="eager (fxforge.optimize returns a module that runs the model "
                                                    "as it is, with a FallbackWarning)",
                       notes=[reason, "nothing was rewritten or timed: the optimized module is the model itself"])
     summary.print(console)

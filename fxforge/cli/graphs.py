@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from fxforge.core.nodes import CALL_OPS
+from fxforge.core.nodes import CALL_OPS, count_calls
 
 _SDPA = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
@@ -112,9 +112,20 @@ def pictures(before: torch.fx.GraphModule, after: torch.fx.GraphModule | None,
 
     result = {}
     label = f"{title}: " if title else ""
-    result["captured"] = graph_svg(before, title=f"{label}captured ({len(before.graph.nodes)} nodes)")
+    result["captured"] = graph_svg(before, title=f"{label}captured ({node_count(before)})")
     if after is not None:
         marked = marked_nodes(before, after)
-        result["rewritten"] = graph_svg(after, marked=marked, title=f"{label}rewritten ({len(after.graph.nodes)} nodes, "
+        result["rewritten"] = graph_svg(after, marked=marked, title=f"{label}rewritten ({node_count(after)}, "
                                                                    f"{len(marked)} marked)")
     return result
+
+
+def node_count(graph_module: torch.fx.GraphModule) -> str:
+    """The count the summary shows (nodes that compute), and what else the picture draws.
+
+    Example:
+        >>> node_count(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)))
+        '1 nodes that compute; 5 drawn with inputs, weights and outputs'
+    """
+    return (f"{count_calls(graph_module.graph)} nodes that compute; {len(graph_module.graph.nodes)} drawn with "
+            "inputs, weights and outputs")

@@ -28,6 +28,7 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.2em; margin-top: 1.5em; }
 .graph { overflow: auto; border: 1px solid #ddd; padding: 0.5em; margin-bottom: 1em; }
 .graph svg { max-width: none; }
 pre { background: #f7f7f7; padding: 0.5em; overflow: auto; }
+.busy { background: #fff3cd; border: 1px solid #e0c060; padding: 0.5em; }
 """
 
 
@@ -51,6 +52,8 @@ def render_html(summary: Summary, pictures: dict[str, str], *, graph_text: str |
     parts = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
              f"<title>fxforge report: {esc(summary.model)}</title><style>{_STYLE}</style></head><body>",
              f"<h1>fxforge report: {esc(summary.model)}</h1><p>{esc(when)}</p>",
+             *([f"<p class='busy'><b>Timings on this page are not results</b>: {esc(busy)}.</p>"]
+               if (busy := summary.busy()) else []),
              "<h2>Summary</h2>", _table(None, summary.rows())]
     refused = summary.refused()
     if refused:
@@ -60,7 +63,8 @@ def render_html(summary: Summary, pictures: dict[str, str], *, graph_text: str |
     parts += ["<h2>Rewrites</h2>", summary.report._repr_html_()]
     parts.append("<h2>Graph</h2>")
     if pictures:
-        parts.append("<p>Nodes the rewrites made (new nodes, fused ops, attention) are marked.</p>")
+        parts.append("<p>Nodes the rewrites made (new nodes, fused ops, attention) are marked. Node counts are "
+                     "those of the summary: nodes that compute (calls), counted in these graphs.</p>")
         for caption, svg in pictures.items():
             parts.append(f"<h3>{esc(caption)}</h3><div class='graph'>{svg}</div>")
     elif graph_text:

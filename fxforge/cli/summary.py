@@ -58,28 +58,153 @@ def simulated_peak(graph_module: torch.fx.GraphModule) -> int | None:
         return None
 
 
+# A ratio is not shown where the median-based and the fastest-call-based ratios differ by more than this factor:
+# eager and the optimized module were then timed in different conditions (one of them disturbed).
+IMPLAUSIBLE = 2.0
+
+
+@dataclasses.dataclass
+class Latency:
+    """Eager's and the optimized module's median milliseconds per call, and whether the ratio is a result.
+
+    Attributes:
+        eager_ms, optimized_ms: medians; fastest: the fastest call of each (None where not kept).
+        how: how they were measured (``"median of 10, interleaved"``, ``"the race's interleaved rounds"``).
+        busy: why the timing is not a result after a re-timing (the machine was busy; samples varied), or "".
+        retimed: the first timing was disturbed and this is the second.
+
+    Example:
+        >>> Latency(2.0, 1.0, how="median of 5, interleaved").text()
+        'eager 2 ms -> 1 ms (2.00x faster; median of 5, interleaved)'
+        >>> Latency(2.0, 1.0, how="median of 5", busy="load 3.10 per core").text()
+        'eager ~2 ms -> ~1 ms (~2x faster; machine busy: load 3.10 per core; not a result)'
+        >>> print(Latency(300.0, 0.2, fastest=(2.0, 0.2), how="median of 5").text())
+        eager 300 ms, optimized 0.2 ms (no ratio: timed in different conditions: 1.5e+03x by medians, 10x by the fastest calls (2 ms -> 0.2 ms))
+    """
+
+    eager_ms: float
+    optimized_ms: float
+    fastest: tuple[float, float] | None = None
+    how: str = ""
+    busy: str = ""
+    retimed: bool = False
+
+    @property
+    def ratio(self) -> float:
+        """Eager's median over the optimized module's (above 1: faster)."""
+        return self.eager_ms / self.optimized_ms if self.optimized_ms > 0 else float("inf")
+
+    def implausible(self) -> str:
+        """Why the two medians were taken in different conditions (their ratio is not the fastest calls'), or ""."""
+        if self.fastest is None or min(self.fastest) <= 0 or self.optimized_ms <= 0:
+            return ""
+        by_fastest = self.fastest[0] / self.fastest[1]
+        if max(self.ratio / by_fastest, by_fastest / self.ratio) <= IMPLAUSIBLE:
+            return ""
+        return (f"timed in different conditions: {self.ratio:.3g}x by medians, {by_fastest:.3g}x by the fastest "
+                f"calls ({self.fastest[0]:.3g} ms -> {self.fastest[1]:.3g} ms)")
+
+    def text(self) -> str:
+        """One line for the summary: the medians, and the ratio unless it is not a result."""
+        odd = self.implausible()
+        busy = f"; machine busy: {self.busy}" if self.busy else ""
+        if odd:
+            return f"eager {self.eager_ms:.3g} ms, optimized {self.optimized_ms:.3g} ms (no ratio: {odd}{busy})"
+        ratio = self.ratio
+        word = "faster" if ratio >= 1 else "slower"
+        shown = ratio if ratio >= 1 else 1 / ratio
+        if self.busy:
+            return (f"eager ~{self.eager_ms:.3g} ms -> ~{self.optimized_ms:.3g} ms (~{shown:.2g}x {word}{busy}; "
+                    "not a result)")
+        again = "; timed twice, the first was disturbed" if self.retimed else ""
+        return f"eager {self.eager_ms:.3g} ms -> {self.optimized_ms:.3g} ms ({shown:.2f}x {word}; {self.how}{again})"
+
+
+def _interleaved(functions: tuple[Callable[..., Any], ...], args: tuple | dict, reps: int,
+                 warmup: int) -> dict[int, list[float]]:
+    times: dict[int, list[float]] = {0: [], 1: []}
+    call = (lambda fn: fn(**args)) if isinstance(args, dict) else (lambda fn: fn(*args))
+    with torch.no_grad():
+        for _ in range(warmup):
+            for fn in functions:
+                call(fn)
+        for rep in range(max(1, reps)):
+            order = (0, 1) if rep % 2 == 0 else (1, 0)
+            for index in order:
+                start = time.perf_counter()
+                call(functions[index])
+                times[index].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _disturbance(times: dict[int, list[float]], load: float) -> str:
+    """Why a timing is not a result: the machine's load, a side whose samples varied; "" when steady."""
+    from fxforge.core.disk_cache import BUSY_LOAD
+    from fxforge.runtime.race import NOISY_FLOOR_MS, NOISY_SPREAD, statistics_spread
+
+    parts = [f"load {load:.2f} per core"] if load > BUSY_LOAD else []
+    for index, name in ((0, "eager"), (1, "optimized")):
+        values = times[index]
+        spread = statistics_spread(values)
+        if spread > NOISY_SPREAD and statistics.median(values) - min(values) > NOISY_FLOOR_MS:
+            parts.append(f"{name}'s calls varied {spread:.2f}x")
+    return ", ".join(parts)
+
+
+def measure_latency(eager: Callable[..., Any], optimized: Callable[..., Any], args: tuple | dict, *,
+                    reps: int = 10, warmup: int = 2) -> Latency:
+    """:func:`compare_latency` with its honesty: a timing taken while the machine was busy, or whose calls
+    varied, is taken again with three times the repetitions; still disturbed, it is marked ``busy``.
+    ``args`` is a tuple of positional inputs or a dict of keyword inputs.
+
+    Example:
+        >>> latency = measure_latency(torch.relu, torch.relu, (torch.ones(4),), reps=3, warmup=1)
+        >>> latency.eager_ms > 0 and latency.optimized_ms > 0 and latency.fastest is not None
+        True
+    """
+    from fxforge.core.disk_cache import machine_load
+
+    times = _interleaved((eager, optimized), args, reps, warmup)
+    busy = _disturbance(times, machine_load())
+    retimed = bool(busy)
+    if busy:
+        times = _interleaved((eager, optimized), args, 3 * max(1, reps), 1)
+        busy = _disturbance(times, machine_load())
+    n = len(times[0])
+    return Latency(statistics.median(times[0]), statistics.median(times[1]), (min(times[0]), min(times[1])),
+                   how=f"median of {n}, interleaved", busy=busy, retimed=retimed)
+
+
+def race_latency(race: Any) -> Latency | None:
+    """The summary's latency from ``target="auto"``'s race (the same numbers as its table), or None where the
+    winner was not timed.
+
+    Example:
+        >>> from fxforge.core.report import Contender, Race
+        >>> race_latency(Race("native", "x", [Contender("native", 1.0)], eager_ms=2.0)).text()
+        "eager 2 ms -> 1 ms (2.00x faster; the race's interleaved rounds)"
+    """
+    winner = next((c for c in race.contenders if c.target == race.winner and c.latency_ms), None)
+    if winner is None or not race.eager_ms:
+        return None
+    eager = next((c for c in race.contenders if c.target == "eager"), None)
+    busy = getattr(race, "busy", "") or (eager.busy if eager is not None and getattr(eager, "busy", "") else "")
+    return Latency(race.eager_ms, winner.latency_ms, how="the race's interleaved rounds", busy=busy,
+                   retimed=any(n.startswith("timed again") for n in race.notes))
+
+
 def compare_latency(eager: Callable[..., Any], optimized: Callable[..., Any], args: tuple, *, reps: int = 10,
                     warmup: int = 2) -> tuple[float, float]:
     """Median milliseconds per call of ``eager`` and ``optimized`` on ``args``, measured in the same run
-    with interleaved repetitions (the order alternates each repetition), under ``torch.no_grad()``.
+    with interleaved repetitions (the order alternates each repetition), under ``torch.no_grad()``
+    (:func:`measure_latency` also says whether they are a result).
 
     Example:
         >>> e, o = compare_latency(torch.relu, torch.relu, (torch.ones(4),), reps=3, warmup=1)
         >>> e > 0 and o > 0
         True
     """
-    times: dict[int, list[float]] = {0: [], 1: []}
-    functions = (eager, optimized)
-    with torch.no_grad():
-        for _ in range(warmup):
-            for fn in functions:
-                fn(*args)
-        for rep in range(max(1, reps)):
-            order = (0, 1) if rep % 2 == 0 else (1, 0)
-            for index in order:
-                start = time.perf_counter()
-                functions[index](*args)
-                times[index].append((time.perf_counter() - start) * 1e3)
+    times = _interleaved((eager, optimized), args, reps, warmup)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
@@ -93,7 +218,10 @@ class Summary:
         target: ``"native"`` or ``"onnxruntime"`` (None: nothing run but the rewritten graph).
         output: the file written, or None.
         peak_before, peak_after: simulated peak activation bytes of the captured and rewritten graphs.
-        latency: ``(eager ms, optimized ms)`` medians, or None when not measured; reps: repetitions.
+        latency: a :class:`Latency` (or ``(eager ms, optimized ms)`` medians), or None when not measured;
+            reps: repetitions (for a pair).
+        nodes: ``(before, after)`` nodes that compute, counted in the graphs the report draws (default: the
+            report's counts).
         max_error: largest absolute difference from eager of ``error_of`` on the example inputs.
         notes: anything else to say (warnings seen on the way, the export's checks).
 
@@ -110,11 +238,28 @@ class Summary:
     output: str | None = None
     peak_before: int | None = None
     peak_after: int | None = None
-    latency: tuple[float, float] | None = None
+    latency: Latency | tuple[float, float] | None = None
     reps: int = 0
+    nodes: tuple[int, int] | None = None
     max_error: float | None = None
     error_of: str = "the rewritten graph"
     notes: list[str] = dataclasses.field(default_factory=list)
+
+    def busy(self) -> str:
+        """Why the timings shown are not results (the machine was busy, calls varied, or a ratio was taken in
+        different conditions), or "".
+
+        Example:
+            >>> Summary("Net", "2x8", Report(method="fx"), latency=Latency(2.0, 1.0, busy="load 3 per core")).busy()
+            'eager vs optimized: load 3 per core'
+        """
+        reasons = []
+        if isinstance(self.latency, Latency) and (self.latency.busy or self.latency.implausible()):
+            reasons.append(f"eager vs optimized: {self.latency.busy or self.latency.implausible()}")
+        race_busy = getattr(self.report.race, "busy", "") if self.report.race is not None else ""
+        if race_busy and not (isinstance(self.latency, Latency) and self.latency.how.startswith("the race")):
+            reasons.append(f"the target race: {race_busy}")
+        return "; ".join(reasons)
 
     def refused(self) -> list[tuple[str, str, str]]:
         """``(rule, where, reason)`` for every near miss and rolled-back pass."""
@@ -134,7 +279,7 @@ class Summary:
                 *([("target", self.target)] if self.target else []),
                 ("rewrites applied", applied),
                 ("refused", f"{len(refused)} (below)" if refused else "none"),
-                ("nodes", f"{self.report.nodes_before} -> {self.report.nodes_after}")]
+                ("nodes", "{} -> {}".format(*(self.nodes or (self.report.nodes_before, self.report.nodes_after))))]
         if self.peak_before is not None or self.peak_after is not None:
             change = ""
             if self.peak_before and self.peak_after is not None:
@@ -142,12 +287,9 @@ class Summary:
             rows.append(("peak memory (simulated)",
                          f"{format_bytes(self.peak_before)} -> {format_bytes(self.peak_after)}{change}"))
         if self.latency is not None:
-            eager, optimized = self.latency
-            ratio = eager / optimized if optimized > 0 else float("inf")
-            word = "faster" if ratio >= 1 else "slower"
-            shown = ratio if ratio >= 1 else 1 / ratio
-            timing = f"eager {eager:.3g} ms -> {optimized:.3g} ms ({shown:.2f}x {word}; median of {self.reps}, interleaved)"
-            rows.append(("latency", timing))
+            latency = self.latency if isinstance(self.latency, Latency) else Latency(
+                *self.latency, how=f"median of {self.reps}, interleaved")
+            rows.append(("latency", latency.text()))
         if self.max_error is not None:
             rows.append(("max abs error vs eager", f"{self.max_error:.3g} ({self.error_of})"))
         if self.output:

@@ -247,6 +247,23 @@ class Race:
         return "\n".join([head, *(f"  {c}" for c in self.contenders), *(f"  note: {n}" for n in self.notes)])
 
 
+_MEMORY_UNITS = ("B", "KiB", "MiB", "GiB", "kB", "MB", "GB")
+
+
+def _figures(tuning: Tuning) -> tuple[str, str]:
+    """A choice's figures as ``(timings, memory)`` table cells, each with its unit: times go in the first,
+    bytes (``memory_reorder``'s simulated peaks) in the second.
+
+    Example:
+        >>> _figures(Tuning("conv_activation", "conv_1", "mkldnn", {"mkldnn": 0.5}))
+        ('mkldnn 0.5 ms', '')
+        >>> _figures(Tuning("memory_reorder", "graph", "kept", {"before": 2.0}, unit="MiB", kind="schedule"))
+        ('', 'before 2 MiB')
+    """
+    text = ", ".join(f"{k} {v:.3g} {tuning.unit}" for k, v in tuning.timings.items())
+    return ("", text) if tuning.unit in _MEMORY_UNITS else (text, "")
+
+
 def grouped_opaque(opaque: list) -> list[tuple[Any, list[str]]]:
     """Opaque modules grouped by type, reason and source line, in first-seen order: ``(the first, every
     name)`` (a model with fifty layers of one kind opaque for one reason gets one line, not fifty).
@@ -357,11 +374,8 @@ class Report:
             table("Applied", ["rule", "change", "nodes", "source"],
                   [[m.key, m.what + (f" (x{m.count})" if m.count != 1 else ""), ", ".join(m.nodes), m.source or ""]
                    for m in self.matches]),
-            table("Autotune", ["rule", "subject", "choice", "timings (ms)", "note"],
-                  [[t.rule, t.subject, t.choice,
-                    ", ".join(f"{k} {v:.3g}" + ("" if t.unit == "ms" else f" {t.unit}") for k, v in t.timings.items()),
-                    t.note]
-                   for t in self.tuning]),
+            table("Autotune and schedules", ["rule", "subject", "choice", "timings", "memory", "note"],
+                  [[t.rule, t.subject, t.choice, *_figures(t), t.note] for t in self.tuning]),
             table("Rolled back", ["rule", "matches", "error"],
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],
@@ -373,6 +387,8 @@ class Report:
                     "" if c.prepare_s is None else f"{c.prepare_s:.2g}",
                     "" if c.max_abs_err is None else f"{c.max_abs_err:.3g}", c.refused, c.busy]
                    for c in (self.race.contenders if self.race else [])]),
+            "" if self.race is None or not self.race.notes else
+            "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in self.race.notes) + "</ul>",
             table("Opaque modules", ["modules", "type", "reason", "source"],
                   [[_names(names), o.type, o.reason, o.source or ""] for o, names in grouped_opaque(self.opaque)]),
             "</div>",

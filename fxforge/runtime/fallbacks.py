@@ -14,6 +14,9 @@ Example:
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 
 class FallbackWarning(UserWarning):
     """fxforge could not capture a model for some inputs and runs it eagerly instead.
@@ -32,3 +35,63 @@ class GradientsWarning(UserWarning):
         >>> issubclass(GradientsWarning, UserWarning)
         True
     """
+
+
+def _fusion_at(node_name: str, graph_module: Any) -> str:
+    """The name of the fusion rule of ``conv_activation`` that matches at ``node_name`` in ``graph_module``
+    (``relu(linear)``, ``conv2d``...), or ""."""
+    from fxforge.rewrites.conv_activation import FUSIONS
+
+    node = next((n for n in graph_module.graph.nodes if n.name == node_name), None)
+    if node is None:
+        return ""
+    return next((rule.name for rule in FUSIONS if next(rule.pattern_graph.matches(node, graph_module), None)), "")
+
+
+def gradients_cause(near_misses: list, graph_module: Any = None, shown: int = 3) -> str:
+    """What the gradients cost, named: each refused rewrite with what it would have done and where
+    (``conv_activation: relu(linear) at fc1 (model.py:12)``), the first ``shown`` places per rewrite.
+
+    Args:
+        near_misses: the plan's near misses refused for calls that record gradients.
+        graph_module: the plan's graph, to name the fusion a ``conv_activation`` near miss refused.
+
+    Example:
+        >>> from fxforge.core.report import NearMiss
+        >>> gradients_cause([NearMiss("conv_bn_fold", "conv", "folds parameters", "m.py:4: y = self.bn(self.conv(x))")])
+        'conv_bn_fold: at conv (m.py:4)'
+    """
+    by_rule: dict[str, list[str]] = {}
+    for miss in near_misses:
+        fusion = _fusion_at(miss.node, graph_module) if miss.rule == "conv_activation" and graph_module is not None \
+            else ""
+        where = miss.source.split(": ", 1)[0] if miss.source else ""
+        place = (f"{fusion} " if fusion else "") + f"at {miss.node}" + (f" ({where})" if where else "")
+        places = by_rule.setdefault(miss.rule, [])
+        if place not in places:
+            places.append(place)
+    parts = []
+    for rule, places in by_rule.items():
+        more = f" and {len(places) - shown} more" if len(places) > shown else ""
+        parts.append(f"{rule}: " + ", ".join(places[:shown]) + more)
+    return "; ".join(parts)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn`, called right here, that points at the first frame outside
+    fxforge and torch: the user's line that called the module.
+
+    Example:
+        >>> caller_stacklevel() >= 1
+        True
+    """
+    import os
+
+    import torch
+
+    skipped = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+        frame, level = frame.f_back, level + 1
+    return level

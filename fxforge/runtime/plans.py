@@ -44,7 +44,7 @@ from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.source import first_line
 from fxforge.core.verify import Comparison
-from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning
+from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning, caller_stacklevel, gradients_cause
 from fxforge.runtime.first_use import against_eager, at, fx_plan_of_family, sizes
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad, silenced_hooks
 from fxforge.runtime.plan_policy import (  # noqa: F401 - MAX_PLANS: importable from here as before
@@ -400,13 +400,14 @@ class PlanCache:
         """Warn once when a plan for calls that record gradients had to leave rewrites out for them."""
         if plan is None or not conditions.gradients:
             return
-        lost = sorted({m.rule for m in plan.report.near_misses if m.reason.endswith(CallConditions.FOR_GRADIENTS)})
+        lost = [m for m in plan.report.near_misses if m.reason.endswith(CallConditions.FOR_GRADIENTS)]
         if lost and not self._warned_gradients:
             self._warned_gradients = True
-            warnings.warn(f"fxforge: {type(self.module).__name__} was called with gradients recorded, so "
-                          f"{', '.join(lost)} did not apply (its parameters get eager's gradients); call it under "
+            cause = gradients_cause(lost, plan.captured.graph_module)
+            warnings.warn(f"fxforge: {type(self.module).__name__} was called with gradients recorded, so these "
+                          f"rewrites did not apply (its parameters get eager's gradients): {cause}; call it under "
                           "torch.no_grad() or torch.inference_mode() for the inference plan", GradientsWarning,
-                          stacklevel=7)  # the caller's line: past plan_for, __call__, forward and torch's call
+                          stacklevel=caller_stacklevel())  # the user's line that called the module
 
     def _still_valid(self) -> bool:
         """Drop every plan if the model's state changed since they were built; False once it changed too
