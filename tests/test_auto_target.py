@@ -65,7 +65,9 @@ def agrees_with_eager(model, optimized, x):
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-4)
 
 
-def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(cache_dir):
+def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(cache_dir, monkeypatch):
+    steady = {"eager": 2.0, "native": 1.0, "onnxruntime": 0.8, "inductor": 0.9}  # a quiet machine's timings
+    monkeypatch.setattr(race_module, "time_in_blocks", lambda calls, **_: {name: steady[name] for name in calls})
     x = torch.randn(2, 3, 16, 16)
     model = conv_net(0)
     opt = fxforge.optimize(model, (x,), target="auto", targets=["native", "onnxruntime", "inductor"])
@@ -79,9 +81,7 @@ def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(ca
     latencies = {c.target: c.latency_ms for c in race.contenders[1:]}
     assert race.winner == race_module.choose(latencies, race.eager_ms,
                                              preference=TARGETS["auto"].preference())[0]
-    if race.winner == "eager":  # nothing beat eager on this machine now (the race says so)
-        pytest.skip(f"no target beat eager here: {race.why}")
-    assert race.why.startswith(f"{latencies[race.winner]:.3g} ms: ")
+    assert race.winner == "onnxruntime" and race.why.startswith(f"{latencies[race.winner]:.3g} ms: ")
     expected_type = {"onnxruntime": "OnnxRuntimeModule"}.get(race.winner, "OptimizedModule")
     assert type(opt).__name__ == expected_type
     agrees_with_eager(model, opt, torch.randn(2, 3, 16, 16))
@@ -95,7 +95,7 @@ def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(ca
     built = [c for c in second.contenders if c.prepare_s is not None]
     assert [c.target for c in built] == [race.winner]
     assert sorted(c.target for c in second.contenders) == ["eager", "inductor", "native", "onnxruntime"]
-    assert built[0].prepare_s < sum(c.prepare_s for c in race.contenders)
+    assert built[0].prepare_s < sum(c.prepare_s for c in race.contenders[1:])
     agrees_with_eager(other, again, torch.randn(2, 3, 16, 16))  # its own weights, not the first model's
 
     # Another input signature is another race.
@@ -119,7 +119,9 @@ def test_auto_races_a_model_on_the_gpu_with_float_inputs(cache_dir):
     agrees_with_eager(model, opt, torch.randn(2, 3, 16, 16, device="cuda"))
 
 
-def test_a_remembered_choice_contradicted_by_its_new_timing_is_raced_again(cache_dir):
+def test_a_remembered_choice_contradicted_by_its_new_timing_is_raced_again(cache_dir, monkeypatch):
+    steady = {"eager": 2.0, "native": 1.0, "onnxruntime": 0.8}  # a quiet machine where the targets beat eager
+    monkeypatch.setattr(race_module, "time_in_blocks", lambda calls, **_: {name: steady[name] for name in calls})
     x = torch.randn(2, 3, 16, 16)
     fxforge.optimize(conv_net(0), (x,), target="auto", targets=["native", "onnxruntime"])
     (key, entry), = json.loads((cache_dir / "targets.json").read_text()).items()
@@ -230,6 +232,9 @@ class _Slow(nn.Module):
     def forward(self, *args, **kwargs):
         time.sleep(self.delay)
         return self.model(*args, **kwargs)
+
+    def prepare(self, *args, **kwargs):
+        return self
 
 
 class _SlowTarget(Target):
