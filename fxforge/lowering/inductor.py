@@ -26,10 +26,11 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
+from fxforge.core.source import first_line
+from fxforge.core.symbolic import size_expr
 from fxforge.core.target_cache import device_of
 from fxforge.core.verify import compare_outputs, isolated, tf32_scale
 from fxforge.lowering.lower import derived_values
@@ -50,17 +51,29 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
         CompileRefused: compiling failed, or the compiled graph's outputs differ from the rewritten graph's.
     """
     gm = captured.graph_module
-    compiled = torch.compile(gm, backend="inductor", dynamic=dynamic, fullgraph=True)
     args, kwargs = captured.example_args, captured.example_kwargs
     with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
         expected = gm(*args, **kwargs)
     start = time.perf_counter()  # the first call compiles
+    how = ""
     try:
-        # A graph with dynamic dims is compiled size-oblivious: torch.compile would otherwise specialise a size of
-        # 1 and compile again for a batch of one (seconds, on a user's call); the plan's first call at 1 is
-        # checked against eager by the plan cache instead.
-        with isolated(gm, inputs=(args, kwargs)), torch.no_grad(), fx_config.patch(backed_size_oblivious=dynamic):
-            actual = compiled(*args, **kwargs)
+        compiled, actual = None, None
+        if dynamic and _symbolic_dims(gm):
+            # The graph's dynamic dims are compiled unbacked: torch.compile would otherwise specialise a size of 1
+            # and compile again for a batch or a length of one (seconds, on a user's call); the plan's first call
+            # at 1 is checked against eager by the plan cache instead. A graph Inductor cannot compile that way
+            # is compiled as usual.
+            try:
+                compiled = torch.compile(gm, backend="inductor", dynamic=True, fullgraph=True)
+                with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
+                    actual = compiled(*_unbacked(gm, args, kwargs), **kwargs)
+                how = "; its dynamic dims unbacked, so a size of 1 needs no compile of its own"
+            except Exception as error:  # noqa: BLE001 - the usual compile below decides
+                compiled, how = None, f"; compiled with its dims backed (unbacked: {first_line(error)})"
+        if compiled is None:
+            compiled = torch.compile(gm, backend="inductor", dynamic=dynamic, fullgraph=True)
+            with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
+                actual = compiled(*args, **kwargs)
     except Exception as error:  # any compile failure refuses the plan, with its reason
         raise CompileRefused(f"torch.compile failed: {type(error).__name__}: {error}".splitlines()[0]) from error
     # On a GPU that allows TensorFloat-32, Inductor's kernels and the graph's own round at its precision.
@@ -70,5 +83,27 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
     captured.report.notes.append(
         f"inductor: the rewritten graph compiled by torch.compile in {time.perf_counter() - start:.1f} s "
         f"(max abs error {result.max_abs_err:.3g} against it on the example inputs; freezing off, so "
-        "parameter changes reach it)")
+        f"parameter changes reach it){how}")
     return Plan(captured, compiled, derived_values(gm, gm))
+
+
+def _symbolic_dims(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    """Per placeholder of ``gm``, the dims whose size is symbolic (a graph torch.export captured with dynamic dims)."""
+    dims = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        shape = value.shape if isinstance(value, torch.Tensor) else ()
+        dims.append(tuple(d for d, size in enumerate(shape) if not isinstance(size_expr(size), int)))
+    return dims if any(dims) else []
+
+
+def _unbacked(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
+    """Copies of the positional inputs with ``gm``'s symbolic dims marked unbacked for torch.compile (keyword
+    inputs are not marked)."""
+    marked = []
+    for value, dims in zip(args, _symbolic_dims(gm)):
+        if isinstance(value, torch.Tensor) and dims:
+            value = value.clone()
+            torch._dynamo.decorators.mark_unbacked(value, list(dims))
+        marked.append(value)
+    return (*marked, *args[len(marked):])

@@ -84,3 +84,25 @@ def test_new_sizes_get_one_compiled_shape_generic_plan():
             torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
     assert opt.plans_built == 2  # the example's, then one compiled with the batch dim dynamic
     assert any(note.startswith("inductor:") for note in opt.report.notes)
+
+
+def test_a_new_batch_compiles_once_and_that_plan_serves_a_batch_of_one_without_another_compile():
+    # issue 48: auto -> inductor's first batch-1 call cost 24 s (a plan of its own, then torch.compile
+    # specialising the size 1); the re-plan for the dim that changed is compiled size-oblivious instead
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    opt = fxforge.optimize(model, (torch.randn(4, 8),), target="inductor")
+    with torch.no_grad():
+        for n in (6, 3):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+        assert opt.plans_built == 2 and opt.cache.last.shapes is not None
+        counters.clear()
+        for _ in range(2):
+            x = torch.randn(1, 8)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+    assert opt.plans_built == 2
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled for the batch of one
+    assert any("checked against eager at" in note for note in opt.cache.notes)

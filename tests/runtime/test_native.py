@@ -53,8 +53,10 @@ def test_new_batch_sizes_share_one_plan_or_recapture_with_dynamic_false(dynamic)
         x = torch.randn(batch, 3, 8, 8)
         with torch.no_grad():
             torch.testing.assert_close(opt(x), model(x))
-    # None: batch 1 (static), then one shape-generic plan for batch >= 2; False: one plan per batch size
-    assert opt.plans_built == len(opt.cache.plans) == (2 if dynamic is None else 3)
+    # None: batch 1's torch.fx plan, which serves batches 2 and 3 once checked against eager; False: one plan per
+    # batch size
+    assert opt.plans_built == len(opt.cache.plans) == (1 if dynamic is None else 3)
+    assert opt.cache.plans_reused == (2 if dynamic is None else 0)
     assert {k: v for k, v in opt.report.counts.items() if k != "conv_activation"} == {"cleanup": 1, "conv_bn_fold": 1}
 
 
