@@ -170,11 +170,11 @@ class Contender:
 
     Example:
         >>> str(Contender("native", 1.5, 2.0, 1e-6, vs_eager=2.0))
-        'native: 1.5 ms (2.00x eager), prepared in 2 s, max abs error 1e-06'
+        'native: 1.5 ms, prepared in 2 s, max abs error 1e-06 (2.00x eager)'
         >>> str(Contender("inductor", refused="skipped: compiling would take about 90 s"))
         'inductor: skipped: compiling would take about 90 s'
         >>> str(Contender("eager", 3.0, vs_eager=1.0, busy="load 2.5 per core while timing"))
-        'eager: 3 ms (1.00x eager) [busy: load 2.5 per core while timing]'
+        'eager: 3 ms [busy: load 2.5 per core while timing]'
     """
 
     target: str
@@ -188,13 +188,13 @@ class Contender:
     def __str__(self) -> str:
         if self.refused:
             return f"{self.target}: {self.refused}"
-        parts = [(f"{self.latency_ms:.3g} ms" + (f" ({self.vs_eager:.2f}x eager)" if self.vs_eager else ""))
-                 if self.latency_ms is not None else "not timed"]
+        parts = [f"{self.latency_ms:.3g} ms" if self.latency_ms is not None else "not timed"]
         if self.prepare_s is not None:
             parts.append(f"prepared in {self.prepare_s:.2g} s")
         if self.max_abs_err is not None:
             parts.append(f"max abs error {self.max_abs_err:.3g}")
-        return f"{self.target}: " + ", ".join(parts) + (f" [busy: {self.busy}]" if self.busy else "")
+        ratio = f" ({self.vs_eager:.2f}x eager)" if self.vs_eager and self.target != "eager" else ""
+        return f"{self.target}: " + ", ".join(parts) + ratio + (f" [busy: {self.busy}]" if self.busy else "")
 
 
 @dataclasses.dataclass

@@ -118,7 +118,7 @@ def test_a_new_target_is_one_object_and_one_entry(monkeypatch, tmp_path):
     model.eval()
     # auto races it with the others, and the CLI offers it
     raced = fxforge.optimize(model, (x,), target="auto", targets=["native", "halved"], budget_s=None)
-    assert [c.target for c in raced.race.contenders] == ["native", "halved"]
+    assert [c.target for c in raced.race.contenders] == ["eager", "native", "halved"]
     assert all(c.latency_ms for c in raced.race.contenders)
     assert "halved" in target_choices()
 
