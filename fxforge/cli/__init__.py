@@ -45,6 +45,8 @@ from fxforge.cli.args import (
 )
 from fxforge.cli.commands import check_target, run_export, run_optimize, run_rewrites, run_show
 from fxforge.cli.dynamic import check_dynamic
+from fxforge.capture import CaptureError
+from fxforge.cli.failures import capture_failure
 from fxforge.cli.inputs import InputError
 from fxforge.cli.memory import AUTOCAST, add_memory_options, run_memory
 from fxforge.cli.partition import add_partition_command
@@ -257,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(error) if isinstance(error, CommandError) else _one_line(error)
+        captured = error if isinstance(error, CaptureError) else error.__cause__
+        if isinstance(captured, CaptureError):  # a data-dependent branch: its line and what to do
+            message = capture_failure(str(captured).removeprefix("cannot capture ").split(":")[0], captured)
         print(f"fxforge: error: {message}", file=sys.stderr)
         return 1
 
