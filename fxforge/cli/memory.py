@@ -131,22 +131,37 @@ def module_table(frame: Any, depth: int | None, top: int = 15) -> Table:
 
 
 def plan_lines(plan: Any, shown: int = 12) -> list[str]:
-    """A checkpointing plan (``fxforge.training.plan_checkpointing``) as lines: its summary, then the names of
-    the recomputed nodes (the first ``shown``).
+    """A checkpointing plan (``fxforge.training.plan_checkpointing``) as lines: its summary, then the recomputed
+    work by module (``plan.recomputed_by_module()``: the module, how many ops, the user's source line), the
+    first ``shown`` modules.
 
     Example:
         >>> class Plan:
-        ...     recomputed = ["tanh", "tanh_1", "tanh_2"]
+        ...     recomputed = ["tanh", "detach", "tanh_1", "addmm"]
+        ...     def recomputed_by_module(self):
+        ...         return [("encoder.0", ["net.py:12: x = torch.tanh(x)"], ["tanh"]),
+        ...                 ("encoder.1", [], ["tanh_1", "addmm"])]
         ...     def __str__(self):
         ...         return "budget: 60% of the activation peak"
-        >>> plan_lines(Plan(), shown=2)
-        ['budget: 60% of the activation peak', 'recomputed nodes: tanh, tanh_1, ... and 1 more']
+        >>> for line in plan_lines(Plan()):
+        ...     print(line)
+        budget: 60% of the activation peak
+        recomputed, by module (2 modules):
+          encoder.0: 1 op (tanh) at net.py:12: x = torch.tanh(x)
+          encoder.1: 2 ops (tanh_1, addmm)
     """
-    names = list(plan.recomputed)
     lines = str(plan).splitlines()
-    if names:
-        more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
-        lines.append(f"recomputed nodes: {', '.join(names[:shown])}{more}")
+    groups = plan.recomputed_by_module() if plan.recomputed else []
+    if groups:
+        lines.append(f"recomputed, by module ({len(groups)} module{'s' if len(groups) != 1 else ''}):")
+        for module, sources, nodes in groups[:shown]:
+            ops = ", ".join(nodes[:4]) + (", ..." if len(nodes) > 4 else "")
+            where = f" at {sources[0]}" if sources else ""
+            more = f" (and {len(sources) - 1} more lines)" if len(sources) > 1 else ""
+            count = f"{len(nodes)} op{'s' if len(nodes) != 1 else ''}"
+            lines.append(f"  {module or '(the model itself)'}: {count} ({ops}){where}{more}")
+        if len(groups) > shown:
+            lines.append(f"  ... and {len(groups) - shown} more modules")
     return lines
 
 
@@ -169,11 +184,8 @@ def _training_memory(model: torch.nn.Module, inputs: tuple, args: argparse.Names
 def _plan(model: torch.nn.Module, inputs: tuple, args: argparse.Namespace) -> Any:
     from fxforge.training import plan_checkpointing
 
-    try:
-        return plan_checkpointing(model, inputs, args.budget, optimizer=args.optimizer, loss=None,
-                                  autocast=AUTOCAST.get(args.autocast))
-    except ValueError as error:  # the budget cannot be met (a malformed one is a usage error, caught before)
-        raise CommandError(" ".join(str(error).split())) from error
+    return plan_checkpointing(model, inputs, args.budget, optimizer=args.optimizer, loss=None,
+                              autocast=AUTOCAST.get(args.autocast))
 
 
 def _write_csv(outputs: Outputs, path: str, rows: list[Row]) -> None:
@@ -190,8 +202,11 @@ def _write_csv(outputs: Outputs, path: str, rows: list[Row]) -> None:
 
 def run_memory(args: argparse.Namespace) -> int:
     """``fxforge memory``: the predicted (``--measure``: and measured) memory of one training step, per
-    figure and per module; with ``--budget``, the checkpointing plan that fits it."""
+    figure and per module, printed before anything else runs; with ``--budget``, the checkpointing plan that
+    fits it. Exit 1 where no plan reaches the budget (the least reachable budget said), or where the plan's
+    measured step holds more than the budget (unless ``--allow-over``)."""
     from fxforge.cli.args import check_output
+    from fxforge.training import BudgetError
 
     if args.csv:
         check_output(args.csv, (".csv",), "--csv")
@@ -209,29 +224,68 @@ def run_memory(args: argparse.Namespace) -> int:
             with steps.step("measure one real step") as step:
                 tm.measure()
                 step.note(f"peak {format_bytes(tm.measured.peak_bytes)} ({tm.measured.device})")
-        plan = None
-        if args.budget is not None:
-            with steps.step(f"plan checkpointing (budget {_budget_text(args.budget)})") as step:
-                plan = _plan(model, inputs, args)
-                step.note(f"{len(plan.recomputed)} nodes recomputed, predicted overhead {plan.overhead:.1%}")
         rows = breakdown(tm)
         if args.csv:
             _write_csv(outputs, args.csv, rows)
+    # The prediction is shown before any planning, so a plan that fails or takes long loses none of it.
     shapes = " ".join(format_input(*spec) for spec in args.input)
     title = f"{type(model).__name__} ({shapes}): one training step, {optimizer}{precision}, train mode"
     console.print(breakdown_table(rows, title, optimizer))
     console.print(f"peak: {format_bytes(tm.peak_bytes)} in the {tm.peak_phase} at {tm.peak_node}", markup=False)
     depth = args.depth or None
     console.print(module_table(tm.by_module(depth=depth), depth))
-    if plan is not None:
-        console.print("[bold]checkpointing plan[/bold]")
-        for line in plan_lines(plan):
-            console.print("  " + line, markup=False, highlight=False, soft_wrap=True)
-    for note in notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
     if args.csv:
         console.print(f"table: {args.csv}", markup=False)
+    _print_notes(console, notes)
+    if args.budget is None:
+        return 0
+    notes = []
+    with collected_warnings(notes):
+        try:
+            with steps.step(f"plan checkpointing (budget {_budget_text(args.budget)})") as step:
+                plan = _plan(model, inputs, args)
+                step.note(f"{len(plan.recomputed)} nodes recomputed, predicted overhead {plan.overhead:.1%}")
+        except BudgetError as error:
+            console.print("[bold]checkpointing plan[/bold]")
+            if error.least_budget is not None:
+                console.print(f"  least reachable budget: {_budget_text(error.least_budget)} "
+                              f"(--budget {_budget_text(args.budget)} cannot be met)", markup=False)
+            raise CommandError(" ".join(str(error).split())) from error
+    console.print("[bold]checkpointing plan[/bold]")
+    for line in plan_lines(plan):
+        console.print("  " + line, markup=False, highlight=False, soft_wrap=True)
+    _print_notes(console, [n for n in notes if "over its budget" not in n])
+    over = plan.over_budget_bytes
+    if over is not None and over > 0:
+        what = "activation peak" if plan.budget_kind == "fraction" else "step peak"
+        share = (f", {math.ceil(100 * plan.measured_bytes / plan.unconstrained_activation_bytes)}% of the "
+                 "unconstrained activation peak" if plan.budget_kind == "fraction" else "")
+        message = (f"the plan's measured {what} {format_bytes(plan.measured_bytes)}{share} is {format_bytes(over)} "
+                   f"over the budget {_budget_text(args.budget)} ({format_bytes(plan.budget_bytes)}), after "
+                   "planning again with the excess kept back")
+        if not getattr(args, "allow_over", False):
+            raise CommandError(message + "; --allow-over accepts it, or give a larger --budget")
+        console.print(f"note: {message}; accepted (--allow-over)", markup=False, highlight=False)
     return 0
+
+
+def add_memory_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``fxforge memory`` that its planning reads beyond the shared ones (``--allow-over``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_memory_options(parser)
+        >>> parser.parse_args(["--allow-over"]).allow_over
+        True
+    """
+    parser.add_argument("--allow-over", action="store_true",
+                        help="exit 0 even when the plan's measured step holds more than --budget (the plan is "
+                             "kept as the closest; without it, that exits 1)")
+
+
+def _print_notes(console: Console, notes: list[str]) -> None:
+    for note in notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
 
 
 def _percent(value: float | None) -> str:

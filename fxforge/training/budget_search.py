@@ -41,12 +41,17 @@ class _Trials:
     simulate: Callable[[StepGraphs], StepSimulation]
     rounds: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
     closest: dict[str, Any] = dataclasses.field(default_factory=dict)
+    done: dict[frozenset[str], tuple[StepGraphs, StepSimulation]] = dataclasses.field(default_factory=dict)
 
     def run(self, chosen: set[int], mark: float | None = None) -> tuple[int, StepGraphs, StepSimulation]:
         """``(excess, partition, simulation)`` of recomputing ``chosen``; a round is recorded when ``mark``
-        is given."""
-        candidate = self.step.repartition(_names(self.units, chosen))
-        sim = self.simulate(candidate)
+        is given. A choice tried before (the same recomputed nodes) is not partitioned and simulated again:
+        each trial is a whole partition of the joint graph, seconds on a large model."""
+        names = frozenset(_names(self.units, chosen))
+        if names not in self.done:
+            candidate = self.step.repartition(names)
+            self.done[names] = (candidate, self.simulate(candidate))
+        candidate, sim = self.done[names]
         over = self.excess(sim)
         if mark is not None:
             self.rounds.append((int(mark), int(self.limit + over), over <= 0))
@@ -118,20 +123,32 @@ def _offered(trials: _Trials, offered: dict[str, set[int]]) -> tuple | None:
     return best
 
 
+GREEDY_SECONDS = 30.0
+""":func:`_greedy` tries no pattern after this many seconds."""
+
+
 def _greedy(trials: _Trials, pieces: list[tuple[list[int], int]]) -> tuple | None:
     """Fixed patterns, when the MILP's choices do not fit: keep one boundary every ``stride`` pieces (at each
     offset) and recompute the rest, as checkpointing every block does when a block is ``stride`` pieces;
-    the cheapest pattern that fits by simulation."""
-    best = None
+    the cheapest pattern that fits by simulation. Patterns are tried cheapest first (least recompute seconds),
+    so the first that fits is the answer and the dearer ones are not simulated; none starts after
+    :data:`GREEDY_SECONDS`."""
+    patterns = []
     for stride in (2, 3, 4, 6, 8, 1):
         for offset in range(stride):
-            chosen = {i for k, (inside, boundary) in enumerate(pieces) for i in inside
-                      if trials.units[i].recomputable and not (i == boundary and k % stride == offset)}
-            over, candidate, sim = trials.run(chosen, stride)
-            if over <= 0:
-                best = _cheapest(best, (trials.seconds(chosen), chosen, candidate, sim,
-                                        f"pattern (a boundary kept every {stride} pieces)"))
-    return best
+            chosen = frozenset(i for k, (inside, boundary) in enumerate(pieces) for i in inside
+                               if trials.units[i].recomputable and not (i == boundary and k % stride == offset))
+            patterns.append((trials.seconds(chosen), stride, chosen))
+    seen = set()
+    started = time.perf_counter()
+    for seconds, stride, chosen in sorted(patterns, key=lambda p: (p[0], p[1])):
+        if chosen in seen or time.perf_counter() - started > GREEDY_SECONDS:
+            continue
+        seen.add(chosen)
+        over, candidate, sim = trials.run(set(chosen), stride)
+        if over <= 0:
+            return (seconds, set(chosen), candidate, sim, f"pattern (a boundary kept every {stride} pieces)")
+    return None
 
 
 DESCENT_ROUNDS = 8

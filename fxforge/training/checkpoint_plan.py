@@ -16,6 +16,12 @@ from fxforge.training.step_graph import StepGraphs
 from fxforge.training.timeline import StepSimulation
 
 
+def _is_view(node: Any) -> bool:
+    """Whether an ATen node returns an alias of an input (a view, ``detach``, ``t``): no work to recompute."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 @dataclasses.dataclass
 class CheckpointPlan:
     """What a budgeted step saves and recomputes, and what it is predicted to cost.
@@ -81,6 +87,51 @@ class CheckpointPlan:
     compile_record: dict[str, int] | None = None
 
     @property
+    def over_budget_bytes(self) -> int | None:
+        """How far the measured figure is above the budget (<= 0: the measured step fits); None when the plan
+        was not measured (``check=False``, or not on CPU)."""
+        return None if self.measured_bytes is None else self.measured_bytes - self.budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the plan fits its budget: measured where it was measured, else by its simulation (the
+        simulated figure the budget bounds)."""
+        if self.measured_bytes is not None:
+            return self.measured_bytes <= self.budget_bytes
+        simulated = (self.predicted_activation_peak_bytes if self.budget_kind == "fraction"
+                     else self.predicted_peak_bytes)
+        return simulated <= self.budget_bytes
+
+    def recomputed_by_module(self) -> list[tuple[str, list[str], list[str]]]:
+        """The recomputed work grouped by the module that ran it, in forward order: ``(module, source lines,
+        nodes)``, the module as ``named_modules()`` names it (``""`` for the model's own forward), the source
+        lines ``file.py:12: code`` of the user's code that made the nodes (first seen first).
+
+        Views and aliases (a weight's transpose, a ``detach``) are left out: recomputing them costs nothing.
+
+        Example:
+            >>> from fxforge.training import plan_checkpointing
+            >>> model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())])
+            >>> plan = plan_checkpointing(model.train(), (torch.randn(256, 128),), "80%", optimizer=None)
+            >>> groups = plan.recomputed_by_module()
+            >>> len(groups) > 0, {module for module, _, _ in groups} <= set(dict(model.named_modules()))
+            (True, True)
+        """
+        from fxforge.core.source import node_source
+        from fxforge.training.step_graph import module_of
+
+        recomputed = set(self.recomputed)
+        groups: dict[str, tuple[list[str], list[str]]] = {}
+        for node in self.step.joint.graph.nodes:
+            if node.name in recomputed and not _is_view(node):
+                lines, nodes = groups.setdefault(module_of(node), ([], []))
+                nodes.append(node.name)
+                line = node_source(node)
+                if line and line not in lines:
+                    lines.append(line)
+        return [(module, lines, nodes) for module, (lines, nodes) in groups.items()]
+
+    @property
     def overhead(self) -> float:
         """Predicted extra step time from recomputation, as a fraction of the forward+backward time."""
         return self.recompute_seconds / self.step_seconds if self.step_seconds else 0.0
@@ -112,7 +163,9 @@ class CheckpointPlan:
 
     def _measured_line(self) -> str:
         what = "activation peak" if self.budget_kind == "fraction" else "step peak"
-        verdict = "fits" if self.measured_bytes <= self.budget_bytes else "OVER the budget"
+        over = self.measured_bytes - self.budget_bytes
+        verdict = (f"fits the budget of {format_bytes(self.budget_bytes)}" if over <= 0 else
+                   f"{format_bytes(over)} OVER the budget of {format_bytes(self.budget_bytes)}")
         if self.margin_bytes > 0:
             kept = (f"; planned {format_bytes(self.margin_bytes)} under the budget, what an earlier measured plan held "
                     "beyond its simulation")

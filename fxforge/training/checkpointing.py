@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,18 +80,42 @@ from fxforge.training.recompute_units import _pieces, _units
 from fxforge.training.step_graph import StepGraphs
 from fxforge.training.timeline import StepSimulation, simulate_step
 
-MILP_TIME_LIMIT_S = 10.0
-OFFERED_MILP_TIME_LIMIT_S = 4.0
+MILP_TIME_LIMIT_S = 3.0
+SEARCH_SECONDS = 30.0
+"""Each MILP stops after 3 s (HiGHS's best answer so far; on ResNet-50 it had not proved one in 10 s), and
+no round of the bisection starts after 30 s: each round is a MILP and a whole partition of the step."""
+OFFERED_MILP_TIME_LIMIT_S = 3.0
 OFFERED_SEARCH_SECONDS = 30.0
-"""With offered choices (``candidates=``), each MILP stops after 4 s and no round starts after 30 s."""
+"""With offered choices (``candidates=``), each MILP stops after 3 s and no round starts after 30 s."""
 
 class BudgetError(ValueError):
-    """The budget cannot be met by checkpointing (the message says what the least reachable is).
+    """The budget cannot be met by checkpointing; the message says the least reachable.
+
+    Attributes:
+        least_bytes: the least the figure the budget bounds reached (the activation peak for a fraction, the
+            step's peak for bytes), everything that can be recomputed recomputed among the tries; None where
+            not known.
+        least_budget: the least budget that is reachable, in the budget's own kind: ``"77%"`` (rounded up to
+            a whole percent) or bytes; None where not known.
+        unconstrained_bytes: the same figure without checkpointing.
 
     Example:
-        >>> issubclass(BudgetError, ValueError)
-        True
+        >>> error = BudgetError("too low", least_bytes=770, unconstrained_bytes=1000, kind="fraction")
+        >>> issubclass(BudgetError, ValueError), error.least_budget
+        (True, '77%')
     """
+
+    def __init__(self, message: str, *, least_bytes: int | None = None, unconstrained_bytes: int | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.least_bytes = least_bytes
+        self.unconstrained_bytes = unconstrained_bytes
+        self.least_budget: str | int | None = None
+        if least_bytes is not None and kind == "fraction" and unconstrained_bytes:
+            percent = math.ceil(100 * least_bytes / unconstrained_bytes - 1e-9)
+            self.least_budget = f"{min(percent, 100)}%"
+        elif least_bytes is not None and kind == "bytes":
+            self.least_budget = int(least_bytes)
 
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
@@ -152,7 +177,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
         target = limit - margin_bytes
         if optimizer_phase > limit:
             raise BudgetError(f"memory_budget {budget!r}: the optimizer step alone needs "
-                              f"{format_bytes(optimizer_phase)} (weights, state, gradients, its temporaries)")
+                              f"{format_bytes(optimizer_phase)} (weights, state, gradients, its temporaries); "
+                              f"the least reachable budget is at least {format_bytes(optimizer_phase)}",
+                              least_bytes=optimizer_phase, unconstrained_bytes=whole(base), kind="bytes")
 
         def excess(sim: StepSimulation) -> int:
             return whole(sim) - target
@@ -179,7 +206,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
                              _search(trials, pieces, choices, saved_total, OFFERED_MILP_TIME_LIMIT_S,
                                      OFFERED_SEARCH_SECONDS))
         if best is None:
-            best = _search(trials, pieces, own, saved_total, time_limit)
+            best = _search(trials, pieces, own, saved_total, time_limit, SEARCH_SECONDS)
         if best is None:
             best = _greedy(trials, pieces)
         if best is None:
@@ -188,13 +215,20 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             best = _relax(trials, pieces, best)
     rounds = trials.rounds
     if best is None:
-        least = min((figure for _, figure, _ in rounds), default=target + excess(base))
+        # The least reachable: everything that can be recomputed recomputed, and whatever a search came closer with.
+        everything = {i for i, unit in enumerate(units) if unit.recomputable}
+        if everything:
+            trials.run(everything, len(everything))
+        least = min((figure for _, figure, _ in trials.rounds), default=target + excess(base))
         what = "an activation peak" if kind == "fraction" else "a step peak"
         kept = f", {format_bytes(margin_bytes)} of it kept back for what a measured step held beyond the plan" \
             if margin_bytes > 0 else ""
         free = unconstrained if kind == "fraction" else whole(base)
-        raise BudgetError(f"memory_budget {budget!r} ({format_bytes(limit)}{kept}) is below what recomputation reached: "
-                          f"{what} of {format_bytes(least)} at best (unconstrained {format_bytes(free)})")
+        error = BudgetError("", least_bytes=least + margin_bytes, unconstrained_bytes=free, kind=kind)
+        error.args = (f"memory_budget {budget!r} ({format_bytes(limit)}{kept}) is below what recomputation reached: "
+                      f"{what} of {format_bytes(least)} at best, everything recomputable recomputed (unconstrained "
+                      f"{format_bytes(free)}); the least reachable budget is {_budget_text(error.least_budget)}",)
+        raise error
     _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes
                             if n.name in chosen_step.recomputed)
@@ -203,6 +237,10 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
                           sorted(chosen_step.recomputed), recompute_seconds, step_seconds, solver, rounds,
                           chosen_step, sim, persistent_bytes, optimizer_phase, time.perf_counter() - started,
                           loss_bytes, margin_bytes=margin_bytes)
+
+
+def _budget_text(budget: str | int | None) -> str:
+    return "unknown" if budget is None else budget if isinstance(budget, str) else format_bytes(budget)
 
 
 def _device(step: StepGraphs) -> str:

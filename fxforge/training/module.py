@@ -206,6 +206,7 @@ class CheckpointedModule(torch.nn.Module):
         self._steps: dict[tuple, Any] = {}
         self._unplannable: set[tuple] = set()
         self._references: dict[tuple, int] = {}
+        self._captures: dict[tuple, torch.fx.GraphModule] = {}
         self.plans = 0
         self.plan: CheckpointPlan | None = None
         args, kwargs = normalize_inputs(example_inputs)
@@ -344,7 +345,11 @@ class CheckpointedModule(torch.nn.Module):
               layout_optimization: bool = False) -> Any:
         from fxforge.training.eager_graph import eager_like_graph
 
-        graph_module = eager_like_graph(self.model, args, kwargs)
+        # Captured once per signature (and set of parameters): a plan made again after a measured step reuses it.
+        key = (_signature(args, kwargs), tuple(id(p) for p in self.model.parameters()))
+        if key not in self._captures:
+            self._captures = {key: eager_like_graph(self.model, args, kwargs)}
+        graph_module = self._captures[key]
         opt = optimizer_memory(self.optimizer, list(dict.fromkeys(self.model.parameters())))
         persistent = (unique_bytes(self.model.parameters()) + unique_bytes(self.model.buffers())
                       + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
