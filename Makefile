@@ -35,7 +35,7 @@ $(VENV)/.installed-notebooks: $(VENV)/.base pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# Runs every notebook in examples/notebooks/ in a fresh kernel and saves it with its outputs (a few minutes).
+# Runs every notebook in examples/notebooks/ in a fresh kernel and saves it with its outputs (5-20 minutes).
 notebooks: $(VENV)/.installed-notebooks
 	$(PY) examples/notebooks/execute.py
 
