@@ -222,6 +222,38 @@ def test_auto_never_returns_a_module_that_rejects_a_new_size_native_serves(cache
         assert runs_ort.exports == 1  # the first file served them all: no export again on a call
 
 
+class AudioNet(nn.Module):
+    """Not in the hand-written corpus: a strided Conv1d stack over a waveform of any length, pooled, with a
+    padding mask passed by keyword (the style of torchaudio recipes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(1, 8, 9, stride=4, padding=4), nn.GELU(),
+                                  nn.Conv1d(8, 16, 5, stride=2, padding=2), nn.GELU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, wave, mask=None):
+        features = self.conv(wave)
+        if mask is not None:
+            features = features * mask[:, None, ::8][..., :features.shape[-1]]
+        return self.head(features.mean(-1))
+
+
+def test_a_waveform_model_keeps_every_length_and_batch_through_auto(cache_dir):
+    torch.manual_seed(0)
+    model = AudioNet().eval()
+    example = {"wave": torch.randn(1, 1, 400), "mask": torch.ones(1, 400)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RaceWarning)
+        opt = fxforge.optimize(model, example, target="auto", targets=["native", "onnxruntime"])
+    ort = next(c for c in opt.report.race.contenders if c.target == "onnxruntime")
+    assert not ort.refused or ort.refused.startswith("not raced: it cannot serve the sizes eager serves"), ort
+    for batch, length in ((3, 256), (2, 1000), (1, 400)):
+        fresh = {"wave": torch.randn(batch, 1, length), "mask": (torch.rand(batch, length) > 0.2).float()}
+        with torch.no_grad():
+            torch.testing.assert_close(opt(**fresh), model(**fresh), rtol=1e-4, atol=1e-4)
+
+
 class _Slow(nn.Module):
     """The model, then a sleep: a target measured slower than eager."""
 

@@ -187,7 +187,8 @@ class Contender:
 
     def __str__(self) -> str:
         if self.refused:
-            return f"{self.target}: {self.refused}"
+            spent = f" (after {self.prepare_s:.2g} s)" if self.prepare_s is not None else ""
+            return f"{self.target}: {self.refused}{spent}"
         parts = [f"{self.latency_ms:.3g} ms" if self.latency_ms is not None else "not timed"]
         if self.prepare_s is not None:
             parts.append(f"prepared in {self.prepare_s:.2g} s")

@@ -1,7 +1,7 @@
 """Progress of long steps on the Python API (``target="auto"``'s race: builds, checks, timings).
 
 Each step is logged on the ``"fxforge"`` logger at INFO when it starts, and again with its seconds when it
-took longer than :data:`SLOW_S` (``logging.basicConfig(level=logging.INFO)`` shows them). On a terminal
+took longer than :data:`SLOW_S` or failed (``logging.basicConfig(level=logging.INFO)`` shows them). On a terminal
 (standard error is a TTY) a ``rich`` status line shows the running step too, and is gone when it ends; off
 a terminal (a test, a pipe, a notebook's captured stream) only the log records are written, which no one
 sees unless logging is configured: the steps are quiet unless asked. ``FXFORGE_PROGRESS=0`` turns the status
@@ -62,8 +62,12 @@ def step(message: str) -> Iterator[None]:
         from rich.console import Console
 
         status = Console(stderr=True).status(f"fxforge: {message}")
-    with status:
-        yield
+    try:
+        with status:
+            yield
+    except BaseException:
+        LOGGER.info("%s: failed after %.1f s", message, time.perf_counter() - began)
+        raise
     seconds = time.perf_counter() - began
     if seconds > SLOW_S:
         LOGGER.info("%s: done in %.1f s", message, seconds)
