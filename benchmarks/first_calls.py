@@ -112,7 +112,7 @@ def measure(name: str, reps: int, trace_calls: int) -> dict[str, Any]:
                     totals[label] += _timed(opt if label == "fxforge" else model, ids)[0]
             row["trace"] = {"calls": trace_calls, **totals, "ratio": totals["fxforge"] / totals["eager"],
                             "plans_built": opt.plans_built}
-    row["load"] = os.getloadavg()[0]
+    row["load"], row["fxforge"] = os.getloadavg()[0], str(Path(fxforge.__file__).parents[1])
     return row
 
 

@@ -256,9 +256,8 @@ class PlanCache:
 
     def _new_plan(self, key: Hashable, signature: Hashable, args: tuple, kwargs: dict,
                   conditions: CallConditions) -> Any:
-        """Build the plan for a call no plan serves: shape-generic where the policy says so (falling back to
-        one for this signature only when torch.export cannot keep the dims dynamic), none past ``max_plans``.
-        ``_MISSING``: the build saw the forward set the model's state, and this call runs eagerly."""
+        """Build the plan for a call no plan serves: shape-generic where the policy says so (else for this
+        signature, or torch.fx's), none past ``max_plans``; ``_MISSING``: the forward set the model's state."""
         family = (family_of(signature), *key[1:])
         held = len({id(p) for p in self.plans.values() if p is not None})
         if held >= self.policy.max_plans:
@@ -284,8 +283,13 @@ class PlanCache:
             plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None, family=family)
         if self._forward_set_state():
             return _MISSING
-        if isinstance(dynamic, frozenset) and plan is not None:
-            self._specialized.setdefault(family, set()).update(dynamic - kept_dims(plan.shapes))
+        lost = dynamic - kept_dims(plan.shapes) if isinstance(dynamic, frozenset) and plan is not None else set()
+        if lost:  # torch.export specialised dims that change (an LSTM's length): a torch.fx plan serves them
+            self._specialized.setdefault(family, set()).update(lost)
+            fx = self._build(args, kwargs, conditions, "fx", quiet=True, family=family)
+            if fx is not None and not self._set_during_build:
+                plan, dynamic = fx, "fx"
+                self.notes.append(f"torch.export specialised input dims {sorted(lost)}: a torch.fx plan instead")
         if dynamic is not None and dynamic != "fx":
             reason = ("torch.export could not capture it" if plan is None else "torch.export kept no dim dynamic"
                       if plan.shapes is None else plan.shapes.check_sizes(sizes_of(signature)))
