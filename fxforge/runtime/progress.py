@@ -61,7 +61,8 @@ def step(message: str) -> Iterator[None]:
     if status_line():
         from rich.console import Console
 
-        status = Console(stderr=True).status(f"fxforge: {message}")
+        forced = os.environ.get("FXFORGE_PROGRESS") == "1" or None
+        status = Console(stderr=True, force_terminal=forced).status(f"fxforge: {message}")
     try:
         with status:
             yield

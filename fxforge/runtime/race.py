@@ -179,18 +179,18 @@ def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, se
         return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err,
                                refused=f"differs from eager on fresh inputs: {compared.reason}")
     if entrant.fixed_sizes and served is not None:
-        refused = _serves(module, model, served, seed)
+        refused = _serves(entrant.target, module, model, served, seed)
         if refused:
             return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err,
                                    refused=refused)
     return module, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err)
 
 
-def _serves(module: nn.Module, model: nn.Module, served: Served, seed: int) -> str:
+def _serves(target: str, module: nn.Module, model: nn.Module, served: Served, seed: int) -> str:
     """Why ``module`` does not serve the new sizes eager serves (``served``) like eager, or ""."""
     what = f"does not serve inputs of new sizes that eager serves ({served.text})"
     try:
-        with step(f"checking it on new sizes ({served.text})"), torch.no_grad(), \
+        with step(f"checking {target} on new sizes ({served.text})"), torch.no_grad(), \
                 isolated(model, seed=seed, inputs=(served.args, served.kwargs)):
             actual = module(*served.args, **served.kwargs)
     except Exception as error:  # noqa: BLE001 - a size it does not take refuses it, with the reason
