@@ -181,11 +181,12 @@ def _training_memory(model: torch.nn.Module, inputs: tuple, args: argparse.Names
         raise
 
 
-def _plan(model: torch.nn.Module, inputs: tuple, args: argparse.Namespace) -> Any:
+def _plan(model: torch.nn.Module, inputs: tuple, args: argparse.Namespace, tm: Any) -> Any:
     from fxforge.training import plan_checkpointing
 
+    # The model as the prediction captured it: planning does not capture it again.
     return plan_checkpointing(model, inputs, args.budget, optimizer=args.optimizer, loss=None,
-                              autocast=AUTOCAST.get(args.autocast))
+                              autocast=AUTOCAST.get(args.autocast), graph_module=tm.step.wrapper.model)
 
 
 def _write_csv(outputs: Outputs, path: str, rows: list[Row]) -> None:
@@ -243,7 +244,7 @@ def run_memory(args: argparse.Namespace) -> int:
     with collected_warnings(notes):
         try:
             with steps.step(f"plan checkpointing (budget {_budget_text(args.budget)})") as step:
-                plan = _plan(model, inputs, args)
+                plan = _plan(model, inputs, args, tm)
                 step.note(f"{len(plan.recomputed)} nodes recomputed, predicted overhead {plan.overhead:.1%}")
         except BudgetError as error:
             console.print("[bold]checkpointing plan[/bold]")
@@ -258,9 +259,9 @@ def run_memory(args: argparse.Namespace) -> int:
     over = plan.over_budget_bytes
     if over is not None and over > 0:
         what = "activation peak" if plan.budget_kind == "fraction" else "step peak"
-        share = (f", {math.ceil(100 * plan.measured_bytes / plan.unconstrained_activation_bytes)}% of the "
-                 "unconstrained activation peak" if plan.budget_kind == "fraction" else "")
-        message = (f"the plan's measured {what} {format_bytes(plan.measured_bytes)}{share} is {format_bytes(over)} "
+        share = (f" ({math.ceil(100 * plan.measured_bytes / plan.unconstrained_activation_bytes)}% of the "
+                 "unconstrained one)" if plan.budget_kind == "fraction" else "")
+        message = (f"the plan's measured {what} is {format_bytes(plan.measured_bytes)}{share}, {format_bytes(over)} "
                    f"over the budget {_budget_text(args.budget)} ({format_bytes(plan.budget_bytes)}), after "
                    "planning again with the excess kept back")
         if not getattr(args, "allow_over", False):

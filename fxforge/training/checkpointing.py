@@ -122,7 +122,8 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
               loss_bytes: int | None = None, machine: Machine | None = None,
               time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False,
               candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None,
-              margin_bytes: int = 0, reference_activation_bytes: int | None = None) -> CheckpointPlan:
+              margin_bytes: int = 0, reference_activation_bytes: int | None = None,
+              tried: dict | None = None) -> CheckpointPlan:
     """Choose the recomputation of ``step`` that fits ``budget`` (see the module docstring).
 
     Args:
@@ -150,6 +151,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             Inductor's decompositions holds more than the model's step does unconstrained (a layer norm's
             decomposition saves its intermediates), so its own peak would make "60 %" allow more than 60 % of
             what the model holds: the module passes the peak of the model's own step here.
+        tried: partitions already simulated for a trace of this same step (recomputed node names -> partition
+            and simulation), filled in by this plan: a plan made again (another margin) on a new trace of the
+            same graph simulates only the choices the first did not.
 
     Raises:
         BudgetError: no recomputation fits (the least reachable is in the message).
@@ -187,7 +191,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
     units = _units(step, machine, fused)
     pieces = _pieces(units)
     choices = own = _choices(units, pieces)
-    trials = _Trials(step, units, excess, target, simulate)
+    trials = _Trials(step, units, excess, target, simulate, done={} if tried is None else tried)
     best: tuple[float, set[int], StepGraphs, StepSimulation, str] | None = None
     step_seconds = graph_seconds(step.forward, machine, fused=fused) + graph_seconds(step.backward, machine,
                                                                                      fused=fused)

@@ -192,7 +192,8 @@ class CheckpointedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                  optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None,
-                 compiled: bool = False, target: str | None = None, check: bool = True):
+                 compiled: bool = False, target: str | None = None, check: bool = True,
+                 graph_module: torch.fx.GraphModule | None = None):
         super().__init__()
         parse_budget(memory_budget)  # a malformed budget fails now, not at the first call
         self.model = model
@@ -207,12 +208,21 @@ class CheckpointedModule(torch.nn.Module):
         self._unplannable: set[tuple] = set()
         self._references: dict[tuple, int] = {}
         self._captures: dict[tuple, torch.fx.GraphModule] = {}
+        self._tried: dict[tuple, dict] = {}  # per capture: the partitions the plans simulated (plan_step's tried)
         self.plans = 0
         self.plan: CheckpointPlan | None = None
         args, kwargs = normalize_inputs(example_inputs)
+        if graph_module is not None:  # captured already on these inputs (fxforge.training_memory's step)
+            self._captures[(_signature(args, kwargs), tuple(id(p) for p in model.parameters()))] = graph_module
         self._build(args, kwargs)
 
     def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return self._build_checked(args, kwargs)
+        finally:
+            self._tried.clear()  # the partitions simulated while planning: not kept with the module
+
+    def _build_checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._checkable(args, kwargs):
             return self._plan(args, kwargs)
         closest = None
@@ -350,6 +360,7 @@ class CheckpointedModule(torch.nn.Module):
         if key not in self._captures:
             self._captures = {key: eager_like_graph(self.model, args, kwargs)}
         graph_module = self._captures[key]
+        tried = self._tried.setdefault((key, layout_optimization), {})
         opt = optimizer_memory(self.optimizer, list(dict.fromkeys(self.model.parameters())))
         persistent = (unique_bytes(self.model.parameters()) + unique_bytes(self.model.buffers())
                       + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
@@ -363,7 +374,7 @@ class CheckpointedModule(torch.nn.Module):
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
                                        fused=self.compiled, candidates=candidates,
-                                       margin_bytes=margin, reference_activation_bytes=reference)
+                                       margin_bytes=margin, reference_activation_bytes=reference, tried=tried)
             return chosen["plan"].recomputed
 
         def finish(step):
@@ -459,8 +470,11 @@ def checkpointed(model: Any, example_inputs: Any, memory_budget: Any, *, optimiz
 
 def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                        optimizer: Any = torch.optim.AdamW, loss: Any = None,
-                       autocast: torch.dtype | None = None, check: bool = True) -> CheckpointPlan:
+                       autocast: torch.dtype | None = None, check: bool = True,
+                       graph_module: torch.fx.GraphModule | None = None) -> CheckpointPlan:
     """The plan ``fxforge.optimize(model, inputs, memory_budget=...)`` would run, without keeping the module.
+    ``graph_module``: the model as :func:`~fxforge.training.eager_graph.eager_like_graph` captured it on these
+    inputs, where the caller has it (``training_memory(...).step.wrapper.model``): not captured again.
 
     Raises:
         fxforge.training.checkpointing.BudgetError: no recomputation fits the budget.
@@ -472,4 +486,4 @@ def plan_checkpointing(model: torch.nn.Module, example_inputs: Any, memory_budge
         ([], 'none needed (the step fits unconstrained)')
     """
     return CheckpointedModule(model, example_inputs, memory_budget, optimizer=optimizer, loss=loss,
-                              autocast=autocast, check=check).plan
+                              autocast=autocast, check=check, graph_module=graph_module).plan

@@ -87,11 +87,11 @@ def _offered_choices(units: list[Unit], pieces: list[tuple[list[int], int]], off
     return choices
 
 
-def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: float
+def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: float, gap: float = 1e-4
            ) -> tuple[set[int], str] | None:
     """The choices covering every piece once with the least recompute time whose saved bytes, plus the
     largest run the backward rematerializes at once, stay under ``saved_limit`` (a set-partitioning MILP
-    over the chain of pieces, exact for that model)."""
+    over the chain of pieces, exact for that model to the relative ``gap``)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -129,7 +129,7 @@ def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: f
     matrix = coo_matrix((vals, (rows, cols)), shape=(row, m + 1))
     result = milp(cost, constraints=LinearConstraint(matrix, lower, upper),
                   integrality=np.array([1] * m + [0]), bounds=Bounds(np.zeros(m + 1), np.array([1.0] * m + [math.inf])),
-                  options={"time_limit": time_limit, "mip_rel_gap": 1e-4})
+                  options={"time_limit": time_limit, "mip_rel_gap": gap})
     if result.x is None:
         return None
     chosen: set[int] = set()

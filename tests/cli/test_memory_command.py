@@ -188,7 +188,8 @@ def test_a_plan_measured_over_its_budget_exits_1_unless_allowed(capsys):
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "over the budget 60%" in err[0] and "--allow-over" in err[0], err
-    assert re.search(r"the plan's measured activation peak [0-9.]+ KiB, \d+% of the unconstrained", err[0])
+    assert re.search(r"the plan's measured activation peak is [0-9.]+ KiB \(\d+% of the unconstrained one\), "
+                     r"[0-9.]+ KiB over the budget 60% \([0-9.]+ KiB\)", err[0]), err[0]
     assert "OVER the budget of" in captured.out and "by module (depth 1)" in captured.out
     assert "recomputed, by module" in captured.out and "transformer.h." in captured.out
     assert main(["memory", model, "--input", "1x16:int64", "--budget", "60%", "--allow-over"]) == 0
