@@ -108,7 +108,7 @@ def _write_arguments(parser: argparse.ArgumentParser, *, output_required: bool) 
                              "the sequence length of token inputs, as fxforge.export_onnx(dynamic=True); for "
                              ".pt2 the batch), none (a static file), batch, batch,length, or dim numbers (0,1: "
                              "those dims of every input that has them)")
-    parser.add_argument("--dynamic-batch", action="store_const", const="batch", dest="dynamic",
+    parser.add_argument("--dynamic-batch", action="store_const", const=("batch",), dest="dynamic",
                         help=argparse.SUPPRESS)  # the older spelling of --dynamic batch
     parser.add_argument("--report", metavar="REPORT.html", help="write a self-contained HTML report")
 

@@ -285,7 +285,7 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
         except fxforge.CaptureError as error:
             raise CommandError(capture_failure(type(model).__name__, error)) from error
         race = getattr(runner, "race", None)
-        if race is not None and getattr(runner.report, "method", "") != "eager":
+        if race is not None:
             busy = getattr(race, "busy", "")
             step.note(f"{race.winner}: {race.why}" + (f" (machine busy: {busy}; not a result)" if busy else ""))
             return runner, f"auto: {race.winner}"

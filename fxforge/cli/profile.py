@@ -45,6 +45,7 @@ def run_profile(args: argparse.Namespace) -> int:
         with steps.step(f"profile ({args.repeat} runs)") as step:
             try:
                 result = profile(subject, inputs, warmup=args.warmup, repeat=args.repeat)
+                table = result.table
             except fxforge.CaptureError as error:  # not one graph: eager's time per module instead
                 reason = capture_failure(type(model).__name__, error)
                 step.note("no graph: eager, timed per module")
@@ -60,7 +61,6 @@ def run_profile(args: argparse.Namespace) -> int:
         if args.csv:
             console.print(f"full table: {args.csv}", markup=False)
         return 0
-    table = result.table
     shown = table.sort_values("time_ms", ascending=False, kind="stable").head(args.top)
     columns = [c for c in PROFILE_COLUMNS if c in shown.columns]
     _print_frame(console, shown[columns], f"{type(model).__name__}: top {len(shown)} of {len(table)} nodes by time "

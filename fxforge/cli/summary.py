@@ -184,12 +184,15 @@ def race_latency(race: Any) -> Latency | None:
         >>> race_latency(Race("native", "x", [Contender("native", 1.0)], eager_ms=2.0)).text()
         "eager 2 ms -> 1 ms (2.00x faster; the race's interleaved rounds)"
     """
-    winner = next((c for c in race.contenders if c.target == race.winner and c.latency_ms), None)
+    timed = [c for c in race.contenders if c.target != "eager" and c.latency_ms and not c.refused]
+    winner = next((c for c in timed if c.target == race.winner), None)
+    how = "the race's interleaved rounds"
+    if winner is None and race.winner == "eager" and timed:  # auto kept eager: against the fastest target
+        winner = min(timed, key=lambda c: c.latency_ms)
+        how += f"; optimized = {winner.target}, the fastest target, which auto did not keep"
     if winner is None or not race.eager_ms:
         return None
-    eager = next((c for c in race.contenders if c.target == "eager"), None)
-    busy = getattr(race, "busy", "") or (eager.busy if eager is not None and getattr(eager, "busy", "") else "")
-    return Latency(race.eager_ms, winner.latency_ms, how="the race's interleaved rounds", busy=busy,
+    return Latency(race.eager_ms, winner.latency_ms, how=how, busy=getattr(race, "busy", ""),
                    retimed=any(n.startswith("timed again") for n in race.notes))
 
 

@@ -82,12 +82,14 @@ def test_optimize_without_output_races_the_targets_by_default(user_model, out, t
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "race native, onnxruntime, inductor; keep the fastest" in text
-    winner = re.search(r"│ target\s+│ auto: (native|onnxruntime|inductor)", text)
+    winner = re.search(r"│ target\s+│ auto: (eager|native|onnxruntime|inductor)", text)
     assert winner, text
     race = re.search(r"target auto: (\w+) \(", text)
     assert race and race.group(1) == winner.group(1)
-    for target in ("native", "onnxruntime", "inductor"):
-        assert re.search(rf"^    {target}: [0-9.e-]+ ms, prepared in ", text, re.MULTILINE), text
+    for target in ("native", "onnxruntime", "inductor"):  # timed, or refused with the reason
+        assert re.search(rf"^    {target}: ([0-9.e-]+ ms( \([0-9.]+x eager\))?, prepared in |\w+)", text, re.MULTILINE), text
+    latency = re.search(r"│ latency\s+│ eager ~?([0-9.e-]+) ms", text)
+    assert latency and f"; eager {latency.group(1)} ms" in text, text  # the race's own eager figure
     assert list(out.iterdir()) == []  # nothing written without -o
 
 
