@@ -297,6 +297,8 @@ def test_a_target_slower_than_eager_is_never_returned_and_auto_says_so(cache_dir
     assert slow.vs_eager < 1 and slow.latency_ms > eager.latency_ms and not slow.refused
     assert broken.refused == "failed: RuntimeError: no translation for aten::frobnicate"
     assert race.refused == [broken] and "onnxruntime: failed: RuntimeError" in str(opt.report)
+    assert opt.report.notes[-1] == ("target='auto' runs the model as it is: no target beat eager (this report is the "
+                                    "fastest target's, native)")
     html = opt.report._repr_html_()
     assert "x eager" in html and "no translation for aten::frobnicate" in html
     x = torch.randn(3, 8)  # the model itself: every size, live weights, its state_dict keys

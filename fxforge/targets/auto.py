@@ -192,7 +192,8 @@ class EagerModule(nn.Module):
     """The model itself, as ``target="auto"`` returns it when no target beat eager in its race: calls run the
     model (its hooks, live weights, every size); it shares the model's parameters, buffers and submodules
     under their own names (``state_dict`` keys are the model's). ``fastest`` is the fastest target's module
-    (what :meth:`AutoTarget.write` writes and :meth:`AutoTarget.graph` shows), ``report`` says why.
+    (what :meth:`AutoTarget.write` writes and :meth:`AutoTarget.graph` shows); ``report`` is a copy of its
+    report (``method="eager"`` without one) whose notes say that the model runs as it is.
 
     Example:
         >>> lin = torch.nn.Linear(2, 2)
@@ -209,7 +210,11 @@ class EagerModule(nn.Module):
         self.__dict__["fastest"] = fastest
         self.__dict__["fastest_target"] = target
         self.training = model.training
-        self.report = Report(method="eager", notes=["target='auto' runs the model as it is: no target beat eager"])
+        # the fastest target's report (what it captured and rewrote), saying that the model runs as it is
+        report = getattr(fastest, "report", None)
+        self.report = report.copy() if isinstance(report, Report) else Report(method="eager")
+        self.report.notes.append("target='auto' runs the model as it is: no target beat eager"
+                                 + (f" (this report is the fastest target's, {target})" if target else ""))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.original(*args, **kwargs)
