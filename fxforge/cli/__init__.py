@@ -33,6 +33,7 @@ import logging
 import sys
 import warnings
 
+from fxforge.capture import CaptureError
 from fxforge.cli.args import (
     CommandError,
     check_output_suffix,
@@ -45,7 +46,6 @@ from fxforge.cli.args import (
 )
 from fxforge.cli.commands import check_target, run_export, run_optimize, run_rewrites, run_show
 from fxforge.cli.dynamic import check_dynamic
-from fxforge.capture import CaptureError
 from fxforge.cli.failures import capture_failure
 from fxforge.cli.inputs import InputError
 from fxforge.cli.memory import AUTOCAST, add_memory_options, run_memory
