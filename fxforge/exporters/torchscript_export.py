@@ -17,7 +17,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +31,37 @@ from torch.utils import _pytree as pytree
 from fxforge.core.source import first_line
 from fxforge.core.tracing import tracing
 from fxforge.exporters.program import ExportError, quiet
+
+
+@contextlib.contextmanager
+def native_output(log: io.StringIO) -> Iterator[None]:
+    """Send what C++ code writes to the process's stdout during the block into ``log``, and leave torch's ONNX
+    log switch as it was: torch 2.13's TorchScript exporter turns it on for good (its ``setup_onnx_logging``
+    tests the function ``_jit_is_onnx_log_enabled`` for truth instead of calling it) and then prints the
+    whole TorchScript graph to stdout when an op fails to translate.
+
+    Example:
+        >>> log = io.StringIO()
+        >>> with native_output(log):
+        ...     _ = os.write(1, b"from C++\\n")
+        >>> log.getvalue()
+        'from C++\\n'
+    """
+    enabled = torch._C._jit_is_onnx_log_enabled()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 1)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 1)
+                sink.seek(0)
+                log.write(sink.read().decode(errors="replace"))
+    finally:
+        os.close(saved)
+        torch._C._jit_set_onnx_log_enabled(enabled)
 
 
 class _FlatProgram(torch.nn.Module):
@@ -129,7 +165,7 @@ def torchscript_export(program: torch.export.ExportedProgram, module: torch.nn.M
     tensors = tuple(leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor))
     log = io.StringIO()
     try:
-        with tracing(), quiet(log), torch.no_grad():
+        with tracing(), quiet(log), native_output(log), torch.no_grad():
             torch.onnx.export(flat, tensors, path, dynamo=False, input_names=inputs, output_names=outputs,
                               dynamic_axes=axes or None,
                               opset_version=min(opset, _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET))

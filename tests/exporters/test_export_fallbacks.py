@@ -148,6 +148,34 @@ def test_onnxruntime_target_takes_the_fallback_file():
         assert compare_outputs(model(fresh), opt(fresh), rtol_scale=VALIDATION_TOLERANCE_SCALE).ok
 
 
+class ConvThenUnits(nn.Module):
+    """A conv stem (conv+BN+ReLU, which the rewrites fuse into fxforge ops) before hiera-style 5-D attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.attn = MaskUnitAttention()
+
+    def forward(self, x):
+        return self.attn(torch.relu(self.bn(self.conv(x))).flatten(2).transpose(1, 2))
+
+
+def test_fallback_after_the_rewrites_it_cannot_write_are_left_out(tmp_path, capfd):
+    """The TorchScript exporter has no translation of fxforge's fused ops: the export leaves out the rewrite
+    that made them and falls back on the graph without it; torch's TorchScript graph dump on the way stays off
+    the console and torch's ONNX log switch stays off."""
+    model, x = _model(ConvThenUnits), torch.randn(2, 3, 4, 4)
+    capfd.readouterr()
+    result = fxforge.export_onnx(model, tmp_path / "m.onnx", (x,), dynamic_batch=True)
+    assert result.fallback and "left out of the ONNX export" in result.left_out
+    assert "fxforge::conv_pointwise" in result.left_out  # why the rewritten graph could not be written
+    out, err = capfd.readouterr()
+    assert "Torch IR graph" not in out + err and not torch._C._jit_is_onnx_log_enabled()
+    fresh = torch.randn(5, 3, 4, 4)
+    with torch.no_grad():
+        assert compare_outputs(model(fresh), OnnxRuntimeModule(result.path)(fresh), rtol_scale=10.0).ok
+
+
 def test_dynamo_exporter_kept_where_it_works(tmp_path):
     model, x = _model(GroupedAttention6D), torch.randn(2, 64, 32)
     result = fxforge.export_onnx(model, tmp_path / "g.onnx", (x,), dynamic_batch=True)
