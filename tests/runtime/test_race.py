@@ -41,8 +41,7 @@ def test_the_fastest_agreeing_entrant_wins_and_every_contender_is_reported(quiet
     assert eager.target == "eager" and eager.latency_ms == result.eager_ms and eager.vs_eager == 1.0
     assert native.latency_ms > ort.latency_ms and result.eager_ms > native.latency_ms
     assert native.vs_eager == pytest.approx(result.eager_ms / native.latency_ms) and ort.vs_eager > native.vs_eager > 1
-    assert all(c.prepare_s is not None and c.max_abs_err == 0.0 and not c.refused and not c.busy
-               for c in result.contenders[1:])
+    assert all(c.prepare_s is not None and c.max_abs_err == 0.0 and not c.refused for c in result.contenders[1:])
     assert result.why.startswith(f"{ort.latency_ms:.3g} ms: ") and "x eager" in result.why and "x native" in result.why
     assert remembrable(result)
 
@@ -98,7 +97,8 @@ def test_an_entrant_that_cannot_run_here_is_not_built_and_the_report_says_why(qu
 def test_timings_on_a_busy_machine_are_not_remembered(monkeypatch):
     monkeypatch.setattr(race_module, "machine_load", lambda: 2.5)
     _, result = race(Scaled(1.0, delay=0.001), (torch.randn(2),), {}, [Entrant("native", lambda: Scaled(1.0))])
-    assert result.winner == "native" and result.load == 2.5
+    assert result.winner == "native" and result.load == 2.5  # far faster than eager: busy or not
+    assert choose({"native": 1.0}, 1.1, busy_margin=True)[0] == "eager"  # within a busy timing's noise: eager
     assert any("busy while timing (load 2.50 per core): not remembered" in n for n in result.notes)
     assert not remembrable(result)
     # timed once more, then every timing carries the mark (what the CLI and the HTML report show)
