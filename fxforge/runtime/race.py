@@ -3,7 +3,8 @@
 Eager is a contender: the model as it is, timed in the same rounds. Each :class:`Entrant` is built in turn
 (its build time is its prepare time); a build expected to take longer than what is left of the time budget,
 or longer than :data:`PAYBACK_CALLS` eager calls (it could not pay its build back), is skipped with that
-reason (Inductor's compile can take minutes on CPU). A built target is run on fresh random inputs of the
+reason (Inductor's compile can take minutes on CPU); on a busy machine an estimate is scaled by the load per
+core (the build shares the cores). A built target is run on fresh random inputs of the
 example's shapes and compared with eager's outputs there; an entrant that runs a file exported for some
 sizes (``fixed_sizes``) is run on inputs of the new sizes eager serves too
 (:func:`~fxforge.runtime.served.new_sizes`). One that differs, raises, or fell back to eager is refused with
@@ -137,14 +138,18 @@ def _skipped(entrant: Entrant, began: float, budget_s: float | None, eager_ms: f
     """Why ``entrant`` is not built (the budget is spent, its build would not fit or could not pay back), or ""."""
     spent = time.perf_counter() - began
     estimate = entrant.estimate_s() if callable(entrant.estimate_s) else entrant.estimate_s
+    load = machine_load() if estimate is not None else 0.0
+    if load > BUSY_LOAD:  # a build estimated from quiet compiles shares the cores with the other work
+        estimate *= max(1.0, load)
     if budget_s is not None and spent >= budget_s:
         return f"skipped: the budget of {budget_s:.0f} s was spent"
     if budget_s is not None and estimate is not None and spent + estimate > budget_s:
         return (f"skipped: building it would take about {estimate:.0f} s, past the budget of {budget_s:.0f} s "
                 f"({spent:.0f} s spent)")
     if eager_ms is not None and estimate is not None and estimate * 1000 > eager_ms * PAYBACK_CALLS:
-        return (f"skipped: it cannot pay back its build: about {estimate:.0f} s, while eager takes {eager_ms:.3g} ms "
-                f"a call (more than {PAYBACK_CALLS} calls' worth, even if it then ran in no time)")
+        busy = f" with the machine busy (load {load:.2f} per core)" if load > BUSY_LOAD else ""
+        return (f"skipped: it cannot pay back its build: about {estimate:.0f} s{busy}, while eager takes "
+                f"{eager_ms:.3g} ms a call (more than {PAYBACK_CALLS} calls' worth, even if it then ran in no time)")
     return ""
 
 

@@ -240,3 +240,17 @@ def test_the_race_logs_its_steps_as_progress(quiet, caplog):
     caplog.clear()
     race(Scaled(1.0), (torch.randn(2),), {}, [Entrant("native", lambda: Scaled(1.0))])
     assert not [r for r in caplog.records if r.name == "fxforge"]  # quiet unless asked
+
+
+def test_a_build_estimate_is_scaled_by_the_load_of_a_busy_machine(monkeypatch):
+    """A compile estimated from quiet runs shares the cores with the other work: at 3 jobs per core, 4 s is
+    about 12 s, which a 1 ms eager call cannot pay back within PAYBACK_CALLS calls."""
+    monkeypatch.setattr(race_module, "eager_call_ms", lambda *a, **k: 1.0)
+    entrants = [Entrant("native", lambda: Scaled(1.0)), Entrant("inductor", lambda: Scaled(1.0), estimate_s=4.0)]
+    monkeypatch.setattr(race_module, "machine_load", lambda: 0.0)
+    _, quiet = race(Scaled(1.0), (torch.randn(2),), {}, entrants, payback=True)
+    assert not quiet.contenders[2].refused
+    monkeypatch.setattr(race_module, "machine_load", lambda: 3.0)
+    _, busy = race(Scaled(1.0), (torch.randn(2),), {}, entrants, payback=True)
+    assert busy.contenders[2].refused.startswith("skipped: it cannot pay back its build: about 12 s with the machine "
+                                                 "busy (load 3.00 per core), while eager takes 1 ms a call")
