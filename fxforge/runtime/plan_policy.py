@@ -32,12 +32,16 @@ class ShapePolicy:
     """How an optimized module's plans treat input sizes.
 
     Attributes:
-        dynamic: None (as ``torch.compile``): the first call's sizes are static; when a later call differs
-            from earlier ones only in sizes, those dims become dynamic and one shape-generic plan serves
-            all their sizes. Calls with token inputs (integer or bool tensors of rank >= 2: ids, masks) are
-            the exception: their batch and sequence dims (:func:`~fxforge.runtime.signature.token_dims`) are
-            dynamic from the first plan, since every request has its own length. True: the first plan is
-            shape-generic in every input dim already. False: one plan per input signature.
+        dynamic: None (as ``torch.compile``): the first call's sizes are static; a later call that differs
+            only in sizes is served by a torch.fx plan of the family once checked against eager (a symbolic
+            trace computes sizes with ops; see :func:`~fxforge.runtime.first_use.fx_plan_of_family`), else the
+            dims that changed become dynamic, with the batch and an image's sibling spatial dims
+            (:func:`grown_dims`), and one shape-generic plan serves all their sizes. Calls with token inputs
+            (integer or bool tensors of rank >= 2: ids, masks) are the exception: their batch and sequence dims
+            (:func:`~fxforge.runtime.signature.token_dims`) are dynamic from the first plan, since every
+            request has its own length. A size of 1 is never specialised: it is captured at a stand-in of 2
+            and checked against eager on its first call. True: the first plan is shape-generic in every input
+            dim already. False: one plan per input signature.
         dynamic_shapes: torch.export's ``dynamic_shapes`` for the first plan (the user knows the ranges).
         max_plans: plans held at most; calls that no plan serves past it run eagerly, after one warning.
 
