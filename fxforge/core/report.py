@@ -356,6 +356,9 @@ class Report:
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.race is not None:
             lines.extend(f"  {line}" for line in str(self.race).splitlines())
+            if self.race.busy:
+                lines.append(f"  the race's timings are not results ({self.race.busy}): its ratios are marks, not "
+                             "measurements")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -381,6 +384,8 @@ class Report:
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
             table("Near misses", ["rule", "node", "reason", "source"],
                   [[stage_key(n.rule, n.stage), n.node, n.reason, n.source or ""] for n in self.near_misses]),
+            "" if self.race is None or not self.race.busy else
+            f"<p><b>The race's timings are not results</b> ({esc(self.race.busy)}).</p>",
             table(f"Target race: {self.race.winner} ({self.race.why})" if self.race else "",
                   ["target", "latency (ms)", "x eager", "prepare (s)", "max abs error", "refused", "busy"],
                   [[c.target, "" if c.latency_ms is None else f"{c.latency_ms:.3g}",

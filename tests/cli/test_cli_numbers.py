@@ -63,6 +63,8 @@ def test_summary_and_race_read_the_same_numbers():
     page = render_html(Summary("Net", "2x8", report, latency=latency), {})
     assert "Timings on this page are not results" in page and "machine busy" in page
     assert "not a result" in dict(Summary("Net", "2x8", report, latency=latency).rows())["latency"]
+    assert "the race's timings are not results (eager: load 2 per core)" in str(report)
+    assert "The race's timings are not results" in report._repr_html_()
 
 
 def test_html_memory_figures_are_in_a_memory_column():
