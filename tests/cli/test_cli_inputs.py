@@ -159,3 +159,27 @@ def test_data_dependent_branch_through_every_command(out):
     optimize = run_cli("optimize", model, "--input", "2x3x16x16", "--target", "native", cwd=out)
     assert optimize.returncode == 0, optimize.stderr
     assert "not captured" in optimize.stdout and where in " ".join(optimize.stdout.split())
+
+
+FIXED_BATCH = textwrap.dedent('''
+    import torch
+    class FixedBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+        def forward(self, x):
+            return self.lin(x).reshape(4, 2, 4).sum(1)
+''')
+
+
+def test_a_model_that_fixes_its_batch_gets_a_static_file_by_default_and_an_error_when_asked(tmp_path, out):
+    path = tmp_path / "fixed.py"
+    path.write_text(FIXED_BATCH)
+    default = run_cli("optimize", f"{path}:FixedBatch", "--input", "4x8", "-o", "f.onnx", "--no-bench", cwd=out)
+    assert default.returncode == 0, default.stderr
+    assert "note: the file is static: its batch and length could not stay dynamic" in default.stdout
+    assert [[d.dim_value for d in i.type.tensor_type.shape.dim] for i in onnx.load(out / "f.onnx").graph.input] == [[4, 8]]
+    asked = run_cli("optimize", f"{path}:FixedBatch", "--input", "4x8", "-o", "g.onnx", "--dynamic", "0",
+                    "--no-bench", cwd=out)
+    assert asked.returncode == 1 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
+    assert not (out / "g.onnx").exists()
