@@ -243,16 +243,17 @@ class PlanCache:
         return self.eager(*args, **kwargs)
 
     def _reused_check(self, plan: Plan, key: Hashable, result: Comparison) -> None:
-        """Serve ``key`` by ``plan`` from now on if the check agreed, else build a plan for it on its next call."""
+        """Serve ``key`` by ``plan`` from now on if the check agreed, else plan it on its next call (16 notes at most)."""
         built = f"the torch.fx plan built for {describe_signature(plan.captured.example_args, plan.captured.example_kwargs)}"
         if result.ok:
             self.plans_reused += 1
             self._serve(key, plan)
         else:
             self._no_reuse.add(key)
-        self.notes.append(f"served new sizes {sizes(key[0])} by {built}, checked against eager on the call's inputs and "
-                          "random ones (no re-plan)" if result.ok else f"{built} differs from eager at {sizes(key[0])} "
-                          f"({result.reason}): those sizes get a plan of their own")
+        if self.plans_reused + len(self._no_reuse) <= 16:
+            self.notes.append(f"served new sizes {sizes(key[0])} by {built}, checked against eager on the call's inputs "
+                              "and random ones (no re-plan)" if result.ok else f"{built} differs from eager at "
+                              f"{sizes(key[0])} ({result.reason}): those sizes get a plan of their own")
 
     def _new_plan(self, key: Hashable, signature: Hashable, args: tuple, kwargs: dict,
                   conditions: CallConditions) -> Any:
