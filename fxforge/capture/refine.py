@@ -13,9 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
+
+# torch.export's report of a guard that excludes one value of a dim's range, e.g. a model slicing ``bias[:T]``
+# of 64 positions guards ``T != 64`` within ``seq <= 64`` and suggests no fix.
+_EXCLUDED = re.compile(r"Not all values of (\w+) = (\S+) in the specified range [^\n]*? satisfy the generated "
+                       r"guard (\S+) != (\d+)\.?")
 
 
 def _dims_in(spec: Any) -> list[Any]:
@@ -59,6 +65,33 @@ def suggested_fixes(error: BaseException) -> list[str]:
     return fixes
 
 
+def excluded_value_fixes(error: BaseException, dynamic_shapes: Any) -> list[str]:
+    """Fixes for guards that exclude one end of a dim's range, which torch.export reports without suggesting a
+    fix: ``seq != 64`` within ``seq <= 64`` (a model slicing 64 positions to the length) narrows the range to
+    ``max=63``; ``!= min`` raises the minimum. [] when the excluded value is inside the range.
+
+    Example:
+        >>> seq = torch.export.Dim("seq", max=64)
+        >>> error = RuntimeError("Not all values of seq = L['x'].size()[1] in the specified range seq <= 64 "
+        ...                      "satisfy the generated guard L['x'].size()[1] != 64.")
+        >>> excluded_value_fixes(error, {"x": {1: seq}})
+        ["seq = Dim('seq', min=0, max=63)"]
+    """
+    dims = {d.__name__: d for d in _dims_in(dynamic_shapes) if not hasattr(d, "root")}
+    fixes = []
+    for name, source, guarded, value in _EXCLUDED.findall(str(error)):
+        dim, value = dims.get(name), int(value)
+        if dim is None or guarded != source:
+            return []
+        if value == dim.max:
+            fixes.append(f"{name} = Dim('{name}', min={dim.min}, max={value - 1})")
+        elif value == dim.min:
+            fixes.append(f"{name} = Dim('{name}', min={value + 1}, max={dim.max})")
+        else:
+            return []
+    return fixes
+
+
 def refined_dynamic_shapes(error: BaseException, dynamic_shapes: Any, required: Any = None) -> Any:
     """``dynamic_shapes`` with torch.export's suggested fixes applied, or None when it suggests none, or fixes
     a dim in ``required`` (default: every dim) to one size.
@@ -78,7 +111,7 @@ def refined_dynamic_shapes(error: BaseException, dynamic_shapes: Any, required: 
     """
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
-    fixes = suggested_fixes(error)
+    fixes = suggested_fixes(error) or excluded_value_fixes(error, dynamic_shapes)
     if not fixes:
         return None
     names = {d.__name__ for d in _dims_in(dynamic_shapes)}

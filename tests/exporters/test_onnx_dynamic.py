@@ -218,6 +218,34 @@ def test_batch_and_length_of_one_are_traced_grown(tmp_path):
         assert_matches_eager(model, module, **text_inputs(batch, length, vocab=64))
 
 
+class SlicedCausalMask(nn.Module):
+    """nanoGPT's mask: a buffer of 16 positions sliced to the length (torch.export guards ``T != 16`` inside
+    ``T <= 16`` and suggests no fix)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.register_buffer("bias", torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        t = idx.size(1)
+        att = (x @ x.transpose(-2, -1)).unsqueeze(1)
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")).softmax(-1)
+        return (att @ x.unsqueeze(1)).squeeze(1)
+
+
+def test_a_guard_excluding_the_end_of_a_range_narrows_it(tmp_path):
+    torch.manual_seed(0)
+    model = SlicedCausalMask().eval()
+    path = str(tmp_path / "sliced.onnx")
+    result = export_onnx(model, path, (torch.randint(0, 32, (1, 5)),), dynamic=True)
+    assert result.dynamic == {"idx": {0: "batch", 1: "seq"}}
+    module = OnnxRuntimeModule(path, result.io)
+    for batch, length in [(2, 9), (3, 15), (1, 2)]:
+        assert_matches_eager(model, module, torch.randint(0, 32, (batch, length)))
+
+
 def test_images_get_only_the_batch_dim(tmp_path):
     model = SmallCNN().eval()
     path = str(tmp_path / "cnn.onnx")
