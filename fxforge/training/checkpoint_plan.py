@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 from fxforge.core.units import format_bytes
@@ -17,7 +18,10 @@ from fxforge.training.timeline import StepSimulation
 
 
 def _is_view(node: Any) -> bool:
-    """Whether an ATen node returns an alias of an input (a view, ``detach``, ``t``): no work to recompute."""
+    """Whether a node returns an alias of an input (a view, ``detach``, ``t``, a multi-output op's
+    ``getitem``): no work to recompute."""
+    if node.target is operator.getitem:
+        return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
@@ -107,7 +111,7 @@ class CheckpointPlan:
         nodes)``, the module as ``named_modules()`` names it (``""`` for the model's own forward), the source
         lines ``file.py:12: code`` of the user's code that made the nodes (first seen first).
 
-        Views and aliases (a weight's transpose, a ``detach``) are left out: recomputing them costs nothing.
+        Views and aliases (a weight's transpose, a ``detach``, a ``getitem``) are left out: recomputing them costs nothing.
 
         Example:
             >>> from fxforge.training import plan_checkpointing
