@@ -215,14 +215,14 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
         model, inputs, reference = _model_and_inputs(args, steps)
         runner, description = _built(model, inputs, target, rewrites, args, steps, notes)
         if description == "eager":
-            return _eager_fallback(model, runner, args, console, "; ".join(runner.report.notes) or "no plan")
+            return _eager_fallback(model, runner, args, console, "; ".join(runner.report.notes) or "no plan", outputs)
         new = target.graph(runner)
         if new is None:  # auto chose eager, and no target was built
             race = runner.race
             why = "; ".join([race.why, *(f"{c.target}: {c.refused}" for c in race.contenders if c.refused)])
             if output:
                 raise CommandError(f"nothing to write: {capture_failure(type(model).__name__, why)}")
-            return _eager_fallback(model, runner, args, console, why)
+            return _eager_fallback(model, runner, args, console, why, outputs)
         before = new.before or new
         errors = {description: _max_error(reference, runner, inputs)}
         if output:
@@ -300,9 +300,10 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
     return runner, target.name
 
 
-def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: Console, why: str) -> int:
+def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: Console, why: str,
+                    outputs: Outputs) -> int:
     """``optimize`` without ``-o`` of a model that cannot be one graph: what the optimized module does (runs
-    the model eagerly), why, and where; exit 0 (the module works, as eager)."""
+    the model eagerly), why, and where (also in ``--report``); exit 0 (the module works, as eager)."""
     from fxforge.core.report import Report
 
     reason = capture_failure(type(model).__name__, why)
@@ -312,6 +313,8 @@ def _eager_fallback(model: Any, runner: Any, args: argparse.Namespace, console: 
                       report=report, target="eager (fxforge.optimize returns a module that runs the model "
                                                    "as it is, with a FallbackWarning)",
                       notes=[reason, "nothing was rewritten or timed: the optimized module is the model itself"])
+    if args.report:
+        outputs.write_text(args.report, render_html(summary, {}))
     summary.print(console)
     return 0
 

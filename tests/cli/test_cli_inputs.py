@@ -156,9 +156,10 @@ def test_data_dependent_branch_through_every_command(out):
     assert profile.returncode == 0, profile.stderr
     assert where in " ".join(profile.stdout.split()) and "eager, by module" in profile.stdout
     assert "body.0" in profile.stdout and "Conv2d" in profile.stdout
-    optimize = run_cli("optimize", model, "--input", "2x3x16x16", "--target", "native", cwd=out)
+    optimize = run_cli("optimize", model, "--input", "2x3x16x16", "--target", "native", "--report", "r.html", cwd=out)
     assert optimize.returncode == 0, optimize.stderr
     assert "not captured" in optimize.stdout and where in " ".join(optimize.stdout.split())
+    assert "torch.where" in (out / "r.html").read_text()
 
 
 FIXED_BATCH = textwrap.dedent('''
