@@ -32,6 +32,7 @@ class UserModel:
         inputs: Positional example inputs (what the user hands to ``optimize``).
         fresh: Further positional input tuples of new shapes/values, compared with eager.
         kwargs: Keyword example inputs, if the model takes them.
+        fresh_kwargs: Keyword inputs of the calls in ``fresh`` (by position; none where the list is shorter).
         capturable: False when the model cannot be one whole graph (data-dependent branch, numpy).
         exportable: False when ONNX export cannot serve it at all (and why in ``why``).
         cli_inputs: The ``--input`` arguments the CLI takes for it, or None where the CLI cannot express them.
@@ -41,10 +42,21 @@ class UserModel:
     inputs: tuple[Any, ...]
     fresh: list[tuple[Any, ...]] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    fresh_kwargs: list[dict[str, Any]] = field(default_factory=list)
     capturable: bool = True
     exportable: bool = True
     why: str = ""
     cli_inputs: list[str] | None = None
+
+
+def fresh_calls(case: UserModel) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """``(args, kwargs)`` of each fresh call of ``case``.
+
+    Example:
+        >>> [kw for _, kw in fresh_calls(USER_MODELS["unet"]())]
+        [{}, {}, {}]
+    """
+    return [(args, case.fresh_kwargs[i] if i < len(case.fresh_kwargs) else {}) for i, args in enumerate(case.fresh)]
 
 
 def _settle(model: nn.Module, *inputs: Any, passes: int = 3) -> nn.Module:
@@ -298,8 +310,10 @@ def kwargs_input() -> UserModel:
     return UserModel(
         KwargsClassifier().eval(),
         (ids,),
-        [(torch.randint(0, 64, (3, 14)),)],
+        [(torch.randint(0, 64, (3, 14)),), (torch.randint(0, 64, (4, 6)),), (torch.randint(0, 64, (1, 9)),)],
         kwargs={"attention_mask": torch.ones(2, 10, dtype=torch.long)},
+        fresh_kwargs=[{"attention_mask": torch.ones(3, 14, dtype=torch.long)},
+                      {"attention_mask": torch.tensor([[1] * 6, [1] * 6, [1] * 4 + [0] * 2, [1] * 3 + [0] * 3])}],
         cli_inputs=None,
     )
 

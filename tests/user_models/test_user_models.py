@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hand_written import USER_MODELS
+from hand_written import USER_MODELS, fresh_calls
 from torch.utils import _pytree as pytree
 
 import fxforge
 from fxforge.cli import main as cli_main
+from fxforge.exporters import OnnxRuntimeModule
 
 HERE = Path(__file__).resolve().parent
 MODEL_FILE = HERE / "hand_written.py"
@@ -45,13 +46,22 @@ def assert_close(got, want, *, atol=1e-4, rtol=1e-4, what=""):
         torch.testing.assert_close(g, w, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def same_shapes_new_values(inputs):
+    def fresh(t):
+        if t.is_floating_point():
+            return torch.randn_like(t)
+        return torch.randint_like(t, 0, int(t.max()) + 1)
+    return pytree.tree_map(fresh, inputs)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_native_serves_fresh_inputs_like_eager(name):
     case = USER_MODELS[name]()
     opt = fxforge.optimize(case.model, example_of(case))
     with torch.inference_mode():
-        for inputs in [case.inputs, *case.fresh]:
-            assert_close(opt(*inputs), case.model(*inputs), what=f"{name} at {pytree.tree_map(lambda t: tuple(t.shape), inputs)}")
+        for inputs, kwargs in [(case.inputs, case.kwargs), *fresh_calls(case)]:
+            shapes = pytree.tree_map(lambda t: tuple(t.shape), (inputs, kwargs))
+            assert_close(opt(*inputs, **kwargs), case.model(*inputs, **kwargs), what=f"{name} at {shapes}")
     # Changed weights are the model's: the optimized module follows them.
     with torch.no_grad():
         for p in case.model.parameters():
@@ -88,16 +98,22 @@ def test_training_mode_outputs_and_gradients_match_eager(name):
 def test_onnxruntime_target_serves_fresh_inputs_like_eager(name):
     case = USER_MODELS[name]()
     ort = fxforge.optimize(case.model, example_of(case), target="onnxruntime")
-    for inputs in [case.inputs, *case.fresh]:
-        assert_close(ort(*inputs), case.model(*inputs), atol=1e-4, rtol=1e-3, what=f"{name} in ONNX Runtime")
+    for inputs, kwargs in [(case.inputs, case.kwargs), *fresh_calls(case)]:
+        if case.kwargs and set(kwargs) != set(case.kwargs):
+            continue  # an ONNX file takes the inputs it was exported with
+        assert_close(ort(*inputs, **kwargs), case.model(*inputs, **kwargs), atol=1e-4, rtol=1e-3,
+                     what=f"{name} in ONNX Runtime")
 
 
 @pytest.mark.parametrize("name", [n for n in EXPORTABLE if n in CAPTURABLE])
 def test_export_onnx_writes_a_file_that_matches_eager(name, tmp_path):
     case = USER_MODELS[name]()
     path = tmp_path / f"{name}.onnx"
-    fxforge.export_onnx(case.model, path, example_of(case))
-    assert path.exists()
+    result = fxforge.export_onnx(case.model, path, example_of(case), dynamic_batch=True)
+    module = OnnxRuntimeModule(str(path), result.io)
+    inputs, kwargs = same_shapes_new_values((case.inputs, case.kwargs))
+    assert_close(module(*inputs, **kwargs), case.model(*inputs, **kwargs), atol=1e-4, rtol=1e-3,
+                 what=f"{name}'s file")
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if not USER_MODELS[n]().exportable])
@@ -110,15 +126,16 @@ def test_export_refuses_with_the_users_line(name, tmp_path):
     assert not path.exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("name", ["unet", "gpt", "lstm", "siamese"])
+@pytest.mark.parametrize("name", ["unet", "gpt", "lstm", "siamese", "kwargs_input"])
 def test_auto_never_narrows_the_inputs_served_nor_loses_to_eager(name):
     case = USER_MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         best = fxforge.optimize(case.model, example_of(case), target="auto")
     with torch.inference_mode():
-        for inputs in case.fresh:
-            assert_close(best(*inputs), case.model(*inputs), atol=1e-4, rtol=1e-3, what=f"{name} through auto")
+        for inputs, kwargs in fresh_calls(case):
+            assert_close(best(*inputs, **kwargs), case.model(*inputs, **kwargs), atol=1e-4, rtol=1e-3,
+                         what=f"{name} through auto")
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
@@ -140,14 +157,6 @@ def cli_model(name: str) -> list[str]:
     case = USER_MODELS[name]()
     inputs = [a for spec in case.cli_inputs for a in ("--input", spec)]
     return [f"{MODEL_FILE}:user_model", "--model-args", f'{{"name": "{name}"}}', *inputs]
-
-
-def same_shapes_new_values(inputs):
-    def fresh(t):
-        if t.is_floating_point():
-            return torch.randn_like(t)
-        return torch.randint_like(t, 0, int(t.max()) + 1)
-    return pytree.tree_map(fresh, inputs)
 
 
 @pytest.mark.parametrize("name", CLI_MODELS)
