@@ -42,8 +42,8 @@ from torch.utils import _pytree as pytree
 
 from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions, Plan
-from fxforge.core.source import first_line
 from fxforge.core.verify import Comparison
+from fxforge.runtime import fallbacks
 from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning, caller_stacklevel, gradients_cause
 from fxforge.runtime.first_use import against_eager, at, fx_plan_of_family, sizes
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad, silenced_hooks
@@ -284,13 +284,13 @@ class PlanCache:
             plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None, family=family)
         if self._forward_set_state():
             return _MISSING
-        lost = dynamic - kept_dims(plan.shapes) if isinstance(dynamic, frozenset) and plan is not None else set()
-        if lost:  # torch.export specialised dims that change (an LSTM's length): a torch.fx plan serves them
+        lost = (dynamic - kept_dims(plan.shapes) if isinstance(dynamic, frozenset) and plan is not None
+                and self.policy.dynamic is not True else set())  # (True asks for every dim, weights' too)
+        if lost:  # torch.export specialised dims that change (an LSTM's length): a torch.fx plan serves them instead
             self._specialized.setdefault(family, set()).update(lost)
             fx = self._build(args, kwargs, conditions, "fx", quiet=True, family=family)
             if fx is not None and not self._set_during_build:
                 plan, dynamic = fx, "fx"
-                self.notes.append(f"torch.export specialised input dims {sorted(lost)}: a torch.fx plan instead")
         if dynamic is not None and dynamic != "fx":
             reason = ("torch.export could not capture it" if plan is None else "torch.export kept no dim dynamic"
                       if plan.shapes is None else plan.shapes.check_sizes(sizes_of(signature)))
@@ -379,7 +379,7 @@ class PlanCache:
         if self._set_during_build:
             state.restore()  # (a graph of such a forward differs from it: its failure is no news)
         elif error is not None and not quiet:
-            reason = first_line(error) if not str(error).startswith("cannot capture") else str(error)
+            reason = fallbacks.fallback_reason(error)
             self._warn(f"running {type(self.module).__name__} eagerly for inputs "
                        f"{describe_signature(args, kwargs)}: {reason}")
         self._watch.rewatch()  # what the build set (and put back) is not a change of the model
