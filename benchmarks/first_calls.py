@@ -162,6 +162,11 @@ def markdown(runs: dict[str, list[dict]], command: str) -> str:
             example = "x".join(map(str, row["example"][0]))
             lines.append(f"| {checkout} | {row['model']} ({example}) | {row['optimize_s']:.1f} | {sizes} | "
                          f"{trace_text} | {row['load']:.1f} |")
+    lines += ["", ("- `plans` (captures made so far) does not depend on the machine's load; the seconds do. A steady median "
+              "far from eager's at the same size is the load (5 calls each), not the plan."),
+              ("- A first call at a new size that no capture serves runs eager twice and the plan twice (the check "
+              "against eager on the call's inputs and random ones), so it includes eager's own first-time work at "
+              "that size (oneDNN's RNN and convolution primitives).")]
     return "\n".join(lines)
 
 
