@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -95,3 +96,70 @@ def caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_DATA_DEPENDENT = ("cannot be used as inputs to control flow", "data-dependent", "GuardOnDataDependent",
+                   "data dependent", "branches on a tensor's value")
+# The capture's "at file.py:12: code" (up to the next method's reason), or this module's "at file.py:12 (code),".
+_WHERE = re.compile(r" at (\S+?\.py:\d+)(?:: (.*?)(?:; \w+: |$)| \((.*?)\),)")
+# What to do about a branch on a tensor's value (a graph holds one path).
+BRANCH_FIXES = ("compute both sides and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, "
+                "false_fn, operands), or move the branch out of forward")
+
+
+def data_branch(reasons: dict[str, str] | list[str]) -> tuple[str, str] | None:
+    """``(file:line, the line's code)`` of a branch on a tensor's value the capture's reasons point to, or
+    None when they name another cause.
+
+    Example:
+        >>> data_branch({"export": "GuardOnDataDependentSymNode: Could not guard at m.py:7: if x.max() > 1:"})
+        ('m.py:7', 'if x.max() > 1:')
+        >>> data_branch({"fx": "TypeError: bad at m.py:3: y = f(x)"}) is None
+        True
+        >>> data_branch([fallback_reason(CaptureFailed({"fx": "TraceError: x cannot be used as inputs to control flow "
+        ...                                                   "at m.py:5: if x.sum():"}))])
+        ('m.py:5', 'if x.sum():')
+        >>> data_branch(["cannot capture Net: fx: TraceError: ... inputs to control flow at m.py:5: if h.sum() > 0:; "
+        ...              "export: GuardOnDataDependentSymNode: ... at m.py:5: if h.sum() > 0:"])
+        ('m.py:5', 'if h.sum() > 0:')
+    """
+    texts = list(reasons.values()) if isinstance(reasons, dict) else list(reasons)
+    for text in texts:
+        if any(marker in text for marker in _DATA_DEPENDENT):
+            found = _WHERE.search(" ".join(text.split()))
+            if found:
+                return found.group(1), (found.group(2) or found.group(3) or "").strip()
+    return None
+
+
+class CaptureFailed(Exception):
+    """An error with the capture's ``reasons`` by method (as :class:`fxforge.capture.CaptureError`), for the
+    examples here.
+
+    Example:
+        >>> CaptureFailed({"fx": "bad"}).reasons
+        {'fx': 'bad'}
+    """
+
+    def __init__(self, reasons: dict[str, str]):
+        super().__init__("; ".join(f"{k}: {v}" for k, v in reasons.items()))
+        self.reasons = reasons
+
+
+def fallback_reason(error: BaseException) -> str:
+    """Why a model runs eagerly, for its :class:`FallbackWarning`: a branch on a tensor's value named by its
+    line, with what to do; else the capture's reasons (or the error's first line).
+
+    Example:
+        >>> fallback_reason(ValueError("bad\\nmore"))
+        'ValueError: bad'
+    """
+    from fxforge.core.source import first_line
+
+    reasons = getattr(error, "reasons", None)
+    branch = data_branch(reasons) if reasons else None
+    if branch is not None:
+        where, code = branch
+        return (f"its forward branches on a tensor's value at {where}" + (f" ({code})" if code else "")
+                + f", which one graph cannot hold; {BRANCH_FIXES}")
+    return str(error) if str(error).startswith("cannot capture") else first_line(error)

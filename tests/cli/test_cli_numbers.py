@@ -113,3 +113,19 @@ def test_gradients_warning_names_the_fusion_and_the_users_line(case):
     assert expected in message and "conv2d" not in message and "no_grad" in message, message
     assert case == "mlp" or "hand_written.py:" in message  # where, in the user's file
     assert found[0].filename == __file__, found[0].filename
+
+
+def test_fallback_warning_names_the_data_dependent_branch():
+    user = USER_MODELS["data_branch"]()
+    line = next(i for i, text in enumerate(Path(sys.modules["hand_written"].__file__).read_text().splitlines(), 1)
+                if "if h.sum() > 0:" in text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = fxforge.optimize(user.model, user.inputs, target="native")  # plans for the example: warns here
+        with torch.no_grad():
+            opt(*user.inputs)
+    messages = [str(w.message) for w in caught if issubclass(w.category, fxforge.runtime.fallbacks.FallbackWarning)]
+    assert messages, [str(w.message) for w in caught]
+    assert "branches on a tensor's value at " in messages[0], messages[0]
+    assert f"hand_written.py:{line} (if h.sum() > 0:)" in messages[0], messages[0]
+    assert "torch.where" in messages[0] and "GuardOnDataDependentSymNode" not in messages[0]
