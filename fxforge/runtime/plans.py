@@ -284,8 +284,8 @@ class PlanCache:
             plan = self._build(args, kwargs, conditions, dynamic, quiet=dynamic is not None, family=family)
         if self._forward_set_state():
             return _MISSING
-        lost = (dynamic - kept_dims(plan.shapes) if isinstance(dynamic, frozenset) and plan is not None
-                and self.policy.dynamic is not True else set())  # (True asks for every dim, weights' too)
+        lost = (dynamic - kept_dims(plan.shapes) if isinstance(dynamic, frozenset) and plan is not None and self.policy.dynamic
+                is not True and isinstance(plan.executable, torch.fx.GraphModule) else set())  # (not compiled plans)
         if lost:  # torch.export specialised dims that change (an LSTM's length): a torch.fx plan serves them instead
             self._specialized.setdefault(family, set()).update(lost)
             fx = self._build(args, kwargs, conditions, "fx", quiet=True, family=family)
