@@ -65,6 +65,9 @@ def suggested_fixes(error: BaseException) -> list[str]:
     return fixes
 
 
+_GUARDED = re.compile(r"Not all values of (\w+) = ")
+
+
 def excluded_value_fixes(error: BaseException, dynamic_shapes: Any) -> list[str]:
     """Fixes for guards that exclude one end of a dim's range, which torch.export reports without suggesting a
     fix: ``seq != 64`` within ``seq <= 64`` (a model slicing 64 positions to the length) narrows the range to
@@ -108,14 +111,23 @@ def refined_dynamic_shapes(error: BaseException, dynamic_shapes: Any, required: 
         {'ids': {1: Dim('seq', min=1, max=64)}}
         >>> refined_dynamic_shapes(RuntimeError("Suggested fixes:\\n  seq = 8"), {"ids": {1: seq}}) is None
         True
+        >>> guard = RuntimeError("Not all values of seq = L['ids'].size()[1] in the specified range satisfy the "
+        ...                      "generated guard (L['ids'].size()[1] / 1) == 8.0.")
+        >>> batch = torch.export.Dim("batch")
+        >>> refined_dynamic_shapes(guard, {"ids": {0: batch, 1: seq}}, {"batch"})
+        {'ids': {0: Dim('batch', min=0)}}
     """
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
-    fixes = suggested_fixes(error) or excluded_value_fixes(error, dynamic_shapes)
-    if not fixes:
-        return None
     names = {d.__name__ for d in _dims_in(dynamic_shapes)}
     required = names if required is None else set(required)
+    fixes = suggested_fixes(error) or excluded_value_fixes(error, dynamic_shapes)
+    if not fixes:
+        # a guard torch.export cannot turn into a range (a size the model reads as a Python number, e.g. for
+        # numpy): a dim that need not stay dynamic becomes static
+        fixes = [f"{name} = 0" for name in sorted(set(_GUARDED.findall(str(error))) & (names - required))]
+    if not fixes:
+        return None
     static = {name.strip() for name, expr in (fix.split(" = ", 1) for fix in fixes) if expr.strip().lstrip("-").isdigit()}
     if static & required:
         return None

@@ -49,6 +49,11 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
                  torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
+# How many times ``dynamic=None`` exports again for calls the file does not take; each export adds the dims that
+# changed to those already dynamic, so a model whose image height, then width, then batch change exports four
+# times at most (an image's H and W become dynamic together, with the batch).
+MAX_GROWTH = 3
+
 # (args, kwargs, path, the session's options[, before=]) -> (the OnnxExport, the OnnxRuntimeModule that validated
 # it); ``before``: the inputs of the export this one replaces (the dims that changed since become dynamic).
 Exporter = Callable[..., tuple[Any, "OnnxRuntimeModule"]]
@@ -116,7 +121,7 @@ class OnnxRuntimeModule(nn.Module):
         self._exports = 0
         self._exported_for: Any = None  # the last export's inputs, as meta tensors (shapes and dtypes only)
         self._owned_dir: str | None = None
-        self._grown = False  # the export again (dynamic=None) was tried
+        self._grown = 0  # how many times dynamic=None exported again (at most MAX_GROWTH)
         self._serve: Any = None  # inputs (as meta tensors) the first export must take too
         if owned_dir is not None:
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
@@ -143,7 +148,8 @@ class OnnxRuntimeModule(nn.Module):
         inputs only in sizes (same structure, dtypes, ranks) and the file does not take it, the model is
         exported once more, ``export(args, kwargs, path, module_options, before=exported inputs)``, which
         makes the dims that changed dynamic; its session replaces the old one (freed) and serves every
-        later call. That happens once: a call the second file does not take raises
+        later call; a call that file does not take either exports again with the dims that varied so far
+        and the new ones dynamic, up to :data:`MAX_GROWTH` times, after which it raises
         :class:`InputShapeError`. True or False: the file of the first export serves every call (the
         exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
@@ -225,6 +231,50 @@ class OnnxRuntimeModule(nn.Module):
         self._exported_for = pytree.tree_map(
             lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t,
             (args, kwargs))
+
+    def _as_exported(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's inputs in the form the model was exported with: a model exported from keyword inputs
+        (``{"input_ids": ..., "attention_mask": ...}``) and called as ``model(ids, attention_mask=mask)``
+        gets its positional inputs bound to their names by the forward's signature (and the other way)."""
+        spec = self.io.in_spec if self.io is not None else None
+        original = self.__dict__.get("original")
+        if spec is None or original is None or spec.num_children != 2:
+            return args, kwargs
+        positional = spec.child(0).num_children
+        if positional == len(args):
+            return args, kwargs
+        import inspect
+
+        try:
+            bound = inspect.signature(original.forward).bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs
+        named = dict(bound.arguments)
+        params = list(inspect.signature(original.forward).parameters)
+        front = [named.pop(name) for name in params[:positional] if name in named]
+        return tuple(front), named
+
+    def _varied(self, feeds: Sequence[tuple[str, torch.Tensor]], args: tuple, kwargs: dict) -> Any:
+        """Inputs (as meta tensors) that differ from this call in every dim that has varied so far: the file's
+        dynamic dims, the dims where the call differs from the file, and an image's other spatial dims (a
+        floating-point input of rank >= 4 whose H or W changed gets H and W dynamic together), so that the
+        export made ``before=`` them keeps them all dynamic."""
+        varied: dict[int, set[int]] = {}
+        for name, tensor in feeds:
+            shape = list(self._input_meta[name].shape)
+            axes = {axis for axis, (dim, size) in enumerate(zip(shape, tensor.shape))
+                    if not isinstance(dim, int) or dim != size}
+            if tensor.is_floating_point() and tensor.dim() >= 4 and any(axis >= 2 for axis in axes):
+                axes.update(range(2, tensor.dim()))
+            varied[id(tensor)] = axes
+
+        def other(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            shape = [size + 1 if axis in varied.get(id(value), ()) else size for axis, size in enumerate(value.shape)]
+            return torch.empty(shape, dtype=value.dtype, device="meta")
+
+        return pytree.tree_map(other, (tuple(args), dict(kwargs)))
 
     def _sizes_only(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Whether these inputs differ from what the ONNX model takes in sizes only (dtypes and ranks match)."""
@@ -339,16 +389,17 @@ class OnnxRuntimeModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._session is None:
             self.prepare(*args, **kwargs)
+        args, kwargs = self._as_exported(args, kwargs)
         feeds = self.io.feeds(args, kwargs)
         try:
             symbols = self.check_inputs(feeds)
         except InputShapeError as error:
-            if not (self._dynamic is None and self._export is not None and not self._grown
+            if not (self._dynamic is None and self._export is not None and self._grown < MAX_GROWTH
                     and self._sizes_only(feeds)):
                 raise
-            self._grown = True  # once: a second file that does not take a call says so
+            self._grown += 1  # a file that still does not take a call after MAX_GROWTH exports says so
             try:
-                self._export_now(tuple(args), dict(kwargs), before=self._exported_for)
+                self._export_now(tuple(args), dict(kwargs), before=self._varied(feeds, args, kwargs))
             except Exception as failure:
                 raise InputShapeError(f"{error}; exporting again with the dims that changed dynamic failed: "
                                       f"{str(failure).splitlines()[0] if str(failure) else type(failure).__name__}"

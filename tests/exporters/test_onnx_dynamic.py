@@ -324,6 +324,14 @@ def test_refinement_keeps_required_dims():
     assert changed_dynamic_shapes(nn.Linear(4, 2), ((torch.ones(2, 4),), {}), ((torch.ones(2, 4, 1),), {})) is None
 
 
+def test_refinement_makes_a_dim_the_model_reads_as_a_number_static_when_not_required():
+    seq, batch = torch.export.Dim("seq", min=1), torch.export.Dim("batch", min=1)
+    guard = RuntimeError("Not all values of seq = L['x'].size()[1] in the specified range satisfy the generated "
+                         "guard (L['x'].size()[1] / 1) == 8.0.")
+    assert refined_dynamic_shapes(guard, {"x": {0: batch, 1: seq}}, required={"batch"}) == {"x": {0: batch}}
+    assert refined_dynamic_shapes(guard, {"x": {0: batch, 1: seq}}) is None  # seq required: the error stands
+
+
 # ---------------------------------------------------------------------------------------------- onnxruntime target
 
 LENGTHS = [(2, 9), (2, 3), (5, 12), (1, 1), (3, 20), (2, 6)]
@@ -399,6 +407,18 @@ def test_onnxruntime_explicit_dims_are_not_changed():
     with pytest.raises(InputShapeError):
         opt(torch.randn(7, 5))
     assert opt.exports == 1
+
+
+def test_onnxruntime_automatic_dynamic_adds_the_dims_that_change_later():
+    """A batch that changes, then an image's height: each export keeps the dims that varied so far and adds the
+    new ones (H with W), so every later size is served by the third file."""
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    ort = fxforge.optimize(model, (torch.randn(1, 3, 16, 16),), target="onnxruntime")
+    for shape in [(2, 3, 16, 16), (2, 3, 24, 16), (5, 3, 16, 24), (3, 3, 9, 31)]:
+        x = torch.randn(shape)
+        assert_matches_eager(model, ort, x)
+    assert ort.exports == 3
 
 
 def test_decorated_class_exports_once_more():

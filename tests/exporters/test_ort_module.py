@@ -141,12 +141,14 @@ def test_calls_it_was_not_exported_for():
     with pytest.raises(InputShapeError, match="differ from the exported ones"):
         opt(x=torch.randn(2, 4), extra=torch.randn(2, 2), scale=2.0)
     with pytest.raises(InputShapeError, match="keyword inputs"):
-        opt(torch.randn(2, 4))  # positional, exported as a keyword
+        opt(torch.randn(2, 4))  # positional, exported as a keyword, without the keyword it was exported with
+    # positional where it was exported as a keyword: bound to its name by the forward's signature
+    assert_same(model(torch.ones(2, 4), scale=2.0), opt(torch.ones(2, 4), scale=2.0))
     with pytest.raises(InputShapeError, match="fixed to 2.0 at export; this call passes 3.0"):
         opt(x=torch.randn(2, 4), scale=3.0)
     positional = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime")
-    with pytest.raises(InputShapeError, match="structure"):
-        positional(torch.randn(2, 4), torch.randn(2, 2))
+    with pytest.raises(InputShapeError, match="differ from the exported ones"):
+        positional(torch.randn(2, 4), torch.randn(2, 2))  # 'extra', not exported
 
 
 def test_positional_tensors_take_the_short_way_and_anything_else_the_checked_one():
