@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from benchmarks import (
     against,
+    auto_prepare,
     dynamic,
     first_calls,
     guard_overhead,
@@ -39,6 +40,7 @@ SECTIONS: dict[str, Section] = {
         against.SECTION,
         guard_overhead.SECTION,
         first_calls.SECTION,
+        auto_prepare.SECTION,
         memory_reorder.SECTION,
     )
 }
