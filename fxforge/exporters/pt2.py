@@ -89,16 +89,28 @@ def _structure_json(structure: tuple | None) -> str | None:
 
 
 class _Restructured(nn.Module):
-    """The loaded program (which returns a flat tuple of tensors), returning the model's own structure."""
+    """The loaded program, returning the model's own structure (the program returns a flat tuple of tensors,
+    or fx's immutable containers) and taking its inputs by name too where it takes positional tensors
+    (``model(ids, attention_mask=mask)`` of a program exported from ``(ids, mask)``)."""
 
-    def __init__(self, program_module: nn.Module, spec: Any, kinds: list):
+    def __init__(self, program_module: nn.Module, spec: Any, kinds: list | None, names: tuple[str, ...] = ()):
         super().__init__()
         self.program = program_module
         self._spec = spec
         self._kinds = kinds
+        self._names = names
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The program's graph (fxforge's fused ops in it, as saved)."""
+        return self.program.graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and self._names and set(kwargs) == set(self._names[len(args):]):
+            args = (*args, *(kwargs.pop(name) for name in self._names[len(args):] if name in kwargs))
         flat = self.program(*args, **kwargs)
+        if self._spec is None:
+            return _plain(flat)
         flat = (flat,) if isinstance(flat, torch.Tensor) else tuple(flat)
         leaves = [flat[value] if kind == "tensor" else value for kind, value in self._kinds]
         return pytree.tree_unflatten(leaves, self._spec)
@@ -133,11 +145,33 @@ def load(path: str | os.PathLike) -> nn.Module:
     extra = {_EXTRA: ""}
     program = torch.export.load(path, extra_files=extra)
     module = program.module()
+    spec, kinds = None, None
     if extra[_EXTRA]:
         saved = json.loads(extra[_EXTRA])
-        kinds = [(kind, value) for kind, value in saved["kinds"]]
-        return _Restructured(module, pytree.treespec_loads(saved["spec"]), kinds)
-    return module
+        spec, kinds = pytree.treespec_loads(saved["spec"]), [(kind, value) for kind, value in saved["kinds"]]
+    return _Restructured(module, spec, kinds, _positional_names(program))
+
+
+def _positional_names(program: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """The names of a program's inputs when it takes only positional tensors (a call may name them), else ()."""
+    from torch.export.graph_signature import InputKind
+
+    in_spec = program.call_spec.in_spec
+    names = tuple(s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT)
+    if in_spec is None or in_spec.num_children != 2 or in_spec.child(1).num_children:
+        return ()
+    return names if in_spec.child(0).num_children == len(names) else ()
+
+
+def _plain(value: Any) -> Any:
+    """fx's immutable containers (a program's outputs) as the dicts and lists the model returned."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(item) for item in value)
+    return value
 
 
 def fused_op_counts(graph: torch.fx.Graph) -> dict[str, int]:

@@ -97,3 +97,20 @@ def test_training_mode_and_missing_folder_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no folder"):
         save_native(fxforge.capture(nn.Linear(2, 2).eval(), (torch.ones(1, 2),)), tmp_path / "no" / "m.pt2")
     assert list(tmp_path.iterdir()) == []
+
+
+class KeywordsAndDict(torch.nn.Module):
+    def forward(self, input_ids, attention_mask):
+        x = input_ids.float() * attention_mask
+        return {"sum": x.sum(-1), "parts": [x, x * 2]}
+
+
+def test_a_loaded_program_takes_its_inputs_by_name_and_returns_plain_dicts_and_lists(tmp_path):
+    model = KeywordsAndDict().eval()
+    ids, mask = torch.arange(6).view(2, 3), torch.ones(2, 3)
+    path = tmp_path / "kw.pt2"
+    save_native(fxforge.capture(model, (ids, mask)), path)
+    loaded = fxforge.load(path)
+    for out in (loaded(ids, mask), loaded(ids, attention_mask=mask), loaded(input_ids=ids, attention_mask=mask)):
+        assert type(out) is dict and type(out["parts"]) is list
+        assert torch.equal(out["sum"], model(ids, mask)["sum"])

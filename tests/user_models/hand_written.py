@@ -177,18 +177,18 @@ class GPT(nn.Module):
     def __init__(self, vocab: int = 96, block: int = 64, layers: int = 2, heads: int = 4, dim: int = 32) -> None:
         super().__init__()
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(vocab, dim),
-                wpe=nn.Embedding(block, dim),
-                h=nn.ModuleList([GPTBlock(dim, heads, block) for _ in range(layers)]),
-                ln_f=nn.LayerNorm(dim),
-            )
+            {
+                "wte": nn.Embedding(vocab, dim),
+                "wpe": nn.Embedding(block, dim),
+                "h": nn.ModuleList([GPTBlock(dim, heads, block) for _ in range(layers)]),
+                "ln_f": nn.LayerNorm(dim),
+            }
         )
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
     def forward(self, idx):
-        b, t = idx.size()
+        _, t = idx.size()
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -289,7 +289,7 @@ def dict_input() -> UserModel:
         batch(2, 16, 6),
         [batch(3, 16, 6), batch(2, 24, 9)],
         exportable=True,
-        cli_inputs=None,
+        cli_inputs=["batch.image=2x3x16x16", "batch.tokens=2x6:int64"],
     )
 
 
@@ -319,7 +319,7 @@ def kwargs_input() -> UserModel:
         kwargs={"attention_mask": torch.ones(2, 10, dtype=torch.long)},
         fresh_kwargs=[{"attention_mask": torch.ones(3, 14, dtype=torch.long)},
                       {"attention_mask": torch.tensor([[1] * 6, [1] * 6, [1] * 4 + [0] * 2, [1] * 3 + [0] * 3])}],
-        cli_inputs=None,
+        cli_inputs=["input_ids=2x10:int64", "attention_mask=2x10:int64"],
     )
 
 

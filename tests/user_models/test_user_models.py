@@ -47,11 +47,18 @@ def assert_close(got, want, *, atol=1e-4, rtol=1e-4, what=""):
 
 
 def same_shapes_new_values(inputs):
+    """New values of the same shapes: floats drawn again, integers within the example's range (a mask of ones
+    stays ones)."""
     def fresh(t):
         if t.is_floating_point():
             return torch.randn_like(t)
-        return torch.randint_like(t, 0, int(t.max()) + 1)
+        return torch.randint_like(t, int(t.min()), int(t.max()) + 1)
     return pytree.tree_map(fresh, inputs)
+
+
+def call(module, example):
+    """``module`` called with an example in the form ``example_of`` gives (keywords for a dict)."""
+    return module(**example) if isinstance(example, dict) else module(*example)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -154,7 +161,7 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-CLI_MODELS = ["custom_autograd", "gpt", "lstm", "siamese", "unet"]
+CLI_MODELS = ["custom_autograd", "dict_input", "gpt", "kwargs_input", "lstm", "siamese", "unet"]
 
 
 def cli_model(name: str) -> list[str]:
@@ -171,9 +178,9 @@ def test_cli_optimize_writes_a_native_file_that_matches_eager(name, tmp_path):
     code, text = run_cli("optimize", *cli_model(name), "-o", str(out))
     assert code == 0, text
     loaded = fxforge.load(out)
-    inputs = same_shapes_new_values(case.inputs)
+    example = same_shapes_new_values(example_of(case))
     with torch.inference_mode():
-        assert_close(loaded(*inputs), case.model(*inputs), what=f"{name} loaded from the CLI's .pt2")
+        assert_close(call(loaded, example), call(case.model, example), what=f"{name} loaded from the CLI's .pt2")
 
 
 @pytest.mark.parametrize("name", CLI_MODELS)
@@ -185,10 +192,10 @@ def test_cli_export_writes_an_onnx_file_that_matches_eager(name, tmp_path):
     code, text = run_cli("export", *cli_model(name), "-o", str(out))
     assert code == 0, text
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    inputs = same_shapes_new_values(case.inputs)
-    feed = {i.name: t.numpy() for i, t in zip(session.get_inputs(), pytree.tree_leaves(inputs))}
+    example = same_shapes_new_values(example_of(case))
+    feed = {i.name: t.numpy() for i, t in zip(session.get_inputs(), pytree.tree_leaves(example))}
     got = session.run(None, feed)
-    want = pytree.tree_leaves(case.model(*inputs))
+    want = pytree.tree_leaves(call(case.model, example))
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.from_numpy(g), w.detach(), atol=1e-4, rtol=1e-3)
 
