@@ -16,13 +16,13 @@ from torch import nn
 import fxforge
 from fxforge.core.target_cache import target_cache
 from fxforge.runtime import race as race_module
-from fxforge.runtime.race import Entrant, RaceWarning
+from fxforge.runtime.race import RaceWarning
 from fxforge.targets import TARGETS
 from fxforge.targets.auto import AutoTarget, EagerModule
 from fxforge.targets.base import Contract, Target
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models"))
-from hand_written import USER_MODELS  # noqa: E402
+from hand_written import USER_MODELS
 
 
 class ConvNet(nn.Module):

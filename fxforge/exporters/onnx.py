@@ -49,7 +49,14 @@ from fxforge.core.tracing import tracing
 from fxforge.exporters.onnx_engine import run_onnx_rules
 from fxforge.exporters.onnx_rules import ONNX_RULES
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
-from fxforge.exporters.program import ExportError, export_program, exportable, quiet, validate, validation_inputs
+from fxforge.exporters.program import (
+    ExportError,
+    export_program,
+    exportable,
+    quiet,
+    validate,
+    validation_inputs,
+)
 from fxforge.exporters.torchscript_export import torchscript_export
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 

@@ -24,12 +24,12 @@ from typing import Any
 from torch import nn
 
 from fxforge.capture import normalize_inputs
+from fxforge.core.source import first_line
 from fxforge.core.target_cache import device_of
 from fxforge.exporters.export import EXPORT_OPTIONS, export_for_session
 from fxforge.exporters.onnx import OnnxExport, check_options
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
-from fxforge.core.source import first_line
 from fxforge.runtime.race import Entrant, Narrows
 from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
 

@@ -229,9 +229,9 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             if margin_bytes > 0 else ""
         free = unconstrained if kind == "fraction" else whole(base)
         error = BudgetError("", least_bytes=least + margin_bytes, unconstrained_bytes=free, kind=kind)
-        error.args = (f"memory_budget {budget!r} ({format_bytes(limit)}{kept}) is below what recomputation reached: "
-                      f"{what} of {format_bytes(least)} at best, everything recomputable recomputed (unconstrained "
-                      f"{format_bytes(free)}); the least reachable budget is {_budget_text(error.least_budget)}",)
+        error.args = ((f"memory_budget {budget!r} ({format_bytes(limit)}{kept}) is below what recomputation reached: "
+                       f"{what} of {format_bytes(least)} at best, everything recomputable recomputed (unconstrained "
+                       f"{format_bytes(free)}); the least reachable budget is {_budget_text(error.least_budget)}"),)
         raise error
     _, _, chosen_step, sim, solver = best
     recompute_seconds = sum(node_seconds(n, machine, fused=fused) for n in chosen_step.backward.graph.nodes

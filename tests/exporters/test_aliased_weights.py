@@ -25,7 +25,7 @@ from fxforge.exporters import OnnxRuntimeModule
 from fxforge.exporters.program import exportable
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "user_models"))
-from hand_written import USER_MODELS  # noqa: E402
+from hand_written import USER_MODELS
 
 TOLERANCE = 10.0  # rtol_scale, as export_onnx validates
 

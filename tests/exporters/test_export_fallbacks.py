@@ -56,7 +56,7 @@ class MaskUnitAttention(nn.Module):
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
     def forward(self, x):
-        b, n, c = x.shape
+        b, _, c = x.shape
         qkv = self.qkv(x).reshape(b, -1, self.units, 3, self.heads, c // self.heads).permute(3, 0, 4, 2, 1, 5)
         q, k, v = qkv.unbind(0)
         y = F.scaled_dot_product_attention(q.amax(dim=3, keepdim=True), k, v)

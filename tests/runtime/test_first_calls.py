@@ -25,7 +25,7 @@ from fxforge.runtime.plans import PlanCache
 from fxforge.runtime.signature import input_signature
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "user_models"))
-from hand_written import USER_MODELS  # noqa: E402
+from hand_written import USER_MODELS
 
 
 class TinyUNet(nn.Module):

@@ -15,7 +15,7 @@ import fxforge
 from fxforge.training import BudgetError, plan_checkpointing
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "user_models"))
-from hand_written import USER_MODELS  # noqa: E402
+from hand_written import USER_MODELS
 
 
 def _deep(width: int = 128, depth: int = 8) -> torch.nn.Module:
