@@ -95,7 +95,6 @@ def test_auto_races_every_target_returns_the_fastest_and_remembers_the_choice(ca
     built = [c for c in second.contenders if c.prepare_s is not None]
     assert [c.target for c in built] == [race.winner]
     assert sorted(c.target for c in second.contenders) == ["eager", "inductor", "native", "onnxruntime"]
-    assert built[0].prepare_s < sum(c.prepare_s for c in race.contenders[1:])
     agrees_with_eager(other, again, torch.randn(2, 3, 16, 16))  # its own weights, not the first model's
 
     # Another input signature is another race.

@@ -150,7 +150,9 @@ class OnnxRuntimeModule(nn.Module):
         makes the dims that changed dynamic; its session replaces the old one (freed) and serves every
         later call; a call that file does not take either exports again with the dims that varied so far
         and the new ones dynamic, up to :data:`MAX_GROWTH` times, after which it raises
-        :class:`InputShapeError`. True or False: the file of the first export serves every call (the
+        :class:`InputShapeError`. A call of another structure (an optional keyword input left out or added, a
+        Python value other than the exported one) gets a file and session of its own, exported on its first
+        call, as a native plan is made per call structure. True or False: the file of the first export serves every call (the
         exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
         ``serve``: other inputs ``(args, kwargs)`` the first export must take too: it is made as that export
@@ -186,7 +188,7 @@ class OnnxRuntimeModule(nn.Module):
             >>> _ = m(torch.ones(5, 3)); m.exports
             1
         """
-        return self._exports
+        return self._exports + sum(v.exports for v in self.__dict__.get("_variants", {}).values())
 
     def prepare(self, *args: Any, **kwargs: Any) -> OnnxRuntimeModule:
         """Export the model for these inputs now, if it was not exported yet (see :meth:`deferred`)."""
@@ -231,6 +233,30 @@ class OnnxRuntimeModule(nn.Module):
         self._exported_for = pytree.tree_map(
             lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t,
             (args, kwargs))
+
+    def _other_structure(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call passes other inputs than the exported ones (how many positional, which keywords)."""
+        spec = self.io.in_spec
+        if spec is None or spec.num_children != 2:
+            return False
+        keywords = spec.child(1).context or []
+        return spec.child(0).num_children != len(args) or set(keywords) != set(kwargs)
+
+    def _variant(self, args: tuple, kwargs: dict) -> OnnxRuntimeModule:
+        """The module for calls that pass other inputs than the exported ones (an optional keyword left out or
+        added): with ``dynamic=None`` each set of inputs gets an export of its own, made on its first call, as a
+        native plan is made per call structure."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        key = (spec, tuple(("tensor", v.dtype, v.dim()) if isinstance(v, torch.Tensor) else ("value", repr(v))
+                           for v in leaves))
+        variants = self.__dict__.setdefault("_variants", {})
+        if key not in variants:
+            variant = OnnxRuntimeModule.deferred(self.original, self._export, providers=self._providers,
+                                                 session_options=self._options, intra_op_num_threads=self._threads,
+                                                 dynamic=None)
+            variant.prepare(*args, **kwargs)
+            variants[key] = variant
+        return variants[key]
 
     def _as_exported(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call's inputs in the form the model was exported with: a model exported from keyword inputs
@@ -390,7 +416,12 @@ class OnnxRuntimeModule(nn.Module):
         if self._session is None:
             self.prepare(*args, **kwargs)
         args, kwargs = self._as_exported(args, kwargs)
-        feeds = self.io.feeds(args, kwargs)
+        try:
+            feeds = self.io.feeds(args, kwargs)
+        except InputShapeError:
+            if not (self._dynamic is None and self._export is not None and self._other_structure(args, kwargs)):
+                raise
+            return self._variant(args, kwargs)(*args, **kwargs)
         try:
             symbols = self.check_inputs(feeds)
         except InputShapeError as error:

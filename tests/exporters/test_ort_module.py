@@ -136,19 +136,35 @@ def test_outputs_of_tensors_only_keep_the_models_dicts_and_lists(wrap):
 
 def test_calls_it_was_not_exported_for():
     model = Structured().eval()
-    opt = fxforge.optimize(model, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime")
-    assert_same(model(torch.ones(2, 4), scale=2.0), opt(x=torch.ones(2, 4), scale=2.0))
+    static = fxforge.optimize(model, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime", dynamic=False)
+    assert_same(model(torch.ones(2, 4), scale=2.0), static(x=torch.ones(2, 4), scale=2.0))
     with pytest.raises(InputShapeError, match="differ from the exported ones"):
-        opt(x=torch.randn(2, 4), extra=torch.randn(2, 2), scale=2.0)
+        static(x=torch.randn(2, 4), extra=torch.randn(2, 2), scale=2.0)
     with pytest.raises(InputShapeError, match="keyword inputs"):
-        opt(torch.randn(2, 4))  # positional, exported as a keyword, without the keyword it was exported with
+        static(torch.randn(2, 4))  # positional, exported as a keyword, without the keyword it was exported with
     # positional where it was exported as a keyword: bound to its name by the forward's signature
-    assert_same(model(torch.ones(2, 4), scale=2.0), opt(torch.ones(2, 4), scale=2.0))
+    assert_same(model(torch.ones(2, 4), scale=2.0), static(torch.ones(2, 4), scale=2.0))
     with pytest.raises(InputShapeError, match="fixed to 2.0 at export; this call passes 3.0"):
-        opt(x=torch.randn(2, 4), scale=3.0)
-    positional = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime")
+        static(x=torch.randn(2, 4), scale=3.0)
+    positional = fxforge.optimize(model, (torch.randn(2, 4),), target="onnxruntime", dynamic=False)
     with pytest.raises(InputShapeError, match="differ from the exported ones"):
         positional(torch.randn(2, 4), torch.randn(2, 2))  # 'extra', not exported
+
+
+def test_calls_of_another_structure_get_an_export_of_their_own():
+    """dynamic=None (the default): an optional input added or left out exports the model for that call structure
+    once, as native plans per structure; later calls of each structure reuse theirs. Another fixed value is
+    refused, naming it."""
+    model = Structured().eval()
+    opt = fxforge.optimize(model, {"x": torch.randn(2, 4), "scale": 2.0}, target="onnxruntime")
+    x, extra = torch.randn(2, 4), torch.randn(2, 2)
+    assert_same(model(x, extra=extra, scale=2.0), opt(x=x, extra=extra, scale=2.0))
+    assert_same(model(x), opt(x))
+    assert opt.exports == 3
+    assert_same(model(x * 2, extra=extra, scale=2.0), opt(x=x * 2, extra=extra, scale=2.0))
+    assert opt.exports == 3
+    with pytest.raises(InputShapeError, match="fixed to 2.0 at export; this call passes 3.0"):
+        opt(x=x, scale=3.0)
 
 
 def test_positional_tensors_take_the_short_way_and_anything_else_the_checked_one():
