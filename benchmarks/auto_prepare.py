@@ -140,12 +140,7 @@ def run(args: argparse.Namespace) -> int:
         for checkout, rows in runs.items():
             rows.append(_one(str(HERE) if checkout == "this" else checkout, name))
             print(checkout, rows[-1], flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(runs, indent=1))
-    block = markdown(runs, args.command)
-    print(block)
-    if not args.no_markdown:
-        report.write_block(args.markdown, block, BLOCK)
+    report.publish(args, BLOCK, OUT, runs, markdown(runs, args.command))
     return 0 if all("error" not in row for row in runs["this"]) else 1
 
 

@@ -184,12 +184,7 @@ def run(args: argparse.Namespace) -> int:
     runs = {"this": run_checkout(str(HERE), args.models, args.reps, args.trace_calls)}
     if args.against:
         runs[args.against] = run_checkout(args.against, args.models, args.reps, args.trace_calls)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(runs, indent=1))
-    block = markdown(runs, args.command)
-    print(block)
-    if not args.no_markdown:
-        report.write_block(args.markdown, block, BLOCK)
+    report.publish(args, BLOCK, OUT, runs, markdown(runs, args.command))
     return 0 if all("error" not in row for rows in runs.values() for row in rows) else 1
 
 

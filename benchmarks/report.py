@@ -707,6 +707,16 @@ def write_block(path: str, block: str, section: str | None = None) -> None:
     write_atomic(path, replace_block(old, block, section))
 
 
+def publish(args: Any, section: str, out: Any, runs: Any, block: str) -> None:
+    """A section's results written the one way: ``runs`` as JSON at ``out``, ``block`` printed and, unless
+    ``--no-markdown``, put in ``args.markdown`` between ``section``'s markers."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(runs, indent=1))
+    print(block)
+    if not args.no_markdown:
+        write_block(args.markdown, block, section)
+
+
 def write_markdown(path: str, result: dict[str, Any], section: str | None = None) -> None:
     """Replace the block of ``section`` (default: the main harness block) in ``path`` with ``result``."""
     write_block(path, markdown_block(result), section)
