@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.exporters.io_spec import InputShapeError, IOSpec, thawed  # noqa: F401 - importable from here as before
+from fxforge.exporters.ort_calls import as_exported, other_structure, varied_inputs
 from fxforge.exporters.ort_session import (  # noqa: F401 - importable from here as before
     _provider_options,
     default_providers,
@@ -235,12 +236,7 @@ class OnnxRuntimeModule(nn.Module):
             (args, kwargs))
 
     def _other_structure(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a call passes other inputs than the exported ones (how many positional, which keywords)."""
-        spec = self.io.in_spec
-        if spec is None or spec.num_children != 2:
-            return False
-        keywords = spec.child(1).context or []
-        return spec.child(0).num_children != len(args) or set(keywords) != set(kwargs)
+        return other_structure(self.io, args, kwargs)
 
     def _variant(self, args: tuple, kwargs: dict) -> OnnxRuntimeModule:
         """The module for calls that pass other inputs than the exported ones (an optional keyword left out or
@@ -259,48 +255,11 @@ class OnnxRuntimeModule(nn.Module):
         return variants[key]
 
     def _as_exported(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The call's inputs in the form the model was exported with: a model exported from keyword inputs
-        (``{"input_ids": ..., "attention_mask": ...}``) and called as ``model(ids, attention_mask=mask)``
-        gets its positional inputs bound to their names by the forward's signature (and the other way)."""
-        spec = self.io.in_spec if self.io is not None else None
-        original = self.__dict__.get("original")
-        if spec is None or original is None or spec.num_children != 2:
-            return args, kwargs
-        positional = spec.child(0).num_children
-        if positional == len(args):
-            return args, kwargs
-        import inspect
-
-        try:
-            bound = inspect.signature(original.forward).bind(*args, **kwargs)
-        except TypeError:
-            return args, kwargs
-        named = dict(bound.arguments)
-        params = list(inspect.signature(original.forward).parameters)
-        front = [named.pop(name) for name in params[:positional] if name in named]
-        return tuple(front), named
+        return as_exported(self.io, self.__dict__.get("original"), args, kwargs)
 
     def _varied(self, feeds: Sequence[tuple[str, torch.Tensor]], args: tuple, kwargs: dict) -> Any:
-        """Inputs (as meta tensors) that differ from this call in every dim that has varied so far: the file's
-        dynamic dims, the dims where the call differs from the file, and an image's other spatial dims (a
-        floating-point input of rank >= 4 whose H or W changed gets H and W dynamic together), so that the
-        export made ``before=`` them keeps them all dynamic."""
-        varied: dict[int, set[int]] = {}
-        for name, tensor in feeds:
-            shape = list(self._input_meta[name].shape)
-            axes = {axis for axis, (dim, size) in enumerate(zip(shape, tensor.shape))
-                    if not isinstance(dim, int) or dim != size}
-            if tensor.is_floating_point() and tensor.dim() >= 4 and any(axis >= 2 for axis in axes):
-                axes.update(range(2, tensor.dim()))
-            varied[id(tensor)] = axes
+        return varied_inputs(self._input_meta, feeds, args, kwargs)
 
-        def other(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return value
-            shape = [size + 1 if axis in varied.get(id(value), ()) else size for axis, size in enumerate(value.shape)]
-            return torch.empty(shape, dtype=value.dtype, device="meta")
-
-        return pytree.tree_map(other, (tuple(args), dict(kwargs)))
 
     def _sizes_only(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Whether these inputs differ from what the ONNX model takes in sizes only (dtypes and ranks match)."""
