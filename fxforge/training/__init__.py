@@ -2,8 +2,8 @@
 
 - :func:`~fxforge.training.breakdown.training_memory` predicts weights, gradients, optimizer state,
   activations and the step's peak with fake tensors; ``.measure()`` runs one real step beside it.
-- :func:`~fxforge.training.checkpointing.plan_checkpointing` chooses what to recompute under a budget (a
-  MILP over the forward's chain of pieces, checked by simulating the whole step), and
+- :func:`~fxforge.training.checkpointing.plan_checkpointing` chooses what to recompute under a budget (the
+  least recompute over the forward's chain of pieces, checked by simulating the whole step), and
   :class:`~fxforge.training.module.CheckpointedModule` runs it (``fxforge.optimize(..., memory_budget=)``).
 - :mod:`fxforge.training.step_graph` traces the step (AOTAutograd's joint graph, partitioned),
   :mod:`fxforge.training.timeline` replays it storage by storage.

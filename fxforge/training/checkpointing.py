@@ -8,16 +8,19 @@ joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute
    of its outputs and the estimated time to compute it again (:mod:`fxforge.core.costs`). Random ops
    (dropout) are never recomputed: on CPU they would draw other numbers. The step's own outputs are alive
    anyway.
-2. **An exact choice for a bound on the saved bytes** (a MILP solved by scipy's HiGHS): binary ``r[u]``
-   (recompute) and ``s[u]`` (save) per unit; a unit the backward uses is saved or recomputed; a unit a
-   recomputed unit needs is saved or recomputed too; the saved bytes stay under the bound; the recompute
-   time is minimal. When HiGHS stops at its time limit its best solution is used (the report gives the
-   gap); when it finds none, a bounded greedy order (least seconds per byte first) is searched instead;
-   when no bound and no pattern fits, a descent on the simulation itself adds one or two pieces'
-   recomputation at a time from the closest choice (:func:`~fxforge.training.budget_search._descend`).
+2. **The least recompute for a bound on the saved bytes.** The forward is a chain of pieces; each run of
+   pieces is kept one of a few ways (stored, its cheap units recomputed, all but its boundary recomputed),
+   each with its saved bytes, the bytes the backward rematerializes at once and its recompute seconds. One
+   sweep over the chain (:class:`~fxforge.training.recompute_choices.ChainFrontier`, dynamic programming)
+   keeps every way to keep the whole chain that no other beats on saved bytes, rematerialized bytes and
+   seconds together, so the least-recompute choice under any bound (saved plus the largest rematerialized
+   run) is read off it; :func:`~fxforge.training.recompute_choices._solve` states the same choice as a MILP
+   (scipy's HiGHS), which the tests hold it to. When no bound's choice fits, fixed patterns (a boundary
+   kept every few pieces) are tried; when none fits either, a descent on the simulation itself adds one or
+   two pieces' recomputation at a time from the closest choice (:func:`~fxforge.training.budget_search._descend`).
    Another partitioner's choices may be offered (``candidates=``; for ``target="inductor"``, Inductor's
    min cut at several budgets, :mod:`fxforge.training.inductor_partitions`): each is simulated whole, and
-   each piece's part of each is one more choice for that piece in the MILP; the cheapest that fits wins.
+   each piece's part of each is one more way to keep that piece; the cheapest that fits wins.
 3. **The whole step simulated** (:mod:`fxforge.training.timeline`, backward liveness included: each saved
    value freed after its last use, recomputed values alive only around their use, gradients growing): the
    bound on saved bytes is only a proxy, so it is lowered by the simulated excess until the simulated peak
@@ -30,7 +33,7 @@ Torch's default partitioner then splits the joint graph with the chosen units ta
 placing each recomputation right before its first use in the backward.
 
 The jobs live in their own modules: the units and pieces in :mod:`fxforge.training.recompute_units`, the
-choices and the MILP in :mod:`fxforge.training.recompute_choices`, the searches against the simulation in
+choices and the least-recompute frontier in :mod:`fxforge.training.recompute_choices`, the searches against the simulation in
 :mod:`fxforge.training.budget_search`, the answer in :mod:`fxforge.training.checkpoint_plan`; this module
 reads the budget (:func:`parse_budget`) and plans a step (:func:`plan_step`).
 
@@ -80,13 +83,10 @@ from fxforge.training.recompute_units import _pieces, _units
 from fxforge.training.step_graph import StepGraphs
 from fxforge.training.timeline import StepSimulation, simulate_step
 
-MILP_TIME_LIMIT_S = 3.0
 SEARCH_SECONDS = 30.0
-"""Each MILP stops after 3 s (HiGHS's best answer so far; on ResNet-50 it had not proved one in 10 s), and
-no round of the bisection starts after 30 s: each round is a MILP and a whole partition of the step."""
-OFFERED_MILP_TIME_LIMIT_S = 3.0
+"""No round of the bisection starts after 30 s: each round is a whole partition of the step."""
 OFFERED_SEARCH_SECONDS = 30.0
-"""With offered choices (``candidates=``), each MILP stops after 3 s and no round starts after 30 s."""
+"""With offered choices (``candidates=``), no round starts after 30 s."""
 
 class BudgetError(ValueError):
     """The budget cannot be met by checkpointing; the message says the least reachable.
@@ -120,7 +120,7 @@ class BudgetError(ValueError):
 
 def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optimizer_step_bytes: int = 0,
               loss_bytes: int | None = None, machine: Machine | None = None,
-              time_limit: float = MILP_TIME_LIMIT_S, fused: bool = False,
+              fused: bool = False,
               candidates: Callable[[StepGraphs], dict[str, set[str]]] | None = None,
               margin_bytes: int = 0, reference_activation_bytes: int | None = None,
               tried: dict | None = None) -> CheckpointPlan:
@@ -142,7 +142,7 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
             partitioner chose (a label -> forward node names; Inductor's min cut at several budgets,
             :func:`~fxforge.training.inductor_partitions.mincut_candidates`): each is simulated and
             costed like the planner's own choices (the cheapest that fits wins, its label the solver), and
-            each piece's part of each is one more choice for that piece in the MILP.
+            each piece's part of each is one more way to keep that piece.
         margin_bytes: kept back from the budget: the plan fits ``budget - margin_bytes`` (a measured step held
             that much more than its simulation; :class:`~fxforge.training.module.CheckpointedModule`'s check);
             negative where a measured step held less than its simulation.
@@ -203,14 +203,12 @@ def plan_step(step: StepGraphs, budget: Any, *, persistent_bytes: int = 0, optim
                    for label, names in (candidates(step) if candidates else {}).items()}
         if offered:
             choices = own + _offered_choices(units, pieces, list(offered.values()))
-            # The offered choices make the MILP harder to prove infeasible at a low bound, and its answers can
-            # lead the bisection to no fit where its own choices alone find one (ResNet-50 at 40 %): a
-            # bounded search with them, then the plain one if they found nothing.
+            # The offered choices' answers can lead the bisection to no fit where its own choices alone find
+            # one (ResNet-50 at 40 %): a bounded search with them, then the plain one if they found nothing.
             best = _cheapest(_offered(trials, offered),
-                             _search(trials, pieces, choices, saved_total, OFFERED_MILP_TIME_LIMIT_S,
-                                     OFFERED_SEARCH_SECONDS))
+                             _search(trials, pieces, choices, saved_total, OFFERED_SEARCH_SECONDS))
         if best is None:
-            best = _search(trials, pieces, own, saved_total, time_limit, SEARCH_SECONDS)
+            best = _search(trials, pieces, own, saved_total, SEARCH_SECONDS)
         if best is None:
             best = _greedy(trials, pieces)
         if best is None:

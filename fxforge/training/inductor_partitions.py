@@ -11,7 +11,7 @@ estimate of the saved bytes, not the step's peak, and the peak is not monotonic 
 :func:`mincut_recomputations` runs that partitioner on a copy of the step's joint graph at a few budgets and
 returns, for each, the forward nodes its backward recomputes. The planner takes them as candidates
 (``candidates=`` in :func:`~fxforge.training.checkpointing.plan_step`): each is simulated and costed like its
-own choices, and each piece's part of each joins the MILP's choices for that piece.
+own choices, and each piece's part of each joins the ways to keep that piece.
 
 Example:
     >>> from fxforge.training.compiled import inductor_decompositions
