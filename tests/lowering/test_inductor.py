@@ -106,3 +106,35 @@ def test_a_new_batch_compiles_once_and_that_plan_serves_a_batch_of_one_without_a
     assert opt.plans_built == 2
     assert counters["stats"]["unique_graphs"] == 0  # nothing compiled for the batch of one
     assert any("checked against eager at" in note for note in opt.cache.notes)
+
+
+def test_a_conv_net_gets_one_shape_generic_plan_for_new_image_sizes_and_inference_mode_compiles_nothing():
+    """A U-Net-style conv net (pooling, transposed convs, skip connections): its first new image size re-plans
+    once with the batch and H/W dynamic (Inductor cannot compile its dims unbacked; the backed compile that
+    follows used to fail on TorchDynamo's memory of that failure, and each new size got a plan of its own), and
+    the plan was compiled for inference mode at build time, so calls under it compile nothing more for inputs
+    of that kind (made outside or inside inference mode)."""
+    import sys
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "user_models"))
+    from hand_written import UNet, _settle
+
+    torch.manual_seed(0)
+    model = _settle(UNet(), torch.randn(2, 3, 32, 32))
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 32, 32),), target="inductor")
+    with torch.inference_mode():
+        for shape in ((2, 3, 32, 48), (3, 3, 64, 32), (2, 3, 48, 48)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-4, atol=1e-5)
+            if shape == (2, 3, 32, 48):
+                counters.clear()  # the re-plan's compiles are done: the next sizes and modes compile nothing
+    assert opt.plans_built == 2 and opt.cache.last.shapes is not None
+    assert not any("could not be built" in note for note in opt.cache.notes)
+    assert counters["stats"]["unique_graphs"] == 0
+    outside = torch.randn(2, 3, 40, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(opt(outside), model(outside), rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 0
