@@ -152,8 +152,9 @@ class OnnxRuntimeModule(nn.Module):
         later call; a call that file does not take either exports again with the dims that varied so far
         and the new ones dynamic, up to :data:`MAX_GROWTH` times, after which it raises
         :class:`InputShapeError`. A call of another structure (an optional keyword input left out or added, a
-        Python value other than the exported one) gets a file and session of its own, exported on its first
-        call, as a native plan is made per call structure. True or False: the file of the first export serves every call (the
+        Python value other than the exported one, inputs of other dtypes: int32 token ids where the file takes
+        int64) gets a file and session of its own, exported on its first call, as a native plan is made per
+        call structure and dtypes. True or False: the file of the first export serves every call (the
         exporter decides which dims are dynamic). :attr:`exports` counts the exports.
 
         ``serve``: other inputs ``(args, kwargs)`` the first export must take too: it is made as that export
@@ -212,6 +213,9 @@ class OnnxRuntimeModule(nn.Module):
             target = os.path.join(owned or self._owned_dir, f"{type(self.original).__name__}.onnx")
         options = {"providers": self._providers, "session_options": self._options,
                    "intra_op_num_threads": self._threads}
+        # An ONNX file takes its inputs dense: a call's strided view (ids[:, :4] of a longer batch) exported as it
+        # is would tie a dynamic dim to its stride (torch.export's guard "size != 7" on the slice's source).
+        args, kwargs = pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, (args, kwargs))
         try:
             with _runs_its_own_forward(self.original):
                 if before is None:
@@ -240,8 +244,8 @@ class OnnxRuntimeModule(nn.Module):
 
     def _variant(self, args: tuple, kwargs: dict) -> OnnxRuntimeModule:
         """The module for calls that pass other inputs than the exported ones (an optional keyword left out or
-        added): with ``dynamic=None`` each set of inputs gets an export of its own, made on its first call, as a
-        native plan is made per call structure."""
+        added, or inputs of other dtypes): with ``dynamic=None`` each set of inputs gets an export of its own,
+        made on its first call, as a native plan is made per call structure and dtypes."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         key = (spec, tuple(("tensor", v.dtype, v.dim()) if isinstance(v, torch.Tensor) else ("value", repr(v))
                            for v in leaves))
@@ -269,6 +273,18 @@ class OnnxRuntimeModule(nn.Module):
             if (want is not None and tensor.dtype != want) or len(meta.shape) != tensor.dim():
                 return False
         return True
+
+    def _other_dtypes(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Whether some of these inputs have another dtype than the ONNX model takes (token ids as int32 where
+        it was exported with int64), their ranks the same."""
+        differ = False
+        for name, tensor in feeds:
+            meta = self._input_meta[name]
+            if len(meta.shape) != tensor.dim():
+                return False
+            want = _ORT_DTYPES.get(meta.type)
+            differ = differ or (want is not None and tensor.dtype != want)
+        return differ
 
     # ------------------------------------------------------------------------------------------ session
 
@@ -384,6 +400,8 @@ class OnnxRuntimeModule(nn.Module):
         try:
             symbols = self.check_inputs(feeds)
         except InputShapeError as error:
+            if self._dynamic is None and self._export is not None and self._other_dtypes(feeds):
+                return self._variant(args, kwargs)(*args, **kwargs)  # an export of its own for those dtypes
             if not (self._dynamic is None and self._export is not None and self._grown < MAX_GROWTH
                     and self._sizes_only(feeds)):
                 raise

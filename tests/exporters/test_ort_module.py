@@ -167,6 +167,36 @@ def test_calls_of_another_structure_get_an_export_of_their_own():
         opt(x=x, scale=3.0)
 
 
+class Tagger(nn.Module):
+    """Token ids in, tags out: eager takes int32 ids as well as int64 ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).relu())
+
+
+def test_inputs_of_other_dtypes_get_an_export_of_their_own():
+    """dynamic=None: token ids of another integer dtype than the exported one are served by an export of their
+    own (as a native plan per dtype), not refused; with a fixed file they are refused, naming the dtype."""
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    ids = torch.randint(0, 20, (2, 5))
+    opt = fxforge.optimize(model, (ids,), target="onnxruntime")
+    assert_same(model(ids), opt(ids))
+    narrow = torch.randint(0, 20, (3, 7), dtype=torch.int32)
+    assert_same(model(narrow), opt(narrow))
+    assert opt.exports == 2
+    assert_same(model(narrow[:, :4]), opt(narrow[:, :4]))  # the int32 file keeps its own sizes growing
+    assert_same(model(ids), opt(ids))
+    static = fxforge.optimize(model, (ids,), target="onnxruntime", dynamic=False)
+    with pytest.raises(InputShapeError, match="has dtype torch.int32; the ONNX model takes torch.int64"):
+        static(narrow[:2, :5])
+
+
 def test_positional_tensors_take_the_short_way_and_anything_else_the_checked_one():
     from fxforge.exporters.io_spec import IOSpec
 

@@ -202,7 +202,8 @@ def gpt() -> UserModel:
     return UserModel(
         model,
         (torch.randint(0, 96, (1, 16)),),
-        [(torch.randint(0, 96, (2, 25)),), (torch.randint(0, 96, (1, 64)),), (torch.randint(0, 96, (3, 7)),)],
+        [(torch.randint(0, 96, (2, 25)),), (torch.randint(0, 96, (1, 64)),), (torch.randint(0, 96, (3, 7)),),
+         (torch.randint(0, 96, (2, 9), dtype=torch.int32),)],  # int32 ids: eager's embedding takes them too
         cli_inputs=["1x16:int64"],
     )
 
