@@ -4,7 +4,8 @@ two calls, and the inputs to trace on so that torch.export does not specialise a
 :func:`batch_size` and :func:`sequence_length` read the inputs (:mod:`fxforge.core.sequence_dims`);
 :func:`batch_dynamic_shapes` and :func:`sequence_dynamic_shapes` make torch.export's ``dynamic_shapes`` for
 them, :func:`changed_dynamic_shapes` for the dims that changed (``torch.compile``'s automatic dynamic);
-:func:`leaf_dims` reads a spec back per input tensor, and :func:`trace_inputs` / :func:`with_batch` /
+:func:`leaf_dims` reads a spec back per input tensor, :func:`image_siblings` widens a changed image dim to all
+its spatial dims, and :func:`trace_inputs` / :func:`with_batch` /
 :func:`resized` grow size-1 dims to trace on.
 
 Example:
@@ -34,6 +35,22 @@ def batch_size(args: tuple, kwargs: dict) -> int | None:
         4
     """
     return batch_and_sequence(_leaves(args, kwargs))[0]
+
+
+def image_siblings(shape: Any, dtype: torch.dtype, axes: set[int]) -> set[int]:
+    """``axes`` with an image's other spatial dims: a floating-point input of rank >= 4 whose H or W (or D)
+    changed gets all of them, since the next call that changes one of them is as likely to change the others
+    (one re-plan, or one export, serves every image size instead of one per dim that changes next).
+
+    Example:
+        >>> sorted(image_siblings((2, 3, 64, 48), torch.float32, {3}))
+        [2, 3]
+        >>> sorted(image_siblings((2, 12, 6), torch.float32, {1})), sorted(image_siblings((2, 3, 8, 8), torch.int64, {2}))
+        ([1], [2])
+    """
+    if dtype.is_floating_point and len(shape) >= 4 and any(axis >= 2 for axis in axes):
+        return set(axes) | set(range(2, len(shape)))
+    return set(axes)
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[tuple[tuple[int, ...], torch.dtype] | None]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fxforge.capture.dims import image_siblings
 from fxforge.exporters.io_spec import IOSpec
 
 
@@ -85,9 +86,7 @@ def varied_inputs(input_meta: dict[str, Any], feeds: Sequence[tuple[str, torch.T
         shape = list(input_meta[name].shape)
         axes = {axis for axis, (dim, size) in enumerate(zip(shape, tensor.shape))
                 if not isinstance(dim, int) or dim != size}
-        if tensor.is_floating_point() and tensor.dim() >= 4 and any(axis >= 2 for axis in axes):
-            axes.update(range(2, tensor.dim()))
-        varied[id(tensor)] = axes
+        varied[id(tensor)] = image_siblings(tensor.shape, tensor.dtype, axes)
 
     def other(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):

@@ -13,6 +13,7 @@ import math
 from collections.abc import Hashable
 from typing import Any
 
+from fxforge.capture.dims import image_siblings
 from fxforge.core.sequence_dims import batch_and_sequence
 from fxforge.runtime.signature import differing_dims, sizes_of, token_dims
 
@@ -86,8 +87,7 @@ def grown_dims(signature: Hashable, changed: set[tuple[int, int]]) -> set[tuple[
                 and entry[0][0] == batch)
     for leaf, dim in changed:
         shape, dtype = leaves[leaf]
-        if dtype.is_floating_point and len(shape) >= 4 and dim >= 2:
-            dims.update((leaf, axis) for axis in range(2, len(shape)))
+        dims.update((leaf, axis) for axis in image_siblings(shape, dtype, {dim}))
     return dims
 
 
