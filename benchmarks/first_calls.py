@@ -1,13 +1,15 @@
 """``python -m benchmarks --suite first-calls``: what a model's first call on a new size costs after optimize
 (issue 48, item 2).
 
-Per model, in a new process with an empty autotune cache (what a user's first hour sees), under
-``torch.inference_mode()``, native target, ``dynamic=None``:
+Per model, in a new process with an empty autotune cache and an empty Inductor cache (what a user's first
+hour sees), under ``torch.inference_mode()``, the native target (``--target inductor``: that one; its block is
+``first-calls-inductor``), ``dynamic=None``:
 
 1. ``fxforge.optimize(model, example)`` on the example a user passes (the user models of
    ``tests/user_models/hand_written.py``: U-Net 1x3x64x64, LSTM 2x12, GRU 4x10x6, GPT 1x16; and a
    transformers ``BertModel`` with random weights, 2 layers, hidden 128, optimized on ``input_ids`` of
-   (1, 64));
+   (1, 64)); ``unet-sizes`` is the U-Net with three more image sizes after its own fresh ones (2x3x40x40,
+   4x3x56x72, 2x3x80x64), to show what the sizes after the first ones cost;
 2. for each new size in turn (the user models' ``fresh`` inputs; BERT (2, 210)): the first call's time, then
    the median of ``--reps`` steady calls of fxforge and of eager at that size, interleaved; the plans built so
    far (``plans_built``) and whether the output matched eager's (``allclose``, 1e-4);
@@ -28,6 +30,7 @@ Example::
 
     python -m benchmarks --suite first-calls
     python -m benchmarks --suite first-calls --models unet,bert --against /tmp/parent_shapes --no-markdown
+    python -m benchmarks --suite first-calls --target inductor --models unet-sizes --against /tmp/parent
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from benchmarks.section import Section, csv_list
 
 BLOCK = "first-calls"
 MODELS = ["unet", "lstm", "gru", "gpt", "bert", "bert-trace"]
+MORE_IMAGE_SIZES = [(2, 3, 40, 40), (4, 3, 56, 72), (2, 3, 80, 64)]
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-first-calls.json"
 
@@ -69,10 +73,12 @@ def _case(name: str) -> tuple[Any, tuple, list[tuple]]:
         model, example, fresh = _bert()
         return model, example, fresh if name == "bert" else []
     sys.path.insert(0, str(HERE / "tests" / "user_models"))
+    import torch
     from hand_written import USER_MODELS
 
-    case = USER_MODELS[name]()
-    return case.model, case.inputs, case.fresh
+    case = USER_MODELS[name.removesuffix("-sizes")]()
+    more = [(torch.randn(shape),) for shape in MORE_IMAGE_SIZES] if name == "unet-sizes" else []
+    return case.model, case.inputs, case.fresh + more
 
 
 def _first(out: Any) -> Any:
@@ -85,7 +91,7 @@ def _timed(fn: Any, *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def measure(name: str, reps: int, trace_calls: int) -> dict[str, Any]:
+def measure(name: str, reps: int, trace_calls: int, target: str = "native") -> dict[str, Any]:
     """One model's row: set-up, then per new size the first call, the steady medians and the plans built."""
     import torch
 
@@ -94,7 +100,7 @@ def measure(name: str, reps: int, trace_calls: int) -> dict[str, Any]:
     model, example, fresh = _case(name)
     row: dict[str, Any] = {"model": name, "example": [list(t.shape) for t in example], "sizes": []}
     with torch.inference_mode():
-        row["optimize_s"], opt = _timed(lambda: fxforge.optimize(model, example))
+        row["optimize_s"], opt = _timed(lambda: fxforge.optimize(model, example, target=target))
         for inputs in fresh:
             first, out = _timed(opt, *inputs)
             ok = torch.allclose(_first(out), _first(model(*inputs)), rtol=1e-4, atol=1e-4)
@@ -118,13 +124,16 @@ def measure(name: str, reps: int, trace_calls: int) -> dict[str, Any]:
     return row
 
 
-def run_checkout(checkout: str, models: list[str], reps: int, trace_calls: int) -> list[dict]:
-    """Every model's row, measured in a new process with ``checkout``'s fxforge and an empty autotune cache."""
+def run_checkout(checkout: str, models: list[str], reps: int, trace_calls: int, target: str = "native") -> list[dict]:
+    """Every model's row, measured in a new process with ``checkout``'s fxforge, an empty autotune cache and an
+    empty Inductor cache."""
     rows = []
     for name in models:
         with tempfile.TemporaryDirectory(prefix="fxforge-first-calls-") as cache:
-            env = dict(os.environ, FXFORGE_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([os.path.abspath(checkout), str(HERE)]))
-            result = subprocess.run([sys.executable, "-W", "ignore", __file__, name, str(reps), str(trace_calls)],
+            env = dict(os.environ, FXFORGE_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                       PYTHONPATH=os.pathsep.join([os.path.abspath(checkout), str(HERE)]))
+            result = subprocess.run([sys.executable, "-W", "ignore", __file__, name, str(reps), str(trace_calls),
+                                     target],
                                     env=env, capture_output=True, text=True, check=False)
         if result.returncode:
             rows.append({"model": name, "error": (result.stderr.strip().splitlines() or ["?"])[-1]})
@@ -140,12 +149,14 @@ def _cell(size: dict[str, Any]) -> str:
             f"({size['steady_s'] * 1e3:.1f} ms, eager {size['eager_s'] * 1e3:.1f} ms), plans {size['plans_built']}{mark}")
 
 
-def markdown(runs: dict[str, list[dict]], command: str) -> str:
+def markdown(runs: dict[str, list[dict]], command: str, target: str = "native") -> str:
     """The block: per checkout, model and new size the first call (and as a multiple of a steady call), the plans
     built so far; BERT's trace totals."""
-    lines = ["## First calls on new sizes (issue 48, item 2)", "",
-             (f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores. Native "
-             "target, `dynamic=None`, inference mode, an empty autotune cache per model (one process each). "
+    title = "" if target == "native" else f", target={target}"
+    lines = [f"## First calls on new sizes (issue 48, item 2){title}", "",
+             (f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores. "
+             f"`target={target!r}`, `dynamic=None`, inference mode, an empty autotune and Inductor cache per model "
+             "(one process each). "
              "Timings on a shared machine: the ratios (first / steady, fxforge / eager) are taken in one process; "
              "`load` is the 1-minute load average at the end."), "",
              ("| checkout | model (example) | optimize s | each new size in turn: first call, steady, plans built | "
@@ -160,6 +171,8 @@ def markdown(runs: dict[str, list[dict]], command: str) -> str:
             trace_text = (f"{trace['fxforge']:.2f} s / {trace['eager']:.2f} s = {trace['ratio']:.2f}x "
                           f"({trace['calls']} calls, plans {trace['plans_built']})") if trace else ""
             example = "x".join(map(str, row["example"][0]))
+            total = sum(s["first_s"] for s in row["sizes"])
+            sizes += f" (first calls {total:.2f} s in all)" if len(row["sizes"]) > 1 else ""
             lines.append(f"| {checkout} | {row['model']} ({example}) | {row['optimize_s']:.1f} | {sizes} | "
                          f"{trace_text} | {row['load']:.1f} |")
     lines += ["", ("- `plans` (captures made so far) does not depend on the machine's load; the seconds do. A steady median "
@@ -172,19 +185,23 @@ def markdown(runs: dict[str, list[dict]], command: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``--suite first-calls``."""
-    parser.add_argument("--models", type=csv_list, default=list(MODELS), help="comma-separated: " + ",".join(MODELS))
+    parser.add_argument("--models", type=csv_list, default=list(MODELS), help="comma-separated: " + ",".join(MODELS) + " (or unet-sizes)")
     parser.add_argument("--reps", type=int, default=5, help="steady calls per size and side")
     parser.add_argument("--trace-calls", type=int, default=40, help="BERT's trace length (0: none)")
     parser.add_argument("--against", default=None, help="another checkout to measure the same way (e.g. the parent)")
+    parser.add_argument("--target", default="native", choices=["native", "inductor"],
+                        help="the target optimized for (default native; inductor writes the first-calls-inductor block)")
     report.add_markdown_options(parser, BLOCK)
 
 
 def run(args: argparse.Namespace) -> int:
     """Measure this checkout (and ``--against``), print and write the block."""
-    runs = {"this": run_checkout(str(HERE), args.models, args.reps, args.trace_calls)}
+    runs = {"this": run_checkout(str(HERE), args.models, args.reps, args.trace_calls, args.target)}
     if args.against:
-        runs[args.against] = run_checkout(args.against, args.models, args.reps, args.trace_calls)
-    report.publish(args, BLOCK, OUT, runs, markdown(runs, args.command))
+        runs[args.against] = run_checkout(args.against, args.models, args.reps, args.trace_calls, args.target)
+    block = BLOCK if args.target == "native" else f"{BLOCK}-{args.target}"
+    out = OUT if args.target == "native" else OUT.with_name(f"results-{block}.json")
+    report.publish(args, block, out, runs, markdown(runs, args.command, args.target))
     return 0 if all("error" not in row for rows in runs.values() for row in rows) else 1
 
 
@@ -192,4 +209,4 @@ SECTION = Section("first-calls", "first call on each new size after optimize (U-
                   "plans built, BERT's 40-call trace against eager (issue 48); --against PATH", add_arguments, run)
 
 if __name__ == "__main__":  # one model in this process (run_checkout's child): its row as JSON
-    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])))
