@@ -61,6 +61,32 @@ class Applied:
         return f"{self.key}: {self.what}{nodes}{times}{where}"
 
 
+def collapsed_matches(matches: list[Applied]) -> list[str]:
+    """One line per change and source line: the changes a rule made at one line of the user's code (each block
+    of a U-Net's ``F.relu(self.bn1(self.conv1(x)))``) on one line, with how many and the nodes of each;
+    in the order of each group's first change.
+
+    Example:
+        >>> same = [Applied("conv_bn_fold", "conv2d + batch_norm", [f"conv{i}", f"bn{i}"], "m.py:3: y = f(x)")
+        ...         for i in range(3)]
+        >>> collapsed_matches(same + [Applied("cleanup", "identity removed", ["id_1"])])
+        ['conv_bn_fold: conv2d + batch_norm x3 [conv0, bn0; conv1, bn1; conv2, bn2]  (m.py:3: y = f(x))', 'cleanup: identity removed [id_1]']
+    """
+    groups: dict[tuple, list[Applied]] = {}
+    for match in matches:
+        groups.setdefault((match.key, match.what, match.source), []).append(match)
+    lines = []
+    for group in groups.values():
+        if len(group) == 1:
+            lines.append(str(group[0]))
+            continue
+        first = group[0]
+        where = f"  ({first.source})" if first.source else ""
+        nodes = f" [{'; '.join(', '.join(m.nodes) for m in group)}]" if any(m.nodes for m in group) else ""
+        lines.append(f"{first.key}: {first.what} x{sum(m.count for m in group)}{nodes}{where}")
+    return lines
+
+
 def stage_key(rule: str, stage: str) -> str:
     """How a rule of ``stage`` is named in the report: fx rewrites by their name, others prefixed with the
     stage.
@@ -349,7 +375,7 @@ class Report:
             lines.append("  applied: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.counts.items())))
         else:
             lines.append("  no rewrite applied")
-        lines.extend(f"  {m}" for m in self.matches)
+        lines.extend(f"  {line}" for line in collapsed_matches(self.matches))
         lines.extend(f"  {t}" for t in self.tuning)
         lines.extend(f"  ROLLED BACK {r}" for r in self.rolled_back)
         lines.extend(f"  near miss: {n}" for n in self.near_misses)
