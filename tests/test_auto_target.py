@@ -308,6 +308,34 @@ def test_a_target_slower_than_eager_is_never_returned_and_auto_says_so(cache_dir
     torch.testing.assert_close(opt(x), model(x))
 
 
+class _CountedSlowTarget(_SlowTarget):
+    builds = 0
+
+    def build(self, model, example_inputs, options):
+        type(self).builds += 1
+        return super().build(model, example_inputs, options)
+
+
+def test_an_eager_win_is_remembered_and_the_next_optimize_builds_nothing(cache_dir):
+    """The race that chose eager is remembered like any other: the next optimize of the model (another instance,
+    the same inputs) returns it as it is at once, saying so; the fastest target is built only where its file or
+    graph is asked for."""
+    auto = AutoTarget({"native": _CountedSlowTarget()})
+    with pytest.warns(RaceWarning, match="no target beat eager"):
+        first = auto.build(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), (torch.randn(4, 8),), {})
+    assert first.report.race.winner == "eager" and _CountedSlowTarget.builds == 1
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    with pytest.warns(RaceWarning, match="remembered from the race of .*no target beat eager .*the fastest, native"):
+        again = auto.build(model, (torch.randn(4, 8),), {})
+    race = again.report.race
+    assert isinstance(again, EagerModule) and race.remembered and race.winner == "eager"
+    assert _CountedSlowTarget.builds == 1 and again.fastest is None  # nothing built, nothing timed
+    assert [c.target for c in race.contenders] == ["eager", "native"] and race.contenders[1].vs_eager < 1
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(again(x), model(x))  # its own weights
+    assert isinstance(again.built_fastest(), _Slow) and _CountedSlowTarget.builds == 2  # built when asked for
+
+
 def test_auto_logs_its_progress_on_the_fxforge_logger(cache_dir, caplog):
     with caplog.at_level(logging.INFO, logger="fxforge"):
         fxforge.optimize(nn.Linear(8, 8).eval(), (torch.randn(4, 8),), target="auto",

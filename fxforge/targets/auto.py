@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
@@ -108,15 +108,17 @@ class AutoTarget(Target):
 
     def graph(self, built: nn.Module) -> Any:
         if isinstance(built, EagerModule):
-            return self.registry[built.fastest_target].graph(built.fastest) if built.fastest is not None else None
+            fastest = built.built_fastest()
+            return self.registry[built.fastest_target].graph(fastest) if fastest is not None else None
         return self.registry[built.race.winner].graph(built)
 
     def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> Any:
         """The winner's file; where eager won, the fastest target's (what it would have run)."""
         if isinstance(built, EagerModule):
-            if built.fastest is None:
+            fastest = built.built_fastest()
+            if fastest is None:
                 raise TypeError("nothing to write: target='auto' chose eager and no target was built")
-            return self.registry[built.fastest_target].write(built.fastest, path, dynamic_batch=dynamic_batch)
+            return self.registry[built.fastest_target].write(fastest, path, dynamic_batch=dynamic_batch)
         return self.registry[built.race.winner].write(built, path, dynamic_batch=dynamic_batch)
 
     def _race(self, model: nn.Module, example_inputs: Any, options: dict[str, Any]) -> nn.Module:
@@ -138,6 +140,11 @@ class AutoTarget(Target):
                     for t in self.raced() if t.name in targets}
         preference = self.preference()
         notes: list[str] = []
+        if stored is not None and stored.get("winner") == "eager" and stored.get("fastest") in entrants:
+            module = _remembered_eager(model, entrants[stored["fastest"]], stored)
+            warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {module.race.why}",
+                          RaceWarning, stacklevel=4)
+            return module
         if stored is not None and stored.get("winner") in entrants:
             winner = stored["winner"]
             served = self._served(model, args, kwargs, [entrants[winner]], shared)
@@ -165,16 +172,22 @@ class AutoTarget(Target):
             module = prepared(fallback.build(model, None, {**common, **own, "rewrites": []}), args, kwargs)
             result.winner, result.why = fallback.name, f"no target agreed with eager: {fallback.name} without rewrites"
             return _chosen(module, result)
-        if cache is not None and remembrable(result) and result.winner != "eager":
+        fastest = min((c for c in result.contenders if c.target in built and c.latency_ms),
+                      key=lambda c: c.latency_ms, default=None)
+        if cache is not None and remembrable(result) and (result.winner != "eager" or fastest is not None):
+            # An eager win is remembered too (with the fastest target, built only where a file is asked for):
+            # the next optimize of this model and inputs returns the model at once instead of racing again.
             cache.put(key, {"winner": result.winner, "eager_ms": result.eager_ms, "load": result.load,
                             "latency_ms": {c.target: c.latency_ms for c in result.contenders
                                            if c.latency_ms and c.target != "eager"},
+                            "fastest": fastest.target if fastest is not None else None,
                             "when": time.strftime("%Y-%m-%d %H:%M")})
             cache.save()
         if result.winner == "eager":
-            fastest = min((c for c in result.contenders if c.target in built), key=lambda c: c.latency_ms)
             warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {result.why}",
                           RaceWarning, stacklevel=4)
+            if fastest is None:
+                return _chosen(EagerModule(model), result)
             return _chosen(EagerModule(model, built[fastest.target], fastest.target), result)
         return _chosen(built[result.winner], result)
 
@@ -202,8 +215,10 @@ class EagerModule(nn.Module):
         (True, True)
     """
 
-    def __init__(self, model: nn.Module, fastest: nn.Module | None = None, target: str = ""):
+    def __init__(self, model: nn.Module, fastest: nn.Module | None = None, target: str = "", *,
+                 build_fastest: Callable[[], nn.Module] | None = None):
         super().__init__()
+        self.__dict__["_build_fastest"] = build_fastest
         for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             self.__dict__[name] = getattr(model, name)
         self.__dict__["original"] = model
@@ -219,10 +234,35 @@ class EagerModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.original(*args, **kwargs)
 
+    def built_fastest(self) -> nn.Module | None:
+        """The fastest target's module, built now where the race that chose eager was remembered (None where
+        no target was built or can be)."""
+        if self.fastest is None and self._build_fastest is not None:
+            self.__dict__["fastest"] = self._build_fastest()
+        return self.fastest
+
     def train(self, mode: bool = True) -> EagerModule:
         self.original.train(mode)
         self.training = mode
         return self
+
+
+def _remembered_eager(model: nn.Module, fastest: Any, stored: dict) -> EagerModule:
+    """The model as it is, where a remembered race found no target faster than eager: nothing is built or timed
+    (the fastest target is built only if its file or graph is asked for); the report says when it was
+    raced and how to race again."""
+    latencies = stored.get("latency_ms", {})
+    ratio = stored["eager_ms"] / latencies[fastest.target] if latencies.get(fastest.target) else None
+    result = Race("eager", f"remembered from the race of {stored.get('when', 'an earlier run')}: no target beat "
+                           f"eager (the fastest, {fastest.target}, ran at "
+                           f"{f'{ratio:.2f}x' if ratio else 'an unknown speed against'} eager)",
+                  [Contender("eager", latency_ms=stored["eager_ms"], vs_eager=1.0),
+                   *(Contender(t, latency_ms=ms, vs_eager=stored["eager_ms"] / ms) for t, ms in latencies.items())],
+                  eager_ms=stored["eager_ms"], remembered=True, load=stored.get("load"),
+                  notes=[("nothing was built or timed: the latencies are those remembered (FXFORGE_TARGET_CACHE=0 "
+                          "races every time)")])
+    module = EagerModule(model, None, fastest.target, build_fastest=fastest.build)
+    return _chosen(module, result)
 
 
 def _remembered(result: Race, stored: dict, then: float, now: float) -> Race:
