@@ -57,7 +57,7 @@ from fxforge.exporters.program import (
     validate,
     validation_inputs,
 )
-from fxforge.exporters.torchscript_export import torchscript_export
+from fxforge.exporters.torchscript_export import requested_axes, resized_inputs, torchscript_export
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 
 
@@ -209,10 +209,15 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     ``cpu``). Returns what :func:`write_checked` needs: the io spec, the translations used, the dims made
     dynamic, the rules' applications and refusals (``"matches"``, ``"near_misses"``) and the inputs of other
     sizes to validate a file with dynamic dims on (``"other_sizes"``)."""
-    program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
-                                                               refine=refine)
-    log = io.StringIO()
     translations = Translations(opset=opset, attention=attention, cpu=cpu)
+    try:
+        program, out_structure, _, dynamic_shapes = export_program(captured, dynamic_batch, dynamic_shapes,
+                                                                   refine=refine)
+    except ExportError as error:
+        if dynamic_shapes is None or "Constraints violated" not in str(error):
+            raise
+        return _specialised_fallback(captured, path, opset, external_data, translations, error, dynamic_shapes)
+    log = io.StringIO()
     try:
         with tracing(), quiet(log):
             onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset, optimize=True,
@@ -251,9 +256,42 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
             "dynamic": {k: v for k, v in dynamic.items() if v}, "matches": matches, "near_misses": near_misses}
 
 
+def _specialised_fallback(captured: Captured, path: str, opset: int, external_data: bool | None,
+                          translations: Translations, failure: ExportError, dynamic_shapes: Any) -> dict[str, Any]:
+    """What :func:`_export` returns where torch.export specialised dims ``dynamic_shapes`` asks to be dynamic
+    (an LSTM's length: its kernel's shape checks guard the size): the graph exported with its example's sizes,
+    then written by the TorchScript exporter with those dims dynamic, which it keeps where the graph computes
+    with them (ONNX's LSTM takes any length), and validated at other sizes of each (the file is refused where a
+    size stayed fixed inside). Raises :class:`ExportError` (``failure`` and why) where that fails too."""
+    program, out_structure, _, _ = export_program(captured)
+    module, _ = exportable(captured.graph_module)
+    args, kwargs = tuple(captured.example_args), dict(captured.example_kwargs)
+    axes = requested_axes(module, args, kwargs, dynamic_shapes)
+    if not axes:
+        raise failure
+    reason = (f"torch.export kept dims fixed that were asked dynamic ({first_line(failure)}); exported with the "
+              "TorchScript exporter (torch.onnx.export(dynamo=False); no fxforge ONNX translations or rules) with "
+              "them dynamic, validated at other sizes of each")
+    try:
+        exported = _torchscript_fallback(program, captured, out_structure, path, opset, external_data, translations,
+                                         failure, axes=axes, reason=reason)
+    except ExportError as second:
+        raise ExportError(f"{failure}; {second}", stage=failure.stage, op=failure.op, source=failure.source) from second
+    exported["other_sizes"] = resized_inputs(args, kwargs, axes)
+    for label, other_args, other_kwargs in exported["other_sizes"]:
+        try:
+            with torch.no_grad():
+                captured.graph_module(*other_args, **other_kwargs)
+        except Exception as error:  # the model's own failure, said as the reason
+            raise ExportError(f"{failure}; the model itself fails at {label}: {first_line(error)}",
+                              stage=failure.stage, op=failure.op, source=failure.source) from error
+    return exported
+
+
 def _torchscript_fallback(program: torch.export.ExportedProgram, captured: Captured, out_structure: Any, path: str,
                           opset: int, external_data: bool | None, translations: Translations,
-                          failure: ExportError, dynamic_shapes: Any = None) -> dict[str, Any]:
+                          failure: ExportError, dynamic_shapes: Any = None, *,
+                          axes: dict[int, dict[int, str]] | None = None, reason: str | None = None) -> dict[str, Any]:
     """What :func:`_export` returns, for ``program`` written by torch.onnx's TorchScript exporter after its
     dynamo exporter failed (``failure``): no fxforge translations or ONNX rules (those work on the dynamo
     exporter's graph); validated as any other file. Raises :class:`ExportError` where it fails too."""
@@ -261,7 +299,7 @@ def _torchscript_fallback(program: torch.export.ExportedProgram, captured: Captu
 
     args, kwargs = program.example_inputs or (tuple(captured.example_args), dict(captured.example_kwargs))
     module, _ = exportable(captured.graph_module)  # the graph export_program exported
-    input_names = torchscript_export(program, module, args, kwargs, path, opset, dynamic_shapes)
+    input_names = torchscript_export(program, module, args, kwargs, path, opset, dynamic_shapes, axes=axes)
     model = onnx.load(path)
     if external_data:
         onnx.save_model(model, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
@@ -275,8 +313,8 @@ def _torchscript_fallback(program: torch.export.ExportedProgram, captured: Captu
                             if dim.dim_param} for value in model.graph.input}
     other_sizes = validation_inputs(program, captured, lambda index, axis: dynamic.get(
         input_names[index], {}).get(axis) if index < len(input_names) else None)
-    reason = (f"torch.onnx dynamo exporter failed: {failure}; exported with the TorchScript exporter "
-              "(torch.onnx.export(dynamo=False); no fxforge ONNX translations or rules)")
+    reason = reason or (f"torch.onnx dynamo exporter failed: {failure}; exported with the TorchScript exporter "
+                        "(torch.onnx.export(dynamo=False); no fxforge ONNX translations or rules)")
     unused = Translations(opset=translations.opset, attention=translations.attention, cpu=translations.cpu)
     return {"io": io_spec, "translations": unused, "other_sizes": other_sizes, "fallback": reason,
             "dynamic": {k: v for k, v in dynamic.items() if v}, "matches": [], "near_misses": []}

@@ -148,11 +148,65 @@ def _dim_names(axes: dict[str, dict[int, str]], inputs: list[str], dynamic_shape
     return names
 
 
+def requested_axes(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any
+                   ) -> dict[int, dict[int, str]]:
+    """``{tensor input: {axis: name}}``: the dims ``dynamic_shapes`` asks to be dynamic, per tensor input in
+    order (as the TorchScript exporter names its inputs ``input_0``...), named by their ``Dim`` (else
+    ``d{input}_{axis}``).
+
+    Example:
+        >>> linear = torch.nn.Linear(4, 2)
+        >>> requested_axes(linear, (torch.ones(3, 4),), {}, {"input": {0: torch.export.Dim("rows")}})
+        {0: {0: 'rows'}}
+    """
+    from fxforge.capture.dims import leaf_dims
+
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    tensor_index = {leaf: i for i, leaf in enumerate(j for j, v in enumerate(leaves) if isinstance(v, torch.Tensor))}
+    found = leaf_dims(module, args, kwargs, dynamic_shapes)
+    return {tensor_index[leaf]: {axis: getattr(dim, "__name__", None) or f"d{tensor_index[leaf]}_{axis}"
+                                 for axis, dim in axes.items()}
+            for leaf, axes in found.items() if leaf in tensor_index}
+
+
+def resized_inputs(args: tuple, kwargs: dict, axes: dict[int, dict[int, str]]) -> list[tuple[str, tuple, dict]]:
+    """Inputs to validate a file on whose ``axes`` (as :func:`requested_axes`) are dynamic: each such dim one
+    larger, then halved (where that leaves at least 1), the example's entries repeated
+    (:func:`fxforge.capture.dims.resized`); ``(label, args, kwargs)`` each.
+
+    Example:
+        >>> [(label, a[0].shape) for label, a, _ in resized_inputs((torch.ones(2, 6),), {}, {0: {1: "seq"}})]
+        [('seq 7', torch.Size([2, 7])), ('seq 3', torch.Size([2, 3]))]
+    """
+    from fxforge.capture.dims import resized
+
+    leaves, structure = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    found = []
+    for grow in (lambda size: size + 1, lambda size: size // 2):
+        changed, labels = list(leaves), []
+        for index, dims in axes.items():
+            tensor = changed[tensors[index]]
+            for axis, name in dims.items():
+                new = grow(tensor.shape[axis])
+                if new >= 1 and new != tensor.shape[axis]:
+                    tensor = resized(tensor, axis, new)
+                    labels.append(f"{name} {new}")
+            changed[tensors[index]] = tensor
+        if labels:
+            new_args, new_kwargs = pytree.tree_unflatten(changed, structure)
+            found.append((", ".join(dict.fromkeys(labels)), new_args, new_kwargs))
+    return found
+
+
 def torchscript_export(program: torch.export.ExportedProgram, module: torch.nn.Module, args: tuple, kwargs: dict,
-                       path: str, opset: int, dynamic_shapes: Any = None) -> list[str]:
+                       path: str, opset: int, dynamic_shapes: Any = None,
+                       axes: dict[int, dict[int, str]] | None = None) -> list[str]:
     """Write ``module`` (the graph ``program`` was exported from, traced on ``args``/``kwargs``, the inputs it
     was exported with) to ``path`` with torch.onnx's TorchScript exporter, at ``opset`` or the highest that
-    exporter writes below it, with ``program``'s dynamic dims (named as in ``dynamic_shapes``). Returns the ONNX graph's input names, in the
+    exporter writes below it, with ``program``'s dynamic dims (named as in ``dynamic_shapes``), and ``axes``
+    (:func:`requested_axes`) dynamic too: dims torch.export specialised that the TorchScript exporter keeps
+    dynamic where the graph computes with them (an LSTM's length). Returns the ONNX graph's input names, in the
     program's order of tensor user inputs.
 
     Raises:
@@ -160,7 +214,11 @@ def torchscript_export(program: torch.export.ExportedProgram, module: torch.nn.M
     """
     from torch.onnx import _constants
 
-    axes, inputs, outputs = dynamic_axes(program, dynamic_shapes)
+    found, inputs, outputs = dynamic_axes(program, dynamic_shapes)
+    for index, dims in (axes or {}).items():
+        if index < len(inputs):
+            found.setdefault(inputs[index], {}).update(dims)
+    axes = found
     flat = _FlatProgram(module, args, kwargs).eval()
     tensors = tuple(leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor))
     log = io.StringIO()

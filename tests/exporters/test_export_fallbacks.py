@@ -279,3 +279,53 @@ def test_validation_error_says_both_references(tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="against float64 eager"):
         fxforge.export_onnx(model, tmp_path / "deep.onnx", (x,))
     assert not (tmp_path / "deep.onnx").exists()
+
+
+class _Tagger(nn.Module):
+    """An LSTM tagger, written as users write one: torch.export keeps its length fixed (the RNN kernel's
+    checks guard the size), where ONNX's LSTM takes any length."""
+
+    def __init__(self, kind: type = nn.LSTM):
+        super().__init__()
+        self.embed = nn.Embedding(30, 8)
+        self.rnn = kind(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.embed(tokens))
+        return self.head(out)
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_dims_torch_export_keeps_fixed_are_dynamic_in_the_torchscript_exporters_file(kind, tmp_path):
+    """dynamic=True asks for the batch and the length: torch.export specialises the length, so the file is
+    written by the TorchScript exporter with both dynamic, validated at other sizes of each, and says so."""
+    torch.manual_seed(0)
+    model = _Tagger(kind).eval()
+    tokens = torch.randint(0, 30, (2, 12))
+    path = tmp_path / "tagger.onnx"
+    result = fxforge.export_onnx(model, path, (tokens,), dynamic=True)
+    assert result.fallback and "torch.export kept dims fixed that were asked dynamic" in result.fallback
+    assert any("seq" in label or "12" not in label for label in result.validation), result.validation
+    assert len(result.validation) == 3  # the example, then every dynamic dim larger and smaller
+    module = OnnxRuntimeModule(str(path), result.io)
+    for shape in [(2, 25), (5, 3), (1, 40)]:
+        other = torch.randint(0, 30, shape)
+        assert compare_outputs(model(other), module(other)).ok, shape
+
+
+def test_a_model_that_fails_at_other_lengths_itself_is_refused_with_that_reason(tmp_path):
+    """Where the model's own code holds the example's length (a reshape written with it), it cannot serve
+    other lengths: the export asked to make the length dynamic is refused, saying that the model itself fails
+    there, and nothing is written."""
+
+    class Fixed(_Tagger):
+        def forward(self, tokens):
+            out, _ = self.rnn(self.embed(tokens))
+            return self.head(out.reshape(tokens.shape[0] * 12, 16))
+
+    torch.manual_seed(0)
+    path = tmp_path / "fixed.onnx"
+    with pytest.raises(ExportError, match="the model itself fails at .*seq 13"):
+        fxforge.export_onnx(Fixed().eval(), path, (torch.randint(0, 30, (2, 12)),), dynamic=True)
+    assert not path.exists() and not list(tmp_path.iterdir())

@@ -35,8 +35,6 @@ class UserModel:
         fresh_kwargs: Keyword inputs of the calls in ``fresh`` (by position; none where the list is shorter).
         capturable: False when the model cannot be one whole graph (data-dependent branch, numpy).
         exportable: False when ONNX export cannot serve it at all (and why in ``why``).
-        ort_fixed_length: True where torch.export fixes the sequence length (an RNN), so an ONNX file serves
-            new batch sizes but not new lengths.
         cli_inputs: The ``--input`` arguments the CLI takes for it, or None where the CLI cannot express them.
     """
 
@@ -48,7 +46,6 @@ class UserModel:
     capturable: bool = True
     exportable: bool = True
     why: str = ""
-    ort_fixed_length: bool = False
     cli_inputs: list[str] | None = None
 
 
@@ -231,7 +228,6 @@ def lstm() -> UserModel:
         LSTMTagger().eval(),
         (torch.randint(0, 100, (2, 12)),),
         [(torch.randint(0, 100, (2, 25)),), (torch.randint(0, 100, (5, 12)),), (torch.randint(0, 100, (1, 40)),)],
-        ort_fixed_length=True,
         cli_inputs=["2x12:int64"],
     )
 
@@ -255,7 +251,6 @@ def gru() -> UserModel:
         GRURegressor().eval(),
         (torch.randn(4, 10, 6),),
         [(torch.randn(4, 17, 6),), (torch.randn(1, 10, 6),)],
-        ort_fixed_length=True,
         cli_inputs=["4x10x6"],
     )
 
