@@ -21,10 +21,14 @@ says so. Each step is logged as progress
 (:mod:`fxforge.runtime.progress`).
 
 Example:
-    >>> import torch
+    >>> import time, torch
     >>> model = torch.nn.Linear(4, 4).eval()
-    >>> built, result = race(model, (torch.ones(2, 4),), {}, [Entrant("native", lambda: model)])
-    >>> result.winner, sorted(built)   # the same module as eager: no faster, so eager itself wins
+    >>> class Slower(torch.nn.Module):  # the model, then a wait: slower than eager on any machine
+    ...     def forward(self, x):
+    ...         time.sleep(0.002)
+    ...         return model(x)
+    >>> built, result = race(model, (torch.ones(2, 4),), {}, [Entrant("native", Slower)])
+    >>> result.winner, sorted(built)   # no target beats eager: eager itself wins
     ('eager', ['native'])
 """
 
