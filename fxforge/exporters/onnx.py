@@ -46,6 +46,7 @@ from fxforge.core.captured import Captured
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, node_source
 from fxforge.core.tracing import tracing
+from fxforge.core.verify import isolated
 from fxforge.exporters.onnx_engine import run_onnx_rules
 from fxforge.exporters.onnx_rules import ONNX_RULES
 from fxforge.exporters.ort_module import IOSpec, OnnxRuntimeModule, default_providers
@@ -279,9 +280,9 @@ def _specialised_fallback(captured: Captured, path: str, opset: int, external_da
         raise ExportError(f"{failure}; {second}", stage=failure.stage, op=failure.op, source=failure.source) from second
     exported["other_sizes"] = resized_inputs(args, kwargs, axes)
     for label, other_args, other_kwargs in exported["other_sizes"]:
-        try:
-            with torch.no_grad():
-                captured.graph_module(*other_args, **other_kwargs)
+        try:  # the model itself (a graph module's failure would print its generated code on stderr)
+            with isolated(captured.module, inputs=(other_args, other_kwargs)), torch.no_grad():
+                captured.module(*other_args, **other_kwargs)
         except Exception as error:  # the model's own failure, said as the reason
             raise ExportError(f"{failure}; the model itself fails at {label}: {first_line(error)}",
                               stage=failure.stage, op=failure.op, source=failure.source) from error
