@@ -14,8 +14,8 @@ joint graph (:mod:`fxforge.training.step_graph`), the forward nodes to recompute
    sweep over the chain (:class:`~fxforge.training.recompute_choices.ChainFrontier`, dynamic programming)
    keeps every way to keep the whole chain that no other beats on saved bytes, rematerialized bytes and
    seconds together, so the least-recompute choice under any bound (saved plus the largest rematerialized
-   run) is read off it; :func:`~fxforge.training.recompute_choices._solve` states the same choice as a MILP
-   (scipy's HiGHS), which the tests hold it to. When no bound's choice fits, fixed patterns (a boundary
+   run) is read off it; the tests hold it to the same choice stated as a MILP (scipy's HiGHS,
+   ``tests/training/milp_oracle.py``). When no bound's choice fits, fixed patterns (a boundary
    kept every few pieces) are tried; when none fits either, a descent on the simulation itself adds one or
    two pieces' recomputation at a time from the closest choice (:func:`~fxforge.training.budget_search._descend`).
    Another partitioner's choices may be offered (``candidates=``; for ``target="inductor"``, Inductor's
@@ -73,11 +73,10 @@ from fxforge.training.budget_search import (
     _Trials,
 )
 from fxforge.training.checkpoint_plan import CheckpointPlan
-from fxforge.training.recompute_choices import (  # noqa: F401 - Choice, _solve: importable from here as before
+from fxforge.training.recompute_choices import (  # noqa: F401 - Choice: importable from here as before
     Choice,
     _choices,
     _offered_choices,
-    _solve,
 )
 from fxforge.training.recompute_units import _pieces, _units
 from fxforge.training.step_graph import StepGraphs

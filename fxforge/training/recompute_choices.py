@@ -1,13 +1,11 @@
 """The ways to keep each run of pieces (store, recompute its cheap units, recompute all but its boundary),
 and the choice among them for a bound on the saved bytes: :class:`ChainFrontier`, every least-recompute
-choice at once by dynamic programming over the chain of pieces, or one bound's exact choice as a
-set-partitioning MILP solved by scipy's HiGHS (:func:`_solve`).
+choice at once by dynamic programming over the chain of pieces (the tests hold it to the same choice stated
+as a set-partitioning MILP, ``tests/training/milp_oracle.py``).
 
 Example:
     >>> store = Choice((0, 0), set(), saved=100, rematerialized=0, seconds=0.0, mode="store")
     >>> recompute = Choice((0, 0), {1}, saved=10, rematerialized=0, seconds=1e-3, mode="recompute")
-    >>> _solve([store, recompute], 1, 200, 1.0)[0], _solve([store, recompute], 1, 50, 1.0)[0]
-    (set(), {1})
     >>> frontier = ChainFrontier([store, recompute], 1)
     >>> frontier.solve(200)[0], frontier.solve(50)[0], frontier.solve(5)
     (set(), {1}, None)
@@ -16,9 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import numpy as np
 
 from fxforge.training.recompute_units import Unit, _cheap
 
@@ -91,59 +86,6 @@ def _offered_choices(units: list[Unit], pieces: list[tuple[list[int], int]], off
     return choices
 
 
-def _solve(choices: list[Choice], pieces: int, saved_limit: float, time_limit: float, gap: float = 1e-4
-           ) -> tuple[set[int], str] | None:
-    """The choices covering every piece once with the least recompute time whose saved bytes, plus the
-    largest run the backward rematerializes at once, stay under ``saved_limit`` (a set-partitioning MILP
-    over the chain of pieces, exact for that model to the relative ``gap``)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
-    m = len(choices)
-    if m == 0:
-        return set(), "milp (nothing to choose)"
-    cost = np.array([c.seconds for c in choices] + [0.0])
-    rows, cols, vals, lower, upper = [], [], [], [], []
-    for col, choice in enumerate(choices):  # every piece covered by exactly one choice
-        for k in range(choice.pieces[0], choice.pieces[1] + 1):
-            rows.append(k)
-            cols.append(col)
-            vals.append(1.0)
-    lower += [1.0] * pieces
-    upper += [1.0] * pieces
-    row = pieces
-    for col, choice in enumerate(choices):  # z >= what each chosen run rematerializes
-        if choice.rematerialized:
-            rows += [row, row]
-            cols += [col, m]
-            vals += [float(choice.rematerialized), -1.0]
-            lower.append(-math.inf)
-            upper.append(0.0)
-            row += 1
-    for col, choice in enumerate(choices):  # saved bytes + z <= limit
-        rows.append(row)
-        cols.append(col)
-        vals.append(float(choice.saved))
-    rows.append(row)
-    cols.append(m)
-    vals.append(1.0)
-    lower.append(-math.inf)
-    upper.append(max(0.0, saved_limit))
-    row += 1
-    matrix = coo_matrix((vals, (rows, cols)), shape=(row, m + 1))
-    result = milp(cost, constraints=LinearConstraint(matrix, lower, upper),
-                  integrality=np.array([1] * m + [0]), bounds=Bounds(np.zeros(m + 1), np.array([1.0] * m + [math.inf])),
-                  options={"time_limit": time_limit, "mip_rel_gap": gap})
-    if result.x is None:
-        return None
-    chosen: set[int] = set()
-    for col, choice in enumerate(choices):
-        if result.x[col] > 0.5:
-            chosen |= choice.recomputed
-    status = "optimal" if result.status == 0 else "time limit: best found"
-    return chosen, f"milp (HiGHS, {status}) over {pieces} pieces, {m} choices"
-
-
 FRONTIER_GRAIN = 4096
 """:class:`ChainFrontier` tells partial choices apart by their saved and rematerialized bytes rounded to
 1/4096 of the largest total: of two within one grain, only the one with less recompute is kept."""
@@ -153,8 +95,8 @@ class ChainFrontier:
     """Every least-recompute way to keep the chain of ``pieces``, for any bound on saved bytes at once.
 
     The choices cover runs of consecutive pieces, so a way to keep the first ``k`` pieces is a path through
-    positions 0..k, and the bound the MILP of :func:`_solve` meets (saved bytes plus the largest run
-    rematerialized at once) is made of two sums over the path (saved bytes, the maximum rematerialized).
+    positions 0..k, and the bound on it (saved bytes plus the largest run rematerialized at once) is made
+    of a sum and a maximum over the path (saved bytes, the maximum rematerialized).
     A forward sweep keeps at each position the paths no other beats on all three of saved bytes,
     rematerialized bytes and seconds (the Pareto frontier; bytes within :data:`FRONTIER_GRAIN` of the
     largest total count as equal); :meth:`solve` then answers a bound by reading the last position's

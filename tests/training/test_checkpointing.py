@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fxforge.training import BudgetError, plan_checkpointing
-from fxforge.training.checkpointing import Choice, _solve, parse_budget
+from fxforge.training.checkpointing import Choice, parse_budget
 from fxforge.training.recompute_choices import ChainFrontier
+from tests.training.milp_oracle import solve as _solve
 from tests.training.models import gpt2, ids, images, resnet
 
 
