@@ -265,26 +265,18 @@ class OnnxRuntimeModule(nn.Module):
         return varied_inputs(self._input_meta, feeds, args, kwargs)
 
 
-    def _sizes_only(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Whether these inputs differ from what the ONNX model takes in sizes only (dtypes and ranks match)."""
-        for name, tensor in feeds:
-            meta = self._input_meta[name]
-            want = _ORT_DTYPES.get(meta.type)
-            if (want is not None and tensor.dtype != want) or len(meta.shape) != tensor.dim():
-                return False
-        return True
-
-    def _other_dtypes(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Whether some of these inputs have another dtype than the ONNX model takes (token ids as int32 where
-        it was exported with int64), their ranks the same."""
-        differ = False
+    def _differs_in(self, feeds: Sequence[tuple[str, torch.Tensor]]) -> str:
+        """How these inputs differ from what the ONNX model takes: ``"ranks"`` (some input has another number
+        of dims), else ``"dtypes"`` (another dtype: token ids as int32 where it was exported with int64), else
+        ``"sizes"`` (at most their sizes)."""
+        dtypes = False
         for name, tensor in feeds:
             meta = self._input_meta[name]
             if len(meta.shape) != tensor.dim():
-                return False
+                return "ranks"
             want = _ORT_DTYPES.get(meta.type)
-            differ = differ or (want is not None and tensor.dtype != want)
-        return differ
+            dtypes = dtypes or (want is not None and tensor.dtype != want)
+        return "dtypes" if dtypes else "sizes"
 
     # ------------------------------------------------------------------------------------------ session
 
@@ -400,10 +392,11 @@ class OnnxRuntimeModule(nn.Module):
         try:
             symbols = self.check_inputs(feeds)
         except InputShapeError as error:
-            if self._dynamic is None and self._export is not None and self._other_dtypes(feeds):
+            differs = self._differs_in(feeds)
+            if self._dynamic is None and self._export is not None and differs == "dtypes":
                 return self._variant(args, kwargs)(*args, **kwargs)  # an export of its own for those dtypes
             if not (self._dynamic is None and self._export is not None and self._grown < MAX_GROWTH
-                    and self._sizes_only(feeds)):
+                    and differs == "sizes"):
                 raise
             self._grown += 1  # a file that still does not take a call after MAX_GROWTH exports says so
             try:
