@@ -142,8 +142,7 @@ class AutoTarget(Target):
         notes: list[str] = []
         if stored is not None and stored.get("winner") == "eager" and stored.get("fastest") in entrants:
             module = _remembered_eager(model, entrants[stored["fastest"]], stored)
-            warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {module.race.why}",
-                          RaceWarning, stacklevel=4)
+            _warn_eager(model, module.race.why)
             return module
         if stored is not None and stored.get("winner") in entrants:
             winner = stored["winner"]
@@ -184,8 +183,7 @@ class AutoTarget(Target):
                             "when": time.strftime("%Y-%m-%d %H:%M")})
             cache.save()
         if result.winner == "eager":
-            warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {result.why}",
-                          RaceWarning, stacklevel=4)
+            _warn_eager(model, result.why)
             if fastest is None:
                 return _chosen(EagerModule(model), result)
             return _chosen(EagerModule(model, built[fastest.target], fastest.target), result)
@@ -245,6 +243,13 @@ class EagerModule(nn.Module):
         self.original.train(mode)
         self.training = mode
         return self
+
+
+def _warn_eager(model: nn.Module, why: str) -> None:
+    """The :class:`RaceWarning` that auto returns the model as it is, and why (a race's, or a remembered one's),
+    pointing at the user's ``fxforge.optimize`` call."""
+    warnings.warn(f"fxforge: target='auto' returns {type(model).__name__} as it is: {why}", RaceWarning,
+                  stacklevel=5)
 
 
 def _remembered_eager(model: nn.Module, fastest: Any, stored: dict) -> EagerModule:
