@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.capture.dynamo import own_graph
 from fxforge.capture.export import export_graph_module
 from fxforge.capture.fx_trace import TraceFailure, hidden_work, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
@@ -26,7 +27,7 @@ from fxforge.core.shapes import MetaInfo, annotate, run_and_annotate
 from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import compare_outputs, isolated
 
-METHODS = ("auto", "fx", "export")
+METHODS = ("auto", "fx", "export", "dynamo")
 
 
 class CaptureError(RuntimeError):
@@ -147,7 +148,7 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
     traced, traced_meta = None, None
     if method in ("auto", "fx"):
         try:
-            traced = trace_with_leaves(module, args, kwargs)
+            traced = own_graph(module) or trace_with_leaves(module, args, kwargs)
             if isinstance(reference, dict) and type(reference) is not dict:
                 # Tracing records a returned ModelOutput as a plain dict; give the graph the model's type.
                 restore_output_type(traced.graph_module, type(reference))

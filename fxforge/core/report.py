@@ -14,6 +14,8 @@ import html
 from collections import Counter
 from typing import Any
 
+from fxforge.core.breaks import share_line
+
 
 @dataclasses.dataclass(frozen=True)
 class Applied:
@@ -339,6 +341,10 @@ class Report:
     nodes_before: int = 0
     nodes_after: int = 0
     race: Race | None = None
+    breaks: list = dataclasses.field(default_factory=list)
+    graphs: list = dataclasses.field(default_factory=list)
+    flop_share: float | None = None
+    time_share: float | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -359,6 +365,8 @@ class Report:
             verified=list(self.verified),
             tuning=list(self.tuning),
             notes=list(self.notes),
+            breaks=list(self.breaks),
+            graphs=list(self.graphs),
             race=dataclasses.replace(self.race, contenders=list(self.race.contenders), notes=list(self.race.notes))
             if self.race is not None else None,
         )
@@ -376,6 +384,11 @@ class Report:
         else:
             lines.append("  no rewrite applied")
         lines.extend(f"  {line}" for line in collapsed_matches(self.matches))
+        if self.method == "dynamo":
+            lines.append(f"  {len(self.graphs)} graphs, {len(self.breaks)} breaks"
+                         + (f"; {share_line(self.flop_share, self.time_share)}" if self.flop_share is not None else ""))
+            lines.extend(f"  {part}" for part in self.graphs)
+            lines.extend(f"  break at {item}" for item in self.breaks)
         lines.extend(f"  {t}" for t in self.tuning)
         lines.extend(f"  ROLLED BACK {r}" for r in self.rolled_back)
         lines.extend(f"  near miss: {n}" for n in self.near_misses)
@@ -408,6 +421,12 @@ class Report:
                   [[t.rule, t.subject, t.choice, *_figures(t), t.note] for t in self.tuning]),
             table("Rolled back", ["rule", "matches", "error"],
                   [[r.rule, r.matches, r.error] for r in self.rolled_back]),
+            table("Graph breaks", ["line", "code", "reason", "fix"],
+                  [[b.line, b.code, b.reason, b.fix] for b in self.breaks]),
+            table("Graphs between breaks", ["graph", "lines", "nodes", "applied", "runs per call"],
+                  [[g.index, g.lines, f"{g.nodes_before} -> {g.nodes_after}",
+                    ", ".join(f"{k} x{v}" for k, v in sorted(g.counts.items())) or "none", g.calls]
+                   for g in self.graphs]),
             table("Near misses", ["rule", "node", "reason", "source"],
                   [[stage_key(n.rule, n.stage), n.node, n.reason, n.source or ""] for n in self.near_misses]),
             "" if self.race is None or not self.race.busy else

@@ -16,16 +16,23 @@ Example:
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from fxforge.capture import CaptureError
 from fxforge.core.captured import Captured
 from fxforge.core.plan import Plan
 from fxforge.core.report import Report
 from fxforge.core.vocabulary import HOOK_DICTS
+from fxforge.runtime.fallbacks import fallback_reason
 from fxforge.runtime.plans import PlanBuilder, PlanCache, ShapePolicy
+
+# (forward to run, why) -> a runner of the model through TorchDynamo, graph by graph
+# (:class:`fxforge.runtime.dynamo.DynamoRunner`), which the target hands in.
+DynamoFactory = Callable[[Callable[..., Any], str], Any]
 
 
 def _clear_graphs_after_load(module: nn.Module, incompatible_keys: Any) -> None:
@@ -33,6 +40,41 @@ def _clear_graphs_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     cache = module.__dict__.get("_fxforge_cache")
     if cache is not None:
         cache.clear()
+    runner = module.__dict__.get("_fxforge_dynamo")
+    if runner is not None:
+        runner.clear()
+
+
+def uncapturable(error: BaseException) -> bool:
+    """Whether a plan's build failed because no method captures the model as one graph (not because the model
+    itself raised on the inputs): what TorchDynamo, cutting the model at its breaks, takes over.
+
+    Example:
+        >>> uncapturable(CaptureError("Net", {"fx": "x", "export": "y"})), uncapturable(ValueError())
+        (True, False)
+    """
+    return isinstance(error, CaptureError) and "eager" not in error.reasons
+
+
+def use_dynamo(holder: dict, cache: PlanCache, dynamo: DynamoFactory | None, method: str,
+               forward: Callable[..., Any]) -> None:
+    """Set up, in ``holder`` (a module's ``__dict__``), how TorchDynamo runs the model: from the start with
+    ``method="dynamo"``, or once the model cannot be captured whole with ``method="auto"`` (the call that found
+    it out runs through dynamo too)."""
+    holder["_fxforge_dynamo"] = None
+    if dynamo is None:
+        return
+    if method == "dynamo":
+        holder["_fxforge_dynamo"] = dynamo(forward, "")
+    elif method == "auto":
+        def take_over(error: BaseException) -> bool:
+            if not uncapturable(error):
+                return False
+            runner = holder["_fxforge_dynamo"] = dynamo(forward, fallback_reason(error))
+            cache.eager = lambda *args, **kwargs: runner(args, kwargs)
+            return True
+
+        cache.divert = take_over
 
 
 class OptimizedModule(nn.Module):
@@ -57,7 +99,8 @@ class OptimizedModule(nn.Module):
         ([0.0, 0.0], 'fx')
     """
 
-    def __init__(self, model: nn.Module, build: PlanBuilder, policy: ShapePolicy | None = None):
+    def __init__(self, model: nn.Module, build: PlanBuilder, policy: ShapePolicy | None = None,
+                 dynamo: DynamoFactory | None = None, method: str = "auto"):
         super().__init__()
         # Share the model's registries instead of registering it as a child: keys stay un-prefixed.
         self.__dict__["_parameters"] = model._parameters
@@ -73,8 +116,16 @@ class OptimizedModule(nn.Module):
         # The hooks ran around this module's forward already: where no plan serves, the model's forward runs.
         self.__dict__["_fxforge_cache"] = PlanCache(model, build, eager=lambda *a, **k: model.forward(*a, **k),
                                                     policy=policy)
+        self.__dict__["_fxforge_method"] = (dynamo, method)
+        use_dynamo(self.__dict__, self.cache, dynamo, method, model.forward)
         self.training = model.training
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
+
+    @property
+    def dynamo(self) -> Any:
+        """The :class:`~fxforge.runtime.dynamo.DynamoRunner` that runs the model graph by graph (``method="dynamo"``,
+        or a model that cannot be captured whole with ``method="auto"``), or None."""
+        return self.__dict__.get("_fxforge_dynamo")
 
     @property
     def cache(self) -> PlanCache:
@@ -82,12 +133,17 @@ class OptimizedModule(nn.Module):
         return self.__dict__["_fxforge_cache"]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.cache(args, kwargs)
+        runner = self.__dict__["_fxforge_dynamo"]
+        return self.cache(args, kwargs) if runner is None else runner(args, kwargs)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Captured | None:
         """Capture, rewrite and lower for these inputs now, without running: the plan for calls that record no
-        gradients (under the autocast in force now); returns its ``Captured`` (or None)."""
-        plan = self.cache.plan_for(args, kwargs)
+        gradients (under the autocast in force now); returns its ``Captured`` (or None). A model run through
+        TorchDynamo runs once (its state left as it was) to build each graph's plan and measure its report's
+        shares."""
+        plan = self.cache.plan_for(args, kwargs) if self.dynamo is None else None
+        if self.dynamo is not None:
+            self.dynamo.prepare(args, kwargs)
         return plan.captured if plan is not None else None
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan | None:
@@ -113,7 +169,7 @@ class OptimizedModule(nn.Module):
             >>> opt.plans_built, opt.cache.plans_reused   # sizes 2 (its plan), then 3, 4 and 5 served by it
             (1, 3)
         """
-        return self.cache.plans_built
+        return self.cache.plans_built if self.dynamo is None else self.dynamo.plans_built
 
     @property
     def captured(self) -> Captured | None:
@@ -133,6 +189,8 @@ class OptimizedModule(nn.Module):
             >>> opt.report is None
             True
         """
+        if self.dynamo is not None:
+            return self.dynamo.report
         if self.cache.captured is not None:
             return self.cache.captured.report
         if self.cache.fallbacks:
@@ -163,11 +221,12 @@ class OptimizedModule(nn.Module):
             >>> twin.original is not model, twin.weight is twin.original.weight
             (True, True)
         """
-        return OptimizedModule, (self.original, self.cache.build, self.cache.policy)
+        return OptimizedModule, (self.original, self.cache.build, self.cache.policy, *self.__dict__["_fxforge_method"])
 
 
 def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], PlanBuilder],
-                   policy: ShapePolicy | None = None) -> type[nn.Module]:
+                   policy: ShapePolicy | None = None, dynamo: DynamoFactory | None = None,
+                   method: str = "auto") -> type[nn.Module]:
     """A subclass of ``cls`` whose instances capture and rewrite themselves on their first call.
 
     The subclass keeps the class's name, module and docstring; instances are ordinary instances of
@@ -199,16 +258,21 @@ def optimize_class(cls: type[nn.Module], builder_for: Callable[[nn.Module], Plan
             cache = PlanCache(self, builder_for(self), eager=lambda *a, **k: eager_forward(self, *a, **k),
                               policy=policy)
             self.__dict__["_fxforge_cache"] = cache
-        return cache(args, kwargs)
+            use_dynamo(self.__dict__, cache, dynamo, method, types.MethodType(eager_forward, self))
+        runner = self.__dict__["_fxforge_dynamo"]
+        return cache(args, kwargs) if runner is None else runner(args, kwargs)
 
     def fxforge_report(self) -> Report | None:
-        cache = self.__dict__.get("_fxforge_cache")
+        cache, runner = self.__dict__.get("_fxforge_cache"), self.__dict__.get("_fxforge_dynamo")
+        if runner is not None:
+            return runner.report
         return cache.captured.report if cache is not None and cache.captured is not None else None
 
     def __getstate__(self):
         state = (super(optimized, self).__getstate__() if hasattr(super(optimized, self), "__getstate__")
                  else self.__dict__).copy()
         state.pop("_fxforge_cache", None)
+        state.pop("_fxforge_dynamo", None)
         return state
 
     original_init = cls.__init__

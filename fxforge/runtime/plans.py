@@ -47,7 +47,7 @@ from fxforge.runtime import fallbacks
 from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning, caller_stacklevel, gradients_cause
 from fxforge.runtime.first_use import against_eager, at, fx_plan_of_family, sizes
 from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad, silenced_hooks
-from fxforge.runtime.plan_policy import (  # noqa: F401 - MAX_PLANS: importable from here as before
+from fxforge.runtime.plan_policy import (  # noqa: F401 - as before
     MAX_PLANS,
     MAX_REBUILDS,
     MAX_SERVED,
@@ -57,13 +57,7 @@ from fxforge.runtime.plan_policy import (  # noqa: F401 - MAX_PLANS: importable 
     numel,
     smaller_example,
 )
-from fxforge.runtime.signature import (
-    describe_signature,
-    differing_dims,
-    family_of,
-    input_signature,
-    sizes_of,
-)
+from fxforge.runtime.signature import describe_signature, differing_dims, family_of, input_signature, sizes_of
 
 # (args, kwargs, conditions, dynamic) -> the plan for calls like this one (dynamic: None for the input signature
 # only, else the input dims to keep symbolic or a torch.export dynamic_shapes spec); raises when the module
@@ -106,6 +100,8 @@ class PlanCache:
         self.module = module
         self.build = build
         self.eager = eager if eager is not None else module
+        # error -> whether something else takes over the calls a capture failure leaves (dynamo, graph by graph)
+        self.divert: Callable[[BaseException], bool] | None = None
         self.policy = policy or ShapePolicy()
         self.plans: dict[Hashable, Plan | None] = {}
         self.plans_built = 0  # builds made (captures), for reports and benchmarks
@@ -378,7 +374,7 @@ class PlanCache:
         self._set_during_build = state.changes()
         if self._set_during_build:
             state.restore()  # (a graph of such a forward differs from it: its failure is no news)
-        elif error is not None and not quiet:
+        elif error is not None and not quiet and not (self.divert is not None and self.divert(error)):
             reason = fallbacks.fallback_reason(error)
             self._warn(f"running {type(self.module).__name__} eagerly for inputs "
                        f"{describe_signature(args, kwargs)}: {reason}")

@@ -23,7 +23,8 @@ from fxforge.exporters.export import dynamic_capture
 from fxforge.exporters.pt2 import NativeExport, save_native
 from fxforge.lowering import build
 from fxforge.lowering.build import Lowering, plan_builder
-from fxforge.runtime.native import OptimizedModule, optimize_class
+from fxforge.runtime.dynamo import DynamoRunner
+from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
 from fxforge.runtime.race import Entrant
 from fxforge.targets.base import Contract, Target, model_kind, prepared
@@ -49,15 +50,25 @@ class NativeTarget(Target):
         policy = ShapePolicy(options.get("dynamic"), options.get("dynamic_shapes"),
                              options.get("max_plans", MAX_PLANS))
         plan_options = {k: options[k] for k in _PLAN_OPTIONS if k in options}
+        method = plan_options.pop("method", "auto")
+        if method != "dynamo":
+            plan_options["method"] = method
+        dynamo = self.dynamo_factory(plan_options, policy)
         if model_kind(model) == "class":
             return optimize_class(model, functools.partial(plan_builder, lowering=self.lowering, **plan_options),
-                                  policy)
-        module = OptimizedModule(model, plan_builder(model, lowering=self.lowering, **plan_options), policy)
+                                  policy, dynamo, method)
+        module = OptimizedModule(model, plan_builder(model, lowering=self.lowering, **plan_options), policy,
+                                 dynamo, method)
         module.__dict__["fxforge_options"] = dict(options)
         if example_inputs is not None:
             args, kwargs = normalize_inputs(example_inputs)
             module.prepare(*args, **kwargs)
         return module
+
+    def dynamo_factory(self, plan_options: dict[str, Any], policy: ShapePolicy) -> DynamoFactory:
+        """How a model with graph breaks runs: TorchDynamo cuts it, and each graph between its breaks is built by
+        this target's plan builder (its lowering: native kernels, or Inductor) with the same options."""
+        return functools.partial(_dynamo_runner, self.lowering, {**plan_options, "method": "auto"}, policy)
 
     def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> NativeExport:
         """The latest plan's rewritten graph as a ``.pt2`` (:func:`~fxforge.exporters.pt2.save_native`),
@@ -87,6 +98,14 @@ class NativeTarget(Target):
             shared["nodes"] = module.report.nodes_after  # Inductor's compile estimate reads it
 
         return Entrant(self.name, lambda: prepared(self.build(model, None, options), args, kwargs), built=built)
+
+
+def _dynamo_runner(lowering: Lowering, options: dict[str, Any], policy: ShapePolicy, forward: Any,
+                   why: str) -> DynamoRunner:
+    """A :class:`~fxforge.runtime.dynamo.DynamoRunner` of ``forward``'s model whose graphs are built with
+    ``lowering`` and ``options`` (module-level, so that an optimized module pickles)."""
+    return DynamoRunner(forward.__self__, forward, functools.partial(plan_builder, lowering=lowering, **options),
+                        policy, why)
 
 
 NATIVE = NativeTarget()
