@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import re
 import threading
 from collections.abc import Callable
@@ -54,12 +55,15 @@ class GraphLayout:
         names: their attribute names in the host (dotted, as in the model where dynamo's source says so).
         sizes: position of an int input -> ``(position of a tensor input, dim)`` whose size it is.
         kept: positions of the inputs the host takes.
+        dynamic: ``(leaf, dim)`` of the host's inputs whose sizes dynamo made symbolic (automatic dynamic shapes:
+            the graph was compiled again for a new size), leaf counting the kept inputs.
     """
 
     bound: tuple[int, ...]
     names: tuple[str, ...]
     sizes: dict[int, tuple[int, int]]
     kept: tuple[int, ...]
+    dynamic: frozenset = frozenset()
 
 
 def attribute_path(source: str) -> str | None:
@@ -105,7 +109,10 @@ def layout_of(gm: torch.fx.GraphModule, example_inputs: list) -> GraphLayout:
             sizes[i] = symbols[str(example)]
         else:
             kept.append(i)
-    return GraphLayout(tuple(bound), tuple(names), sizes, tuple(kept))
+    dynamic = frozenset((leaf, dim) for leaf, i in enumerate(kept)
+                        if isinstance(value := placeholders[i].meta.get("example_value"), torch.Tensor)
+                        for dim, size in enumerate(value.shape) if isinstance(size, torch.SymInt))
+    return GraphLayout(tuple(bound), tuple(names), sizes, tuple(kept), dynamic)
 
 
 def host_module(gm: torch.fx.GraphModule, layout: GraphLayout, tensors: list[torch.Tensor],
@@ -261,24 +268,36 @@ def _lines_of(gm: torch.fx.GraphModule) -> str:
     return format_location(filename, f"{low}-{high}" if high != low else low)
 
 
-def dynamo_breaks_since(mark: int) -> list[Break]:
-    """The breaks dynamo recorded in this process since ``len(torch._dynamo.utils.graph_break_reasons)`` was
-    ``mark`` (breaks of frames compiled since; those before an empty graph included).
+def dynamo_breaks_since(mark: tuple[int, int]) -> list[Break]:
+    """The breaks dynamo met in this process since :func:`break_mark` gave ``mark``: those it cut a graph at
+    (``torch._dynamo.utils.graph_break_reasons``; breaks before an empty graph included), and those that made it
+    run a whole function in Python (a break inside a loop: the calls inside it are compiled as frames of their
+    own), from its compilation metrics.
 
     Example:
         >>> dynamo_breaks_since(break_mark())
         []
     """
-    from torch._dynamo.utils import graph_break_reasons
+    from torch._dynamo.utils import get_compilation_metrics, graph_break_reasons
 
-    return distinct([b for b in map(break_of, graph_break_reasons[mark:]) if b is not None])
+    _, frames = break_mark()
+    found = [b for b in map(break_of, graph_break_reasons[mark[0]:]) if b is not None]
+    for metrics in get_compilation_metrics()[-(frames - mark[1]):] if frames > mark[1] else ():
+        filename, lineno = metrics.fail_user_frame_filename, metrics.fail_user_frame_lineno
+        if metrics.fail_reason and filename and lineno:
+            whole = explain_break(metrics.fail_reason, filename, int(lineno),
+                                  linecache.getline(filename, int(lineno)))
+            found.append(dataclasses.replace(whole, reason=whole.reason + f"; dynamo runs {metrics.co_name}() in "
+                                             "Python (a break inside a loop), each call inside it a graph of its own"))
+    return distinct(found)
 
 
-def break_mark() -> int:
-    """Where dynamo's list of break reasons ends now (see :func:`dynamo_breaks_since`)."""
-    from torch._dynamo.utils import graph_break_reasons
+def break_mark() -> tuple[int, int]:
+    """Where dynamo's records of breaks end now: its break reasons and the frames it tried to compile (see
+    :func:`dynamo_breaks_since`)."""
+    from torch._dynamo.utils import counters, graph_break_reasons
 
-    return len(graph_break_reasons)
+    return len(graph_break_reasons), counters["frames"]["total"]
 
 
 @dataclasses.dataclass
@@ -294,6 +313,12 @@ class DynamoCapture:
     graphs: list[tuple[CompiledGraph, torch.fx.GraphModule, tuple]]
     breaks: list[Break]
     calls: dict[int, int]
+    method: str = "dynamo"
+
+    @property
+    def graph_modules(self) -> list[torch.fx.GraphModule]:
+        """Each graph's host module (the model's parameters as its attributes), in the order the model ran them."""
+        return [host for _, host, _ in self.graphs]
 
 
 class _Collector:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxforge.capture.dynamo import own_graph
+from fxforge.capture.dynamo import capture_dynamo, own_graph
 from fxforge.capture.export import export_graph_module
 from fxforge.capture.fx_trace import TraceFailure, hidden_work, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
@@ -40,10 +40,13 @@ class CaptureError(RuntimeError):
         'cannot capture Net: fx: TraceError: x at m.py:3'
     """
 
-    def __init__(self, model_name: str, reasons: dict[str, str]):
+    def __init__(self, model_name: str, reasons: dict[str, str], breaks: list | None = None):
         self.reasons = reasons
+        self.breaks = list(breaks or [])  # where TorchDynamo cuts the model (core.breaks.Break), where known
         detail = "; ".join(f"{method}: {why}" for method, why in reasons.items())
-        super().__init__(f"cannot capture {model_name}: {detail}")
+        cuts = ("; one graph cannot hold it, TorchDynamo breaks it at " + "; ".join(map(str, self.breaks))
+                if self.breaks else "")
+        super().__init__(f"cannot capture {model_name}: {detail}{cuts}")
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -134,6 +137,8 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
     args, kwargs = normalize_inputs(example_inputs)
     kwargs.update(example_kwargs or {})
     name = type(module).__name__
+    if method == "dynamo":
+        return capture_dynamo(module, args, example_kwargs=kwargs)
     register_transformers_pytrees(module)  # cache objects in outputs must be pytrees (export, comparison)
     reference = None
     if check:
@@ -179,7 +184,22 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         notes = [f"torch.export failed ({reasons['export']}); kept the trace with {kept}"]
         return captured_from(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes, info=traced_meta,
                        reference=reference)
-    raise CaptureError(name, reasons)
+    raise CaptureError(name, reasons, breaks_of(module, args, kwargs))
+
+
+def breaks_of(module: nn.Module, args: tuple, kwargs: dict) -> list:
+    """Where TorchDynamo cuts ``module`` on these inputs (its state left as it was), for an error that says why
+    one graph cannot hold it; [] where dynamo fails on it too.
+
+    Example:
+        >>> breaks_of(torch.nn.ReLU(), (torch.ones(1),), {})
+        []
+    """
+    try:
+        with isolated(module, inputs=(args, kwargs)):
+            return capture_dynamo(module, args, example_kwargs=kwargs).breaks
+    except Exception:  # noqa: BLE001 - the error being built says what broke; dynamo failing adds nothing
+        return []
 
 
 def captured_from(module: nn.Module, graph_module: torch.fx.GraphModule, method: str, opaque: list,

@@ -30,6 +30,10 @@ def capture_failure(model_name: str, error: BaseException | str) -> str:
         >>> capture_failure("Net", "cannot capture Net: fx: TypeError: bad at m.py:3")
         'cannot capture Net: fx: TypeError: bad at m.py:3'
     """
+    breaks = getattr(error, "breaks", None)
+    if breaks:
+        return (f"{model_name} cannot be captured as one graph: TorchDynamo breaks it at "
+                + "; ".join(str(item) for item in breaks))
     reasons = getattr(error, "reasons", None) or [str(error)]
     branch = data_branch(reasons)
     if branch is None:

@@ -28,20 +28,42 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo.config as dynamo_config
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxforge.capture.dynamo import CompiledGraph, break_mark, compiled_forward, dynamo_breaks_since, owning
 from fxforge.core.breaks import Break, GraphPart, distinct
 from fxforge.core.report import Report
+from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import isolated
+from fxforge.runtime.fallbacks import FallbackWarning, caller_stacklevel
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.plans import PlanBuilder, ShapePolicy
+
+
+def one_graph_needed(model_name: str, what: str, breaks: list[Break]) -> str:
+    """The one line refusing ``what`` (an export) for a model that runs as several graphs, naming each break.
+
+    Example:
+        >>> one_graph_needed("Net", "a .pt2 file", [Break("m.py:4", "calls print()", "remove the print")])
+        'a .pt2 file holds one graph, and Net runs as graphs between breaks: m.py:4: calls print(); fix: remove the print'
+    """
+    cuts = "; ".join(map(str, breaks)) if breaks else "dynamo named no break"
+    return f"{what} holds one graph, and {model_name} runs as graphs between breaks: {cuts}"
+
+
+def where(error: BaseException) -> str:
+    """`` at file.py:12: code`` of the user's line an error broke at, or ""."""
+    line = user_frame_of(error)
+    return f" at {line}" if line else ""
 
 
 class DynamoRunner:
@@ -59,7 +81,11 @@ class DynamoRunner:
     def __init__(self, model: nn.Module, forward: Callable[..., Any],
                  builder_for: Callable[[nn.Module], PlanBuilder], policy: ShapePolicy | None = None, why: str = ""):
         self.model = model
+        self.forward = forward
         self.compiled = compiled_forward(forward)
+        self.failed = ""  # why dynamo is not used any more (it raised where the model does not)
+        self._graph_error: BaseException | None = None  # the latest error raised inside a graph's run
+        self.ran: list[int] = []  # the graphs the latest call ran, in order
         self.builder_for = builder_for
         self.policy = policy
         self.why = why
@@ -73,15 +99,44 @@ class DynamoRunner:
         self._measuring: dict | None = None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        mark = break_mark()
-        with owning(self):
-            result = self.compiled(*args, **kwargs)
+        if self.failed:
+            return self.forward(*args, **kwargs)
+        mark, skipped = break_mark(), dynamo_config.skip_nnmodule_hook_guards
+        self.ran = []
+        dynamo_config.skip_nnmodule_hook_guards = False  # a hook added later is the model's: guard on hooks
+        try:
+            with owning(self):
+                result = self.compiled(*args, **kwargs)
+        except Exception as error:  # (dynamo's own failures only: an error inside a graph is raised)
+            if error is self._graph_error:
+                raise
+            return self._dynamo_failed(error, args, kwargs)
+        finally:
+            dynamo_config.skip_nnmodule_hook_guards = skipped
         if break_mark() != mark:
             self.breaks = distinct(self.breaks + dynamo_breaks_since(mark))
         return result
 
+    def _dynamo_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+        """A call through dynamo raised: the model's own error where the forward raises too (it is re-raised);
+        else dynamo ran the user's code differently from Python (a numpy call it traces, say), and the model runs
+        eagerly from now on, after one warning naming dynamo's error."""
+        result = self.forward(*args, **kwargs)  # raises the model's own error where the inputs are bad
+        self.failed = f"TorchDynamo failed on a call the model serves ({first_line(error)}{where(error)})"
+        warnings.warn(f"fxforge: running {type(self.model).__name__} eagerly: {self.failed}", FallbackWarning,
+                      stacklevel=caller_stacklevel())
+        return result
+
     def run_graph(self, graph: CompiledGraph, args: tuple) -> Any:
         """Run one of dynamo's graphs for this model (the ``owner`` protocol of :mod:`fxforge.capture.dynamo`)."""
+        try:
+            return self._run_graph(graph, args)
+        except Exception as error:  # (fxforge's, or the model's own at these inputs: raised as it is)
+            self._graph_error = error
+            raise
+
+    def _run_graph(self, graph: CompiledGraph, args: tuple) -> Any:
+        self.ran.append(graph.index)
         entry = self.modules.get(graph.index)
         if entry is None or any(args[i] is not held for i, held in zip(graph.layout.bound, entry[0])):
             entry = self._adopt(graph, args)
@@ -93,15 +148,23 @@ class DynamoRunner:
         start = time.perf_counter()
         result = entry[1](*kept)
         measuring["inside"] += time.perf_counter() - start
-        if graph.index not in self.flops:
-            with FlopCounterMode(display=False) as counter:
-                graph.graph_module(*args)
-            self.flops[graph.index] = counter.get_total_flops()
+        counting = time.perf_counter()
+        with FlopCounterMode(display=False) as counter:  # (at this call's sizes: a loop's graph grows)
+            graph.graph_module(*args)
+        measuring["counting"] = measuring.get("counting", 0.0) + time.perf_counter() - counting
+        measuring["flops"] += counter.get_total_flops()
+        self.flops[graph.index] = counter.get_total_flops()
         return result
 
     def _adopt(self, graph: CompiledGraph, args: tuple) -> tuple[tuple, OptimizedModule]:
         host = graph.host(args, self.model.training)
-        module = OptimizedModule(host, self.builder_for(host), self.policy)
+        policy = self.policy or ShapePolicy()
+        if policy.dynamic is None and policy.dynamic_shapes is None:
+            # Dynamo's guards decide the sizes a graph meets: a graph of static sizes meets those only (one plan);
+            # one it compiled again with dims symbolic (a new size came) gets one plan serving every size of them.
+            policy = (dataclasses.replace(policy, dynamic_shapes=graph.layout.dynamic) if graph.layout.dynamic
+                      else dataclasses.replace(policy, dynamic=False))
+        module = OptimizedModule(host, self.builder_for(host), policy)
         entry = (tuple(args[i] for i in graph.layout.bound), module)
         self.modules[graph.index] = entry
         self.graphs[graph.index] = graph
@@ -124,14 +187,15 @@ class DynamoRunner:
             with FlopCounterMode(display=False) as counter:
                 self.model.forward(*args, **kwargs)
             total = counter.get_total_flops()
-            self.calls, self._measuring = {}, {"inside": 0.0}
+            self.calls, self._measuring = {}, {"inside": 0.0, "flops": 0}
             try:
                 start = time.perf_counter()
                 self(args, kwargs)
                 whole = time.perf_counter() - start
             finally:
-                inside, self._measuring = self._measuring["inside"], None
-        counted = sum(self.flops.get(index, 0) * runs for index, runs in self.calls.items())
+                measured, self._measuring = self._measuring, None
+        inside, counted = measured["inside"], measured["flops"]
+        whole -= measured.get("counting", 0.0)
         self.flop_share = min(1.0, counted / total) if total else None
         self.time_share = min(1.0, inside / whole) if whole > 0 else None
 
@@ -140,9 +204,11 @@ class DynamoRunner:
         """One report for every graph: their rewrites together, the breaks, and each graph's part."""
         report = Report(method="dynamo", breaks=list(self.breaks), flop_share=self.flop_share,
                         time_share=self.time_share)
+        if self.failed:
+            report.notes.append(f"runs eagerly: {self.failed}")
         if self.why:
             report.notes.append(f"captured through TorchDynamo, graph by graph: {self.why}")
-        for index in sorted(self.modules):
+        for index in dict.fromkeys(self.ran or sorted(self.modules)):  # the latest call's graphs
             part = self.modules[index][1].report
             graph = self.graphs[index]
             if part is None:
@@ -156,7 +222,7 @@ class DynamoRunner:
             report.nodes_before += part.nodes_before
             report.nodes_after += part.nodes_after
             report.graphs.append(GraphPart(len(report.graphs) + 1, graph.lines, part.nodes_before, part.nodes_after,
-                                           part.counts, graph.ends, self.calls.get(index, 1),
+                                           part.counts, graph.ends, self.ran.count(index) or 1,
                                            self.flops.get(index, 0)))
         return report
 

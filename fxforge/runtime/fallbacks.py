@@ -18,6 +18,8 @@ import re
 import sys
 from typing import Any
 
+from fxforge.core.breaks import BRANCH_FIXES
+
 
 class FallbackWarning(UserWarning):
     """fxforge could not capture a model for some inputs and runs it eagerly instead.
@@ -102,9 +104,6 @@ _DATA_DEPENDENT = ("cannot be used as inputs to control flow", "data-dependent",
                    "data dependent", "branches on a tensor's value")
 # The capture's "at file.py:12: code" (up to the next method's reason), or this module's "at file.py:12 (code),".
 _WHERE = re.compile(r" at (\S+?\.py:\d+)(?:: (.*?)(?:; \w+: |$)| \((.*?)\),)")
-# What to do about a branch on a tensor's value (a graph holds one path).
-BRANCH_FIXES = ("compute both sides and pick with torch.where(cond, a, b), or use torch.cond(pred, true_fn, "
-                "false_fn, operands), or move the branch out of forward")
 
 
 def data_branch(reasons: dict[str, str] | list[str]) -> tuple[str, str] | None:

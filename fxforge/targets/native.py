@@ -23,7 +23,7 @@ from fxforge.exporters.export import dynamic_capture
 from fxforge.exporters.pt2 import NativeExport, save_native
 from fxforge.lowering import build
 from fxforge.lowering.build import Lowering, plan_builder
-from fxforge.runtime.dynamo import DynamoRunner
+from fxforge.runtime.dynamo import DynamoRunner, one_graph_needed
 from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
 from fxforge.runtime.race import Entrant
@@ -75,6 +75,9 @@ class NativeTarget(Target):
         loaded back and checked. A graph ``torch.export`` captured with the example's sizes is captured again
         with the batch dim dynamic first (``dynamic_batch``) and rewritten with the same rewrites."""
         captured = built.captured
+        runner = getattr(built, "dynamo", None)
+        if runner is not None:
+            raise ValueError(one_graph_needed(type(built.original).__name__, "a .pt2 file", runner.report.breaks))
         if captured is None:
             raise ValueError("nothing to write: the module has not been prepared for any inputs")
         if dynamic_batch and captured.method == "export":

@@ -92,8 +92,8 @@ def test_train_and_eval_get_their_own_graphs():
     assert len(opt.cache.plans) == 2
 
 
-def test_capture_failure_falls_back_to_eager_with_one_warning():
-    opt = fxforge.optimize(Gated())
+def test_capture_failure_with_a_whole_graph_method_falls_back_to_eager_with_one_warning():
+    opt = fxforge.optimize(Gated(), method="fx")  # one graph asked for: no dynamo
     x = torch.ones(3)
     with pytest.warns(FallbackWarning, match="running Gated eagerly for inputs \\(float32\\[3\\]\\)"):
         assert opt(x).tolist() == [2.0, 2.0, 2.0]
@@ -103,6 +103,18 @@ def test_capture_failure_falls_back_to_eager_with_one_warning():
     # the report says the model runs eagerly and why (it was None, so opt.report.counts raised)
     assert opt.report.method == "eager" and opt.report.counts == {}
     assert "running Gated eagerly for inputs (float32[3])" in opt.report.notes[0]
+
+
+def test_capture_failure_with_method_auto_runs_the_graphs_between_breaks_without_a_warning():
+    opt = fxforge.optimize(Gated())
+    x = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt(x).tolist() == [2.0, 2.0, 2.0]
+        assert opt(-x).tolist() == [1.0, 1.0, 1.0]
+    assert opt.report.method == "dynamo" and opt.dynamo is not None
+    assert [b.code for b in opt.report.breaks] == ["if x.sum() > 0:"]
+    assert "captured through TorchDynamo" in opt.report.notes[0]
 
 
 def test_loading_new_weights_clears_graphs():
