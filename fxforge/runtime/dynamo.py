@@ -208,11 +208,8 @@ class DynamoRunner:
             report.notes.append(f"runs eagerly: {self.failed}")
         if self.why:
             report.notes.append(f"captured through TorchDynamo, graph by graph: {self.why}")
-        for index in dict.fromkeys(self.ran or sorted(self.modules)):  # the latest call's graphs
-            part = self.modules[index][1].report
-            graph = self.graphs[index]
-            if part is None:
-                continue
+        for graph, module in self.ordered():
+            part = module.report
             report.matches.extend(part.matches)
             report.near_misses.extend(part.near_misses)
             report.rolled_back.extend(part.rolled_back)
@@ -222,9 +219,16 @@ class DynamoRunner:
             report.nodes_before += part.nodes_before
             report.nodes_after += part.nodes_after
             report.graphs.append(GraphPart(len(report.graphs) + 1, graph.lines, part.nodes_before, part.nodes_after,
-                                           part.counts, graph.ends, self.ran.count(index) or 1,
-                                           self.flops.get(index, 0)))
+                                           part.counts, graph.ends, self.ran.count(graph.index) or 1,
+                                           self.flops.get(graph.index, 0)))
         return report
+
+    def ordered(self) -> list[tuple[CompiledGraph, OptimizedModule]]:
+        """The graphs of the latest call (else every graph built), in the order they ran, each with its optimized
+        module; only those with a report (the report's ``graphs`` number them in this order, from 1)."""
+        indices = dict.fromkeys(self.ran or sorted(self.modules))
+        return [(self.graphs[i], self.modules[i][1]) for i in indices
+                if i in self.modules and self.modules[i][1].report is not None]
 
     @property
     def plans_built(self) -> int:

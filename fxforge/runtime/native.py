@@ -190,7 +190,9 @@ class OptimizedModule(nn.Module):
             True
         """
         if self.dynamo is not None:
-            return self.dynamo.report
+            report = self.dynamo.report  # made on each read: target="auto"'s race (this module won it) kept on it
+            report.race = self.__dict__.get("race")
+            return report
         if self.cache.captured is not None:
             return self.cache.captured.report
         if self.cache.fallbacks:

@@ -6,6 +6,7 @@
 - :mod:`~fxforge.runtime.profile.op_names`: each node's op, named by :mod:`fxforge.core.vocabulary`;
 - :mod:`~fxforge.runtime.profile.modules`: the user's module each node belongs to;
 - :mod:`~fxforge.runtime.profile.table`: :class:`Profile`, the table and its summaries;
+- :mod:`~fxforge.runtime.profile.graphs`: a model TorchDynamo cuts into graphs, each graph's nodes in one table;
 - :mod:`~fxforge.runtime.profile.plots`: matplotlib plots of a profile.
 
 Example:
@@ -14,7 +15,8 @@ Example:
     ('Profile', ['linear'])
 """
 
+from fxforge.runtime.profile.graphs import GraphsProfile
 from fxforge.runtime.profile.measure import profile_graph
 from fxforge.runtime.profile.table import Profile
 
-__all__ = ["Profile", "profile_graph"]
+__all__ = ["GraphsProfile", "Profile", "profile_graph"]

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxforge.capture import capture, normalize_inputs
+from fxforge.capture import CaptureError, capture, normalize_inputs
 from fxforge.core.captured import Captured
 from fxforge.runtime.native import OptimizedModule
+from fxforge.runtime.profile.graphs import profile_between_breaks, profile_optimized_graphs
 from fxforge.runtime.profile.measure import profile_graph
 from fxforge.runtime.profile.table import Profile
 
@@ -35,6 +36,11 @@ def profile(model_or_captured: Any, example_inputs: Any = None, *, warmup: int =
       calls of their oneDNN/cuDNN kernels on prepacked weights (their ``op`` is still
       ``fxforge.conv_pointwise``; ``target`` names the kernel). (With gradients on, it runs the rewritten
       graph instead: profile ``opt.captured`` for that.)
+
+    A model no whole graph holds (a branch on a tensor's value, ``.item()``...) is profiled graph by graph
+    between the breaks TorchDynamo cuts it at (an optimized module running it graph by graph: each graph's
+    lowered plan): a :class:`~fxforge.runtime.profile.graphs.GraphsProfile`, whose table's ``graph`` column
+    numbers the graphs (:mod:`fxforge.runtime.profile.graphs`).
 
     Nodes run under ``torch.no_grad()``; the graph's buffers (BatchNorm statistics in training mode) and the
     RNG are restored afterwards. See :mod:`fxforge.runtime.profile` for every column.
@@ -59,10 +65,15 @@ def profile(model_or_captured: Any, example_inputs: Any = None, *, warmup: int =
     """
     if warmup < 0 or repeat < 1:
         raise ValueError(f"profile needs warmup >= 0 and repeat >= 1 (got {warmup}, {repeat})")
-    graph_module, args, kwargs, what, model = _profiled(model_or_captured, example_inputs)
+    options = {"warmup": warmup, "repeat": repeat, "device": device}
+    if isinstance(model_or_captured, OptimizedModule) and model_or_captured.dynamo is not None:
+        return profile_optimized_graphs(model_or_captured, example_inputs, **options)
+    try:
+        graph_module, args, kwargs, what, model = _profiled(model_or_captured, example_inputs)
+    except CaptureError as error:  # not one graph: each graph between the model's breaks
+        return profile_between_breaks(model_or_captured, example_inputs, error, **options)
     name = type(model if model is not None else graph_module).__name__
-    return profile_graph(graph_module, args, kwargs, what=what, name=name, model=model, warmup=warmup,
-                         repeat=repeat, device=device)
+    return profile_graph(graph_module, args, kwargs, what=what, name=name, model=model, **options)
 
 
 def _profiled(subject: Any, example_inputs: Any) -> tuple[torch.fx.GraphModule, tuple, dict, str, nn.Module | None]:
