@@ -14,6 +14,7 @@ from __future__ import annotations
 from benchmarks import (
     against,
     auto_prepare,
+    breaks,
     dynamic,
     first_calls,
     guard_overhead,
@@ -42,5 +43,6 @@ SECTIONS: dict[str, Section] = {
         first_calls.SECTION,
         auto_prepare.SECTION,
         memory_reorder.SECTION,
+        breaks.SECTION,
     )
 }

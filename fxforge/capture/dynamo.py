@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.capture.inputs import normalize_inputs
 from fxforge.core.breaks import Break, distinct, explain_break
 
 # dynamo's source of a model's tensor: L['self']._modules['conv']._parameters['weight'] (or ._buffers[...]).
@@ -357,8 +358,6 @@ def capture_dynamo(model: nn.Module, example_inputs: Any = None, *, example_kwar
         >>> len(found.graphs), found.breaks
         (1, [])
     """
-    from fxforge.capture.model import normalize_inputs
-
     args, kwargs = normalize_inputs(example_inputs)
     kwargs.update(example_kwargs or {})
     collector = _Collector(model.training)

@@ -20,6 +20,7 @@ from fxforge.capture.dynamo import capture_dynamo, own_graph
 from fxforge.capture.export import export_graph_module
 from fxforge.capture.fx_trace import TraceFailure, hidden_work, restore_output_type, trace_with_leaves
 from fxforge.capture.hf import register_transformers_pytrees
+from fxforge.capture.inputs import normalize_inputs
 from fxforge.core.captured import Captured
 from fxforge.core.nodes import count_calls
 from fxforge.core.report import Report
@@ -47,25 +48,6 @@ class CaptureError(RuntimeError):
         cuts = ("; one graph cannot hold it, TorchDynamo breaks it at " + "; ".join(map(str, self.breaks))
                 if self.breaks else "")
         super().__init__(f"cannot capture {model_name}: {detail}{cuts}")
-
-
-def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` from what users pass: a tuple/list of positional inputs, one tensor, or a dict
-    of keyword inputs.
-
-    Example:
-        >>> normalize_inputs(torch.ones(1))[0][0].shape
-        torch.Size([1])
-        >>> normalize_inputs({"input_ids": 1})
-        ((), {'input_ids': 1})
-    """
-    if example_inputs is None:
-        return (), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def describe_failure(error: BaseException) -> str:

@@ -18,7 +18,9 @@ MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` c
 called with no arguments or with ``--model-args '{"width": 8}'``; ``--weights file.pt`` loads a state
 dict. Inputs: ``--input 2x3x224x224`` (positional), ``--input text=2x8:int64`` (by name),
 ``--input batch.image=2x3x16x16`` (into a dict argument), or ``--inputs inputs.py:make_inputs`` (a factory;
-``--input`` then reshapes its tensors); see :mod:`fxforge.cli.inputs`. Exit codes: 0 done, 1 failed (one line saying why; ``--debug`` for the traceback), 2 usage.
+``--input`` then reshapes its tensors); see :mod:`fxforge.cli.inputs`. A model TorchDynamo breaks into graphs works
+graph by graph in ``optimize`` (without ``-o``), ``show``, ``profile`` and ``memory``; ``-o`` files, ``export``,
+``memory --budget`` and ``partition`` need one whole graph and refuse, naming each break (:mod:`fxforge.cli.breaks`). Exit codes: 0 done, 1 failed (one line saying why; ``--debug`` for the traceback), 2 usage.
 
 Example:
     >>> main(["rewrites"])  # doctest: +ELLIPSIS
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 import warnings
 
 from fxforge.capture import CaptureError
@@ -44,6 +47,7 @@ from fxforge.cli.args import (
     parse_model_args,
     parse_rewrites,
 )
+from fxforge.cli.breaks import WHOLE_GRAPH
 from fxforge.cli.commands import check_target, run_export, run_optimize, run_rewrites, run_show
 from fxforge.cli.dynamic import check_dynamic
 from fxforge.cli.failures import capture_failure
@@ -120,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["optimize", "m.py:Net", "--input", "2x8"]).input
         [InputSpec(shape=(2, 8), dtype=None, path=())]
     """
-    parser = argparse.ArgumentParser(prog="fxforge", description="Capture, rewrite, export and profile PyTorch models.",
+    description = "Capture, rewrite, export and profile PyTorch models.\n\n" + textwrap.fill(WHOLE_GRAPH, 100)
+    parser = argparse.ArgumentParser(prog="fxforge", description=description,
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and warnings")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = str(error) if isinstance(error, CommandError) else _one_line(error)
         captured = error if isinstance(error, CaptureError) else error.__cause__
-        if isinstance(captured, CaptureError):  # a data-dependent branch: its line and what to do
+        if isinstance(captured, CaptureError) and not isinstance(error, CommandError):  # its line, what to do
             message = capture_failure(str(captured).removeprefix("cannot capture ").split(":")[0], captured)
         print(f"fxforge: error: {message}", file=sys.stderr)
         return 1

@@ -36,6 +36,14 @@ from fxforge.cli.args import (
     load_model,
     load_weights,
 )
+from fxforge.cli.breaks import (
+    breaks_of_error,
+    file_refused,
+    graph_by_graph,
+    graphs_summary,
+    show_graphs,
+    target_refused,
+)
 from fxforge.cli.dynamic import DIMS_STAGES, dynamic_options
 from fxforge.cli.failures import capture_failure
 from fxforge.cli.graphs import draw_available, marked_nodes, node_lines, pictures
@@ -214,49 +222,71 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, reference = _model_and_inputs(args, steps)
         runner, description = _built(model, inputs, target, rewrites, args, steps, notes)
-        if description == "eager":
-            return _eager_fallback(model, runner, args, console, "; ".join(runner.report.notes) or "no plan", outputs)
-        new = target.graph(runner)
-        if new is None:  # auto chose eager, and no target was built
-            race = runner.race
-            why = "; ".join([race.why, *(f"{c.target}: {c.refused}" for c in race.contenders if c.refused)])
+        split = graph_by_graph(runner)
+        if split is not None:  # graphs between breaks: no file, the graphs' summary
             if output:
-                raise CommandError(f"nothing to write: {capture_failure(type(model).__name__, why)}")
-            return _eager_fallback(model, runner, args, console, why, outputs)
-        before = new.before or new
-        errors = {description: _max_error(reference, runner, inputs)}
-        if output:
-            with steps.step(f"write {target.contract.artifact}, load back, check") as step:
-                written = _write(target, runner, output, args.dynamic, inputs, notes)
-                outputs.written(output)
-                if os.path.exists(output + ".data"):
-                    outputs.written(output + ".data")
-                step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in written.validation.items()))
-            errors[f"{output} loaded back"] = max(written.validation.values())
-            notes.extend(f"{target.name}: {line}" for line in getattr(written, "translations", []))
-        latency = race_latency(runner.race) if getattr(runner, "race", None) is not None else None
-        if latency is None and bench and args.bench_reps > 0:
-            with steps.step(f"time eager vs optimized ({args.bench_reps} interleaved reps)") as step:
-                latency = measure_latency(model, runner, inputs, reps=args.bench_reps)
-                step.note(latency.text())
-        summary = Summary(
-            model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
-            report=runner.report, target=description, output=output,
-            peak_before=simulated_peak(before.graph_module), peak_after=simulated_peak(new.graph_module),
-            latency=latency, reps=args.bench_reps, max_error=max(errors.values()),
-            error_of=", ".join(errors), notes=notes,
-            nodes=(count_calls(before.graph_module.graph), count_calls(new.graph_module.graph)))
-        if args.report:
-            with steps.step("write report") as step:
-                drawn = pictures(before.graph_module, new.graph_module, type(model).__name__)
-                text = "\n".join(node_lines(new.graph_module, marked_nodes(before.graph_module, new.graph_module)))
-                outputs.write_text(args.report, render_html(summary, drawn, graph_text=text))
-                step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.core.draw is not available)"))
+                raise CommandError(file_refused(type(model).__name__, output, split.report.breaks))
+            summary = graphs_summary(model, runner, split, description, inputs, reference, args, notes, outputs,
+                                     steps, bench=bench)
+        else:
+            summary = _whole_graph(model, inputs, reference, runner, description, target, args, steps, notes,
+                                   outputs, console, bench=bench)
+            if summary is None:  # it runs eagerly, and said so
+                return 0
     summary.notes = notes
     summary.print(console)
     print()
-    print(runner.report)
+    print(summary.report)
     return 0
+
+
+def _whole_graph(model: Any, inputs: tuple | dict, reference: Any, runner: Any, description: str, target: Target,
+                 args: argparse.Namespace, steps: Steps, notes: list[str], outputs: Outputs, console: Console, *,
+                 bench: bool) -> Summary | None:
+    """The rest of ``_pipeline`` for a model built as one graph: write the file, time, summarize (None where the
+    model runs eagerly: that is printed, with why)."""
+    output = args.output
+    if description == "eager":
+        _eager_fallback(model, runner, args, console, "; ".join(runner.report.notes) or "no plan", outputs)
+        return None
+    new = target.graph(runner)
+    if new is None:  # auto chose eager, and no target was built
+        race = runner.race
+        why = "; ".join([race.why, *(f"{c.target}: {c.refused}" for c in race.contenders if c.refused)])
+        if output:
+            raise CommandError(f"nothing to write: {capture_failure(type(model).__name__, why)}")
+        _eager_fallback(model, runner, args, console, why, outputs)
+        return None
+    before = new.before or new
+    errors = {description: _max_error(reference, runner, inputs)}
+    if output:
+        with steps.step(f"write {target.contract.artifact}, load back, check") as step:
+            written = _write(target, runner, output, args.dynamic, inputs, notes)
+            outputs.written(output)
+            if os.path.exists(output + ".data"):
+                outputs.written(output + ".data")
+            step.note(", ".join(f"{k} max abs error {v:.3g}" for k, v in written.validation.items()))
+        errors[f"{output} loaded back"] = max(written.validation.values())
+        notes.extend(f"{target.name}: {line}" for line in getattr(written, "translations", []))
+    latency = race_latency(runner.race) if getattr(runner, "race", None) is not None else None
+    if latency is None and bench and args.bench_reps > 0:
+        with steps.step(f"time eager vs optimized ({args.bench_reps} interleaved reps)") as step:
+            latency = measure_latency(model, runner, inputs, reps=args.bench_reps)
+            step.note(latency.text())
+    summary = Summary(
+        model=type(model).__name__, inputs=" ".join(format_input(*spec) for spec in args.input),
+        report=runner.report, target=description, output=output,
+        peak_before=simulated_peak(before.graph_module), peak_after=simulated_peak(new.graph_module),
+        latency=latency, reps=args.bench_reps, max_error=max(errors.values()),
+        error_of=", ".join(errors), notes=notes,
+        nodes=(count_calls(before.graph_module.graph), count_calls(new.graph_module.graph)))
+    if args.report:
+        with steps.step("write report") as step:
+            drawn = pictures(before.graph_module, new.graph_module, type(model).__name__)
+            text = "\n".join(node_lines(new.graph_module, marked_nodes(before.graph_module, new.graph_module)))
+            outputs.write_text(args.report, render_html(summary, drawn, graph_text=text))
+            step.note(args.report + ("" if drawn else " (no graph pictures: fxforge.core.draw is not available)"))
+    return summary
 
 
 def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args: argparse.Namespace,
@@ -283,7 +313,12 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
                          "--dynamic none asks for a static file, --dynamic 0 for the batch alone")
             runner = fxforge.optimize(model, inputs, target=target.name, **{**options, "dynamic": False})
         except fxforge.CaptureError as error:
-            raise CommandError(capture_failure(type(model).__name__, error)) from error
+            name = type(model).__name__
+            if error.breaks and args.output:  # a file holds one graph
+                raise CommandError(file_refused(name, args.output, error.breaks)) from error
+            if error.breaks:  # graphs between breaks, which this target does not run
+                raise CommandError(target_refused(name, target.name, error.breaks)) from error
+            raise CommandError(capture_failure(name, error)) from error
         race = getattr(runner, "race", None)
         if race is not None:
             busy = getattr(race, "busy", "")
@@ -361,7 +396,13 @@ def run_show(args: argparse.Namespace) -> int:
     notes: list[str] = []
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, _ = _model_and_inputs(args, steps)
-        captured = _capture(model, inputs, steps)
+        try:
+            captured = _capture(model, inputs, steps)
+        except CommandError as error:
+            breaks = breaks_of_error(error)
+            if not breaks:
+                raise
+            return show_graphs(model, inputs, args, steps, console, outputs, breaks)  # every graph between them
         new = _rewrite(captured, args.rewrites, steps, verify=not args.no_verify)
         marked = marked_nodes(captured.graph_module, new.graph_module)
         name = type(model).__name__

@@ -29,7 +29,9 @@ from rich.table import Table
 
 import fxforge
 from fxforge.cli.args import CommandError, format_input
+from fxforge.cli.breaks import breaks_of_error
 from fxforge.cli.commands import _console, _model_and_inputs, collected_warnings
+from fxforge.cli.failures import capture_failure
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import format_bytes
@@ -173,7 +175,7 @@ def _training_memory(model: torch.nn.Module, inputs: tuple, args: argparse.Names
         return fxforge.training_memory(model, inputs, optimizer=args.optimizer,
                                        autocast=AUTOCAST.get(args.autocast))
     except fxforge.CaptureError as error:
-        raise CommandError(str(error)) from error
+        raise CommandError(capture_failure(type(model).__name__, error)) from error
     except ValueError as error:
         if "no floating-point tensor" in str(error):
             raise CommandError(f"{type(model).__name__} returns no floating-point tensor to take a loss of "
@@ -218,9 +220,15 @@ def run_memory(args: argparse.Namespace) -> int:
     precision = f", autocast {args.autocast}" if args.autocast else ""
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, _ = _model_and_inputs(args, steps, train=True)
-        with steps.step(f"predict one training step ({optimizer}{precision})") as step:
-            tm = _training_memory(model, inputs, args)
-            step.note(f"peak {format_bytes(tm.peak_bytes)} in the {tm.peak_phase} at {tm.peak_node}")
+        try:
+            with steps.step(f"predict one training step ({optimizer}{precision})") as step:
+                tm = _training_memory(model, inputs, args)
+                step.note(f"peak {format_bytes(tm.peak_bytes)} in the {tm.peak_phase} at {tm.peak_node}")
+        except CommandError as error:
+            breaks = breaks_of_error(error)
+            if not breaks:
+                raise
+            return _measured_only(model, inputs, args, breaks, steps, console, outputs, f"{optimizer}{precision}")
         if args.measure:
             with steps.step("measure one real step") as step:
                 tm.measure()
@@ -268,6 +276,69 @@ def run_memory(args: argparse.Namespace) -> int:
             raise CommandError(message + "; --allow-over accepts it, or give a larger --budget")
         console.print(f"note: {message}; accepted (--allow-over)", markup=False, highlight=False)
     return 0
+
+
+def _measured_only(model: torch.nn.Module, inputs: tuple | dict, args: argparse.Namespace, breaks: list,
+                   steps: Steps, console: Console, outputs: Outputs, step_name: str) -> int:
+    """``fxforge memory`` of a model TorchDynamo cuts into graphs: one real step, measured (the prediction, the
+    per-module figures and ``--budget``'s plan need one graph of the step: a line says so, naming the breaks; with
+    ``--budget`` it is the error, exit 1)."""
+    from fxforge.capture import normalize_inputs
+    from fxforge.training.measure import measure_step
+
+    name = type(model).__name__
+    why = (f"the prediction, the per-module figures and --budget's checkpointing plan need one graph of the training "
+           f"step, and {name} runs as graphs between breaks: " + "; ".join(map(str, breaks)))
+    call_args, call_kwargs = normalize_inputs(inputs)
+    with steps.step("measure one real step (graphs between breaks: nothing to predict from)") as step:
+        try:
+            measured = measure_step(model, call_args, call_kwargs, optimizer=args.optimizer,
+                                    autocast=AUTOCAST.get(args.autocast))
+        except ValueError as error:
+            if "no floating-point tensor" in str(error):
+                raise CommandError(f"{name} returns no floating-point tensor to take a loss of (the loss is the sum "
+                                   "of the floating-point outputs)") from error
+            raise
+        step.note(f"peak {format_bytes(measured.peak_bytes)} ({measured.device})")
+    figures = measured_figures(measured)
+    shapes = " ".join(format_input(*spec) for spec in args.input)
+    table = Table(title=f"{name} ({shapes}): one training step, {step_name}, train mode, measured",
+                  title_justify="left")
+    for column, justify in (("figure", "left"), ("measured", "right"), ("what it is", "left")):
+        table.add_column(column, justify=justify)
+    for figure, value in figures.items():
+        if figure == _PEAKS[0]:
+            table.add_section()
+        table.add_row(figure, format_bytes(value), _MEANING.get(figure, ""))
+    console.print(table)
+    console.print(f"peak: {format_bytes(measured.peak_bytes)}, measured ({measured.device})", markup=False)
+    if args.budget is not None:  # (no --csv file: the command failed)
+        raise CommandError(f"--budget {_budget_text(args.budget)}: {why}")
+    if args.csv:
+        import pandas as pd
+
+        frame = pd.DataFrame({"figure": list(figures), "measured_bytes": list(figures.values())})
+        outputs.write_with(args.csv, lambda scratch: frame.to_csv(scratch, index=False))
+        console.print(f"table: {args.csv}", markup=False)
+    console.print(f"note: {why}", markup=False, highlight=False, soft_wrap=True)
+    return 0
+
+
+def measured_figures(measured: Any) -> dict[str, int]:
+    """The figures of a measured step (:class:`fxforge.training.measure.StepMeasurement`) under the breakdown's names
+    (temporaries are not measured apart).
+
+    Example:
+        >>> from fxforge.training.measure import measure_step
+        >>> m = measure_step(torch.nn.Linear(8, 8), (torch.randn(2, 8),), {}, optimizer=None)
+        >>> measured_figures(m)["gradients"], list(measured_figures(m))[-1]
+        (288, 'peak')
+    """
+    return {"weights": measured.weights_bytes, "buffers": measured.buffers_bytes, "inputs": measured.inputs_bytes,
+            "gradients": measured.gradient_bytes, "optimizer_state": measured.optimizer_state_bytes,
+            "activations": measured.saved_bytes, "forward_peak": measured.forward_peak_bytes,
+            "backward_peak": measured.backward_peak_bytes, "optimizer_peak": measured.optimizer_peak_bytes,
+            "peak": measured.peak_bytes}
 
 
 def add_memory_options(parser: argparse.ArgumentParser) -> None:

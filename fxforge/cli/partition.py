@@ -8,7 +8,8 @@
                       [--run [--steps N]] [--train]
 
 The model runs in eval mode unless ``--train`` (dropout would make the single-process check inexact);
-gradients flow either way. ``--run`` uses gloo on CPU, NCCL when there is a GPU per stage.
+gradients flow either way. A model TorchDynamo cuts into graphs (a branch on a tensor's value, ``.item()``) has no
+stages: its graphs and breaks are printed, and one line says that stages need one graph (exit 1). ``--run`` uses gloo on CPU, NCCL when there is a GPU per stage.
 
 Example:
     >>> policy_rows({"fxforge": None})
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxforge.cli.args import CommandError, format_input
+from fxforge.cli.breaks import breaks_of_error, print_graphs, stages_refused
 from fxforge.cli.commands import _console, _model_and_inputs, collected_warnings
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import format_bytes
@@ -77,9 +79,16 @@ def run_partition(args: argparse.Namespace) -> int:
     notes: list[str] = []
     with collected_warnings(notes):
         model, inputs, _ = _model_and_inputs(args, steps, train=args.train)
-        with steps.step(f"partition into {args.stages} stages") as step:
-            part, found = _partition(model, inputs, args, args.compare)
-            step.note(f"bottleneck ratio {part.bottleneck_ratio:.3f}")
+        try:
+            with steps.step(f"partition into {args.stages} stages") as step:
+                part, found = _partition(model, inputs, args, args.compare)
+                step.note(f"bottleneck ratio {part.bottleneck_ratio:.3f}")
+        except CommandError as error:
+            breaks = breaks_of_error(error)
+            if not breaks:
+                raise
+            print_graphs(console, model, inputs, breaks)
+            raise CommandError(stages_refused(type(model).__name__, breaks)) from error
         run = None
         if args.launch:
             from fxforge.parallel.launch import run_pipeline

@@ -1,5 +1,6 @@
 """``fxforge profile``: the per-node time, FLOPs, bytes and bound of a model (``fxforge.profile``); for a model
-that cannot be one graph, eager's time per module (:mod:`fxforge.cli.eager_profile`) and the line why.
+TorchDynamo cuts into graphs, every graph's nodes (a ``graph`` column) and the breaks between them; for a model
+that dynamo cannot run either, eager's time per module (:mod:`fxforge.cli.eager_profile`) and the line why.
 
 Example:
     >>> _cell(0.123456), _cell(123456), _cell(None)
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxforge.cli.args import CommandError, check_output
+from fxforge.cli.breaks import graphs_line
 from fxforge.cli.commands import _console, _model_and_inputs, collected_warnings
 from fxforge.cli.eager_profile import module_times
 from fxforge.cli.failures import capture_failure
@@ -63,8 +65,16 @@ def run_profile(args: argparse.Namespace) -> int:
         return 0
     shown = table.sort_values("time_ms", ascending=False, kind="stable").head(args.top)
     columns = [c for c in PROFILE_COLUMNS if c in shown.columns]
-    _print_frame(console, shown[columns], f"{type(model).__name__}: top {len(shown)} of {len(table)} nodes by time "
-                                          f"(total {result.total_ms:.3g} ms)")
+    parts = getattr(result, "parts", None)  # a GraphsProfile: graphs between breaks
+    if parts is not None:
+        console.print(graphs_line(type(model).__name__, len(parts), len(result.breaks)) + "; each graph's nodes "
+                      "below (column graph)", markup=False, soft_wrap=True)
+    across = f" across {len(parts)} graphs" if parts is not None else ""
+    _print_frame(console, shown[columns], f"{type(model).__name__}: top {len(shown)} of {len(table)} nodes{across} by "
+                                          f"time (total {result.total_ms:.3g} ms)")
+    if parts is not None:
+        for line in result.graph_lines():
+            console.print(line, markup=False, soft_wrap=True)
     if args.by_op:
         _print_frame(console, result.by_op().reset_index(), "by op")
     if args.csv:
@@ -72,7 +82,7 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-PROFILE_COLUMNS = ("node", "op", "module", "time_ms", "flops", "bytes", "intensity", "bound", "live_bytes")
+PROFILE_COLUMNS = ("graph", "node", "op", "module", "time_ms", "flops", "bytes", "intensity", "bound", "live_bytes")
 
 
 def _print_frame(console: Console, frame: Any, title: str) -> None:

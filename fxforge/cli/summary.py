@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fxforge.core.breaks import share_line
 from fxforge.core.report import Report
 
 
@@ -211,6 +212,19 @@ def compare_latency(eager: Callable[..., Any], optimized: Callable[..., Any], ar
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def graphs_row(report: Report) -> str:
+    """The summary's row for a model run as graphs between breaks: how many, and the share of its work inside them.
+
+    Example:
+        >>> graphs_row(Report(method="dynamo", graphs=[1, 2], breaks=[1], flop_share=0.9, time_share=0.5))
+        "2 graphs between 1 break (TorchDynamo); 90.0% of the model's FLOPs and 50.0% of its time inside optimized graphs"
+    """
+    graphs, breaks = len(report.graphs), len(report.breaks)
+    shares = share_line(report.flop_share, report.time_share)
+    return (f"{graphs} graph{'s' if graphs != 1 else ''} between {breaks} break{'s' if breaks != 1 else ''} "
+            "(TorchDynamo)" + (f"; {shares}" if shares else ""))
+
+
 @dataclasses.dataclass
 class Summary:
     """Everything the final table shows.
@@ -283,6 +297,8 @@ class Summary:
                 ("rewrites applied", applied),
                 ("refused", f"{len(refused)} (below)" if refused else "none"),
                 ("nodes", "{} -> {}".format(*(self.nodes or (self.report.nodes_before, self.report.nodes_after))))]
+        if self.report.method == "dynamo":  # graphs between breaks
+            rows.insert(2, ("graphs", graphs_row(self.report)))
         if self.peak_before is not None or self.peak_after is not None:
             change = ""
             if self.peak_before and self.peak_after is not None:

@@ -379,3 +379,37 @@ def twins(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 CONDITIONS = ["no_grad", "grad", "inference_mode", "autocast", "threads"]
+
+
+# ---------------------------------------------------------------------------------------------- graph breaks
+
+
+class Breaking(nn.Module):
+    """A drawn network followed by what one graph cannot hold (issue 49): a branch on the features' value
+    (``branch``), a boolean-indexed sum (``mask``: an output size that depends on values), or a Python float read
+    off them (``item``, which symbolic tracing records as a node: that one is captured whole)."""
+
+    def __init__(self, net: nn.Module, kind: str, threshold: float):
+        super().__init__()
+        self.net, self.kind, self.threshold = net, kind, threshold
+
+    def forward(self, x):
+        h = self.net(x)
+        if self.kind == "branch":
+            if h.mean() > self.threshold:
+                h = h * 2.0
+            else:
+                h = h - 1.0
+        elif self.kind == "mask":
+            h = h + h[h > self.threshold].sum() * 0.01
+        else:
+            h = h / (1.0 + abs(h.detach().abs().amax().item()))
+        return torch.tanh(h)
+
+
+@st.composite
+def breaking_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
+    """A random conv net (:func:`conv_nets`) with a graph break after it, and its input shape."""
+    net, shape = draw(conv_nets())
+    kind = draw(st.sampled_from(["branch", "mask", "item"]))
+    return Breaking(net, kind, draw(st.sampled_from([-0.5, 0.0, 0.5]))).eval(), shape

@@ -29,6 +29,7 @@ from tests.fuzz.programs import (
     STATE_CHANGES,
     attention_inputs,
     attentions,
+    breaking_nets,
     conv_nets,
     token_readers,
     twins,
@@ -203,6 +204,18 @@ def test_random_conv_nets_answer_as_eager(data):
 
     note(repr(model))
     _check(data, model, make, fresh)
+
+
+@given(st.data())
+def test_random_nets_with_graph_breaks_answer_as_eager(data):
+    """Issue 49: TorchDynamo cuts the model at its break and fxforge optimizes each graph; same property."""
+    model, shape = data.draw(breaking_nets(), label="net with a break")
+
+    def make(seed: int) -> tuple:
+        return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)),)
+
+    note(repr(model))
+    _check(data, model, make, make)
 
 
 @given(st.data())

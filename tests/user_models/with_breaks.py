@@ -202,3 +202,13 @@ BREAK_LINES: dict[str, str | None] = {
     "disabled_helper": "return self.b(jitter(self.a(x)))",
     "greedy_decoder": "if bool((nxt == self.eos).all()):",
 }
+
+
+def break_model(name: str) -> nn.Module:
+    """The model of ``BREAK_MODELS[name]`` alone, for the command line (``--model-args '{"name": "item_scale"}'``).
+
+    Example:
+        >>> type(break_model("masked_pool")).__name__
+        'MaskedPool'
+    """
+    return BREAK_MODELS[name]().model

@@ -32,7 +32,7 @@ from typing import Any
 from torch import nn
 
 from fxforge.capture import CaptureError, capture, normalize_inputs
-from fxforge.core.breaks import Break
+from fxforge.core.breaks import Break, distinct
 from fxforge.core.verify import isolated
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile.measure import profile_graph
@@ -161,7 +161,9 @@ def profile_between_breaks(model: nn.Module, example_inputs: Any, error: Capture
     if found is None or not found.graphs:
         raise error
     pieces = [(host, inputs, {}, graph.lines, found.calls.get(graph.index, 1)) for graph, host, inputs in found.graphs]
-    return _combined(model, pieces, found.breaks, "captured graphs between breaks", **options)
+    # (dynamo names a break it met in code it runs in Python once per process: the error's breaks hold it)
+    breaks = distinct([*found.breaks, *getattr(error, "breaks", [])])
+    return _combined(model, pieces, breaks, "captured graphs between breaks", **options)
 
 
 def profile_optimized_graphs(module: OptimizedModule, example_inputs: Any, **options: Any) -> GraphsProfile:
