@@ -293,6 +293,27 @@ def dynamo_breaks_since(mark: tuple[int, int]) -> list[Break]:
     return distinct(found)
 
 
+# Breaks seen per function dynamo ran: dynamo names a break only while it compiles a frame, and a frame it runs in
+# Python (a break inside a loop) is never compiled again, so a later model of the same class learns them here.
+_KNOWN_BREAKS: dict[Any, list[Break]] = {}
+
+
+def known_breaks(forward: Callable[..., Any], new: list[Break] = ()) -> list[Break]:
+    """The breaks seen so far in ``forward``'s code (any instance's), with ``new`` ones added to them.
+
+    Example:
+        >>> def f(x): return x
+        >>> known_breaks(f, [Break("m.py:2", "r", "f")]) == known_breaks(f)
+        True
+    """
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return distinct(list(new))
+    if new:
+        _KNOWN_BREAKS[code] = distinct([*_KNOWN_BREAKS.get(code, []), *new])
+    return list(_KNOWN_BREAKS.get(code, []))
+
+
 def break_mark() -> tuple[int, int]:
     """Where dynamo's records of breaks end now: its break reasons and the frames it tried to compile (see
     :func:`dynamo_breaks_since`)."""
@@ -361,8 +382,8 @@ def capture_dynamo(model: nn.Module, example_inputs: Any = None, *, example_kwar
     args, kwargs = normalize_inputs(example_inputs)
     kwargs.update(example_kwargs or {})
     collector = _Collector(model.training)
-    mark = break_mark()
+    mark, forward = break_mark(), forward or model.forward
     with torch.no_grad(), owning(collector):
-        compiled_forward(forward or model.forward)(*args, **kwargs)
+        compiled_forward(forward)(*args, **kwargs)
     ends = [graph.ends for graph, _, _ in collector.seen if graph.ends is not None]
-    return DynamoCapture(collector.seen, distinct(ends + dynamo_breaks_since(mark)), collector.calls)
+    return DynamoCapture(collector.seen, known_breaks(forward, ends + dynamo_breaks_since(mark)), collector.calls)

@@ -39,7 +39,14 @@ import torch._dynamo.config as dynamo_config
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxforge.capture.dynamo import CompiledGraph, break_mark, compiled_forward, dynamo_breaks_since, owning
+from fxforge.capture.dynamo import (
+    CompiledGraph,
+    break_mark,
+    compiled_forward,
+    dynamo_breaks_since,
+    known_breaks,
+    owning,
+)
 from fxforge.core.breaks import Break, GraphPart, distinct
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, user_frame_of
@@ -91,7 +98,7 @@ class DynamoRunner:
         self.why = why
         self.modules: dict[int, tuple[tuple, OptimizedModule]] = {}  # graph index -> (bound tensors, module)
         self.graphs: dict[int, CompiledGraph] = {}
-        self.breaks: list[Break] = []
+        self.breaks: list[Break] = known_breaks(forward)  # (those an instance before this one met)
         self.calls: dict[int, int] = {}  # graph index -> runs in the latest measured call
         self.flops: dict[int, int] = {}
         self.flop_share: float | None = None
@@ -114,7 +121,7 @@ class DynamoRunner:
         finally:
             dynamo_config.skip_nnmodule_hook_guards = skipped
         if break_mark() != mark:
-            self.breaks = distinct(self.breaks + dynamo_breaks_since(mark))
+            self.breaks = distinct(self.breaks + known_breaks(self.forward, dynamo_breaks_since(mark)))
         return result
 
     def _dynamo_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:

@@ -121,7 +121,8 @@ def test_fallback_warning_names_the_data_dependent_branch():
                 if "if h.sum() > 0:" in text)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = fxforge.optimize(user.model, user.inputs, target="native")  # plans for the example: warns here
+        # one graph asked for (method="fx"): no dynamo, so it runs eagerly and warns here
+        opt = fxforge.optimize(user.model, user.inputs, target="native", method="fx")
         with torch.no_grad():
             opt(*user.inputs)
     messages = [str(w.message) for w in caught if issubclass(w.category, fxforge.runtime.fallbacks.FallbackWarning)]

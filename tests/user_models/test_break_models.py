@@ -20,7 +20,7 @@ from fxforge.runtime.fallbacks import FallbackWarning
 NAMES = sorted(BREAK_MODELS)
 # Models whose breaks fxforge's whole-graph captures get around (fx records .item() as a node, export runs print
 # and a disabled helper as Python): method="auto" captures them whole, method="dynamo" still cuts them.
-WHOLE = {"item_scale", "print_debug", "disabled_helper"}
+WHOLE = {name for name in NAMES if BREAK_MODELS[name]().capturable}
 # Models with BatchNorm or dropout, whose training-mode behaviour is checked.
 TRAINING = ["data_branch", "print_debug", "disabled_helper", "ragged_loop", "item_scale", "masked_pool"]
 

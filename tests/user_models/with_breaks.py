@@ -39,7 +39,7 @@ class ItemScale(nn.Module):
 def item_scale() -> UserModel:
     torch.manual_seed(0)
     return UserModel(ItemScale().eval(), (torch.randn(4, 16),), [(torch.randn(7, 16) * 3,), (torch.randn(1, 16),)],
-                     capturable=False, exportable=False, cli_inputs=["4x16"])
+                     why="fx records .item() as a node: one graph for fxforge, a break for dynamo", cli_inputs=["4x16"])
 
 
 class PrintDebug(nn.Module):
@@ -61,7 +61,8 @@ def print_debug() -> UserModel:
     torch.manual_seed(0)
     model = _settle(PrintDebug(), torch.randn(4, 3, 16, 16))
     return UserModel(model, (torch.randn(2, 3, 16, 16),), [(torch.randn(3, 3, 20, 24),), (torch.randn(2, 3, 16, 16),)],
-                     capturable=False, exportable=False, cli_inputs=["2x3x16x16"])
+                     why="torch.export runs print as Python: one graph for fxforge, a break for dynamo",
+                     cli_inputs=["2x3x16x16"])
 
 
 class NumpyThreshold(nn.Module):
@@ -75,7 +76,7 @@ class NumpyThreshold(nn.Module):
     def forward(self, x):
         h = torch.relu(self.fc1(x))
         top = np.quantile(h.detach().cpu().numpy(), 0.9)
-        return self.fc2(torch.clamp(h, max=float(top)))
+        return self.fc2(torch.clamp(h, max=torch.as_tensor(top, dtype=h.dtype)))
 
 
 def numpy_threshold() -> UserModel:
@@ -151,8 +152,9 @@ class DisabledHelper(nn.Module):
 def disabled_helper() -> UserModel:
     torch.manual_seed(0)
     model = _settle(DisabledHelper(), torch.randn(4, 3, 16, 16))
-    return UserModel(model, (torch.randn(1, 3, 16, 16),), [(torch.randn(2, 3, 12, 20),)], capturable=False,
-                     exportable=False, cli_inputs=["1x3x16x16"])
+    return UserModel(model, (torch.randn(1, 3, 16, 16),), [(torch.randn(2, 3, 12, 20),)],
+                     why="fx traces through a disabled helper: one graph for fxforge, a break for dynamo",
+                     cli_inputs=["1x3x16x16"])
 
 
 class GreedyDecoder(nn.Module):
@@ -180,6 +182,32 @@ def greedy_decoder() -> UserModel:
                      exportable=False, cli_inputs=["2x5:int64"])
 
 
+class HFGreedy(nn.Module):
+    """transformers' GPT-2 (random weights, tiny) decoding greedily until every row emitted ``eos``: the
+    generation-style loop of research code, around a library model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64,
+                                             bos_token_id=0, eos_token_id=1))
+
+    def forward(self, ids):
+        for _ in range(3):
+            nxt = self.lm(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+            if (nxt == 1).all():
+                break
+        return ids
+
+
+def hf_greedy() -> UserModel:
+    torch.manual_seed(0)
+    return UserModel(HFGreedy().eval(), (torch.randint(2, 64, (2, 6)),), [(torch.randint(2, 64, (3, 9)),)],
+                     capturable=False, exportable=False, cli_inputs=["2x6:int64"])
+
+
 BREAK_MODELS: dict[str, Callable[[], UserModel]] = {
     "data_branch": data_branch,
     "item_scale": item_scale,
@@ -189,6 +217,7 @@ BREAK_MODELS: dict[str, Callable[[], UserModel]] = {
     "masked_pool": masked_pool,
     "disabled_helper": disabled_helper,
     "greedy_decoder": greedy_decoder,
+    "hf_greedy": hf_greedy,
 }
 
 # The code of the line each model breaks at under TorchDynamo (the first, where there are several).
@@ -201,6 +230,7 @@ BREAK_LINES: dict[str, str | None] = {
     "masked_pool": "kept = h[h.mean(-1) > 0]",
     "disabled_helper": "return self.b(jitter(self.a(x)))",
     "greedy_decoder": "if bool((nxt == self.eos).all()):",
+    "hf_greedy": "if (nxt == 1).all():",
 }
 
 
