@@ -3,13 +3,18 @@
 
 Each model cannot be one graph (a branch on a tensor's value, boolean indexing, a loop over a tensor's value, a
 generation loop that stops at ``eos``). Per model, in a new process (empty dynamo, Inductor and autotune caches),
-``torch._dynamo.config.recompile_limit`` raised to 64 for every contender (they share dynamo's per-function cache):
+empty autotune, target and Inductor caches, Inductor's caches off (no contender reuses another's compile of the
+same graph), ``torch._dynamo.config.recompile_limit`` raised to 64 for every contender (they share dynamo's
+per-function cache):
 
 1. dynamo's own view, ``torch._dynamo.explain``: graphs, breaks, ops captured;
 2. four contenders built on the example, each timed on its first call (``prepare s``: optimize or compile, and
    the call): ``eager``; ``fxforge`` (``fxforge.optimize(model, example)``, ``method="auto"``, which takes the
-   dynamo path since neither fx nor export captures the model); ``compile`` (``torch.compile(model)``); and
-   ``compile-freezing`` (``options={"freezing": True}``, Inductor's CPU-inference setting);
+   dynamo path since neither fx nor export captures the model; the native target), ``fxforge-inductor``
+   (``target="inductor"``: each graph's rewritten plan compiled by Inductor), ``fxforge-auto`` (``target="auto"``:
+   the fastest of them against eager, raced; ONNX Runtime refuses a model with breaks); ``compile``
+   (``torch.compile(model)``); and ``compile-freezing`` (``options={"freezing": True}``, Inductor's CPU-inference
+   setting);
 3. steady latency under ``torch.no_grad()``: ``--rounds`` rounds in a rotating order, ``--reps`` calls each
    (``benchmarks.rounds.time_interleaved``), medians; ratios against eager and against ``compile`` in the same run;
 4. the first call at a new size (``new size s``: a re-plan for fxforge, a recompile for torch.compile), and the
@@ -33,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,22 +49,37 @@ from benchmarks.section import Section, csv_list
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-breaks.json"
 BLOCK = "breaks"
-CONTENDERS = ("eager", "fxforge", "compile", "compile-freezing")
+CONTENDERS = ("eager", "fxforge", "fxforge-inductor", "fxforge-auto", "compile", "compile-freezing")
 MODELS = ("resnet_branch", "bert_masked_pool", "ragged_gru", "gpt2_greedy")
 
 
 def _resnet_branch() -> tuple[Any, tuple, tuple]:
-    """torchvision's ResNet-18 whose last stage is taken one of two ways by the sign of the features' mean."""
+    """A ResNet-18 (basic blocks 2-2-2-2, written out: torchvision is not installed here) whose last stage is taken
+    one of two ways by the sign of the features' mean."""
     import torch
-    import torchvision
     from torch import nn
+
+    class Basic(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int) -> None:
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+            self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+            self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+        def forward(self, x):
+            h = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(h)) + self.down(x))
+
+    def stage(cin: int, cout: int, stride: int) -> nn.Sequential:
+        return nn.Sequential(Basic(cin, cout, stride), Basic(cout, cout, 1))
 
     class ResNetBranch(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            net = torchvision.models.resnet18(num_classes=100)
-            self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3)
-            self.layer4, self.fc = net.layer4, net.fc
+            self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                      nn.MaxPool2d(3, 2, 1), stage(64, 64, 1), stage(64, 128, 2), stage(128, 256, 2))
+            self.layer4, self.fc = stage(256, 512, 2), nn.Linear(512, 100)
 
         def forward(self, x):
             h = self.stem(x)
@@ -179,6 +200,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
         torch._dynamo.reset()
         reference, reference_new = model(*example), model(*new)
         builders = {"eager": lambda: model, "fxforge": lambda: fxforge.optimize(model, example),
+                    "fxforge-inductor": lambda: fxforge.optimize(model, example, target="inductor"),
+                    "fxforge-auto": lambda: fxforge.optimize(model, example, target="auto"),
                     "compile": lambda: torch.compile(model),
                     "compile-freezing": lambda: torch.compile(model, options={"freezing": True})}
         fns = {}
@@ -200,6 +223,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
             entry["new_size_s"], entry["error"] = first, max(entry["error"], max_abs_error(reference_new, out))
         opt = fns["fxforge"]
         rep = opt.report
+        auto = fns["fxforge-auto"].report
+        row["auto_returned"] = auto.race.winner if auto is not None and auto.race is not None else "?"
         row["fxforge"] = {"method": rep.method, "graphs": len(rep.graphs), "breaks": [str(b) for b in rep.breaks],
                           "nodes": rep.nodes_before, "flop_share": rep.flop_share, "time_share": rep.time_share,
                           "counts": rep.counts, "plans_built": opt.plans_built}
@@ -211,9 +236,13 @@ def run_models(models: list[str], rounds: int, reps: int) -> list[dict]:
     """Each model in a new process (its row as JSON on stdout's last line); a failure is a row with ``error``."""
     rows = []
     for name in models:
-        done = subprocess.run([sys.executable, "-m", "benchmarks.breaks", name, str(rounds), str(reps)],
-                              check=False, cwd=HERE,
-                              capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(prefix="fxforge-breaks-") as cache:
+            # Cold for every contender: no autotune or target cache of an earlier run, and no Inductor cache shared
+            # between contenders that compile the same graphs (fxforge-inductor's, torch.compile's).
+            env = dict(os.environ, FXFORGE_CACHE_DIR=cache, FXFORGE_TARGET_CACHE="0",
+                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+            done = subprocess.run([sys.executable, "-m", "benchmarks.breaks", name, str(rounds), str(reps)],
+                                  check=False, cwd=HERE, env=env, capture_output=True, text=True)
         try:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         except (IndexError, json.JSONDecodeError):
@@ -261,7 +290,8 @@ def markdown(rows: list[dict], command: str) -> str:
         share = f"{fx['flop_share']:.1%}" if fx["flop_share"] is not None else "?"
         counts = ", ".join(f"{k} x{v}" for k, v in sorted(fx["counts"].items())) or "none"
         lines.append(f"| {row['model']} | {dyn['graphs']}, {dyn['breaks']}, {dyn['ops']} | {fx['method']}, "
-                     f"{fx['graphs']}, {fx['nodes']}, {share}, {counts} | {report.md_cell('; '.join(fx['breaks']), 400)} |")
+                     f"{fx['graphs']}, {fx['nodes']}, {share}, {counts}; auto returned {row.get('auto_returned', '?')} | "
+                     f"{report.md_cell('; '.join(fx['breaks']), 400)} |")
     return "\n".join(lines)
 
 

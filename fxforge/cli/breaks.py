@@ -31,7 +31,7 @@ from fxforge.cli.html import render_html
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import Summary, measure_latency, race_latency
-from fxforge.core.breaks import Break, GraphPart, distinct
+from fxforge.core.breaks import Break, distinct
 from fxforge.core.nodes import count_calls
 from fxforge.core.report import Report
 from fxforge.core.verify import compare_outputs, isolated
@@ -239,16 +239,8 @@ def rewritten_graphs(found: Any, rewrites: Any, *, verify: bool) -> list[tuple[A
 def merged_report(found: Any, pairs: list[tuple[Any, Any]]) -> Report:
     """One report for every graph of ``show``: their rewrites together, the breaks, each graph's part."""
     report = Report(method="dynamo", breaks=list(found.breaks))
-    for number, ((graph, _, _), (_, new)) in enumerate(zip(found.graphs, pairs), 1):
-        part = new.report
-        report.matches.extend(part.matches)
-        report.near_misses.extend(part.near_misses)
-        report.rolled_back.extend(part.rolled_back)
-        report.notes.extend(f"graph {number}: {note}" for note in part.notes)
-        report.nodes_before += part.nodes_before
-        report.nodes_after += part.nodes_after
-        report.graphs.append(GraphPart(number, graph.lines, part.nodes_before, part.nodes_after, part.counts,
-                                       graph.ends, found.calls.get(graph.index, 1)))
+    for (graph, _, _), (_, new) in zip(found.graphs, pairs):
+        report.add_graph(new.report, graph.lines, graph.ends, found.calls.get(graph.index, 1))
     return report
 
 

@@ -14,7 +14,7 @@ import html
 from collections import Counter
 from typing import Any
 
-from fxforge.core.breaks import share_line
+from fxforge.core.breaks import GraphPart, share_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +353,30 @@ class Report:
         for m in self.matches:
             counts[m.key] += m.count
         return dict(counts)
+
+    def add_graph(self, part: Report, lines: str, ends: Any = None, calls: int = 1, flops: int = 0) -> None:
+        """Add one graph between breaks to this (``method="dynamo"``) report: its rewrites, refusals, tuning and
+        notes (numbered by graph) join this report's, and a :class:`~fxforge.core.breaks.GraphPart` says what it
+        holds (``lines``), what ends it (``ends``: a Break or None), how often it runs per call and its FLOPs.
+
+        Example:
+            >>> whole = Report(method="dynamo")
+            >>> whole.add_graph(Report(method="fx", nodes_before=5, nodes_after=4, notes=["n"]), "m.py:3-4")
+            >>> print(whole.graphs[0]), whole.notes, whole.nodes_after
+            graph 1 (m.py:3-4): 5 -> 4 nodes; no rewrite applied
+            (None, ['graph 1: n'], 4)
+        """
+        number = len(self.graphs) + 1
+        self.matches.extend(part.matches)
+        self.near_misses.extend(part.near_misses)
+        self.rolled_back.extend(part.rolled_back)
+        self.verified.extend(part.verified)
+        self.tuning.extend(part.tuning)
+        self.notes.extend(f"graph {number}: {note}" for note in part.notes)
+        self.nodes_before += part.nodes_before
+        self.nodes_after += part.nodes_after
+        self.graphs.append(GraphPart(number, lines, part.nodes_before, part.nodes_after, part.counts, ends, calls,
+                                     flops))
 
     def copy(self) -> Report:
         """A copy whose lists can be extended without touching this report."""

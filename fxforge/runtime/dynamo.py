@@ -47,7 +47,7 @@ from fxforge.capture.dynamo import (
     known_breaks,
     owning,
 )
-from fxforge.core.breaks import Break, GraphPart, distinct
+from fxforge.core.breaks import Break, distinct
 from fxforge.core.report import Report
 from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import isolated
@@ -147,13 +147,13 @@ class DynamoRunner:
         entry = self.modules.get(graph.index)
         if entry is None or any(args[i] is not held for i, held in zip(graph.layout.bound, entry[0])):
             entry = self._adopt(graph, args)
-        kept = [args[i] for i in graph.layout.kept]
+        kept = tuple(args[i] for i in graph.layout.kept)
         measuring = self._measuring
         if measuring is None:
-            return entry[1](*kept)
+            return entry[1].cache(kept, {})  # (a host has no hooks: its plan cache, without nn.Module's call)
         self.calls[graph.index] = self.calls.get(graph.index, 0) + 1
         start = time.perf_counter()
-        result = entry[1](*kept)
+        result = entry[1].cache(kept, {})
         measuring["inside"] += time.perf_counter() - start
         counting = time.perf_counter()
         with FlopCounterMode(display=False) as counter:  # (at this call's sizes: a loop's graph grows)
@@ -216,18 +216,8 @@ class DynamoRunner:
         if self.why:
             report.notes.append(f"captured through TorchDynamo, graph by graph: {self.why}")
         for graph, module in self.ordered():
-            part = module.report
-            report.matches.extend(part.matches)
-            report.near_misses.extend(part.near_misses)
-            report.rolled_back.extend(part.rolled_back)
-            report.verified.extend(part.verified)
-            report.tuning.extend(part.tuning)
-            report.notes.extend(f"graph {len(report.graphs) + 1}: {note}" for note in part.notes)
-            report.nodes_before += part.nodes_before
-            report.nodes_after += part.nodes_after
-            report.graphs.append(GraphPart(len(report.graphs) + 1, graph.lines, part.nodes_before, part.nodes_after,
-                                           part.counts, graph.ends, self.ran.count(graph.index) or 1,
-                                           self.flops.get(graph.index, 0)))
+            report.add_graph(module.report, graph.lines, graph.ends, self.ran.count(graph.index) or 1,
+                             self.flops.get(graph.index, 0))
         return report
 
     def ordered(self) -> list[tuple[CompiledGraph, OptimizedModule]]:

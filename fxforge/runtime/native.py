@@ -87,9 +87,15 @@ class OptimizedModule(nn.Module):
     :class:`~fxforge.runtime.plans.FallbackWarning`. Attributes it does not have are looked up on the
     model (``opt.config`` for a transformers model).
 
+    A model that no method captures as one graph (a branch on a tensor's value) runs through TorchDynamo instead,
+    each graph between its breaks an optimized module of its own (:attr:`dynamo`, ``report.breaks``).
+
     Args:
         model: the module to run.
         build: ``(args, kwargs) -> Plan`` for ``model`` (:func:`fxforge.lowering.build.plan_builder`).
+        policy: how plans treat input sizes.
+        dynamo: ``(forward, why) -> DynamoRunner`` (the target's); None: a model that cannot be captured runs eagerly.
+        method: ``"dynamo"``: graph by graph from the start; ``"auto"``: once capture fails; else never.
 
     Example:
         >>> from fxforge.lowering.build import plan_builder
