@@ -85,7 +85,8 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
     result = compare_outputs(expected, actual, rtol_scale=tf32_scale(device_of(args, kwargs, gm)))
     if not result.ok:
         raise CompileRefused(f"the compiled graph differs from the rewritten one: {result.reason}")
-    _compile_for_inference_mode(compiled, gm, args, kwargs, unbacked=unbacked)
+    if getattr(captured.module, "fxforge_inference_mode", True):  # (a graph dynamo guards to no_grad calls: never)
+        _compile_for_inference_mode(compiled, gm, args, kwargs, unbacked=unbacked)
     captured.report.notes.append(
         f"inductor: the rewritten graph compiled by torch.compile in {time.perf_counter() - start:.1f} s "
         f"(max abs error {result.max_abs_err:.3g} against it on the example inputs; freezing off, so "
@@ -100,7 +101,9 @@ def _compile_for_inference_mode(compiled: Any, gm: torch.fx.GraphModule, args: t
     TorchDynamo guards on the grad mode and on each input's dispatch keys, so a graph compiled under
     ``no_grad`` compiles again (0.8 s on a small U-Net, with Inductor's caches warm) at the first call under
     inference mode, and again for inputs made inside it (inference tensors). Both are compiled here, on the
-    example inputs (their dims unbacked where the first compile's were).
+    example inputs (their dims unbacked where the first compile's were). Not for a graph between breaks that
+    dynamo handed over for calls outside inference mode (its host says ``fxforge_inference_mode = False``):
+    dynamo's own guards send inference-mode calls to another graph.
     """
     def inputs(values: tuple) -> tuple:
         return _unbacked(gm, values, kwargs) if unbacked else values

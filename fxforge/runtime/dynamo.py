@@ -165,6 +165,8 @@ class DynamoRunner:
 
     def _adopt(self, graph: CompiledGraph, args: tuple) -> tuple[tuple, OptimizedModule]:
         host = graph.host(args, self.model.training)
+        # dynamo guards on the grad mode and the inputs' dispatch keys: this graph meets calls in this mode only
+        host.fxforge_inference_mode = torch.is_inference_mode_enabled()
         policy = self.policy or ShapePolicy()
         if policy.dynamic is None and policy.dynamic_shapes is None:
             # Dynamo's guards decide the sizes a graph meets: a graph of static sizes meets those only (one plan);
