@@ -295,7 +295,7 @@ def dynamo_breaks_since(mark: tuple[int, int]) -> list[Break]:
 
 # Breaks seen per function dynamo ran: dynamo names a break only while it compiles a frame, and a frame it runs in
 # Python (a break inside a loop) is never compiled again, so a later model of the same class learns them here.
-_KNOWN_BREAKS: dict[Any, list[Break]] = {}
+_KNOWN_BREAKS: dict[tuple, list[Break]] = {}
 
 
 def known_breaks(forward: Callable[..., Any], new: list[Break] = ()) -> list[Break]:
@@ -309,9 +309,10 @@ def known_breaks(forward: Callable[..., Any], new: list[Break] = ()) -> list[Bre
     code = getattr(forward, "__code__", None)
     if code is None:
         return distinct(list(new))
+    key = (code.co_filename, code.co_firstlineno, code.co_qualname)  # (equal code objects in two files differ)
     if new:
-        _KNOWN_BREAKS[code] = distinct([*_KNOWN_BREAKS.get(code, []), *new])
-    return list(_KNOWN_BREAKS.get(code, []))
+        _KNOWN_BREAKS[key] = distinct([*_KNOWN_BREAKS.get(key, []), *new])
+    return list(_KNOWN_BREAKS.get(key, []))
 
 
 def break_mark() -> tuple[int, int]:

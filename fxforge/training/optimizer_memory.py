@@ -10,8 +10,11 @@ torch picks for CUDA tensors, a whole list at once).
 Example:
     >>> params = [torch.nn.Parameter(torch.ones(1000, 100)), torch.nn.Parameter(torch.ones(100))]
     >>> mem = optimizer_memory(torch.optim.AdamW, params)
-    >>> mem.state_bytes, mem.step_peak_bytes      # exp_avg and exp_avg_sq (plus a 4-byte step each); 2x400 kB
+    >>> mem.state_bytes, round(mem.step_peak_bytes, -3)   # exp_avg and exp_avg_sq (plus a 4-byte step each); 2x400 kB
     (800808, 800000)
+
+``torch.compiler.is_compiling()`` is one flag for the process: while another thread traces (dynamo, torch.export),
+AdamW keeps its bias corrections as tensors, and the step's peak grows by a few bytes (16 for two parameters).
 """
 
 from __future__ import annotations
