@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from typing import Any
 
@@ -34,20 +35,35 @@ METHODS = ("auto", "fx", "export", "dynamo")
 class CaptureError(RuntimeError):
     """No capture method could turn the module into a graph that reproduces it.
 
-    The message names, for each method tried, what broke and the user's line where it broke.
+    The message names, for each method tried, what broke and the user's line where it broke; and, where
+    TorchDynamo cuts the model into graphs, each break (``breaks``: found on first use, a dynamo run of the model,
+    so that a caller that only needs the reasons, such as ``optimize`` handing the model to dynamo, pays nothing).
 
     Example:
         >>> str(CaptureError("Net", {"fx": "TraceError: x at m.py:3"}))
         'cannot capture Net: fx: TraceError: x at m.py:3'
     """
 
-    def __init__(self, model_name: str, reasons: dict[str, str], breaks: list | None = None):
+    def __init__(self, model_name: str, reasons: dict[str, str], breaks: list | None = None,
+                 find_breaks: Any = None):
         self.reasons = reasons
-        self.breaks = list(breaks or [])  # where TorchDynamo cuts the model (core.breaks.Break), where known
+        self._breaks = list(breaks) if breaks is not None else None
+        self._find_breaks = find_breaks  # () -> breaks, where not given
         detail = "; ".join(f"{method}: {why}" for method, why in reasons.items())
-        cuts = ("; one graph cannot hold it, TorchDynamo breaks it at " + "; ".join(map(str, self.breaks))
-                if self.breaks else "")
-        super().__init__(f"cannot capture {model_name}: {detail}{cuts}")
+        self._message = f"cannot capture {model_name}: {detail}"
+        super().__init__(self._message)
+
+    @property
+    def breaks(self) -> list:
+        """Where TorchDynamo cuts the model (:class:`~fxforge.core.breaks.Break`), [] where unknown."""
+        if self._breaks is None:
+            find, self._find_breaks = self._find_breaks, None
+            self._breaks = list(find()) if find is not None else []
+        return self._breaks
+
+    def __str__(self) -> str:
+        cuts = "; ".join(map(str, self.breaks))
+        return self._message + (f"; one graph cannot hold it, TorchDynamo breaks it at {cuts}" if cuts else "")
 
 
 def describe_failure(error: BaseException) -> str:
@@ -166,7 +182,7 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
         notes = [f"torch.export failed ({reasons['export']}); kept the trace with {kept}"]
         return captured_from(module, traced.graph_module, "fx", traced.opaque, args, kwargs, notes, info=traced_meta,
                        reference=reference)
-    raise CaptureError(name, reasons, breaks_of(module, args, kwargs))
+    raise CaptureError(name, reasons, find_breaks=functools.partial(breaks_of, module, args, kwargs))
 
 
 def breaks_of(module: nn.Module, args: tuple, kwargs: dict) -> list:
