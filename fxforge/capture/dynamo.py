@@ -39,6 +39,7 @@ from torch import nn
 
 from fxforge.capture.inputs import normalize_inputs
 from fxforge.core.breaks import Break, distinct, explain_break
+from fxforge.core.source import format_location
 
 # dynamo's source of a model's tensor: L['self']._modules['conv']._parameters['weight'] (or ._buffers[...]).
 _PATH_PART = re.compile(r"\._(modules|parameters|buffers)\['([^']+)'\]")
@@ -263,8 +264,6 @@ def _lines_of(gm: torch.fx.GraphModule) -> str:
     if not found:
         return ""
     filename, lines = next(iter(found.items()))
-    from fxforge.core.source import format_location
-
     low, high = min(lines), max(lines)
     return format_location(filename, f"{low}-{high}" if high != low else low)
 

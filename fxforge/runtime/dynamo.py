@@ -47,9 +47,9 @@ from fxforge.capture.dynamo import (
     known_breaks,
     owning,
 )
+from fxforge.capture.model import describe_failure
 from fxforge.core.breaks import Break, distinct
 from fxforge.core.report import Report
-from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import isolated
 from fxforge.runtime.fallbacks import FallbackWarning, caller_stacklevel
 from fxforge.runtime.native import OptimizedModule
@@ -65,12 +65,6 @@ def one_graph_needed(model_name: str, what: str, breaks: list[Break]) -> str:
     """
     cuts = "; ".join(map(str, breaks)) if breaks else "dynamo named no break"
     return f"{what} holds one graph, and {model_name} runs as graphs between breaks: {cuts}"
-
-
-def where(error: BaseException) -> str:
-    """`` at file.py:12: code`` of the user's line an error broke at, or ""."""
-    line = user_frame_of(error)
-    return f" at {line}" if line else ""
 
 
 class DynamoRunner:
@@ -99,7 +93,6 @@ class DynamoRunner:
         self.modules: dict[int, tuple[tuple, OptimizedModule]] = {}  # graph index -> (bound tensors, module)
         self.graphs: dict[int, CompiledGraph] = {}
         self.breaks: list[Break] = known_breaks(forward)  # (those an instance before this one met)
-        self.calls: dict[int, int] = {}  # graph index -> runs in the latest measured call
         self.flops: dict[int, int] = {}
         self.flop_share: float | None = None
         self.time_share: float | None = None
@@ -129,7 +122,7 @@ class DynamoRunner:
         else dynamo ran the user's code differently from Python (a numpy call it traces, say), and the model runs
         eagerly from now on, after one warning naming dynamo's error."""
         result = self.forward(*args, **kwargs)  # raises the model's own error where the inputs are bad
-        self.failed = f"TorchDynamo failed on a call the model serves ({first_line(error)}{where(error)})"
+        self.failed = f"TorchDynamo failed on a call the model serves ({describe_failure(error)})"
         warnings.warn(f"fxforge: running {type(self.model).__name__} eagerly: {self.failed}", FallbackWarning,
                       stacklevel=caller_stacklevel())
         return result
@@ -151,7 +144,6 @@ class DynamoRunner:
         measuring = self._measuring
         if measuring is None:
             return entry[1].cache(kept, {})  # (a host has no hooks: its plan cache, without nn.Module's call)
-        self.calls[graph.index] = self.calls.get(graph.index, 0) + 1
         start = time.perf_counter()
         result = entry[1].cache(kept, {})
         measuring["inside"] += time.perf_counter() - start
@@ -196,7 +188,7 @@ class DynamoRunner:
             with FlopCounterMode(display=False) as counter:
                 self.model.forward(*args, **kwargs)
             total = counter.get_total_flops()
-            self.calls, self._measuring = {}, {"inside": 0.0, "flops": 0}
+            self._measuring = {"inside": 0.0, "flops": 0}
             try:
                 start = time.perf_counter()
                 self(args, kwargs)
