@@ -232,6 +232,8 @@ OPS: dict[str, CallForms] = {
     "new_like": forms((torch.zeros_like, torch.ones_like, torch.full_like, aten.new_ones.default, aten.new_zeros.default,
                        aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default),
                       ("new_ones", "new_zeros", "new_full")),
+    # ``c - x`` as exported graphs write it when ``c`` is a number: ``aten.rsub.Scalar(x, c)`` (other - input)
+    "rsub": forms((torch.rsub, aten.rsub)),
 }
 
 # The ops that keep their input's values and only change how they are viewed (one group of OPS).
@@ -282,6 +284,7 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
                    ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5)),
     **{f"conv{n}d": (("input", REQUIRED), ("weight", REQUIRED), ("bias", None), ("stride", 1), ("padding", 0),
                      ("dilation", 1), ("groups", 1)) for n in (1, 2, 3)},
+    "rsub": (("input", REQUIRED), ("other", REQUIRED), ("alpha", 1)),
 }
 # Binary ops whose two operands may be swapped.
 COMMUTATIVE = frozenset({"add", "mul"})

@@ -70,16 +70,42 @@ def _recipe(gm: torch.fx.GraphModule, node: Node, constant: set[Node], dtype: to
         if current not in needed:
             needed.add(current)
             stack.extend(n for n in current.all_input_nodes if n in constant or n.op == "get_attr")
-    graph, copies, sources = torch.fx.Graph(), {}, []
+    graph, copies, sources, reads = torch.fx.Graph(), {}, [], {}
+
+    def read(tensor: torch.Tensor) -> Node:  # one get_attr per source tensor
+        if id(tensor) not in reads:
+            reads[id(tensor)] = graph.get_attr(f"s{len(sources)}")
+            sources.append(tensor)
+        return reads[id(tensor)]
+
+    earlier = gm.meta.get("fxforge_folds", {})
     for original in sorted(needed):  # nodes sort in graph order, a topological order
-        if original.op == "get_attr":
-            copies[original] = graph.get_attr(f"s{len(sources)}")
-            sources.append(attribute_tensor(gm, original.target))
+        if original.op == "get_attr" and original.target in earlier:
+            # A constant an earlier fold made (conv + BatchNorm, then * c): computed again from its own sources, so
+            # that this one follows them too.
+            copies[original] = _inline(graph, earlier[original.target], read)
+        elif original.op == "get_attr":
+            copies[original] = read(attribute_tensor(gm, original.target))
         else:
             copies[original] = graph.node_copy(original, copies.__getitem__)
             copies[original].meta = {}  # a recipe needs the op and its arguments, not the fake values
     graph.output(copies[node])
     return FoldRecipe(graph, tuple(sources), dtype)
+
+
+def _inline(graph: torch.fx.Graph, recipe: FoldRecipe, read: Callable[[torch.Tensor], Node]) -> Node:
+    """``recipe``'s computation recorded into ``graph`` (its sources read with ``read``), rounded to its dtype as
+    the constant it made was, then taken to float64 as :meth:`FoldRecipe.compute` takes a floating source."""
+    values: dict[Node, Node] = {}
+    for node in recipe.graph.nodes:
+        if node.op == "get_attr":
+            values[node] = read(recipe.sources[int(node.target[1:])])
+        elif node.op == "output":
+            rounded = graph.call_method("to", (values[node.args[0]], recipe.dtype))
+            return graph.call_method("double", (rounded,)) if recipe.dtype.is_floating_point else rounded
+        else:
+            values[node] = graph.node_copy(node, values.__getitem__)
+    raise ValueError("a fold recipe without an output")
 
 
 def fold_constants(gm: torch.fx.GraphModule, new: list[Node]) -> list[Node]:

@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -209,18 +209,23 @@ def rules_pass(name: str, rules: list[Rule], description: str = "") -> Pass:
     return Pass(name, lambda gm, ctx: apply_rules(gm, ctx, rules), description, keeps_meta=True)
 
 
-def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule]) -> None:
-    """Apply each rule, top to bottom, at every node where its pattern matches and nothing refuses.
+def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule], at: Iterable[Node] | None = None
+                ) -> None:
+    """Apply each rule, top to bottom, at every node where its pattern matches and nothing refuses; with ``at``,
+    only at those nodes (the nodes whose values the patterns compute).
 
     Example:
         >>> gm = torch.fx.symbolic_trace(lambda x: x + x)
         >>> ctx = PassContext("d", False, "fx"); apply_rules(gm, ctx, [Rule("d", lambda x: x + x, lambda x: 2 * x)])
         >>> len(ctx.matches)
         1
+        >>> apply_rules(gm, ctx, [Rule("d", lambda x: x * 2, lambda x: x + x)], at=[]); len(ctx.matches)
+        1
     """
+    where = None if at is None else set(at)
     for rule in rules:
         for node in list(gm.graph.nodes):
-            if getattr(node, "_erased", False) or node.op not in CALL_OPS:
+            if getattr(node, "_erased", False) or node.op not in CALL_OPS or (where is not None and node not in where):
                 continue
             reason = None
             for match in rule.pattern_graph.matches(node, gm):

@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup', 'conv_bn_fold', 'conv_activation', 'attention', 'memory_reorder']
+    ['cleanup', 'conv_bn_fold', 'binary_fold', 'conv_activation', 'attention', 'memory_reorder']
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fxforge.rewrites.attention import ATTENTION
+from fxforge.rewrites.binary_fold import BINARY_FOLD
 from fxforge.rewrites.cleanup import CLEANUP
 from fxforge.rewrites.conv_activation import CONV_ACTIVATION
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
@@ -24,19 +25,23 @@ from fxforge.rewrites.passes import Pass
 BUILTIN: dict[str, Pass] = {
     CLEANUP.name: CLEANUP,
     CONV_BN_FOLD.name: CONV_BN_FOLD,
+    BINARY_FOLD.name: BINARY_FOLD,
     CONV_ACTIVATION.name: CONV_ACTIVATION,
     ATTENTION.name: ATTENTION,
     MEMORY_REORDER.name: MEMORY_REORDER,
 }
-DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "conv_activation", "attention", "memory_reorder"]
+# binary_fold runs after conv_bn_fold (bn(conv(x)) * c folds fully) and folds the BatchNorms its own folds put
+# right after a convolution (bn(conv(x) * c)).
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "binary_fold", "conv_activation", "attention", "memory_reorder"]
 
 
 class UnknownRewriteError(ValueError):
     """A rewrite name that is not built in; the message lists the valid names.
 
     Example:
-        >>> str(UnknownRewriteError("nope"))
-        "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation, attention, memory_reorder"
+        >>> print(UnknownRewriteError("nope"))  # doctest: +NORMALIZE_WHITESPACE
+        unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, binary_fold, conv_activation, attention,
+        memory_reorder
     """
 
     def __init__(self, name: str):

@@ -74,7 +74,7 @@ def test_debug_shows_the_traceback(user_model, out):
 def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
     result = run_cli("optimize", f"{user_model}:Net", "--input", "2x8", "--rewrites", "cleanup,nope", cwd=out)
     assert result.returncode == 2 and result.stderr.startswith("usage: fxforge optimize")
-    assert "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, conv_activation, attention" in result.stderr
+    assert "unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, binary_fold, conv_activation" in result.stderr
     assert list(out.iterdir()) == []
 
 
