@@ -274,13 +274,24 @@ def random_like(example: Any, seed: int) -> Any:
                 std, mean = max(std, abs(mean)), 0.0
             out = torch.randn(t.shape, generator=gen, dtype=torch.float64) * std + mean  # drawn on the CPU
             out = torch.where(finite, out.to(data.device), data)  # NaN and infinities stay where the example has them
-            return out.to(dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+            return _strided_like(out.to(dtype=t.dtype, device=t.device), t).requires_grad_(t.requires_grad)
         if t.dtype == torch.bool or t.is_complex():
             return t.clone()
         lo, hi = int(t.min()), int(t.max())
-        return torch.randint(lo, hi + 1, t.shape, generator=gen, dtype=torch.int64).to(t.dtype).to(t.device)
+        drawn = torch.randint(lo, hi + 1, t.shape, generator=gen, dtype=torch.int64).to(t.dtype).to(t.device)
+        return _strided_like(drawn, t)
 
     return pytree.tree_map(draw, example)
+
+
+def _strided_like(values: torch.Tensor, example: torch.Tensor) -> torch.Tensor:
+    """``values`` laid out in memory as ``example`` is (channels-last, transposed...), so that random inputs try
+    the strides the example brings; an example whose strides overlap (expanded) or skip memory (a slice) gets
+    dense strides in the same dim order (``torch.preserve_format``)."""
+    if values.stride() == example.stride():
+        return values
+    out = torch.empty_like(example, dtype=values.dtype, device=values.device, memory_format=torch.preserve_format)
+    return out.copy_(values)
 
 
 def with_special_values(example: Any) -> Any:
@@ -309,7 +320,7 @@ def with_special_values(example: Any) -> Any:
             if is_mask:
                 t[0] = float("-inf") if bool(torch.isneginf(data).any()) else float(values.min())
             elif not planted:
-                t.view(-1)[0] = float("nan")
+                t[(0,) * t.dim()] = float("nan")  # (any strides: channels-last, transposed, expanded copies)
                 planted.append(t)
         elif t.dtype == torch.bool:
             t[0] = False

@@ -18,7 +18,14 @@ import re
 import sys
 from typing import Any
 
+from fxforge.capture.model import CaptureError
 from fxforge.core.breaks import BRANCH_FIXES
+from fxforge.lowering.inductor import CompileRefused
+
+MODEL_LIMITS = (CaptureError, CompileRefused)
+"""What a model (or the compiler a target hands it to) cannot do: a plan build failing so runs the model eagerly,
+with a :class:`FallbackWarning`. Any other exception inside a build is fxforge's own failure, a bug: it is raised
+to the caller as it is, never hidden behind a fallback."""
 
 
 class FallbackWarning(UserWarning):

@@ -365,7 +365,7 @@ class PlanCache:
             with silenced_hooks(self._watch.watched()), torch.random.fork_rng(devices=None if cuda else []):
                 # (a builder that knows nothing of dynamic dims is called as before)
                 plan = self.build(*copies, conditions, *(() if dynamic is None else (dynamic,)))
-        except Exception as failure:  # noqa: BLE001 - any failure falls back to eager with a warning
+        except Exception as failure:  # noqa: BLE001 - a model's limit runs eagerly; fxforge's own is raised below
             error = failure
         finally:
             self._building.active = False
@@ -374,12 +374,15 @@ class PlanCache:
         self._set_during_build = state.changes()
         if self._set_during_build:
             state.restore()  # (a graph of such a forward differs from it: its failure is no news)
-        elif error is not None and not quiet and not (self.divert is not None and self.divert(error)):
+        elif (isinstance(error, fallbacks.MODEL_LIMITS) and not quiet
+              and not (self.divert is not None and self.divert(error))):
             reason = fallbacks.fallback_reason(error)
             self._warn(f"running {type(self.module).__name__} eagerly for inputs "
                        f"{describe_signature(args, kwargs)}: {reason}")
         self._watch.rewatch()  # what the build set (and put back) is not a change of the model
         self._epoch = self._watch.epoch
+        if error is not None and not self._set_during_build and not isinstance(error, fallbacks.MODEL_LIMITS):
+            raise error  # fxforge's own failure (a pass, verification, lowering): a bug to see, not a fallback
         return plan
 
     def _forward_set_state(self) -> bool:
