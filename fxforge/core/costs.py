@@ -145,6 +145,10 @@ def _conv_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> in
     return conv_flop_count(input_shape, weight_shape, out_shape)
 
 
+def _conv_transpose_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    return conv_flop_count(input_shape, weight_shape, out_shape, transposed=True)
+
+
 def _linear_flop(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
     return _mm_flops(input_shape, weight_shape[0])
 
@@ -168,6 +172,8 @@ def _sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwa
 KERNEL_FLOPS: dict[str, Callable[..., int]] = {
     "fxforge::conv_pointwise": _conv_flop,
     "fxforge::linear_pointwise": _linear_flop,
+    "fxforge::conv_transpose_pointwise": _conv_transpose_flop,
+    "mkldnn::_convolution_transpose_pointwise": _conv_transpose_flop,
     "aten::cudnn_convolution_relu": _conv_flop,
     "aten::cudnn_convolution_add_relu": _conv_flop,
     "aten::_scaled_dot_product_flash_attention_for_cpu": _sdpa_flop,  # as torch counts the CUDA siblings

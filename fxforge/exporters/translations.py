@@ -94,6 +94,7 @@ DEFAULT_OPSET = 20  # torch.onnx's default, and the first with Gelu
 
 CONV_POINTWISE = torch.ops.fxforge.conv_pointwise.default
 LINEAR_POINTWISE = torch.ops.fxforge.linear_pointwise.default
+CONV_TRANSPOSE_POINTWISE = torch.ops.fxforge.conv_transpose_pointwise.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 _MSFT = values.Opset("com.microsoft", 1)
@@ -165,7 +166,8 @@ def activation(op: Any, opset: int, y: Any, name: str, scalars: Any) -> Any:
         ValueError: an activation without a translation here.
     """
     scalars = list(scalars or [])
-    simple = {"relu": op.Relu, "sigmoid": op.Sigmoid, "tanh": op.Tanh, "hardswish": op.HardSwish}
+    simple = {"relu": op.Relu, "sigmoid": op.Sigmoid, "tanh": op.Tanh, "hardswish": op.HardSwish,
+              "hardsigmoid": lambda v: op.HardSigmoid(v, alpha=1.0 / 6.0, beta=0.5)}
     if name == "none":
         return y
     if name in simple:
@@ -242,7 +244,8 @@ class Translations:
         """``custom_translation_table`` for ``torch.onnx.export``."""
         table: dict[Any, Callable[..., Any]] = {NAN_ROWS: as_function(self.nan_rows),
                                                 CONV_POINTWISE: as_function(self.conv_pointwise),
-                                                LINEAR_POINTWISE: as_function(self.linear_pointwise)}
+                                                LINEAR_POINTWISE: as_function(self.linear_pointwise),
+                                                CONV_TRANSPOSE_POINTWISE: as_function(self.conv_transpose_pointwise)}
         if self.attention == "MultiHeadAttention":
             table[SDPA] = as_function(self.scaled_dot_product_attention)
         return table
@@ -250,7 +253,7 @@ class Translations:
     def _count(self, what: str) -> None:
         self.used[what] = self.used.get(what, 0) + 1
 
-    def conv_pointwise(self, input, weight, bias, stride, padding, dilation, groups, other, activation_name,
+    def conv_pointwise(self, input, weight, bias, stride, padding, dilation, groups, other, binary, activation_name,
                        scalars, kernel):
         """``fxforge::conv_pointwise`` -> ``Conv`` (+ ``Add``) + activation (``kernel`` is PyTorch's concern)."""
         op = self.op
@@ -261,12 +264,12 @@ class Translations:
         y = op.Conv(*conv_inputs, strides=_per_dim(stride, dims), pads=_per_dim(padding, dims) * 2,
                     dilations=_per_dim(dilation, dims), group=int(groups), **extra)
         if other is not None:
-            y = op.Add(y, other)
-        self._count(f"fxforge::conv_pointwise -> Conv{' + Add' if other is not None else ''}"
+            y = op.Add(y, other) if binary == "add" else op.Sub(y, other)
+        self._count(f"fxforge::conv_pointwise -> Conv{' + ' + binary.capitalize() if other is not None else ''}"
                     f"{'' if activation_name == 'none' else ' + ' + activation_name}")
         return activation(op, self.opset, y, activation_name, scalars)
 
-    def linear_pointwise(self, input, weight, bias, activation_name, scalars, kernel):
+    def linear_pointwise(self, input, weight, bias, other, binary, activation_name, scalars, kernel):
         """``fxforge::linear_pointwise`` -> ``Gemm`` (2-d input) or ``MatMul`` + ``Add``, + activation."""
         op = self.op
         if _rank(input) == 2:
@@ -277,7 +280,21 @@ class Translations:
             if bias is not None:
                 y = op.Add(y, bias)
             form = "MatMul + Add" if bias is not None else "MatMul"
+        if other is not None:
+            y = op.Add(y, other) if binary == "add" else op.Sub(y, other)
+            form += f" + {binary.capitalize()}"
         self._count(f"fxforge::linear_pointwise -> {form}{'' if activation_name == 'none' else ' + ' + activation_name}")
+        return activation(op, self.opset, y, activation_name, scalars)
+
+    def conv_transpose_pointwise(self, input, weight, bias, stride, padding, output_padding, groups, dilation,
+                                 activation_name, scalars, kernel):
+        """``fxforge::conv_transpose_pointwise`` -> ``ConvTranspose`` + activation."""
+        op, dims = self.op, (_rank(weight) or len(stride) + 2) - 2
+        y = op.ConvTranspose(*([input, weight] + ([bias] if bias is not None else [])), strides=_per_dim(stride, dims),
+                             pads=_per_dim(padding, dims) * 2, output_padding=_per_dim(output_padding, dims),
+                             dilations=_per_dim(dilation, dims), group=int(groups))
+        self._count("fxforge::conv_transpose_pointwise -> ConvTranspose" + ("" if activation_name == "none" else
+                                                                          f" + {activation_name}"))
         return activation(op, self.opset, y, activation_name, scalars)
 
     # ------------------------------------------------------------------------------------------ attention

@@ -19,7 +19,7 @@ Lowering (:mod:`fxforge.lowering.lower`) emits these calls straight into the gra
 
 Example:
     >>> x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 1, 1)
-    >>> conv_kernel_call("cudnn", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "relu", [])
+    >>> conv_kernel_call("cudnn", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "add", "relu", [])
     'cuDNN fused convolution runs on CUDA (input on cpu)'
 """
 
@@ -37,21 +37,15 @@ from torch.nn import functional as F
 from fxforge.core.derived import DATA_TOUCHES
 from fxforge.core.symbolic import hint
 from fxforge.core.tensor_cache import TensorCache, version
+from fxforge.lowering.postop_probes import (  # noqa: F401 - ONEDNN_ACTIVATIONS and the probes, as before
+    ONEDNN_ACTIVATIONS,
+    SPECIAL_VALUES,
+    _channels_last,
+    cudnn_relu_keeps_specials,
+    mkldnn_available,
+    postop_keeps_specials,
+)
 from fxforge.rewrites import fused_ops
-
-# activation name (fxforge.rewrites.fused_ops.ACTIVATIONS) -> (oneDNN's attribute name, oneDNN's algorithm)
-ONEDNN_ACTIVATIONS: dict[str, tuple[str, str | None]] = {
-    "none": ("none", None),
-    "relu": ("relu", None),
-    "hardtanh": ("hardtanh", None),
-    "leaky_relu": ("leaky_relu", None),
-    "gelu": ("gelu", "none"),
-    "gelu_tanh": ("gelu", "tanh"),
-    "silu": ("swish", None),
-    "sigmoid": ("sigmoid", None),
-    "tanh": ("tanh", None),
-    "hardswish": ("hardswish", None),
-}
 
 # oneDNN-prepacked copies of weights, per weight, its version and the call's configuration.
 PACKED = TensorCache()
@@ -71,18 +65,9 @@ def packing_key(weight: Tensor) -> tuple[int, int]:
     return version(weight), DATA_TOUCHES.touches(weight)
 
 
-def mkldnn_available() -> bool:
-    """Whether this build of torch has oneDNN's fused convolution and linear ops.
-
-    Example:
-        >>> isinstance(mkldnn_available(), bool)
-        True
-    """
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
-
-
 def mkldnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, activation: str) -> str | None:
-    """Why oneDNN's fused convolution cannot run this call, or None.
+    """Why oneDNN's fused convolution cannot run this call, or None. (An ``other`` of the output's rank may
+    broadcast onto it: oneDNN's binary post-op takes ``[1, C, 1, 1]`` and the like.)
 
     Example:
         >>> x64 = torch.ones(1, 1, 4, 4, dtype=torch.float64)
@@ -96,17 +81,18 @@ def mkldnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, a
         return "the added tensor's dtype or rank differs from the convolution's"
     if other is not None and weight.dim() == 3:
         return "oneDNN's fused convolution + add runs 2d and 3d convolutions only"
-    if other is not None and activation not in ("none", "relu"):
-        return f"oneDNN's fused convolution + add takes relu or no activation, not {activation}"
     return None
 
 
-def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars):
+def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, binary, activation, scalars):
     attr, algorithm = ONEDNN_ACTIVATIONS[activation]
     ops = torch.ops.mkldnn
     value = _value(input)
-    exact = postop_keeps_specials("conv", activation, tuple(scalars), other is not None, _channels_last(value),
-                                  value.dtype)
+    # After a binary post-op the activation runs in torch: oneDNN's unary after its binary treated NaN unlike
+    # eager in blocked (many-channel) kernels that the probe's two channels do not reach.
+    residual = binary if other is not None else None
+    exact = postop_keeps_specials("conv", activation if other is None else "none", tuple(scalars), residual,
+                                  _channels_last(value), value.dtype, weight.dim() - 2)
     # Prepacked weights make oneDNN write channels-last output; the op's output must keep the input's
     # layout (as the composite does), so they are used for channels-last inputs only.
     if _channels_last(value):
@@ -119,14 +105,14 @@ def _conv_mkldnn(input, weight, bias, stride, padding, dilation, groups, other, 
         return ops._convolution_pointwise.default, (input, weight, bias, *conv, attr, list(scalars), algorithm)
     if other is None:
         return conv_then_activation, (input, weight, bias, *conv, activation, list(scalars))
-    if exact:
-        unary = None if activation == "none" else attr
-        return ops._convolution_pointwise.binary, (input, other, weight, bias, *conv, "add", None, unary,
-                                                   list(scalars), algorithm)
-    return conv_add_then_activation, (input, other, weight, bias, *conv, activation, list(scalars))
+    if exact and activation == "none":
+        return ops._convolution_pointwise.binary, (input, other, weight, bias, *conv, binary, None, None, [], None)
+    if exact:  # the convolution and its binary post-op in oneDNN, the activation in torch
+        return conv_binary_then_activation, (input, other, weight, bias, *conv, binary, activation, list(scalars))
+    return conv_add_then_activation, (input, other, weight, bias, *conv, binary, activation, list(scalars))
 
 
-def _conv_cudnn(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars):
+def _conv_cudnn(input, weight, bias, stride, padding, dilation, groups, other, binary, activation, scalars):
     conv = (list(stride), list(padding), list(dilation), groups)
     if other is None:
         return torch.ops.aten.cudnn_convolution_relu.default, (input, weight, bias, *conv)
@@ -139,7 +125,7 @@ def _value(x: Any) -> Any:
 
 
 def conv_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, stride, padding, dilation, groups: int,
-                     other: Any, activation: str, scalars) -> tuple[Callable, tuple] | str:
+                     other: Any, binary: str, activation: str, scalars) -> tuple[Callable, tuple] | str:
     """``(function, args)`` such that ``function(*args)`` is the op run by ``kernel``, or why it cannot be.
 
     ``weight`` must be the real weight (oneDNN gets a prepacked copy of it, made once and cached).
@@ -149,20 +135,30 @@ def conv_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, stride,
 
     Example:
         >>> x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 1, 1)
-        >>> conv_kernel_call("cudnn", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "relu", [])
+        >>> conv_kernel_call("cudnn", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "add", "relu", [])
         'cuDNN fused convolution runs on CUDA (input on cpu)'
-        >>> fn, args = conv_kernel_call("composite", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "relu", [])
+        >>> fn, args = conv_kernel_call("composite", x, w, None, [1, 1], [0, 0], [1, 1], 1, None, "add", "relu", [])
         >>> torch.equal(fn(*args), torch.relu(torch.nn.functional.conv2d(x, w)))
         True
     """
-    args = (input, weight, bias, stride, padding, dilation, groups, other, activation, scalars)
+    args = (input, weight, bias, stride, padding, dilation, groups, other, binary, activation, scalars)
     if kernel == "mkldnn":
         reason = mkldnn_conv_supported(_value(input), weight, _value(other), activation)
         return reason or _conv_mkldnn(*args)
     if kernel == "cudnn":
         reason = cudnn_conv_supported(_value(input), weight, _value(other), activation)
+        full = _conv_output_shape(_value(input), weight, stride, padding, dilation)
+        if reason is None and other is not None and (binary != "add" or tuple(_value(other).shape) != full):
+            reason = "cuDNN's fused convolution adds a tensor of the output's shape only"
         return reason or _conv_cudnn(*args)
     return fused_ops.conv_pointwise_composite, args
+
+
+def _conv_output_shape(input: Any, weight: Tensor, stride, padding, dilation) -> tuple:
+    """The shape of ``conv(input, weight)`` (sizes as the input gives them: ints, or symbols)."""
+    spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+               for size, k, s, p, d in zip(input.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return (input.shape[0], weight.shape[0], *spatial)
 
 
 def cudnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, activation: str) -> str | None:
@@ -183,54 +179,69 @@ def cudnn_conv_supported(input: Tensor, weight: Tensor, other: Tensor | None, ac
     return None
 
 
-@functools.cache
-def cudnn_relu_keeps_specials(residual: bool, dtype: torch.dtype, device: str) -> bool:
-    """Whether cuDNN's fused convolution (+ add) + relu gives eager's result on :data:`SPECIAL_VALUES` on
-    ``device`` (probed once, as :func:`postop_keeps_specials` probes oneDNN's post-ops).
-
-    Example:
-        >>> cudnn_relu_keeps_specials(False, torch.float32, "cuda:0") if torch.cuda.is_available() else None
-    """
-    x, other, w = _identity_conv_probe(dtype, device, residual, channels_last=False)
-    conv = ([1, 1], [0, 0], [1, 1], 1)
-    try:
-        with torch.no_grad():
-            if residual:
-                fused = torch.ops.aten.cudnn_convolution_add_relu.default(x, w, other, 1.0, None, *conv)
-            else:
-                fused = torch.ops.aten.cudnn_convolution_relu.default(x, w, None, *conv)
-            expected = fused_ops.conv_pointwise_composite(x, w, None, [1, 1], [0, 0], [1, 1], 1, other, "relu", [])
-    except RuntimeError:
-        return False
-    return _same_specials(expected.cpu(), fused.cpu())
-
-
-def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, activation: str,
+def linear_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, other: Any, binary: str, activation: str,
                        scalars) -> tuple[Callable, tuple] | str:
     """``(function, args)`` such that ``function(*args)`` is the linear op run by ``kernel``, or why not.
 
-    Arguments as for :func:`conv_kernel_call`.
+    Arguments as for :func:`conv_kernel_call`. oneDNN adds (or subtracts) ``other`` as its binary post-op where
+    it has the output's shape; the activation then runs in torch, in place.
 
     Example:
-        >>> fn, args = linear_kernel_call("composite", torch.ones(1, 2), torch.ones(3, 2), None, "relu", [])
+        >>> fn, args = linear_kernel_call("composite", torch.ones(1, 2), torch.ones(3, 2), None, None, "add", "relu",
+        ...                               [])
         >>> fn(*args).tolist()
         [[2.0, 2.0, 2.0]]
     """
     if kernel == "mkldnn":
         reason = mkldnn_linear_supported(_value(input), weight)
+        value, added = _value(input), _value(other)
+        if reason is None and added is not None and (tuple(added.shape) != (*value.shape[:-1], weight.shape[0])
+                                                     or added.dtype != value.dtype):
+            reason = "oneDNN's linear + add takes a tensor of the output's shape and dtype only"
         if reason:
             return reason
         attr, algorithm = ONEDNN_ACTIVATIONS[activation]
         ops = torch.ops.mkldnn
-        rows = hint(_value(input).numel()) // hint(_value(input).shape[-1])  # a packing hint: any rows run
+        rows = hint(value.numel()) // hint(value.shape[-1])  # a packing hint: any rows run
         packed = PACKED.get(weight, (*packing_key(weight), "linear", rows),
                             lambda: ops._reorder_linear_weight(weight.detach(), rows))
-        if postop_keeps_specials("linear", activation, tuple(scalars), False, False, _value(input).dtype):
+        if other is not None:
+            return linear_binary_then_activation, (input, other, packed, bias, binary, activation, list(scalars))
+        if postop_keeps_specials("linear", activation, tuple(scalars), None, False, value.dtype):
             return ops._linear_pointwise.default, (input, packed, bias, attr, list(scalars), algorithm)
         return linear_then_activation, (input, packed, bias, activation, list(scalars))
     if kernel != "composite":
         return f"no {kernel} kernel for linear"
-    return fused_ops.linear_pointwise_composite, (input, weight, bias, activation, scalars)
+    return fused_ops.linear_pointwise_composite, (input, weight, bias, other, binary, activation, scalars)
+
+
+def conv_transpose_kernel_call(kernel: str, input: Any, weight: Tensor, bias: Any, stride, padding, output_padding,
+                               groups: int, dilation, activation: str, scalars) -> tuple[Callable, tuple] | str:
+    """``(function, args)`` such that ``function(*args)`` is the transposed convolution (+ activation) run by
+    ``kernel``, or why not (arguments as for :func:`conv_kernel_call`, in ``F.conv_transposeNd``'s order).
+
+    Example:
+        >>> x, w = torch.randn(1, 2, 3, 3), torch.randn(2, 2, 2, 2)
+        >>> fn, args = conv_transpose_kernel_call("mkldnn", x, w, None, [2, 2], [0, 0], [0, 0], 1, [1, 1], "tanh", [])
+        >>> torch.allclose(fn(*args), torch.tanh(torch.nn.functional.conv_transpose2d(x, w, stride=2)), atol=1e-5)
+        True
+    """
+    if kernel == "mkldnn":
+        value = _value(input)
+        reason = _mkldnn_refusal("transposed convolution", value, weight)
+        if reason:
+            return reason
+        attr, algorithm = ONEDNN_ACTIVATIONS[activation]
+        call = (list(padding), list(output_padding), list(stride), list(dilation), groups)
+        if postop_keeps_specials("conv_transpose", activation, tuple(scalars), None, False, value.dtype,
+                                 weight.dim() - 2):
+            return torch.ops.mkldnn._convolution_transpose_pointwise.default, (input, weight, bias, *call, attr,
+                                                                               list(scalars), algorithm)
+        return conv_transpose_then_activation, (input, weight, bias, *call, activation, list(scalars))
+    if kernel != "composite":
+        return f"no {kernel} kernel for transposed convolution"
+    return fused_ops.conv_transpose_pointwise_composite, (input, weight, bias, stride, padding, output_padding, groups,
+                                                          dilation, activation, scalars)
 
 
 def mkldnn_linear_supported(input: Tensor, weight: Tensor) -> str | None:
@@ -268,90 +279,6 @@ def mkldnn_bf16_supported() -> bool:
     return bool(check()) if check is not None else False
 
 
-# ---------------------------------------------------------------------------------------------- special values
-
-# What a post-op must treat as eager does: NaN, both infinities, values whose activation overflows or
-# underflows, both zeros, and ordinary values on each side of every activation's knee.
-SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 0.0, -0.0, 1.5, -2.5, 7.0)
-
-
-def _channels_last(value: Any) -> bool:
-    return (isinstance(value, Tensor) and value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last)
-            and not value.is_contiguous())
-
-
-def _same_specials(expected: Tensor, got: Tensor) -> bool:
-    """NaN where eager has NaN, the same infinities, and the finite values equal up to rounding."""
-    if expected.shape != got.shape or not torch.equal(torch.isnan(expected), torch.isnan(got)):
-        return False
-    finite = torch.isfinite(expected)
-    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(expected[~finite & ~torch.isnan(expected)],
-                                                                       got[~finite & ~torch.isnan(got)]):
-        return False
-    return torch.allclose(expected[finite].double(), got[finite].double(), rtol=1e-2, atol=1e-6)
-
-
-@functools.cache
-def postop_keeps_specials(op: str, activation: str, scalars: tuple, residual: bool, channels_last: bool,
-                          dtype: torch.dtype) -> bool:
-    """Whether oneDNN's fused ``activation`` (after a convolution, + add when ``residual``, or after a linear
-    layer) gives eager's result on :data:`SPECIAL_VALUES`, on this machine; probed once per configuration.
-
-    The probe is an identity convolution or linear layer whose other inputs are zero, so the post-op sees
-    the special values themselves (``v * 1 + 0 * 0``); a configuration whose fused call raises counts as not
-    proven (the convolution then runs alone, and torch applies the activation).
-
-    Example:
-        >>> postop_keeps_specials("conv", "relu", (), False, False, torch.float32)  # NaN -> 0 in oneDNN
-        False
-        >>> postop_keeps_specials("conv", "none", (), False, False, torch.float32)
-        True
-    """
-    if not mkldnn_available():
-        return False
-    try:
-        with torch.no_grad():
-            expected, fused = _probe(op, activation, scalars, residual, channels_last, dtype)
-    except RuntimeError:  # e.g. an add the fused kernel does not take in this dtype
-        return False
-    return _same_specials(expected, fused)
-
-
-def _probe(op: str, activation: str, scalars: tuple, residual: bool, channels_last: bool,
-           dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(composite, fused oneDNN) of ``activation`` on :data:`SPECIAL_VALUES`."""
-    attr, algorithm = ONEDNN_ACTIVATIONS[activation]
-    if op == "linear":
-        values = torch.tensor(SPECIAL_VALUES, dtype=dtype)
-        x, w = torch.stack([values, torch.zeros_like(values)], 1), torch.eye(2, dtype=dtype)
-        fused = torch.ops.mkldnn._linear_pointwise.default(x, w, None, attr, list(scalars), algorithm)
-        return fused_ops.linear_pointwise_composite(x, w, None, activation, scalars), fused
-    x, other, w = _identity_conv_probe(dtype, "cpu", residual, channels_last)
-    conv = ([0, 0], [1, 1], [1, 1], 1)
-    if residual:
-        fused = torch.ops.mkldnn._convolution_pointwise.binary(x, other, w, None, *conv, "add", None,
-                                                              None if activation == "none" else attr,
-                                                              list(scalars), algorithm)
-    else:
-        fused = torch.ops.mkldnn._convolution_pointwise.default(x, w, None, *conv, attr, list(scalars), algorithm)
-    expected = fused_ops.conv_pointwise_composite(x, w, None, [1, 1], [0, 0], [1, 1], 1, other, activation, scalars)
-    return expected, fused
-
-
-def _identity_conv_probe(dtype: torch.dtype, device: str, residual: bool, channels_last: bool
-                         ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``(input, added tensor or None, weight)`` of a 1x1 identity convolution over :data:`SPECIAL_VALUES`:
-    channel 0 holds the values, channel 1 zeros, so the identity weight adds only ``0 * 0`` to each value and
-    a post-op sees the special values themselves (the added tensor holds them reversed)."""
-    values = torch.tensor(SPECIAL_VALUES, dtype=dtype, device=device)
-    x = torch.stack([values, torch.zeros_like(values)]).view(1, 2, 1, len(values))
-    other = torch.stack([values.flip(0), torch.zeros_like(values)]).view(1, 2, 1, len(values)) if residual else None
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-        other = other.contiguous(memory_format=torch.channels_last) if other is not None else None
-    return x, other, torch.eye(2, dtype=dtype, device=device).view(2, 2, 1, 1)
-
-
 def _activate(y: Tensor, activation: str, scalars: Sequence[float]) -> Tensor:
     """``activation`` applied by torch to ``y``, a fresh tensor (in place where torch has the in-place form)."""
     inplace = _INPLACE.get(activation)
@@ -381,19 +308,68 @@ def conv_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, pad
 
 
 def conv_add_then_activation(input: Tensor, other: Tensor, weight: Tensor, bias: Tensor | None, padding: list,
-                             stride: list, dilation: list, groups: int, activation: str, scalars: list) -> Tensor:
-    """oneDNN's convolution + add (computed as eager does: the convolution, then the sum), then torch's
-    ``activation``.
+                             stride: list, dilation: list, groups: int, binary: str, activation: str,
+                             scalars: list) -> Tensor:
+    """oneDNN's convolution, then torch adds (or subtracts) ``other`` and applies ``activation`` (where oneDNN's
+    binary post-op does not treat special values as eager does).
 
     Example:
         >>> x, other = torch.ones(1, 1, 1, 2), torch.tensor([[[[float("-inf"), float("nan")]]]])
-        >>> conv_add_then_activation(x, other, torch.ones(1, 1, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "relu",
-        ...                          []).tolist()
+        >>> conv_add_then_activation(x, other, torch.ones(1, 1, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "add",
+        ...                          "relu", []).tolist()
         [[[[0.0, nan]]]]
     """
     y = torch.ops.mkldnn._convolution_pointwise.default(input, weight, bias, padding, stride, dilation, groups,
                                                          "none", [], None)
-    return _activate(y.add_(other), activation, scalars)
+    y = y.add_(other) if binary == "add" and y.shape == torch.broadcast_shapes(y.shape, other.shape) \
+        else fused_ops.BINARIES[binary](y, other)
+    return _activate(y, activation, scalars)
+
+
+def conv_binary_then_activation(input: Tensor, other: Tensor, weight: Tensor, bias: Tensor | None, padding: list,
+                                stride: list, dilation: list, groups: int, binary: str, activation: str,
+                                scalars: list) -> Tensor:
+    """oneDNN's convolution with its binary post-op (``binary`` of ``other``), then torch's ``activation``.
+
+    Example:
+        >>> x, other = torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 1)
+        >>> conv_binary_then_activation(x, other, torch.ones(1, 1, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "sub",
+        ...                             "sigmoid", []).tolist()
+        [[[[0.5, 0.5]]]]
+    """
+    y = torch.ops.mkldnn._convolution_pointwise.binary(input, other, weight, bias, padding, stride, dilation, groups,
+                                                        binary, None, None, [], None)
+    return _activate(y, activation, scalars)
+
+
+def linear_binary_then_activation(input: Tensor, other: Tensor, weight: Tensor, bias: Tensor | None, binary: str,
+                                  activation: str, scalars: list) -> Tensor:
+    """oneDNN's linear layer (``weight`` prepacked) with ``other`` added or subtracted as its binary post-op, then
+    torch's ``activation``.
+
+    Example:
+        >>> w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 1), 1)
+        >>> linear_binary_then_activation(torch.ones(1, 1), torch.ones(1, 1), w, None, "sub", "relu", []).tolist()
+        [[0.0]]
+    """
+    y = torch.ops.mkldnn._linear_pointwise.binary(input, other, weight, bias, binary)
+    return _activate(y, activation, scalars)
+
+
+def conv_transpose_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, padding: list,
+                                   output_padding: list, stride: list, dilation: list, groups: int, activation: str,
+                                   scalars: list) -> Tensor:
+    """oneDNN's transposed convolution alone, then torch's ``activation``.
+
+    Example:
+        >>> x = torch.tensor([[[[float("nan"), -1.0]]]])
+        >>> conv_transpose_then_activation(x, torch.ones(1, 1, 1, 1), None, [0, 0], [0, 0], [1, 1], [1, 1], 1, "relu",
+        ...                                []).tolist()
+        [[[[nan, 0.0]]]]
+    """
+    y = torch.ops.mkldnn._convolution_transpose_pointwise.default(input, weight, bias, padding, output_padding,
+                                                                   stride, dilation, groups, "none", [], None)
+    return _activate(y, activation, scalars)
 
 
 def linear_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, activation: str,
@@ -412,12 +388,16 @@ def linear_then_activation(input: Tensor, weight: Tensor, bias: Tensor | None, a
 # What a profile calls each of these kernels' nodes (as it calls oneDNN's fused ops): the fused op they run.
 conv_then_activation.fxforge_op = "fxforge.conv_pointwise"
 conv_add_then_activation.fxforge_op = "fxforge.conv_pointwise"
+conv_binary_then_activation.fxforge_op = "fxforge.conv_pointwise"
 linear_then_activation.fxforge_op = "fxforge.linear_pointwise"
+linear_binary_then_activation.fxforge_op = "fxforge.linear_pointwise"
+conv_transpose_then_activation.fxforge_op = "fxforge.conv_transpose_pointwise"
 
 
 # ---------------------------------------------------------------------------------------------- registration
 
-KERNELS_BY_OP: dict[str, Callable[..., Any]] = {"conv_pointwise": conv_kernel_call, "linear_pointwise": linear_kernel_call}
+KERNELS_BY_OP: dict[str, Callable[..., Any]] = {"conv_pointwise": conv_kernel_call, "linear_pointwise": linear_kernel_call,
+                                                "conv_transpose_pointwise": conv_transpose_kernel_call}
 
 
 def kernels_for(device: torch.device) -> tuple[str, ...]:

@@ -50,6 +50,7 @@ KERNEL_SET = "fxforge_kernel_set"
 FUSED_OPS = {
     torch.ops.fxforge.conv_pointwise.default: "conv_pointwise",
     torch.ops.fxforge.linear_pointwise.default: "linear_pointwise",
+    torch.ops.fxforge.conv_transpose_pointwise.default: "conv_transpose_pointwise",
 }
 
 
@@ -115,7 +116,8 @@ def lower(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         dims = () if node.meta.get(KERNEL_SET) else _dynamic_dims(op_args[0])
         with graph.inserting_before(node):
             result = _bucketed(node, op, kernel, weight, dims, tables, graph_args) if dims else None
-            composite = fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite)
+            composite = fn in (fused_ops.conv_pointwise_composite, fused_ops.linear_pointwise_composite,
+                               fused_ops.conv_transpose_pointwise_composite)
             if result is None and composite:  # inlined: plain ops, no custom-op dispatch
                 tracer = torch.fx.proxy.GraphAppendingTracer(graph)
                 proxied = [torch.fx.Proxy(a, tracer) if isinstance(a, Node) else a for a in op_args]

@@ -107,7 +107,7 @@ def _bind_call(node: Node) -> dict | None:
     if isinstance(target, torch._ops.OpOverload):
         return _bind_schema(target._schema, args, kwargs)
     if target in (operator.add, operator.iadd, operator.sub, operator.isub, operator.mul, operator.imul,
-                  operator.truediv, operator.itruediv, operator.matmul):
+                  operator.truediv, operator.itruediv, operator.matmul, operator.gt):
         return {"input": args[0], "other": args[1]} if len(args) == 2 and not kwargs else None
     if target in (operator.pow, operator.ipow):
         return {"input": args[0], "exponent": args[1]} if len(args) == 2 and not kwargs else None
@@ -144,6 +144,8 @@ def _normalize_conv(gm: torch.fx.GraphModule, args: dict, n: int) -> dict | None
             return v
         return tuple(v) * (n if len(v) == 1 else 1) if isinstance(v, (list, tuple)) else (v,) * n
     args["stride"], args["dilation"] = tup(args["stride"]), tup(args["dilation"])
+    if "output_padding" in args:
+        args["output_padding"] = tup(args["output_padding"])
     padding = args["padding"]
     if padding == "valid":
         padding = 0
@@ -203,6 +205,9 @@ def _lookup(node: Node, gm: torch.fx.GraphModule) -> tuple[Any, dict | None, tup
     packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
     if packet is aten.convolution:
         bound = _bind_call(node)
+        if bound and bound.get("transposed"):  # the transposed convolution, its arguments in its own order
+            bound = {k: v for k, v in bound.items() if k != "transposed"}
+            return f"conv_transpose{len(bound['stride'])}d", bound, ()
         return (f"conv{len(bound['stride'])}d" if bound else None), bound, ()
     name = _canonical(node, gm)
     bound = _bind_call(node) if name else None
@@ -241,7 +246,7 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
     if any(k not in _IGNORED_ARGS for k in bound):
         return None  # an argument the canonical op does not have (out=, dtype=...)
     if name.startswith("conv"):
-        args = _normalize_conv(gm, args, int(name[4]))
+        args = _normalize_conv(gm, args, int(name[-2]))
     effect = None
     if name == "batch_norm" and args["training"] and args["running_mean"] is not None:
         effect = "updates BatchNorm running statistics (training mode)"

@@ -1,7 +1,9 @@
 """The fused ops fxforge's rewrites emit, registered with ``torch.library``.
 
-``fxforge::conv_pointwise`` is a convolution, optionally plus a same-shape tensor (a residual), then an
-activation; ``fxforge::linear_pointwise`` is a linear layer then an activation. Each op has
+``fxforge::conv_pointwise`` is a convolution, optionally plus or minus a tensor (a residual, or one that
+broadcasts onto the output: ``binary`` is ``"add"`` or ``"sub"``), then an activation;
+``fxforge::linear_pointwise`` is the same for a linear layer; ``fxforge::conv_transpose_pointwise`` is a
+transposed convolution then an activation. Each op has
 
 - a composite implementation (the plain torch ops, which is also its definition),
 - a fake implementation, so fake-tensor propagation and ``torch.export`` keep the op,
@@ -12,11 +14,13 @@ activation; ``fxforge::linear_pointwise`` is a linear layer then an activation. 
   rewrite chooses it by timing (see :mod:`fxforge.lowering.autotune`).
 
 Activations (``activation`` and ``scalars``): ``none``, ``relu``, ``hardtanh`` (min, max),
-``leaky_relu`` (slope), ``gelu``, ``gelu_tanh``, ``silu``, ``sigmoid``, ``tanh``, ``hardswish``.
+``leaky_relu`` (slope), ``gelu``, ``gelu_tanh``, ``silu``, ``sigmoid``, ``tanh``, ``hardswish``,
+``hardsigmoid``.
 
 Example:
     >>> x, w, b = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
-    >>> y = torch.ops.fxforge.conv_pointwise(x, w, b, [1, 1], [1, 1], [1, 1], 1, None, "relu", [], "composite")
+    >>> y = torch.ops.fxforge.conv_pointwise(x, w, b, [1, 1], [1, 1], [1, 1], 1, None, "add", "relu", [],
+    ...                                      "composite")
     >>> torch.equal(y, torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1)))
     True
 """
@@ -42,36 +46,58 @@ ACTIVATIONS: dict[str, Callable[[Tensor, Sequence[float]], Tensor]] = {
     "sigmoid": lambda y, s: torch.sigmoid(y),
     "tanh": lambda y, s: torch.tanh(y),
     "hardswish": lambda y, s: F.hardswish(y),
+    "hardsigmoid": lambda y, s: F.hardsigmoid(y),
 }
+# binary name -> ``(y, other) -> y op other``: what a fused op does with its ``other`` tensor
+BINARIES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"add": torch.add, "sub": torch.sub}
 _CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}  # by the number of spatial dimensions
+_CONV_TRANSPOSES = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def conv_pointwise_composite(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int],
                              padding: Sequence[int], dilation: Sequence[int], groups: int, other: Tensor | None,
-                             activation: str, scalars: Sequence[float]) -> Tensor:
-    """``activation(conv(input, weight, bias) + other)`` with plain torch ops: the op's definition.
+                             binary: str, activation: str, scalars: Sequence[float]) -> Tensor:
+    """``activation(conv(input, weight, bias) <binary> other)`` with plain torch ops: the op's definition.
 
     Example:
         >>> y = conv_pointwise_composite(torch.ones(1, 1, 3), torch.ones(1, 1, 1), None, [1], [0], [1], 1,
-        ...                              torch.ones(1, 1, 3), "none", [])
+        ...                              torch.ones(1, 1, 3), "sub", "none", [])
         >>> y.tolist()
-        [[[2.0, 2.0, 2.0]]]
+        [[[0.0, 0.0, 0.0]]]
     """
     y = _CONVS[len(stride)](input, weight, bias, stride, padding, dilation, groups)
     if other is not None:
-        y = y + other
+        y = BINARIES[binary](y, other)
     return ACTIVATIONS[activation](y, scalars)
 
 
-def linear_pointwise_composite(input: Tensor, weight: Tensor, bias: Tensor | None, activation: str,
-                               scalars: Sequence[float]) -> Tensor:
-    """``activation(linear(input, weight, bias))`` with plain torch ops: the op's definition.
+def linear_pointwise_composite(input: Tensor, weight: Tensor, bias: Tensor | None, other: Tensor | None,
+                               binary: str, activation: str, scalars: Sequence[float]) -> Tensor:
+    """``activation(linear(input, weight, bias) <binary> other)`` with plain torch ops: the op's definition.
 
     Example:
-        >>> linear_pointwise_composite(torch.ones(1, 2), torch.ones(1, 2), None, "relu", []).tolist()
+        >>> linear_pointwise_composite(torch.ones(1, 2), torch.ones(1, 2), None, None, "add", "relu", []).tolist()
         [[2.0]]
     """
-    return ACTIVATIONS[activation](F.linear(input, weight, bias), scalars)
+    y = F.linear(input, weight, bias)
+    if other is not None:
+        y = BINARIES[binary](y, other)
+    return ACTIVATIONS[activation](y, scalars)
+
+
+def conv_transpose_pointwise_composite(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int],
+                                       padding: Sequence[int], output_padding: Sequence[int], groups: int,
+                                       dilation: Sequence[int], activation: str, scalars: Sequence[float]) -> Tensor:
+    """``activation(conv_transpose(input, weight, bias))`` with plain torch ops: the op's definition
+    (arguments in ``F.conv_transposeNd``'s order).
+
+    Example:
+        >>> conv_transpose_pointwise_composite(-torch.ones(1, 1, 2), torch.ones(1, 1, 1), None, [1], [0], [0], 1,
+        ...                                    [1], "relu", []).tolist()
+        [[[0.0, 0.0]]]
+    """
+    y = _CONV_TRANSPOSES[len(stride)](input, weight, bias, stride, padding, output_padding, groups, dilation)
+    return ACTIVATIONS[activation](y, scalars)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -83,7 +109,7 @@ KernelCall = Callable[..., "tuple[Callable, tuple] | str"]
 
 # op name ("conv_pointwise", "linear_pointwise") -> kernel name -> its call; filled once, at import, by
 # fxforge.lowering.kernels (configuration, not results: nothing writes here while fxforge runs).
-_KERNELS: dict[str, dict[str, KernelCall]] = {"conv_pointwise": {}, "linear_pointwise": {}}
+_KERNELS: dict[str, dict[str, KernelCall]] = {"conv_pointwise": {}, "linear_pointwise": {}, "conv_transpose_pointwise": {}}
 
 
 def register_kernel(op: str, kernel: str, call: KernelCall) -> None:
@@ -91,7 +117,7 @@ def register_kernel(op: str, kernel: str, call: KernelCall) -> None:
 
     Example:
         >>> register_kernel("linear_pointwise", "demo", lambda kernel, *args: "demo runs nothing")
-        >>> kernel_call("linear_pointwise", "demo", torch.ones(1, 2), torch.ones(3, 2), None, "relu", [])
+        >>> kernel_call("linear_pointwise", "demo", torch.ones(1, 2), torch.ones(3, 2), None, None, "add", "relu", [])
         'demo runs nothing'
         >>> del _KERNELS["linear_pointwise"]["demo"]
     """
@@ -113,10 +139,11 @@ def kernel_call(op: str, kernel: str, *args: Any) -> tuple[Callable, tuple] | st
 
     Example:
         >>> fn, args = kernel_call("linear_pointwise", "composite", torch.ones(1, 2), torch.ones(3, 2), None,
-        ...                        "relu", [])
+        ...                        None, "add", "relu", [])
         >>> fn(*args).tolist()
         [[2.0, 2.0, 2.0]]
-        >>> kernel_call("linear_pointwise", "nonesuch", torch.ones(1, 2), torch.ones(3, 2), None, "relu", [])
+        >>> kernel_call("linear_pointwise", "nonesuch", torch.ones(1, 2), torch.ones(3, 2), None, None, "add",
+        ...             "relu", [])
         'no nonesuch kernel for linear_pointwise'
     """
     if kernel == "composite":
@@ -133,7 +160,7 @@ def kernel_or_composite(op: str, kernel: str, *args: Any) -> tuple[Callable, tup
     Example:
         >>> x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 1, 1)
         >>> fn, _ = kernel_or_composite("conv_pointwise", "nonesuch", x, w, None, [1, 1], [0, 0], [1, 1], 1,
-        ...                             None, "relu", [])
+        ...                             None, "add", "relu", [])
         >>> fn is conv_pointwise_composite
         True
     """
@@ -141,7 +168,8 @@ def kernel_or_composite(op: str, kernel: str, *args: Any) -> tuple[Callable, tup
     return (_COMPOSITES[op], args) if isinstance(call, str) else call
 
 
-_COMPOSITES = {"conv_pointwise": conv_pointwise_composite, "linear_pointwise": linear_pointwise_composite}
+_COMPOSITES = {"conv_pointwise": conv_pointwise_composite, "linear_pointwise": linear_pointwise_composite,
+               "conv_transpose_pointwise": conv_transpose_pointwise_composite}
 
 
 # ---------------------------------------------------------------------------------------------- the ops
@@ -149,45 +177,70 @@ _COMPOSITES = {"conv_pointwise": conv_pointwise_composite, "linear_pointwise": l
 @torch.library.custom_op("fxforge::conv_pointwise", mutates_args=())
 def conv_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int],
                    padding: Sequence[int], dilation: Sequence[int], groups: int, other: Tensor | None,
-                   activation: str, scalars: Sequence[float], kernel: str) -> Tensor:
-    """``activation(conv(input, weight, bias) + other)`` run by ``kernel`` (see the module docstring).
+                   binary: str, activation: str, scalars: Sequence[float], kernel: str) -> Tensor:
+    """``activation(conv(input, weight, bias) <binary> other)`` run by ``kernel`` (see the module docstring).
 
     Example:
         >>> x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 2, 1, 1)
-        >>> y = conv_pointwise(x, w, None, [1, 1], [0, 0], [1, 1], 1, x, "relu", [], "composite")
+        >>> y = conv_pointwise(x, w, None, [1, 1], [0, 0], [1, 1], 1, x, "add", "relu", [], "composite")
         >>> torch.equal(y, torch.relu(torch.nn.functional.conv2d(x, w) + x))
         True
     """
     fn, args = kernel_or_composite("conv_pointwise", kernel, input, weight, bias, stride, padding, dilation, groups,
-                                   other, activation, scalars)
+                                   other, binary, activation, scalars)
     return fn(*args)
 
 
 @conv_pointwise.register_fake
-def _conv_pointwise_fake(input, weight, bias, stride, padding, dilation, groups, other, activation, scalars,
+def _conv_pointwise_fake(input, weight, bias, stride, padding, dilation, groups, other, binary, activation, scalars,
                          kernel):
     # The composite without its activation: every activation keeps the shape, dtype and strides of the
     # fresh tensor it is given, and running it on fake tensors would cost as much again as the convolution.
-    return conv_pointwise_composite(input, weight, bias, stride, padding, dilation, groups, other, "none", ())
+    return conv_pointwise_composite(input, weight, bias, stride, padding, dilation, groups, other, binary, "none", ())
 
 
 @torch.library.custom_op("fxforge::linear_pointwise", mutates_args=())
-def linear_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, activation: str,
-                     scalars: Sequence[float], kernel: str) -> Tensor:
-    """``activation(linear(input, weight, bias))`` run by ``kernel`` (see the module docstring).
+def linear_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, other: Tensor | None, binary: str,
+                     activation: str, scalars: Sequence[float], kernel: str) -> Tensor:
+    """``activation(linear(input, weight, bias) <binary> other)`` run by ``kernel`` (see the module docstring).
 
     Example:
         >>> x, w = torch.randn(3, 4), torch.randn(5, 4)
-        >>> torch.equal(linear_pointwise(x, w, None, "tanh", [], "composite"), torch.tanh(x @ w.T))
+        >>> torch.equal(linear_pointwise(x, w, None, None, "add", "tanh", [], "composite"), torch.tanh(x @ w.T))
         True
     """
-    fn, args = kernel_or_composite("linear_pointwise", kernel, input, weight, bias, activation, scalars)
+    fn, args = kernel_or_composite("linear_pointwise", kernel, input, weight, bias, other, binary, activation,
+                                   scalars)
     return fn(*args)
 
 
 @linear_pointwise.register_fake
-def _linear_pointwise_fake(input, weight, bias, activation, scalars, kernel):
-    return linear_pointwise_composite(input, weight, bias, "none", ())  # as for conv_pointwise's fake
+def _linear_pointwise_fake(input, weight, bias, other, binary, activation, scalars, kernel):
+    return linear_pointwise_composite(input, weight, bias, other, binary, "none", ())  # as for conv_pointwise's
+
+
+@torch.library.custom_op("fxforge::conv_transpose_pointwise", mutates_args=())
+def conv_transpose_pointwise(input: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int],
+                             padding: Sequence[int], output_padding: Sequence[int], groups: int,
+                             dilation: Sequence[int], activation: str, scalars: Sequence[float], kernel: str) -> Tensor:
+    """``activation(conv_transpose(input, weight, bias))`` run by ``kernel`` (see the module docstring).
+
+    Example:
+        >>> x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 3, 2, 2)
+        >>> y = conv_transpose_pointwise(x, w, None, [2, 2], [0, 0], [0, 0], 1, [1, 1], "silu", [], "composite")
+        >>> torch.equal(y, torch.nn.functional.silu(torch.nn.functional.conv_transpose2d(x, w, stride=2)))
+        True
+    """
+    fn, args = kernel_or_composite("conv_transpose_pointwise", kernel, input, weight, bias, stride, padding,
+                                   output_padding, groups, dilation, activation, scalars)
+    return fn(*args)
+
+
+@conv_transpose_pointwise.register_fake
+def _conv_transpose_pointwise_fake(input, weight, bias, stride, padding, output_padding, groups, dilation,
+                                   activation, scalars, kernel):
+    return conv_transpose_pointwise_composite(input, weight, bias, stride, padding, output_padding, groups, dilation,
+                                              "none", ())
 
 
 # ---------------------------------------------------------------------------------------------- autograd
@@ -217,5 +270,7 @@ def _gradients(composite: Callable, tensor_slots: tuple[int, ...]):
 
 _backward, _setup = _gradients(conv_pointwise_composite, (0, 1, 2, 7))
 conv_pointwise.register_autograd(_backward, setup_context=_setup)
-_backward, _setup = _gradients(linear_pointwise_composite, (0, 1, 2))
+_backward, _setup = _gradients(linear_pointwise_composite, (0, 1, 2, 3))
 linear_pointwise.register_autograd(_backward, setup_context=_setup)
+_backward, _setup = _gradients(conv_transpose_pointwise_composite, (0, 1, 2))
+conv_transpose_pointwise.register_autograd(_backward, setup_context=_setup)

@@ -48,7 +48,7 @@ from fxforge.core.shapes import propagate_meta
 from fxforge.core.source import inherit_origin
 from fxforge.core.symbolic import size_expr
 from fxforge.core.tracing import symbolic_trace
-from fxforge.core.vocabulary import COMMUTATIVE, SIGNATURES, reads_metadata
+from fxforge.core.vocabulary import COMMUTATIVE, SIGNATURES, op_name, reads_metadata
 from fxforge.rewrites.canonical import Op, ParamRef, bound_tensor, canonicalize, same_value
 from fxforge.rewrites.folding import fold_constants
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
@@ -108,6 +108,19 @@ class Pattern:
         broken = [n.name for n, op in self.ops.items() if op is None]
         if broken:
             raise ValueError(f"pattern calls it cannot read: {', '.join(broken)}")
+        self.output_op = op_name(output, self.graph_module)  # what a node must be named to be matched at all
+
+    def may_match(self, named: str | None) -> bool:
+        """Whether a node the vocabulary names ``named`` (:func:`~fxforge.core.vocabulary.op_name`) can be this
+        pattern's output: a cheap test before :meth:`matches`. A node it names nothing (``aten.convolution``,
+        a module it does not know) or ``getitem`` (a batch norm's tuple) may still be the op.
+
+        Example:
+            >>> p = Pattern(lambda x: torch.relu(x))
+            >>> p.may_match("relu"), p.may_match("add"), p.may_match(None)
+            (True, False, True)
+        """
+        return self.output_op is None or named is None or named == "getitem" or named == self.output_op
 
     def matches(self, node: Node, gm: torch.fx.GraphModule) -> Iterator[Match]:
         """Every way the pattern's output matches ``node`` (commutative operands give alternatives)."""
@@ -223,9 +236,14 @@ def apply_rules(gm: torch.fx.GraphModule, ctx: PassContext, rules: list[Rule], a
         1
     """
     where = None if at is None else set(at)
+    named: dict[Node, str | None] = {}  # a node's op never changes (a replacement makes new nodes)
     for rule in rules:
         for node in list(gm.graph.nodes):
             if getattr(node, "_erased", False) or node.op not in CALL_OPS or (where is not None and node not in where):
+                continue
+            if node not in named:
+                named[node] = op_name(node, gm)
+            if not rule.pattern_graph.may_match(named[node]):
                 continue
             reason = None
             for match in rule.pattern_graph.matches(node, gm):

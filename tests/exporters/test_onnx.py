@@ -51,7 +51,7 @@ SCALARS = {"hardtanh": [-0.5, 0.7], "leaky_relu": [0.2]}
 # The ONNX op each activation must appear as (besides Conv / Gemm / MatMul).
 ACTIVATION_OPS = {"none": set(), "relu": {"Relu"}, "hardtanh": {"Clip"}, "leaky_relu": {"LeakyRelu"},
                   "gelu": {"Gelu"}, "gelu_tanh": {"Gelu"}, "silu": {"Sigmoid", "Mul"}, "sigmoid": {"Sigmoid"},
-                  "tanh": {"Tanh"}, "hardswish": {"HardSwish"}}
+                  "tanh": {"Tanh"}, "hardswish": {"HardSwish"}, "hardsigmoid": {"HardSigmoid"}}
 
 
 class FusedConv(nn.Module):
@@ -69,8 +69,8 @@ class FusedConv(nn.Module):
 
     def forward(self, x, other=None):
         return torch.ops.fxforge.conv_pointwise(x, self.weight, self.bias, self.stride, [1] * self.dims,
-                                                self.dilation, self.groups, other, self.activation, self.scalars,
-                                                "composite")
+                                                self.dilation, self.groups, other, "add", self.activation,
+                                                self.scalars, "composite")
 
 
 class FusedLinear(nn.Module):
@@ -81,8 +81,8 @@ class FusedLinear(nn.Module):
         self.activation, self.scalars = activation, SCALARS.get(activation, [])
 
     def forward(self, x):
-        return torch.ops.fxforge.linear_pointwise(x, self.weight, self.bias, self.activation, self.scalars,
-                                                  "composite")
+        return torch.ops.fxforge.linear_pointwise(x, self.weight, self.bias, None, "add", self.activation,
+                                                  self.scalars, "composite")
 
 
 def test_every_activation_has_a_case():
@@ -113,6 +113,30 @@ def test_linear_pointwise_activation(activation, tmp_path):
     ops = onnx_ops(path)
     assert ops["MatMul"] == 1 and ACTIVATION_OPS[activation] <= set(ops)
     assert_runs_like(model, path, torch.randn(3, 7, 6) * 3)
+
+
+class SubtractedTransposedAndResidual(nn.Module):
+    """The fused forms beyond conv + activation: conv - gate, act(conv_transpose), act(linear + residual)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.up, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.ConvTranspose2d(4, 4, 2, stride=2), nn.Linear(8, 8)
+
+    def forward(self, x, gate, rows):
+        y = torch.relu(self.conv(x) - gate)
+        return F.hardsigmoid(self.up(y)), torch.tanh(self.fc(rows) + rows)
+
+
+def test_binary_transposed_and_linear_residual_translations(tmp_path):
+    model, path = SubtractedTransposedAndResidual().eval(), str(tmp_path / "m.onnx")
+    inputs = (torch.randn(2, 4, 6, 6), torch.randn(1, 4, 1, 1), torch.randn(5, 8))
+    result = export_onnx(model, path, inputs)
+    assert set(result.translations) == {"fxforge::conv_pointwise -> Conv + Sub + relu: 1",
+                                        "fxforge::conv_transpose_pointwise -> ConvTranspose + hardsigmoid: 1",
+                                        "fxforge::linear_pointwise -> Gemm + Add + tanh: 1"}
+    ops = onnx_ops(path)
+    assert ops["Sub"] == 1 and ops["ConvTranspose"] == 1 and ops["HardSigmoid"] == 1
+    assert_runs_like(model, path, *(torch.randn(t.shape) * 3 for t in inputs))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])

@@ -53,7 +53,7 @@ def test_conv_bn_activation_modules_become_one_op(name, method):
     x = torch.randn(2, 3, 10, 10)
     new = optimized(model, x, method, kernel="mkldnn")
     nodes = fused_nodes(new.graph_module)
-    assert [n.args[8] for n in nodes] == [fused_name]
+    assert [n.args[9] for n in nodes] == [fused_name]
     assert new.report.counts == {"conv_bn_fold": 1, "conv_activation": 1}
     assert not any("batch_norm" in str(n.target) for n in new.graph_module.graph.nodes)
     torch.testing.assert_close(new.graph_module(x), model(x), rtol=1e-4, atol=1e-5)
@@ -81,7 +81,7 @@ class CallForms(nn.Module):
 def test_every_call_form_fuses(method):
     model, x = CallForms().eval(), torch.randn(1, 4, 8, 8)
     new = optimized(model, x, method)
-    assert [n.args[8] for n in fused_nodes(new.graph_module)] == ["relu", "hardtanh", "sigmoid", "tanh", "relu"]
+    assert [n.args[9] for n in fused_nodes(new.graph_module)] == ["relu", "hardtanh", "sigmoid", "tanh", "relu"]
     torch.testing.assert_close(new.graph_module(x), model(x))
     assert fused_nodes(new.graph_module)[-1].args[3] == [2, 1]  # asymmetric stride kept
 
@@ -107,7 +107,7 @@ def test_residual_add_relu_fuses(inplace, method):
     new = optimized(model, x, method, kernel="mkldnn")
     nodes = fused_nodes(new.graph_module)
     expected = [("relu", True)] if inplace else [("relu", True), ("none", True)]
-    assert [(n.args[8], n.args[7] is not None) for n in nodes] == expected
+    assert [(n.args[9], n.args[7] is not None) for n in nodes] == expected
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
@@ -115,7 +115,7 @@ def test_conv1d_and_conv3d_fuse():
     x = torch.randn(2, 3, 9)
     model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.SiLU()).eval()
     new = optimized(model, x)
-    assert [n.args[8] for n in fused_nodes(new.graph_module)] == ["silu"]
+    assert [n.args[9] for n in fused_nodes(new.graph_module)] == ["silu"]
     torch.testing.assert_close(new.graph_module(x), model(x))
     model3, x3 = nn.Sequential(nn.Conv3d(2, 3, 3), nn.Hardswish()).eval(), torch.randn(1, 2, 5, 5, 5)
     new3 = optimized(model3, x3, kernel="mkldnn")
@@ -136,7 +136,7 @@ def test_linear_activation_fuses(method):
     model, x = MLP().eval(), torch.randn(3, 5, 8)
     new = optimized(model, x, method, kernel="mkldnn")
     nodes = fused_nodes(new.graph_module)
-    assert [(n.target, n.args[3]) for n in nodes] == [(LINEAR, "gelu"), (LINEAR, "silu")]
+    assert [(n.target, n.args[5]) for n in nodes] == [(LINEAR, "gelu"), (LINEAR, "silu")]
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-4, atol=1e-5)
 
 
@@ -144,7 +144,7 @@ def test_linear_activation_fuses(method):
 def test_a_plain_linear_layer_gets_its_kernel_chosen_too(method):
     model, x = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4, bias=False)).eval(), torch.randn(3, 5, 8)
     new = optimized(model, x, method, kernel="mkldnn")
-    assert [(n.target, n.args[3], n.args[-1]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "none", "mkldnn")] * 2
+    assert [(n.target, n.args[5], n.args[-1]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "none", "mkldnn")] * 2
     assert [m.what for m in new.report.matches] == ["linear", "linear"]
     fresh = torch.randn(2, 7, 8)  # another shape
     fresh[0, 0, 0] = float("nan")
@@ -194,7 +194,7 @@ class PowerGELU(nn.Module):
 def test_gelu_written_out_becomes_the_op_and_fuses_after_a_linear_layer(gelu, method):
     model = nn.Sequential(nn.Linear(8, 16), gelu(), nn.Linear(16, 4), gelu()).eval()
     new = optimized(model, torch.randn(3, 5, 8), method, kernel="mkldnn")
-    assert [(n.target, n.args[3]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "gelu_tanh")] * 2
+    assert [(n.target, n.args[5]) for n in fused_nodes(new.graph_module)] == [(LINEAR, "gelu_tanh")] * 2
     assert [m.what for m in new.report.matches].count("gelu(approximate='tanh') written out") == 2
     x = torch.randn(2, 7, 8)  # fresh inputs, another shape
     torch.testing.assert_close(lower(new.graph_module)(x), model(x), rtol=1e-5, atol=1e-6)
@@ -245,12 +245,17 @@ def test_refusals_name_the_reason():
             y = self.shared(x)
             return torch.relu(self.conv(x) + bias), torch.sigmoid(y), y
 
-    model, x, bias = Broadcast().eval(), torch.randn(1, 3, 4, 4), torch.randn(3, 1, 1)
+    model, x, bias = Broadcast().eval(), torch.randn(1, 3, 4, 4), torch.randn(2, 3, 1, 1)  # (grows the batch)
     new = fxforge.rewrite(fxforge.capture(model, (x, bias)), ["conv_activation"], tuning=TuningPolicy(keep="fused"))
     reasons = [m.reason for m in new.report.near_misses]
-    assert any("the added tensor has shape (3, 1, 1), the convolution's output (1, 3, 4, 4)" in r for r in reasons)
+    assert any("the added tensor has shape (2, 3, 1, 1), which does not broadcast onto the layer's output "
+               "(1, 3, 4, 4) without changing it" in r for r in reasons)
     assert any("is also used outside the match" in r for r in reasons)
     torch.testing.assert_close(new.graph_module(x, bias), model(x, bias))
+    gate = torch.randn(3, 1, 1)  # broadcasts onto the output, leaving it as it is: fused
+    new = fxforge.rewrite(fxforge.capture(model, (x, gate)), ["conv_activation"], tuning=TuningPolicy(keep="fused"))
+    assert [n.args[9] for n in fused_nodes(new.graph_module)][:1] == ["relu"]
+    torch.testing.assert_close(new.graph_module(x, gate), model(x, gate))
 
 
 def test_autotune_reverts_when_fused_is_slower(monkeypatch):

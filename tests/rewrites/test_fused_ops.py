@@ -24,17 +24,18 @@ def test_gradients_are_the_composites(kernel):
     x, w, b, *conf, other = conv_args(2, True)
     leaves = [t.double().requires_grad_() for t in (x, w, b, other)]
     assert torch.autograd.gradcheck(
-        lambda x, w, b, o: conv_pointwise(x, w, b, *conf, o, "silu", [], kernel), leaves)
+        lambda x, w, b, o: conv_pointwise(x, w, b, *conf, o, "sub", "silu", [], kernel), leaves)
     xl, wl = torch.randn(2, 3, dtype=torch.double, requires_grad=True), torch.randn(4, 3, dtype=torch.double,
                                                                                    requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: linear_pointwise(x, w, None, "gelu", [], kernel), [xl, wl])
+    assert torch.autograd.gradcheck(lambda x, w, o: linear_pointwise(x, w, None, o, "add", "gelu", [], kernel),
+                                   [xl, wl, torch.randn(2, 4, dtype=torch.double, requires_grad=True)])
 
 
 def test_fake_implementation_gives_shapes():
     with FakeTensorMode():
         x, w = torch.empty(2, 6, 9, 9), torch.empty(4, 6, 3, 3)
-        y = conv_pointwise(x, w, None, [2, 2], [1, 1], [1, 1], 1, None, "relu", [], "mkldnn")
-        z = linear_pointwise(torch.empty(5, 8), torch.empty(3, 8), None, "tanh", [], "mkldnn")
+        y = conv_pointwise(x, w, None, [2, 2], [1, 1], [1, 1], 1, None, "add", "relu", [], "mkldnn")
+        z = linear_pointwise(torch.empty(5, 8), torch.empty(3, 8), None, None, "add", "tanh", [], "mkldnn")
     assert y.shape == (2, 4, 5, 5) and z.shape == (5, 3)
 
 
@@ -50,13 +51,14 @@ def test_fake_result_has_the_real_results_shape_strides_and_dtype(activation, ch
     conf = ([2, 2], [1, 1], [1, 1], 1)
     mode = FakeTensorMode()
     for extra in (None, other):
-        real = conv_pointwise(x, w, b, *conf, extra, activation, scalars, "composite")
+        real = conv_pointwise(x, w, b, *conf, extra, "add", activation, scalars, "composite")
         with mode:
             fake_args = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in (x, w, b, extra)]
-            fake = conv_pointwise(*fake_args[:3], *conf, fake_args[3], activation, scalars, "composite")
+            fake = conv_pointwise(*fake_args[:3], *conf, fake_args[3], "add", activation, scalars, "composite")
         assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
     xl, wl = torch.randn(3, 5, 8), torch.randn(7, 8)
-    real = linear_pointwise(xl, wl, None, activation, scalars, "composite")
+    real = linear_pointwise(xl, wl, None, None, "add", activation, scalars, "composite")
     with mode:
-        fake = linear_pointwise(mode.from_tensor(xl), mode.from_tensor(wl), None, activation, scalars, "composite")
+        fake = linear_pointwise(mode.from_tensor(xl), mode.from_tensor(wl), None, None, "add", activation, scalars,
+                               "composite")
     assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)

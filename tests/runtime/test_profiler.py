@@ -144,7 +144,8 @@ def test_lowered_onednn_kernels_keep_their_flops():
 def test_conv_add_relu_formula_for_the_binary_kernel():
     x, w, other = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(1, 4, 6, 6)
     with flop_counter() as counter:
-        torch.ops.fxforge.conv_pointwise(x, w, None, [1, 1], [1, 1], [1, 1], 1, other, "relu", [], "composite")
+        torch.ops.fxforge.conv_pointwise(x, w, None, [1, 1], [1, 1], [1, 1], 1, other, "add", "relu", [],
+                                         "composite")
     assert counter.get_total_flops() == 2 * 36 * 9 * 4 * 4
     assert torch.ops.fxforge.conv_pointwise in FLOP_FORMULAS
 

@@ -7,7 +7,8 @@ their formulas are found.
 
 Example:
     >>> with flop_counter() as counter:
-    ...     _ = torch.ops.fxforge.linear_pointwise(torch.ones(2, 8), torch.ones(4, 8), None, "relu", [], "composite")
+    ...     _ = torch.ops.fxforge.linear_pointwise(torch.ones(2, 8), torch.ones(4, 8), None, None, "add", "relu", [],
+    ...                                            "composite")
     >>> counter.get_total_flops() == 2 * 2 * 8 * 4
     True
 """
@@ -32,7 +33,7 @@ def flop_counter() -> FlopCounterMode:
     Example:
         >>> x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3)
         >>> with flop_counter() as counter:
-        ...     _ = torch.ops.fxforge.conv_pointwise(x, w, None, [1, 1], [1, 1], [1, 1], 1, None, "relu", [],
+        ...     _ = torch.ops.fxforge.conv_pointwise(x, w, None, [1, 1], [1, 1], [1, 1], 1, None, "add", "relu", [],
         ...                                          "composite")
         >>> counter.get_total_flops() == 2 * 8 * 8 * 9 * 3 * 4
         True

@@ -24,6 +24,8 @@ from fxforge.core.vocabulary import class_op_name, op_name
 FUSED = {"fxforge::conv_pointwise": "fxforge.conv_pointwise", "fxforge::linear_pointwise": "fxforge.linear_pointwise",
          "mkldnn::_convolution_pointwise": "fxforge.conv_pointwise",
          "mkldnn::_linear_pointwise": "fxforge.linear_pointwise",
+         "fxforge::conv_transpose_pointwise": "fxforge.conv_transpose_pointwise",
+         "mkldnn::_convolution_transpose_pointwise": "fxforge.conv_transpose_pointwise",
          "aten::cudnn_convolution_relu": "fxforge.conv_pointwise",
          "aten::cudnn_convolution_add_relu": "fxforge.conv_pointwise"}
 
