@@ -707,13 +707,14 @@ def dropout_in_training(self, q, k, v, keep):
 
 REFUSED = {
     "over_other_dim": (over_other_dim, "softmax over dim 2 of 4, not the last (key) dim"),
-    "soft_capped": (soft_capped, "a non-linear function (tanh) is applied to the scores before softmax"),
+    "soft_capped": (soft_capped, "the scores are soft-capped (cap * tanh(scores / cap), as Gemma 2 writes them) "
+                                 "before softmax: scaled_dot_product_attention has no soft cap"),
     "gated_scores": (gated_scores, ("an element-wise tensor gate (mul by sigmoid of shape (2, 4, 6, 6)) is applied to "
                                    "the scores before softmax")),
     "gated_probabilities": (gated_probabilities,
-                            "mul between softmax and the value product (only casts and dropout may be there)"),
+                            "mul between softmax and the value product (only casts, dropout and views of the batch dims may be there)"),
     "masked_after_softmax": (masked_after_softmax,
-                             "masked_fill between softmax and the value product (only casts and dropout may be there)"),
+                             "masked_fill between softmax and the value product (only casts, dropout and views of the batch dims may be there)"),
     "probabilities_returned": (probabilities_returned,
                                "the attention probabilities (softmax) are also used by output (returned or reused)"),
     "scores_reused": (scores_reused, "the attention scores (matmul) are also used by mean"),

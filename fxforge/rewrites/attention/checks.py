@@ -294,7 +294,8 @@ def check_layout(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | No
         query (1, 2, 4, 8), key (1, 1, 4, 8) and value (1, 2, 4, 8) do not line up without broadcasting
     """
     q, k, v = attention.scores.q.shape, attention.scores.k.shape, attention.values.v.shape
-    scores = tuple(fake_value(attention.softmax.node).shape)
+    scores = tuple(fake_value(attention.values.between[-1] if attention.values.between else attention.softmax.node
+                              ).shape)  # (the probabilities as the value product reads them)
     if not (len(q) == len(k) == len(v) == len(scores)) or len(q) < 2:
         return Refusal(f"query, key and value have {len(q)}, {len(k)} and {len(v)} dims")
     if q[:-2] != k[:-2] or q[:-2] != v[:-2] or q[-1] != k[-1] or k[-2] != v[-2] or scores != (*q[:-1], k[-2]):
@@ -333,6 +334,9 @@ def check_views(attention: Attention, gm: torch.fx.GraphModule) -> Refusal | Non
         return None
     product = tuple(fake_value(attention.scores.product).shape)
     final = tuple(fake_value(attention.softmax.input).shape)
+    between = attention.values.between
+    if final != product and between and tuple(fake_value(between[-1]).shape) == product:
+        final = product  # viewed back after softmax (BLOOM): softmax over the last dim is the same in both layouts
     if final != product:
         return Refusal(f"the scores reach softmax as {final}, not in the layout of their product {product}")
     for step in steps:

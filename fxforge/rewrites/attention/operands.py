@@ -299,5 +299,5 @@ def looks_like_attention(softmax: Node, gm: torch.fx.GraphModule) -> bool:
         >>> looks_like_attention(list(gm.graph.nodes)[1], gm)
         False
     """
-    return (_near_product(softmax.all_input_nodes, gm, forward=False)
+    return (_near_product(softmax.all_input_nodes, gm, forward=False, hops=8)  # (a soft cap: 4 steps, a mask, a view)
             and _near_product([softmax], gm, forward=True))

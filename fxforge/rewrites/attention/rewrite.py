@@ -17,6 +17,7 @@ from torch.fx import Node
 
 from fxforge.core.nodes import copy_graph_module, is_effectful
 from fxforge.core.source import first_line, inherit_origin
+from fxforge.rewrites.attention.biased_scores import split_biased_scores
 from fxforge.rewrites.attention.builders import GraphBuilder, build, describe_change
 from fxforge.rewrites.attention.checks import CHECKS, Attention, find_gqa, metadata_reads, read_attention
 from fxforge.rewrites.attention.constants import Constants
@@ -131,6 +132,7 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         >>> ctx = PassContext("attention", False, "fx"); replace_attention(gm, ctx); ctx.matches
         []
     """
+    split_biased_scores(gm)  # baddbmm(alibi, q, k^T): the product, its scale and the bias as a mask
     constants = Constants(gm)
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False) or node.graph is not gm.graph:

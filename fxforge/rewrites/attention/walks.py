@@ -21,8 +21,8 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from fxforge.core.nodes import is_inplace
-from fxforge.core.vocabulary import read_dropout
+from fxforge.core.nodes import fake_value, is_inplace
+from fxforge.core.vocabulary import calls, read_dropout
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.operands import Operand, scores_operands, value_operand
 from fxforge.rewrites.attention.readers import describe, ignorable, read_cast
@@ -35,8 +35,18 @@ _NONLINEAR = {"relu", "gelu", "silu", "sigmoid", "tanh", "hardtanh", "leaky_relu
               "min"}
 
 
+def _capped(tanh: Node) -> bool:
+    """Whether ``tanh`` reads its input divided (or multiplied) by a number: ``tanh(scores / cap)``."""
+    inner = tanh.args[0] if tanh.args else None
+    return (isinstance(inner, Node) and calls(inner, "div", "mul") and len(inner.args) == 2
+            and any(isinstance(a, (int, float)) for a in inner.args))
+
+
 def _unknown_step(node: Node, gm: torch.fx.GraphModule) -> Refusal:
     name = describe(node, gm)
+    if name.rstrip("_").lower() == "tanh" and _capped(node):
+        return Refusal("the scores are soft-capped (cap * tanh(scores / cap), as Gemma 2 writes them) before softmax: "
+                       "scaled_dot_product_attention has no soft cap")
     if name.rstrip("_").lower() in _NONLINEAR:
         return Refusal(f"a non-linear function ({name}) is applied to the scores before softmax")
     return Refusal(f"{name} between the scores product and softmax is not a scale, a mask or a cast")
@@ -114,6 +124,17 @@ def walk_scores(node: Node, consumer: Node, gm: torch.fx.GraphModule, constants:
     return failure
 
 
+def _regroups_batch_dims(view: Node, probs: Node) -> bool:
+    """Whether ``view`` reshapes ``probs`` keeping their last two (query, key) dims: BLOOM's softmax over
+    [B, H, L, S] viewed back as the [B * H, L, S] of its batched products (:func:`~.checks.check_views` then
+    requires it to be their layout)."""
+    if not calls(view, "view", "reshape") or not view.args or view.args[0] is not probs:
+        return False
+    before, after = fake_value(probs), fake_value(view)
+    return (before is not None and after is not None and after.ndim >= 2
+            and tuple(before.shape[-2:]) == tuple(after.shape[-2:]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Values:
     """The values side: casts and no-op dropouts after the softmax, the value product, v, output layout.
@@ -148,13 +169,13 @@ def walk_probs(softmax: Node, gm: torch.fx.GraphModule) -> Values | Refusal:
             found = value_operand(user, node, gm)
             if found is not None:
                 return found if isinstance(found, Refusal) else Values(tuple(between), user, *found)
-        following = [u for u in users
-                     if read_cast(u) is node or getattr(read_dropout(u, gm), "input", None) is node]
+        following = [u for u in users if read_cast(u) is node or getattr(read_dropout(u, gm), "input", None) is node
+                     or _regroups_batch_dims(u, node)]
         if len(following) != 1:
             others = [u for u in users if u not in following]
             name = describe(others[0], gm) if others else "nothing"
             return Refusal(f"{name} between softmax and the value product "
-                           "(only casts and dropout may be there)")
+                           "(only casts, dropout and views of the batch dims may be there)")
         dropout = read_dropout(following[0], gm)
         if dropout is not None and dropout.drops:
             return Refusal(f"dropout (p={dropout.p}) on the attention probabilities is active in training "
