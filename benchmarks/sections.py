@@ -17,6 +17,7 @@ from benchmarks import (
     breaks,
     dynamic,
     first_calls,
+    fusions,
     guard_overhead,
     memory_reorder,
     onnx_forms,
@@ -44,5 +45,6 @@ SECTIONS: dict[str, Section] = {
         auto_prepare.SECTION,
         memory_reorder.SECTION,
         breaks.SECTION,
+        fusions.SECTION,
     )
 }

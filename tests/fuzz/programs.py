@@ -38,9 +38,12 @@ class Block(nn.Module):
     rank and sizes are read around the BatchNorm (timm's ``BatchNormAct2d``), which must not stop a fold."""
 
     def __init__(self, channels: int, out: int, kernel: int, stride: int, groups: int, bias: bool, norm: bool,
-                 activation: str | None, residual: bool, functional: bool, shape_read: bool = False):
+                 activation: str | None, residual: bool, functional: bool, shape_read: bool = False,
+                 post: str | None = None):
         super().__init__()
-        self.shape_read = shape_read
+        self.shape_read, self.post = shape_read, post
+        # after the convolution (issue 50): a layer scale, a constant shift, a gate subtracted (broadcast)
+        self.gamma = nn.Parameter(torch.rand(out) + 0.5) if post == "scale" else None
         self.conv = nn.Conv2d(channels, out, kernel, stride, padding=kernel // 2, groups=groups, bias=bias)
         self.bn = nn.BatchNorm2d(out) if norm else nn.Identity()
         self.act = ACTIVATIONS[activation]() if activation and not functional else nn.Identity()
@@ -49,6 +52,12 @@ class Block(nn.Module):
 
     def forward(self, x):
         z = self.conv(x)
+        if self.post == "scale":
+            z = z * self.gamma[:, None, None]
+        elif self.post == "shift":
+            z = torch.add(z, 0.5)
+        elif self.post == "gate":
+            z = z - torch.sigmoid(z.mean((2, 3), keepdim=True))
         if self.shape_read:
             torch._assert(z.ndim == 4, "expected a 4-d input")
         y = self.act(self.bn(z))
@@ -95,7 +104,8 @@ def conv_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
         blocks.append(Block(width, out, draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 1, 2])),
                             width if depthwise else 1, draw(st.booleans()), draw(st.booleans()),
                             draw(st.sampled_from([None, *ACTIVATIONS])), draw(st.booleans()),
-                            draw(st.booleans()), draw(st.booleans())))
+                            draw(st.booleans()), draw(st.booleans()),
+                            draw(st.sampled_from([None, None, "scale", "shift", "gate"]))))
         width = out
     head = draw(st.sampled_from([None, 3]))
     model = ConvNet(blocks, width, head, draw(st.sampled_from([0.0, 0.3])), draw(st.booleans()))
@@ -105,7 +115,31 @@ def conv_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
     with torch.no_grad():
         for _ in range(2):
             model.train()(torch.randn(4, channels, size, size))
+    if draw(st.booleans()):  # weights in channels-last memory, as model.to(memory_format=...) leaves them
+        model = model.to(memory_format=torch.channels_last)
     return model.eval(), (batch, channels, size, size)
+
+
+LAYOUTS = ("contiguous", "channels_last", "transposed", "sliced", "expanded")
+
+
+def laid_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """``x``'s values in the memory ``layout`` a user's input may have (issue 50: any layout, the same answer).
+
+    ``transposed``: H and W swapped in memory; ``sliced``: every other column of a wider tensor; ``expanded``:
+    the first sample broadcast over the batch (stride 0), values then as the expansion gives them.
+    """
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "transposed":
+        return x.transpose(2, 3).contiguous().transpose(2, 3)
+    if layout == "sliced":
+        wide = torch.zeros(*x.shape[:3], 2 * x.shape[3])
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    if layout == "expanded":
+        return x[:1].expand_as(x)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------- attention
