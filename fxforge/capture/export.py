@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.capture.fx_trace import PYTHON_CONSTANTS
+from fxforge.core.module_snapshot import left_as_found
 from fxforge.core.tracing import tracing
 from fxforge.core.vocabulary import has_hooks
 
@@ -61,7 +62,8 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     torch a ``_guards_fn`` submodule called from the graph); fxforge keys its graphs by input signature
     instead, so those are dropped. Python-value inputs (``None``, bools, numbers, strings), which
     torch.export bakes into the graph, are asserted instead, as a symbolic trace does. Parameters and
-    buffers are the module's own objects. ``dynamic_shapes`` goes to ``torch.export.export`` as it is.
+    buffers are the module's own objects. ``dynamic_shapes`` goes to ``torch.export.export`` as it is. The
+    module is left as it was (:func:`~fxforge.core.module_snapshot.left_as_found`).
 
     A module with forward or backward hooks is refused: torch.export runs a hook once, while tracing, and
     bakes what it computed into the graph (its side effects, like collecting features, are lost).
@@ -79,7 +81,9 @@ def export_graph_module(module: nn.Module, args: tuple, kwargs: dict, dynamic_sh
     if hooked:
         raise ValueError(f"{', '.join(hooked[:3])} {'has' if len(hooked) == 1 else 'have'} hooks, which "
                          "torch.export would run once while tracing instead of on every call")
-    with tracing(), quiet_export():
+    # What the forward writes on its modules while torch.export runs it on fake tensors (a cache entry) is
+    # taken off again: the model is left as it was, whether the export succeeds or fails.
+    with tracing(), quiet_export(), left_as_found(module):
         program = torch.export.export(module, tuple(args), dict(kwargs), dynamic_shapes=dynamic_shapes,
                                       strict=False)
     unlifted = _unlift(program)

@@ -1,16 +1,22 @@
-"""Values a plan computed from the model's tensors (folded and prepacked weights), kept in step with them.
+"""Values a plan computed from the model's tensors (folded and prepacked weights, buffers read as constants),
+kept in step with them.
 
 Folding BatchNorm into a convolution (:mod:`fxforge.rewrites.folding`) and prepacking a weight for oneDNN
 (:mod:`fxforge.lowering.lower`) make new tensors from the model's own. Each is a :class:`Derived`: where
 it lives, the tensors it is computed from, and how to compute it again. :class:`DerivedValues` checks the
-sources on every call and recomputes what depends on a source that changed:
+sources on every call (:class:`SourceStates`) and recomputes what depends on a source that changed:
 
 - its version (any in-place change PyTorch records: ``p.mul_(2)`` under ``no_grad``, ``copy_``,
   ``load_state_dict``);
 - for a buffer, its storage (``b.data = ...``);
-- for a parameter, an access to ``p.data`` (:func:`watch_parameter_data`: reading it, or setting it as
-  ``p.data = ...``, ``vector_to_parameters`` and ``.to()`` do) followed by a change of its bits (a
-  checksum): ``p.data.mul_(2)`` and ``.data``-style EMA updates bypass the version counter.
+- an access to its ``.data`` (:func:`watch_data`: reading it, or setting it as ``p.data = ...``,
+  ``vector_to_parameters`` and ``.to()`` do) followed by a change of its bits (a checksum): ``p.data.mul_(2)``,
+  ``bn.running_mean.data.add_(1)`` and ``.data``-style EMA updates bypass the version counter (``t.data`` is
+  a new tensor with a version counter of its own).
+
+A rewrite that reads a buffer's values as constants (the attention rewrite proving a mask causal) cannot be
+computed again: it notes the buffer (:func:`read_as_constants`), and the model's watch rebuilds every plan when
+one changes (:class:`fxforge.runtime.guards.ModelWatch`).
 
 Example:
     >>> w = torch.nn.Parameter(torch.ones(2))
@@ -68,6 +74,55 @@ class Derived:
                 self.tensor.copy_(value)
 
 
+class SourceStates:
+    """The state of some tensors (versions, storages, ``.data`` accesses and then checksums), to see on every
+    call, at the cost of a comparison of two short lists, whether one changed (see the module docstring).
+
+    Example:
+        >>> mask = torch.ones(3, dtype=torch.bool)
+        >>> states = SourceStates([mask]); states.changed()
+        False
+        >>> _ = mask.data.fill_(False); states.changed(), states.changed()   # seen once, then recorded
+        (True, False)
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor], record: bool = True):
+        self.tensors = list({id(t): t for t in tensors}.values())
+        if record:
+            self.record()
+
+    def record(self) -> None:
+        """Take the tensors' state as it is now."""
+        self._versions = [version(t) for t in self.tensors]
+        # A parameter's storage is swapped through its .data setter (p.data = ..., vector_to_parameters,
+        # .to()), which is watched; a buffer's only by its pointer.
+        self._buffers = [t for t in self.tensors if not isinstance(t, nn.Parameter)]
+        self._pointers = [t.data_ptr() for t in self._buffers]
+        watch_data(self.tensors)
+        self._touches = DATA_TOUCHES.generation
+        self._checksums = {id(t): checksum(t) for t in self.tensors}
+
+    def changed(self) -> bool:
+        """Whether a tensor changed since the state was taken; a change seen is recorded (the next call sees
+        none). Runs on every call of a plan: it compares whole lists (one pass each over a few hundred tensors)."""
+        if self._stale():
+            self.record()
+            return True
+        return False
+
+    def _stale(self) -> bool:
+        try:
+            versions = list(map(_VERSION, self.tensors))
+        except RuntimeError:  # an inference tensor (no version counter) among them
+            versions = [version(t) for t in self.tensors]
+        if versions != self._versions or list(map(torch.Tensor.data_ptr, self._buffers)) != self._pointers:
+            return True
+        if DATA_TOUCHES.generation != self._touches:
+            self._touches = DATA_TOUCHES.generation
+            return any(checksum(t) != self._checksums[id(t)] for t in self.tensors if DATA_TOUCHES.was_touched(t))
+        return False
+
+
 class DerivedValues:
     """A plan's derived values, in the order they depend on each other, and the state of their sources.
 
@@ -81,37 +136,18 @@ class DerivedValues:
         # Concurrent calls: one checks and recomputes while the others wait, so none runs on values half
         # recomputed, or on old ones after the first has taken note of a change.
         self._lock = threading.RLock()
+        self._sources = SourceStates((t for item in self.items for t in item.sources), record=False)
         self._record()
 
     def _record(self) -> None:
-        sources = {id(t): t for item in self.items for t in item.sources}
-        self._sources = list(sources.values())
-        self._versions = [version(t) for t in self._sources]
-        # A parameter's storage is swapped through its .data setter (p.data = ..., vector_to_parameters,
-        # .to()), which is watched; a buffer's only by its pointer.
-        self._buffers = [t for t in self._sources if not isinstance(t, nn.Parameter)]
-        self._pointers = [t.data_ptr() for t in self._buffers]
-        watch_data(self._sources)
-        self._touches = DATA_TOUCHES.generation
-        self._checksums = {id(t): checksum(t) for t in self._sources if isinstance(t, nn.Parameter)}
+        self._sources.record()
 
     def __len__(self) -> int:
         return len(self.items)
 
     def stale(self) -> bool:
-        """Whether a source changed since the values were computed (see the module docstring). Runs on every
-        call of a plan, so it compares whole lists (one pass each over a few hundred tensors)."""
-        try:
-            versions = list(map(_VERSION, self._sources))
-        except RuntimeError:  # an inference tensor (no version counter) among the sources
-            versions = [version(t) for t in self._sources]
-        if versions != self._versions or list(map(torch.Tensor.data_ptr, self._buffers)) != self._pointers:
-            return True
-        if DATA_TOUCHES.generation != self._touches:
-            self._touches = DATA_TOUCHES.generation
-            return any(checksum(t) != self._checksums[id(t)] for t in self._sources
-                       if id(t) in self._checksums and DATA_TOUCHES.was_touched(t))
-        return False
+        """Whether a source changed since the values were computed (see the module docstring)."""
+        return self._sources._stale()
 
     def refresh(self) -> None:
         """Recompute every derived value (in order) and record the sources' state."""
@@ -153,7 +189,7 @@ def checksum(tensor: torch.Tensor) -> int:
 
 
 class _DataTouches:
-    """Watched parameters (by identity, held weakly) whose ``.data`` was read or set, and a generation that
+    """Watched tensors (by identity, held weakly) whose ``.data`` was read or set, and a generation that
     moves on each such touch. (Tensors compare element by element, so they are kept by ``id``.)"""
 
     def __init__(self) -> None:
@@ -217,8 +253,22 @@ def watch_parameter_data() -> None:
     nn.Parameter.data = property(_get_data, _set_data, doc=_BASE_DATA.__doc__)
 
 
+@functools.cache
+def watch_tensor_data() -> None:
+    """Wrap ``torch.Tensor.data`` once per process (the first time a plan holds a value made from a buffer, or
+    reads one as a constant) so that reading or setting it on a watched buffer is noted as on a parameter
+    (``bn.running_mean.data.add_(1)``); unwatched tensors behave exactly as before.
+
+    Example:
+        >>> watch_tensor_data(); mask = torch.ones(2); DATA_TOUCHES.watch(mask)
+        >>> _ = mask.data; DATA_TOUCHES.was_touched(mask)
+        True
+    """
+    torch.Tensor.data = property(_get_data, _set_data, doc=_BASE_DATA.__doc__)
+
+
 def watch_data(tensors: Iterable[torch.Tensor]) -> None:
-    """Note ``.data`` accesses on these tensors (parameters; plain tensors are never noted).
+    """Note ``.data`` accesses on these tensors (parameters and buffers alike).
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(1)); watch_data([p]); DATA_TOUCHES.watching(p)
@@ -226,5 +276,41 @@ def watch_data(tensors: Iterable[torch.Tensor]) -> None:
     """
     watch_parameter_data()
     for tensor in tensors:
-        if isinstance(tensor, nn.Parameter):
-            DATA_TOUCHES.watch(tensor)
+        if not isinstance(tensor, nn.Parameter):
+            watch_tensor_data()
+        DATA_TOUCHES.watch(tensor)
+
+
+# ---------------------------------------------------------------------------------- constants read
+
+
+class _ConstantReads:
+    """Tensors a rewrite read as constants (by identity, held weakly)."""
+
+    def __init__(self) -> None:
+        self._read: dict[int, weakref.ref] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        self._read[key] = weakref.ref(tensor, lambda _, key=key: self._read.pop(key, None))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        entry = self._read.get(id(tensor))
+        return entry is not None and entry() is tensor
+
+
+CONSTANT_READS = _ConstantReads()
+
+
+def read_as_constants(tensors: Iterable[torch.Tensor]) -> None:
+    """Note that a rewrite read these tensors (buffers of the model) as constants: a plan built on their values
+    (a mask proven causal and dropped) holds only while they keep them, so the model's watch rebuilds its
+    plans when one changes (:meth:`fxforge.runtime.guards.ModelWatch.constants_read`).
+
+    Example:
+        >>> mask = torch.ones(2, 2, dtype=torch.bool); read_as_constants([mask]); CONSTANT_READS.holds(mask)
+        True
+    """
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter):
+            CONSTANT_READS.add(tensor)

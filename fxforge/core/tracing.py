@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from fxforge.core.module_snapshot import ModuleSnapshot, left_as_found
+
 # One trace at a time in this process (a lock: synchronisation, not state that carries results).
 _TRACE_LOCK = threading.RLock()
 
@@ -55,21 +57,43 @@ class ThreadBoundTracer(torch.fx.Tracer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.thread = threading.get_ident()
-        self._attributes_before: set[str] = set()
+        self._traced: ModuleSnapshot | None = None  # the modules as the last trace left them
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
-        """Trace ``root``, with tensors built from traced sizes or dtypes recorded (see :func:`shape_built`)."""
-        self._attributes_before = set(vars(root)) if isinstance(root, torch.nn.Module) else set()
-        with shape_built():
-            return super().trace(root, concrete_args)
+        """Trace ``root``, with tensors built from traced sizes or dtypes recorded (see :func:`shape_built`),
+        leaving ``root`` as it was, whether the trace succeeds or fails
+        (:func:`~fxforge.core.module_snapshot.left_as_found`): what the forward wrote on its modules meanwhile (a
+        cache entry holding a proxy, a tensor constant torch.fx stowed on the root) is taken off again;
+        :meth:`graph_module` puts it back only while it builds the GraphModule.
+
+        Example:
+            >>> class Caching(torch.nn.Module):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.cache = {}
+            ...     def forward(self, x):
+            ...         self.cache["y"] = x + 1
+            ...         return self.cache["y"]
+            >>> model = Caching()
+            >>> with tracing():
+            ...     _ = ThreadBoundTracer().trace(model)
+            >>> model.cache
+            {}
+        """
+        self._traced = None
+        with left_as_found(root), shape_built():
+            graph = super().trace(root, concrete_args)
+            self._traced = ModuleSnapshot(list(root.modules())) if isinstance(root, torch.nn.Module) else None
+        return graph
 
     def graph_module(self, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
         """The GraphModule of a traced ``graph``, leaving the traced model as it was.
 
         torch.fx stows tensors the forward creates (``torch.tensor([...])`` constants) as attributes of the
-        traced root (``_tensor_constant0``) so a ``get_attr`` can reach them. The GraphModule takes its own
-        reference; here they are taken off the user's model again, which would otherwise look as if its
-        forward set new state on every traced call.
+        traced root (``_tensor_constant0``) so a ``get_attr`` can reach them (and a forward may register a
+        submodule it calls). The GraphModule takes its own reference while the modules are as the trace left
+        them; then they are put back as they were, which would otherwise look as if the model's forward set new
+        state on every traced call.
 
         Example:
             >>> class Net(torch.nn.Module):
@@ -81,12 +105,11 @@ class ThreadBoundTracer(torch.fx.Tracer):
             >>> gm(torch.zeros(2)).tolist(), hasattr(net, "_tensor_constant0")
             ([1.0, 2.0], False)
         """
-        graph_module = torch.fx.GraphModule(self.root, graph, name)
-        if isinstance(self.root, torch.nn.Module):
-            stowed = {node.target for node in graph.find_nodes(op="get_attr")} - self._attributes_before
-            for attribute in stowed & set(vars(self.root)):
-                delattr(self.root, attribute)
-        return graph_module
+        if self._traced is None or not isinstance(self.root, torch.nn.Module):
+            return torch.fx.GraphModule(self.root, graph, name)
+        with left_as_found(self.root):
+            self._traced.restore()
+            return torch.fx.GraphModule(self.root, graph, name)
 
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if threading.get_ident() != self.thread:

@@ -12,9 +12,10 @@ with nothing else reading what is in between, whose elements are the source's la
 whole, in order) becomes ``Gather(Reshape(source, [-1, C]), rows, axis=0)``**, ``rows`` a constant (and a
 ``Reshape`` after it where a result row holds several source rows side by side: Swin's patch merging,
 which concatenates four strided ``Slice``s of the tokens along the channels), **or a ``Reshape`` of the
-source where the rows come out in their own order** (the copies cancel out: BERT's head transposes at
-batch 1). Which row goes where is computed by replaying the ops on an array of element indices, not
-matched against a pattern, so the values are the same by construction. Refused where rows are split up (the last dim is
+source where every row comes out in its own order** (the copies cancel out: BERT's head transposes at
+batch 1; a result of only the first rows, as LeViT's subsampling slices keep, is a gather of them). Which
+row goes where is computed by replaying the ops on an array of element indices, not matched against a
+pattern, so the values are the same by construction. Refused where rows are split up (the last dim is
 itself moved or cut), rows are shorter than 8 elements (a gather of few floats per index is slower than
 the copies), or the source has more than 2**22 elements.
 
@@ -95,7 +96,10 @@ def _gather(graph: ir.Graph, end: ir.Value) -> str | None:
     if np.any(rows[:, 0] % width) or not np.array_equal(rows, rows[:, :1] + np.arange(width)):
         return None  # the rows are not kept whole and in order
     name = end.name or "moved"
-    what = CANCELLED if np.array_equal(rows[:, 0], np.arange(0, moved.size, width)) else GATHERS
+    # Nothing moves where the result holds every row of the source in order; a result that holds only some of
+    # them (LeViT's subsampling slices keep the first row of four), even in order, is a gather of those rows.
+    everything = moved.size == int(np.prod(shape))
+    what = CANCELLED if everything and np.array_equal(rows[:, 0], np.arange(0, moved.size, width)) else GATHERS
     if what == CANCELLED:  # nothing moves: the copies cancel out
         nodes = [ir.Node("", "Reshape", [source, register_constant(graph, f"{name}_unmoved_shape", moved.shape)],
                          outputs=[ir.Value(name=f"{name}_unmoved", type=end.type, shape=ir.Shape(list(moved.shape)))])]

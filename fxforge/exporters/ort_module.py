@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fxforge.core.follows import FollowsTraining
 from fxforge.exporters.io_spec import InputShapeError, IOSpec, thawed  # noqa: F401 - importable from here as before
 from fxforge.exporters.ort_calls import as_exported, other_structure, varied_inputs
 from fxforge.exporters.ort_session import (  # noqa: F401 - importable from here as before
@@ -78,6 +79,8 @@ class OnnxRuntimeModule(nn.Module):
 
     A module that exports the model itself (:meth:`deferred`) counts its exports in :attr:`exports`; with
     ``dynamic=None`` it exports once more when a call differs from the exported sizes (see :meth:`deferred`).
+    Its ``training`` flag is then the model's (``model.eval()`` is seen here, ``.train()`` here sets the model's
+    modes); the session runs the graph of the mode it was exported in.
 
     Args:
         path: the ``.onnx`` file.
@@ -104,6 +107,8 @@ class OnnxRuntimeModule(nn.Module):
         ...
         fxforge.exporters.io_spec.InputShapeError: input 'input' has shape (4, 3); the ONNX model takes (2, 3) (export with dynamic=True, dynamic_batch=True or dynamic_shapes= for other sizes)
     """
+
+    training = FollowsTraining(lambda self: self.__dict__.get("original"))
 
     def __init__(self, path: str | os.PathLike | None, io: IOSpec | None = None, *,
                  providers: Sequence[Any] | None = None, session_options: Any = None,
@@ -177,6 +182,13 @@ class OnnxRuntimeModule(nn.Module):
             lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t,
             (tuple(serve[0]), dict(serve[1]))) if serve is not None else None
         return module
+
+    def train(self, mode: bool = True) -> OnnxRuntimeModule:
+        original = self.__dict__.get("original")
+        if original is None:
+            return super().train(mode)
+        original.train(mode)  # (this module's flag is the model's)
+        return self
 
     @property
     def exports(self) -> int:

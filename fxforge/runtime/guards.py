@@ -6,19 +6,24 @@ A plan is built for one input signature from the model as it was then. Everythin
   ``dropout.train()`` inside an eval model, or ``bn.train()`` alone, gets a plan of its own;
 - **state**: anything else set on a module the model holds (a Python value its forward reads, like a
   temperature or ``bn.eps``; a submodule swapped; a parameter or buffer reassigned, as
-  ``load_state_dict(..., assign=True)`` does), a parameter, buffer or submodule registered, and a hook
-  added or removed: every plan is dropped and built again on the next call (:meth:`ModelWatch.epoch`).
-  Module classes are watched as torch's own compiler watches them: their ``__setattr__`` is wrapped once
-  per class, and looks the instance up in a weak table;
+  ``load_state_dict(..., assign=True)`` does), a parameter, buffer or submodule registered, a hook
+  added or removed, and a parameter or buffer converted by ``.to()``/``.float()``/``.cuda()`` (which put new
+  buffers straight into the modules' tables): every plan is dropped and built again on the next call
+  (:meth:`ModelWatch.epoch`). Module classes are watched as torch's own compiler watches them: their
+  ``__setattr__`` is wrapped once per class, and looks the instance up in a weak table; ``nn.Module._apply``
+  (what every conversion runs) is wrapped once per process;
+- **constants read**: a buffer (or tensor attribute) a rewrite read as a constant (a causal mask the attention
+  rewrite proved causal and dropped; see :func:`fxforge.core.derived.read_as_constants`), watched as derived
+  values' sources are (below): a change rebuilds every plan;
 - **derived values** (folded and prepacked weights) are recomputed from their sources when a source
-  changes: its version (an in-place change), its storage (``p.data = ...``, ``vector_to_parameters``), or,
-  for a parameter, an access to ``p.data`` (``p.data.mul_(2)`` and ``.data``-style EMA updates change a
-  tensor without telling its version counter; ``nn.Parameter.data`` is wrapped to see them) followed by a
-  change of its contents (see :mod:`fxforge.core.derived`).
+  changes: its version (an in-place change), its storage (``p.data = ...``, ``vector_to_parameters``), or an
+  access to its ``.data`` (``p.data.mul_(2)``, ``bn.running_mean.data.add_(1)`` and ``.data``-style EMA updates
+  change a tensor without telling its version counter; ``nn.Parameter.data`` and ``torch.Tensor.data`` are
+  wrapped to see them) followed by a change of its contents (see :mod:`fxforge.core.derived`).
 
-Not seen: an in-place change made through ``.data`` of a *buffer* (a plain tensor: PyTorch records it
-nowhere), writes straight into a module's ``_parameters``/``_buffers``/``_modules`` dicts, and parameters
-swapped by ``torch.utils.swap_tensors`` (the README lists these, with ``opt.cache.clear()`` as the remedy).
+Not seen: writes straight into a module's ``_parameters``/``_buffers``/``_modules`` dicts (other than a
+conversion's), and parameters swapped by ``torch.utils.swap_tensors`` outside a conversion (``docs/guards.md``
+lists these, with ``opt.cache.clear()`` as the remedy).
 
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout()).eval()
@@ -44,6 +49,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
+from fxforge.core.derived import CONSTANT_READS, SourceStates
 from fxforge.core.vocabulary import HOOK_DICTS
 
 # module -> the watches that hold it (weak both ways: a watch dies with its plan cache, a module with its model)
@@ -78,11 +84,11 @@ def _same(old: Any, new: Any) -> bool:
         return False
 
 
-def _notify(module: nn.Module, name: str) -> None:
+def _notify(module: nn.Module, name: str, how: str = "was set") -> None:
     watches = _WATCHERS.get(module)
     if watches:
         for watch in list(watches):
-            watch.changed(module, name)
+            watch.changed(module, name, how)
 
 
 def _watch_class(cls: type) -> None:
@@ -108,6 +114,43 @@ def _watch_class(cls: type) -> None:
 def _registration_hook(module: nn.Module, name: str, value: Any) -> None:
     if module in _WATCHERS:
         _notify(module, name)
+
+
+def _pointer(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:  # a tensor without storage (a subclass wrapping others)
+        return None
+
+
+def _tensor_states(module: nn.Module) -> dict[str, tuple]:
+    """Each parameter and buffer of ``module`` itself: the object, its dtype, device and storage."""
+    return {name: (t, t.dtype, t.device, _pointer(t)) for table in (module._parameters, module._buffers)
+            for name, t in table.items() if t is not None}
+
+
+@functools.cache
+def _watch_conversions() -> None:
+    """Wrap ``nn.Module._apply`` once per process (every ``.to()``, ``.float()``, ``.cuda()``... runs it on each
+    module): a conversion of a watched module's parameters or buffers (a new object, dtype, device or storage)
+    is a change of its state. Buffers are replaced straight in the module's ``_buffers``, which no
+    ``__setattr__`` sees, and the plans hold the old ones (their folded weights computed from them)."""
+    original = nn.Module._apply
+
+    @functools.wraps(original)
+    def watched_apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self not in _WATCHERS:
+            return original(self, *args, **kwargs)
+        before = _tensor_states(self)
+        result = original(self, *args, **kwargs)
+        after = _tensor_states(self)
+        for name in [n for n in after.keys() | before.keys()
+                     if before.get(n) is None or after.get(n) is None or before[n][0] is not after[n][0]
+                     or before[n][1:] != after[n][1:]]:
+            _notify(self, name, "was converted (.to(), .float(), ...)")
+        return result
+
+    nn.Module._apply = watched_apply
 
 
 @functools.cache
@@ -180,7 +223,8 @@ class ModelWatch:
     def __init__(self, model: nn.Module):
         self.model = model
         self._mode_numbers: dict[tuple[bool, ...], int] = {}
-        self.epoch = 0
+        self._epoch = 0
+        self._constants: SourceStates | None = None
         self.reasons: list[str] = []
         self._modes_dirty = True
         self._modes: tuple[bool, ...] = ()
@@ -188,9 +232,48 @@ class ModelWatch:
         self._hook_dicts: list[dict] = []
         self.rewatch()
 
+    @property
+    def epoch(self) -> int:
+        """A number that moves whenever the model's state changes (see the module docstring); reading it checks
+        the tensors rewrites read as constants (a change moves it, once)."""
+        if self._constants is not None and self._constants.changed():
+            self._epoch += 1
+            self.reasons.append(f"a tensor a rewrite read as a constant changed ({self._constants_named()})")
+            del self.reasons[:-3]
+        return self._epoch
+
+    def constants_read(self) -> list[str]:
+        """The model's tensors a rewrite read as constants, by qualified name: watched on every call.
+
+        Example:
+            >>> from fxforge.core.derived import read_as_constants
+            >>> model = torch.nn.Module(); model.register_buffer("mask", torch.ones(2, dtype=torch.bool))
+            >>> read_as_constants([model.mask]); watch = ModelWatch(model); watch.constants_read()
+            ['mask']
+            >>> _ = model.mask.data.fill_(False); watch.epoch, watch.reasons[-1]
+            (1, 'a tensor a rewrite read as a constant changed (mask)')
+        """
+        return [name for name, _ in self._constant_names]
+
+    def _constants_named(self) -> str:
+        names = self.constants_read()
+        return ", ".join(names[:3]) + (f" or {len(names) - 3} more" if len(names) > 3 else "")
+
+    def _watch_constants(self) -> None:
+        """Find the model's buffers and tensor attributes that a rewrite read as constants."""
+        found = []
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            for name, value in [*module._buffers.items(), *module.__dict__.items()]:
+                if isinstance(value, torch.Tensor) and CONSTANT_READS.holds(value):
+                    found.append((f"{prefix}.{name}" if prefix else name, value))
+        self._constant_names = list({id(t): (n, t) for n, t in found}.values())
+        self._constants = SourceStates([t for _, t in self._constant_names]) if found else None
+
     def rewatch(self) -> None:
-        """Watch the model's modules as they are now (after a re-plan: new submodules, new hooks)."""
+        """Watch the model's modules as they are now (after a re-plan: new submodules, new hooks, constants read)."""
         _install_registration_hooks()
+        _watch_conversions()
+        self._watch_constants()
         modules = list(self.model.modules())
         with _WATCHERS_LOCK:
             for module in modules:
@@ -207,13 +290,14 @@ class ModelWatch:
         """The modules watched (the model's modules when they were last watched)."""
         return list(self._modules)
 
-    def changed(self, module: nn.Module, name: str) -> None:
-        """A watched module's attribute ``name`` was set (or a parameter, buffer or submodule registered)."""
+    def changed(self, module: nn.Module, name: str, how: str = "was set") -> None:
+        """A watched module's attribute ``name`` was set (or a parameter, buffer or submodule registered, or
+        converted: ``how`` says which)."""
         if name == "training":
             self._modes_dirty = True
             return
-        self.epoch += 1
-        self.reasons.append(f"{type(module).__name__}.{name} was set")
+        self._epoch += 1
+        self.reasons.append(f"{type(module).__name__}.{name} {how}")
         del self.reasons[:-3]
 
     def hooks_changed(self) -> bool:

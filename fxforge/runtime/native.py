@@ -24,6 +24,7 @@ from torch import nn
 
 from fxforge.capture import CaptureError
 from fxforge.core.captured import Captured
+from fxforge.core.follows import FollowsTraining
 from fxforge.core.plan import Plan
 from fxforge.core.report import Report
 from fxforge.core.vocabulary import HOOK_DICTS
@@ -82,10 +83,10 @@ class OptimizedModule(nn.Module):
 
     It shares the model's parameters, buffers and submodules (the same objects, under the same names:
     ``state_dict`` keys are the model's, so checkpoints load either way, and ``.to()``/``.train()``
-    act on both). It keeps one plan per input signature (shapes, strides, dtypes, devices,
-    train/eval) and builds another on a new one; when capture fails it runs the model eagerly after one
-    :class:`~fxforge.runtime.plans.FallbackWarning`. Attributes it does not have are looked up on the
-    model (``opt.config`` for a transformers model).
+    act on both; its ``training`` flag is the model's, so ``model.eval()`` is seen here too). It keeps one
+    plan per input signature (shapes, strides, dtypes, devices, train/eval) and builds another on a new one;
+    when capture fails it runs the model eagerly after one :class:`~fxforge.runtime.plans.FallbackWarning`.
+    Attributes it does not have are looked up on the model (``opt.config`` for a transformers model).
 
     A model that no method captures as one graph (a branch on a tensor's value) runs through TorchDynamo instead,
     each graph between its breaks an optimized module of its own (:attr:`dynamo`, ``report.breaks``).
@@ -103,7 +104,11 @@ class OptimizedModule(nn.Module):
         >>> opt = OptimizedModule(relu, plan_builder(relu))
         >>> opt(-torch.ones(2)).tolist(), opt.report.method
         ([0.0, 0.0], 'fx')
+        >>> _ = relu.train(); opt.training   # the model's own flag
+        True
     """
+
+    training = FollowsTraining(lambda self: self.__dict__.get("original"))
 
     def __init__(self, model: nn.Module, build: PlanBuilder, policy: ShapePolicy | None = None,
                  dynamo: DynamoFactory | None = None, method: str = "auto"):
@@ -124,7 +129,6 @@ class OptimizedModule(nn.Module):
                                                     policy=policy)
         self.__dict__["_fxforge_method"] = (dynamo, method)
         use_dynamo(self.__dict__, self.cache, dynamo, method, model.forward)
-        self.training = model.training
         self.register_load_state_dict_post_hook(_clear_graphs_after_load)
 
     @property
@@ -158,8 +162,7 @@ class OptimizedModule(nn.Module):
         return self.cache.plan_for(args, kwargs)
 
     def train(self, mode: bool = True) -> OptimizedModule:
-        self.original.train(mode)
-        self.training = mode
+        self.original.train(mode)  # (this module's flag is the model's)
         return self
 
     @property

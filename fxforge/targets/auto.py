@@ -41,6 +41,7 @@ from typing import Any
 from torch import nn
 
 from fxforge.capture import normalize_inputs
+from fxforge.core.follows import FollowsTraining
 from fxforge.core.report import Contender, Race, Report
 from fxforge.core.target_cache import choice_key, target_cache
 from fxforge.rewrites.registry import resolve
@@ -211,7 +212,11 @@ class EagerModule(nn.Module):
         >>> eager = EagerModule(lin)
         >>> torch.equal(eager(torch.ones(1, 2)), lin(torch.ones(1, 2))), list(eager.state_dict()) == ["weight", "bias"]
         (True, True)
+        >>> _ = lin.eval(); eager.training   # the model's own flag
+        False
     """
+
+    training = FollowsTraining(lambda self: self.__dict__.get("original"))
 
     def __init__(self, model: nn.Module, fastest: nn.Module | None = None, target: str = "", *,
                  build_fastest: Callable[[], nn.Module] | None = None):
@@ -222,7 +227,6 @@ class EagerModule(nn.Module):
         self.__dict__["original"] = model
         self.__dict__["fastest"] = fastest
         self.__dict__["fastest_target"] = target
-        self.training = model.training
         # the fastest target's report (what it captured and rewrote), saying that the model runs as it is
         report = getattr(fastest, "report", None)
         self.report = report.copy() if isinstance(report, Report) else Report(method="eager")
@@ -240,8 +244,7 @@ class EagerModule(nn.Module):
         return self.fastest
 
     def train(self, mode: bool = True) -> EagerModule:
-        self.original.train(mode)
-        self.training = mode
+        self.original.train(mode)  # (this module's flag is the model's)
         return self
 
 

@@ -35,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from fxforge.capture.model import normalize_inputs
+from fxforge.core.follows import FollowsTraining
 from fxforge.core.memory import tensor_leaves
 from fxforge.core.symbolic import hint
 from fxforge.core.units import format_bytes, parse_budget
@@ -188,7 +189,10 @@ class CheckpointedModule(torch.nn.Module):
     where no plan fits with it, the step is planned and checked again without it (as without the check), and
     where neither fits, the closer of the two is kept.
     The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
+    Its ``training`` flag is the model's: ``model.eval()`` makes calls plain forwards here too.
     """
+
+    training = FollowsTraining(lambda self: self._modules.get("model"))
 
     def __init__(self, model: torch.nn.Module, example_inputs: Any, memory_budget: Any, *,
                  optimizer: Any = torch.optim.AdamW, loss: Any = None, autocast: torch.dtype | None = None,

@@ -101,6 +101,9 @@ class Constants:
     def __init__(self, gm: torch.fx.GraphModule):
         self.gm = gm
         self.cache: dict[Node, Any] = {}
+        # id -> each buffer (or tensor attribute) whose values were read: a graph built on them holds while they
+        # keep them (see :func:`fxforge.core.derived.read_as_constants`)
+        self.read: dict[int, torch.Tensor] = {}
 
     def is_constant(self, node: Any) -> bool:
         """Whether :meth:`value` can compute ``node``."""
@@ -140,6 +143,7 @@ class Constants:
             tensor = attribute_tensor(self.gm, node.target)
             if tensor is None or isinstance(tensor, nn.Parameter) or mutated_aliases(node, self.gm):
                 return _NOT_CONSTANT  # parameters change in training, mutated buffers as the graph runs
+            self.read[id(tensor)] = tensor
             return tensor
         if is_effectful(node, self.gm) and not is_inplace(node, self.gm):
             return _NOT_CONSTANT  # random numbers

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from fxforge.core.derived import read_as_constants
 from fxforge.core.nodes import copy_graph_module, is_effectful
 from fxforge.core.source import first_line, inherit_origin
 from fxforge.rewrites.attention.biased_scores import split_biased_scores
@@ -133,7 +134,7 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         []
     """
     split_biased_scores(gm)  # baddbmm(alibi, q, k^T): the product, its scale and the bias as a mask
-    constants = Constants(gm)
+    constants, before = Constants(gm), len(ctx.matches)
     for node in list(gm.graph.nodes):
         if getattr(node, "_erased", False) or node.graph is not gm.graph:
             continue
@@ -149,6 +150,8 @@ def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
                 ctx.refused(node, found)
             continue
         replace(*found, gm, ctx, constants)
+    if len(ctx.matches) > before:  # the graph now stands on the values of the buffers read (a mask proven causal)
+        read_as_constants(constants.read.values())
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
             _replace_in_subgraphs(node, gm, ctx)
