@@ -248,7 +248,7 @@ def random_like(example: Any, seed: int) -> Any:
     are. Integer tensors are drawn uniformly from the example's range (so token ids stay valid ids).
     Masks are kept as given, since they encode structure (padding, causality) rather than data: boolean
     tensors, and float tensors of at most two finite values that hide keys (``-inf``, or a value at or below
-    :data:`MASKED`, beside one other value).
+    :data:`MASKED`, beside one other value); so are 0-d tensors (numbers passed as tensors).
 
     Example:
         >>> x = random_like((torch.zeros(2, 3),), seed=1)[0]
@@ -263,6 +263,8 @@ def random_like(example: Any, seed: int) -> Any:
     def draw(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
+        if t.dim() == 0:  # a number passed as a tensor (dynamo passes Python floats so): drawn, it could leave its
+            return t.clone()  # domain (a dropout probability read off the model), which no call of the model does
         if t.is_floating_point():
             data, finite, values, is_mask = _finite_values(t)
             if is_mask:

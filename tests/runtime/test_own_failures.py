@@ -70,3 +70,26 @@ def test_what_the_model_cannot_do_still_falls_back_with_a_warning():
     opt = fxforge.optimize(Gated(), method="fx")
     with pytest.warns(FallbackWarning, match="eagerly"):
         assert opt(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_float_dynamo_passes_as_a_tensor_keeps_its_value_in_verification():
+    # dynamo passes a module's float attribute (a dropout probability) to its graph as a 0-d tensor; verification
+    # drew it at random (p = -0.6), the graph raised, and the model had run eagerly without a word
+    class DropThenBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.drop, self.fc = nn.Conv2d(3, 4, 3), nn.Dropout(0.3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.fc(self.drop(torch.relu(self.conv(x)).mean((2, 3))))
+            return h * 2 if h.sum() > 0 else h - 1
+
+    model, x = DropThenBranch().eval(), torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        opt = fxforge.optimize(model, (x,))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), model(x))
+    assert opt.report.method == "dynamo"
+    (kept,) = random_like((torch.tensor(0.3, dtype=torch.float64),), seed=2)
+    assert kept.item() == 0.3
