@@ -356,7 +356,7 @@ def _load_assign(model, rng):
 
 
 def _vector(model, rng):
-    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    vector = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (channels-last weights: no view)
     torch.nn.utils.vector_to_parameters(vector * 0.8 + 0.01, model.parameters())
 
 
@@ -397,13 +397,35 @@ def _bn_train(model, rng):
         bn.train()
 
 
+def _buffer_data(model, rng):
+    bn = _first(model, nn.BatchNorm2d)
+    if bn is not None:  # a buffer changed through .data (no version bump): issue 50's unseen change
+        bn.running_mean.data.add_(1.0)
+
+
+def _scale_buffer_data(model, rng):
+    for block in model.modules():
+        if isinstance(block, Block) and block.gamma is not None:
+            block.gamma.data.mul_(-2.0)
+            return
+
+
+def _dtype_round_trip(model, rng):
+    model.to(torch.bfloat16).float()  # both round; the plan must follow the rounded tensors
+
+
+def _model_train(model, rng):
+    model.train()
+
+
 # name -> change(model, rng): each applied to the model (after optimize) and its twin alike
 STATE_CHANGES = {
     "none": lambda model, rng: None, "scale .data": _scale_data, "assign .data": _assign_data,
     "reassign parameter": _reassign_parameter, "load_state_dict(assign=True)": _load_assign,
     "vector_to_parameters": _vector, "EMA through .data": _ema, "BatchNorm statistics and eps": _bn_statistics,
     "swap a submodule": _swap_activation, "a float attribute": _temperature, "dropout.train()": _dropout_train,
-    "bn.train()": _bn_train,
+    "bn.train()": _bn_train, "buffer .data edit": _buffer_data, "layer scale .data": _scale_buffer_data,
+    "bf16 round trip": _dtype_round_trip, "model.train()": _model_train,
 }
 
 

@@ -164,6 +164,7 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: b
         rng = data.draw(st.integers(0, 1000), label="rng")
         STATE_CHANGES[change](model, rng)
         STATE_CHANGES[change](eager, rng)
+        assert opt.training == model.training, "the optimized module's mode does not follow the model's"
 
         condition = data.draw(st.sampled_from([*CONDITIONS, "hooks", "train"]), label="condition")
         note(f"optimized: {opt.report.counts}")
