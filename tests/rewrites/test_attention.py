@@ -707,8 +707,8 @@ def dropout_in_training(self, q, k, v, keep):
 
 REFUSED = {
     "over_other_dim": (over_other_dim, "softmax over dim 2 of 4, not the last (key) dim"),
-    "soft_capped": (soft_capped, "the scores are soft-capped (cap * tanh(scores / cap), as Gemma 2 writes them) "
-                                 "before softmax: scaled_dot_product_attention has no soft cap"),
+    "soft_capped": (soft_capped, ("the scores are soft-capped (cap * tanh(scores / cap), as Gemma 2 writes them) "
+                                  "before softmax: scaled_dot_product_attention has no soft cap")),
     "gated_scores": (gated_scores, ("an element-wise tensor gate (mul by sigmoid of shape (2, 4, 6, 6)) is applied to "
                                    "the scores before softmax")),
     "gated_probabilities": (gated_probabilities,

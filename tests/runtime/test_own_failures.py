@@ -48,7 +48,7 @@ def test_verification_inputs_keep_the_examples_strides_and_take_a_nan(layout):
 
 
 def test_an_exception_inside_the_pipeline_reaches_the_caller(monkeypatch):
-    import fxforge.lowering.build as build
+    from fxforge.lowering import build
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in lowering")
