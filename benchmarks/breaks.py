@@ -36,14 +36,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import report
+from benchmarks.cold import rows_in_processes
 from benchmarks.section import Section, csv_list
 
 HERE = Path(__file__).resolve().parents[1]
@@ -233,22 +232,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
 
 
 def run_models(models: list[str], rounds: int, reps: int) -> list[dict]:
-    """Each model in a new process (its row as JSON on stdout's last line); a failure is a row with ``error``."""
-    rows = []
-    for name in models:
-        with tempfile.TemporaryDirectory(prefix="fxforge-breaks-") as cache:
-            # Cold for every contender: no autotune or target cache of an earlier run, and no Inductor cache shared
-            # between contenders that compile the same graphs (fxforge-inductor's, torch.compile's).
-            env = dict(os.environ, FXFORGE_CACHE_DIR=cache, FXFORGE_TARGET_CACHE="0",
-                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
-            done = subprocess.run([sys.executable, "-m", "benchmarks.breaks", name, str(rounds), str(reps)],
-                                  check=False, cwd=HERE, env=env, capture_output=True, text=True)
-        try:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        except (IndexError, json.JSONDecodeError):
-            rows.append({"model": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]})
-        print(f"{name}: {'failed' if 'error' in rows[-1] else 'done'}", file=sys.stderr)
-    return rows
+    """Each model in a new process with cold caches (:mod:`benchmarks.cold`)."""
+    return rows_in_processes("benchmarks.breaks", models, rounds, reps)
 
 
 def _ratio(a: float | None, b: float | None) -> str:

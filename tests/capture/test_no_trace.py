@@ -106,7 +106,8 @@ def _swinv2():
     return transformers.Swinv2Model(config).eval(), lambda batch: torch.randn(batch, 3, 32, 32)
 
 
-def _levit():
+def small_levit():
+    """A small transformers LeViT with weights that give outputs of order 0.1, and a maker of its inputs."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LevitConfig(image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
                                       depths=[1, 1, 1], key_dim=[8, 8, 8], patch_size=16,
@@ -126,7 +127,7 @@ MODELS = {
     "bias_cache": lambda: (BiasCache().eval(), lambda batch: torch.randn(batch, 8)),
     "stows_then_breaks": lambda: (StowsThenBreaks().eval(), lambda batch: torch.randn(batch, 4)),
     "swinv2": _swinv2,
-    "levit": _levit,
+    "levit": small_levit,
 }
 
 

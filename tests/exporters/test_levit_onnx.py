@@ -16,6 +16,7 @@ from fxforge.core.verify import compare_outputs
 from fxforge.exporters.gathers import CANCELLED, GATHERS, gather_moved_rows
 from fxforge.exporters.onnx_ir import constant_value, float_value
 from fxforge.exporters.ort_module import OnnxRuntimeModule
+from tests.capture.test_no_trace import small_levit
 
 
 def _subsample(tokens: int, stride: int, channels: int = 32) -> ir.Graph:
@@ -60,19 +61,7 @@ def test_every_row_kept_in_order_still_cancels_out():
 
 
 def test_levit_exports_and_runs_like_eager(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LevitConfig(image_size=64, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
-                                      depths=[1, 1, 1], key_dim=[8, 8, 8], patch_size=16,
-                                      down_ops=[["Subsample", 8, 2, 4, 2, 2], ["Subsample", 8, 4, 4, 2, 2]])
-    torch.manual_seed(0)
-    model = transformers.LevitModel(config)
-    with torch.no_grad():  # weights and statistics that give outputs of order 0.1 (the defaults give 1e-10)
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0, parameter[0].numel() ** -0.5)
-        for _ in range(3):
-            model.train()(torch.randn(4, 3, 64, 64))
-    model.eval()
+    model, _ = small_levit()
     path = str(tmp_path / "levit.onnx")
     result = fxforge.export_onnx(model, path, (torch.randn(1, 3, 64, 64),))
     assert any(line.startswith(GATHERS) for line in onnx_applied(result.report)), onnx_applied(result.report)
