@@ -10,6 +10,8 @@ The rules, top to bottom — each names the node it removes and the value that r
 - export's ``_assert_tensor_metadata`` checks that the shape metadata already proves → nothing
 - rows of a value that no output reads: a one-row read (``x[:, 0]``) moved up through the ops that compute
   rows independently, so the rows nobody reads are not computed (:mod:`fxforge.rewrites.dead_rows`)
+- values computed from constants alone (a relative-position index eager caches) computed once, as buffers
+  (:mod:`fxforge.rewrites.constant_subgraphs`)
 - then dead code: nodes whose results nobody uses and which have no effect (no mutation, no RNG,
   no opaque module call).
 
@@ -34,6 +36,7 @@ import torch
 
 from fxforge.core.nodes import CALL_OPS, fake_value, is_effectful, mutated_aliases
 from fxforge.core.vocabulary import argument, calls, read_dropout
+from fxforge.rewrites.constant_subgraphs import fold_constant_subgraphs
 from fxforge.rewrites.dead_rows import remove_dead_rows
 from fxforge.rewrites.passes import Pass, PassContext, Refusal
 
@@ -206,6 +209,7 @@ def run_cleanup(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """
     remove_no_ops(gm, ctx)
     remove_dead_rows(gm, ctx)
+    fold_constant_subgraphs(gm, ctx)
     remove_dead_code(gm, ctx)
 
 
