@@ -10,7 +10,9 @@ Models (random weights, BatchNorm statistics set by train-mode passes), each a s
 - ``convnext``: ConvNeXt blocks (7x7 depthwise conv, LayerNorm over channels, linear-GELU-linear, the layer scale
   ``gamma * y`` folded into the last linear, ``x + y`` as linear + residual add);
 - ``unet_up``: a decoder (transposed conv + ReLU, conv - a broadcast mean, conv + bias constant ``+ 0.1``):
-  conv_transpose + activation, conv + broadcast sub, a constant folded into the bias.
+  conv_transpose + activation, conv + broadcast sub, a constant folded into the bias;
+- ``beit_small``, ``levit_small``: transformers' BEiT (4 layers, hidden 128) and LeViT (3 stages) on 64x64 images,
+  whose native plans ran slower than eager (issue 50: a native plan never slower than eager).
 
 Per model, in a new process with cold caches: contenders ``eager``, ``fxforge`` (``fxforge.optimize``, the native
 target), ``compile`` (``torch.compile``), ``compile-freezing`` (``options={"freezing": True}``), ``ort`` (plain
@@ -46,7 +48,7 @@ HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-fusions.json"
 BLOCK = "fusions"
 CONTENDERS = ("eager", "fxforge", "compile", "compile-freezing", "ort", "fxforge-ort")
-MODELS = ("resnet_layerscale", "mobilenet_v3", "convnext", "unet_up")
+MODELS = ("resnet_layerscale", "mobilenet_v3", "convnext", "unet_up", "beit_small", "levit_small")
 
 
 def _models() -> dict[str, Any]:
@@ -110,7 +112,20 @@ def _models() -> dict[str, Any]:
     def stack(block: Any, widths: list[int]) -> nn.Module:
         return nn.Sequential(*(block(c) for c in widths))
 
+    def transformers_model(name: str) -> nn.Module:
+        import transformers
+
+        if name == "beit":
+            return transformers.BeitModel(transformers.BeitConfig(
+                image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                intermediate_size=256, use_relative_position_bias=True))
+        return transformers.LevitModel(transformers.LevitConfig(
+            image_size=64, hidden_sizes=[64, 96, 128], num_attention_heads=[2, 3, 4], depths=[1, 1, 1],
+            key_dim=[16, 16, 16]))
+
     return {
+        "beit_small": (lambda: transformers_model("beit"), (2, 3, 64, 64), False),
+        "levit_small": (lambda: transformers_model("levit"), (2, 3, 64, 64), False),
         "resnet_layerscale": (lambda: stack(Bottleneck, [256] * 6), (8, 256, 28, 28), False),
         "mobilenet_v3": (lambda: stack(InvertedResidual, [40] * 6), (8, 40, 28, 28), True),
         "convnext": (lambda: stack(ConvNeXtBlock, [96] * 6), (8, 96, 28, 28), False),
