@@ -81,8 +81,9 @@ def _constant_nodes(gm: torch.fx.GraphModule) -> set[Node]:
     return constant
 
 
-def _groups(constant: set[Node]) -> list[list[Node]]:
-    """The constant nodes in groups connected through their data edges, each in graph order."""
+def _groups(constant: set[Node], order: dict[Node, int]) -> list[list[Node]]:
+    """The constant nodes in groups connected through their data edges, each in graph order (``order``: each
+    node's position in the graph)."""
     parent = {n: n for n in constant}
 
     def root(n: Node) -> Node:
@@ -95,7 +96,6 @@ def _groups(constant: set[Node]) -> list[list[Node]]:
         for source in node.all_input_nodes:
             parent[root(node)] = root(source)
     groups: dict[Node, list[Node]] = {}
-    order = {n: i for i, n in enumerate(next(iter(constant)).graph.nodes)} if constant else {}
     for node in sorted(constant, key=order.__getitem__):
         groups.setdefault(root(node), []).append(node)
     return list(groups.values())
@@ -107,7 +107,7 @@ def fold_constant_subgraphs(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     if not constant:
         return
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for group in _groups(constant):
+    for group in _groups(constant, order):
         members = set(group)
         outside = [(n, u) for n in group for u in n.users if u not in members]
         writes = [n for n in group if is_inplace(n, gm)]

@@ -53,9 +53,7 @@ def split_biased_scores(gm: torch.fx.GraphModule) -> list[Node]:
     nodes (with their shape metadata)."""
     new: list[Node] = []
     for node in list(gm.graph.nodes):
-        if not _is_baddbmm(node) or node.op == "call_method" and node.kwargs.get("out") is not None:
-            continue
-        if not _reaches_softmax(node, gm):
+        if not _is_baddbmm(node) or not _reaches_softmax(node, gm):
             continue
         bias, q, k = node.args[0], argument(node, 1, "batch1"), argument(node, 2, "batch2")
         beta, alpha = argument(node, 3, "beta", 1), argument(node, 4, "alpha", 1)
@@ -66,16 +64,19 @@ def split_biased_scores(gm: torch.fx.GraphModule) -> list[Node]:
         bmm, mul, add = ((torch.ops.aten.bmm.default, torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor) if aten
                          else (torch.bmm, torch.mul, torch.add))
         with graph.inserting_before(node):
-            product = graph.call_function(bmm, (q, k))
-            scaled = graph.call_function(mul, (product, alpha)) if alpha != 1 else product
-            term = graph.call_function(mul, (bias, beta)) if beta != 1 else bias
+            made = [graph.call_function(bmm, (q, k))]
+            if alpha != 1:
+                made.append(graph.call_function(mul, (made[-1], alpha)))
+            scaled, term = made[-1], bias
+            if beta != 1:
+                term = graph.call_function(mul, (bias, beta))
+                made.append(term)
             total = graph.call_function(add, (scaled, term))
-        made = [n for n in (product, scaled, term, total) if n.op == "call_function" and n.graph is graph
-                and n not in (bias,)]
+            made.append(total)
         for made_node in made:
             made_node.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(total)
         graph.erase_node(node)
         propagate_meta(gm, made)
-        new.extend(dict.fromkeys(made))
+        new.extend(made)
     return new
