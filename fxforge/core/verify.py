@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fxforge.core.derived import DATA_TOUCHES, watch_data
 from fxforge.core.tensor_cache import TensorCache
 from fxforge.core.tensor_cache import version as tensor_version
 
@@ -146,7 +147,9 @@ CONSTANT_BUFFER_PREFIX = "_fxforge_folded"
 
 
 class _Snapshots:
-    """Copies of buffers, reused while a buffer is unchanged (same ``_version``).
+    """Copies of buffers, reused while a buffer is unchanged (same ``_version``, and no ``.data`` touched since:
+    ``bn.running_mean.data.add_(1)`` changes the values and leaves the version, so a copy keyed by the version
+    alone would put the old values back the next time a block writes the buffer).
 
     In eval mode nothing writes to buffers, so isolating the same model again costs no copy. Kernels
     may update buffers without bumping ``_version`` (BatchNorm's running statistics in training mode),
@@ -166,7 +169,7 @@ class _Snapshots:
                     continue
                 seen.add(id(buf))
                 version = tensor_version(buf)
-                copy = self._copies.get(buf, version, lambda buf=buf: buf.detach().clone())
+                copy = self._copies.get(buf, self._key(buf, version), lambda buf=buf: buf.detach().clone())
                 saved.append((buf, None if owner.training else version, copy))
         return saved
 
@@ -174,8 +177,15 @@ class _Snapshots:
         """``(tensor, its version, a copy)`` for each tensor in ``inputs`` (a pytree), restored on exit if the
         block changed it in place."""
         tensors = {id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-        return [(t, tensor_version(t), self._copies.get(t, tensor_version(t), lambda t=t: t.detach().clone()))
+        return [(t, tensor_version(t), self._copies.get(t, self._key(t, tensor_version(t)),
+                                                        lambda t=t: t.detach().clone()))
                 for t in tensors.values()]
+
+    @staticmethod
+    def _key(tensor: torch.Tensor, version: int) -> tuple[int, int]:
+        """What a copy of ``tensor`` is kept under: its version and its ``.data`` touches (watched from now on)."""
+        watch_data([tensor])
+        return version, DATA_TOUCHES.touches(tensor)
 
 
 _SNAPSHOTS = _Snapshots()

@@ -103,3 +103,20 @@ def test_float32_work_on_a_gpu_that_allows_tf32_is_judged_at_tf32s_rounding(monk
     assert not compare_outputs(reference, rounded).ok
     assert compare_outputs(reference, rounded, rtol_scale=TF32_SCALE).ok
     assert not compare_outputs(reference, reference + 0.1, rtol_scale=TF32_SCALE).ok  # a real error still is
+
+
+def test_isolating_after_a_data_edit_puts_back_the_edited_values_not_an_older_copy():
+    """A buffer edited through ``.data`` keeps its version; the snapshot taken before the edit must not be
+    what a later block's restore writes back (through dynamo this undid a user's BatchNorm edit: error 0.6)."""
+    holder = nn.Module().eval()  # (in eval mode a buffer is put back only where the block changed it)
+    holder.register_buffer("stat", torch.zeros(3))
+    with verify.isolated(holder):
+        pass
+    holder.stat.data.add_(1.0)
+    with verify.isolated(holder):
+        holder.stat.add_(5.0)
+    assert holder.stat.tolist() == [1.0, 1.0, 1.0]
+    holder.stat.data = torch.full((3,), 2.0)
+    with verify.isolated(holder):
+        holder.stat.mul_(0.0)
+    assert holder.stat.tolist() == [2.0, 2.0, 2.0]

@@ -76,6 +76,23 @@ def test_new_weights_and_a_swapped_parameter_are_followed():
         torch.testing.assert_close(opt(x), model(x))
 
 
+def test_a_buffer_edited_through_data_stays_edited_when_a_gradients_plan_is_built():
+    """Building a plan checks graphs in blocks that restore the model's buffers; a copy taken before a ``.data``
+    edit (which leaves the version) was written back, undoing the user's edit (error 0.6)."""
+    model = _settled(Branch())
+    twin = copy.deepcopy(model)
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 8, 8),), method="dynamo")
+    for m in (model, twin):
+        m.bn.running_mean.data.add_(1.0)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(opt(x), twin(x))  # a new plan, for gradients
+    torch.testing.assert_close(model.bn.running_mean, twin.bn.running_mean, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), twin(x))
+
+
 def test_copies_of_a_graph_by_graph_module_are_independent():
     model = _settled(Branch())
     opt = fxforge.optimize(model, (torch.randn(2, 3, 8, 8),), method="dynamo")
