@@ -203,7 +203,7 @@ OPS: dict[str, CallForms] = {
     "detach": forms((torch.detach, torch.Tensor.detach, aten.detach.default), ("detach",)),
     # shapes and layouts
     "view": forms((aten.view.default, aten._unsafe_view.default), ("view", "view_as")),
-    "reshape": forms((torch.reshape, aten.reshape.default), ("reshape", "reshape_as")),
+    "reshape": forms((torch.reshape, aten.reshape.default, aten.reshape_as.default), ("reshape", "reshape_as")),
     "flatten": forms((torch.flatten, aten.flatten.using_ints), ("flatten",)),
     "unsqueeze": forms((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
     "expand": forms((aten.expand.default, aten.expand_as.default, torch.broadcast_to), ("expand", "expand_as")),
@@ -287,6 +287,7 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "linear": (("input", REQUIRED), ("weight", REQUIRED), ("bias", None)),
     "addmm": (("input", REQUIRED), ("mat1", REQUIRED), ("other", REQUIRED), ("beta", 1), ("alpha", 1)),  # mat2: other
     "t": (("input", REQUIRED),),
+    "flatten": (("input", REQUIRED), ("start_dim", 0), ("end_dim", -1)),
     "where": (("condition", REQUIRED), ("input", REQUIRED), ("other", REQUIRED)),
     "gt": (("input", REQUIRED), ("other", REQUIRED)),
     "batch_norm": (("input", REQUIRED), ("running_mean", REQUIRED), ("running_var", REQUIRED), ("weight", None),

@@ -230,8 +230,12 @@ def canonicalize(node: Node, gm: torch.fx.GraphModule) -> Op | None:
     name, bound, covered = _lookup(node, gm)
     if name is None:
         args = {str(i): a for i, a in enumerate(node.args)} | dict(node.kwargs)
-        key = ("method", node.target) if node.op != "call_function" else node.target
-        return Op(key, args, node, inplace=False)
+        named = op_name(node, gm) if node.op != "call_module" else None
+        # an op the vocabulary names but the engine does not bind: its forms meet under that name, with their
+        # arguments as given (``x.reshape_as(y)`` and ``aten.reshape_as(x, y)``; ``reshape(x, shape)`` then
+        # differs in its arguments)
+        key = ("op", named) if named else ("method", node.target) if node.op != "call_function" else node.target
+        return Op(key, args, node, inplace=bool(named) and is_inplace(node, gm))
     if bound is None:
         return None
     bound = {("input" if k == "self" else "other" if k == "mat2" else k): v for k, v in bound.items()}

@@ -224,3 +224,46 @@ def test_folded_weights_are_the_float64_computation_rounded_once():
     assert any(torch.equal(t, weight) for t in folded) and any(torch.equal(t, shift) for t in folded)
     assert all(t.dtype == torch.float32 for t in folded)
 
+
+
+class LinearBN(nn.Module):
+    """The ways users put a BatchNorm1d after a linear layer: on [N, C], on a flattened [B, L, C] (LeViT's
+    MLPLayerWithBN, reshaped back), and functionally without affine weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.head_bn = nn.Linear(8, 6), nn.BatchNorm1d(6)
+        self.proj, self.proj_bn = nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8)
+        self.mlp, self.mlp_bn = nn.Linear(8, 4), nn.BatchNorm1d(4, affine=False)
+
+    def forward(self, x):  # x: [B, L, 8]
+        y = self.proj(x)
+        y = self.proj_bn(y.flatten(0, 1)).reshape_as(y)
+        z = F.batch_norm(torch.flatten(self.mlp(y), 0, 1), self.mlp_bn.running_mean, self.mlp_bn.running_var)
+        return torch.relu(self.head_bn(self.head(y.mean(1)))), z
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_linear_then_batch_norm_folds_in_every_form(method):
+    model = perturb_norm_stats(LinearBN()).eval()
+    new = _fold(model, (torch.randn(3, 5, 8),), method)
+    assert new.report.counts == {"conv_bn_fold": 3}
+    assert not _batch_norms(new.graph_module)
+    assert sorted(m.what for m in new.report.matches) == [
+        "linear + batch_norm", "linear + flatten + batch_norm", "linear + flatten + batch_norm + reshape_as"]
+
+
+def test_a_batch_norm_over_another_dim_of_a_linear_output_is_refused():
+    class Tokens(nn.Module):  # BatchNorm1d on [B, L, C] normalizes the L tokens, not the linear's features
+        def __init__(self):
+            super().__init__()
+            self.linear, self.bn = nn.Linear(8, 5), nn.BatchNorm1d(5)
+
+        def forward(self, x):
+            return self.bn(self.linear(x))
+
+    model = perturb_norm_stats(Tokens()).eval()
+    new = _fold(model, (torch.randn(3, 5, 8),), "fx")
+    assert new.report.counts == {}
+    assert any("normalizes dim 1 of a (3, 5, 5) value, not the linear layer's 5 features" in m.reason
+               for m in new.report.near_misses)
