@@ -27,6 +27,7 @@ from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
 from fxforge.core.shapes import propagate_meta
+from fxforge.core.symbolic import hint
 from fxforge.core.vocabulary import calls
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
@@ -230,6 +231,9 @@ def build(attention: Attention, plan: MaskPlan, builder: GraphBuilder, *, guards
     if leading is not None:  # [B, G, H, L, E] -> [B*G, H, L, E]: q, k and v share their batch dims (check_layout)
         q, k, v = (_to_4d(builder, t) for t in (q, k, v))
         mask = None if mask is None else _mask_to_4d(builder, mask, leading)
+    while mask is not None and fake_value(mask) is not None and fake_value(mask).ndim < 4:
+        mask = builder.call("unsqueeze", mask, 0)  # torch's fused CPU kernel takes masks of 2 or 4 dims, not 3
+    q, k, v = (_last_dim_contiguous(builder, t) for t in (q, k, v))
     kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": plan.kind == "causal",
                               "scale": _scale(attention, builder)}
     if attention.gqa:
@@ -313,6 +317,15 @@ def _eager_layout(builder: GraphBuilder, out: Node, eager: torch.Tensor | None) 
     inverse = sorted(range(len(order)), key=order.__getitem__)
     out = builder.call("contiguous", builder.call("permute", out, order), memory_format=torch.contiguous_format)
     return builder.call("permute", out, inverse)
+
+
+def _last_dim_contiguous(builder: GraphBuilder, t: Node) -> Node:
+    """``t``, copied where its last dim is not contiguous in memory (K given as a [.., D, S] tensor and
+    transposed back): torch's fused kernels need a unit stride there, and the copy costs one pass over t."""
+    value = fake_value(t)
+    if value is None or value.ndim < 2 or hint(value.shape[-1]) <= 1 or hint(value.stride(-1)) == 1:
+        return t
+    return builder.call("contiguous", t, memory_format=torch.contiguous_format)
 
 
 def _to_4d(builder: GraphBuilder, t: Node) -> Node:

@@ -16,12 +16,13 @@ import torch
 from torch.fx import Node
 
 from fxforge.core.derived import read_as_constants
-from fxforge.core.nodes import copy_graph_module, is_effectful
+from fxforge.core.nodes import copy_graph_module, fake_value, is_effectful
 from fxforge.core.source import first_line, inherit_origin
 from fxforge.rewrites.attention.biased_scores import split_biased_scores
 from fxforge.rewrites.attention.builders import GraphBuilder, build, describe_change
 from fxforge.rewrites.attention.checks import CHECKS, Attention, find_gqa, metadata_reads, read_attention
 from fxforge.rewrites.attention.constants import Constants
+from fxforge.rewrites.attention.kernel_choice import fused_kernel_refusal
 from fxforge.rewrites.attention.masks import MaskPlan, plan_mask
 from fxforge.rewrites.attention.operands import looks_like_attention
 from fxforge.rewrites.attention.readers import Softmax, ignorable, read_softmax
@@ -103,9 +104,13 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
     try:
         result = build(attention, plan, builder, guards_as_ops=ctx.conditions.guards_as_ops and not ctx.training)
     except Exception as error:  # noqa: BLE001 - this attention stays as it is; the others still go
-        for node in reversed(builder.nodes):
-            gm.graph.erase_node(node)
+        _undo(gm, builder)
         ctx.refused(attention.softmax.node, f"the replacement could not be built: {first_line(error)}")
+        return
+    slower = None if ctx.conditions.guards_as_ops else _slower(builder)
+    if slower is not None:  # (a translation that chooses its own kernels, ONNX Runtime's, takes SDPA as it is)
+        _undo(gm, builder)
+        ctx.refused(attention.softmax.node, slower)
         return
     ctx.matched(describe_change(attention, plan), nodes)
     inherit_origin(builder.nodes, nodes, gm)
@@ -123,6 +128,29 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
         if not getattr(node, "_erased", False):
             gm.graph.erase_node(node)
     _erase_dead(gm, list(inputs))
+
+
+SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _undo(gm: torch.fx.GraphModule, builder: GraphBuilder) -> None:
+    for node in reversed(builder.nodes):
+        gm.graph.erase_node(node)
+
+
+def _slower(builder: GraphBuilder) -> str | None:
+    """Why the SDPA call the builder emitted would be slower than the attention as written (torch would run
+    its math kernel on these inputs: :mod:`~fxforge.rewrites.attention.kernel_choice`), or None."""
+    call = next((n for n in builder.nodes if n.target in SDPA_TARGETS), None)
+    if call is None:
+        return None
+    q, k, v = (fake_value(a) for a in call.args[:3])
+    mask = call.kwargs.get("attn_mask")
+    mask_value = fake_value(mask) if isinstance(mask, Node) else None
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or (mask is not None and mask_value is None):
+        return None
+    return fused_kernel_refusal(q, k, v, mask_value, bool(call.kwargs.get("is_causal")),
+                                bool(call.kwargs.get("enable_gqa")))
 
 
 def replace_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
