@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 from typing import Any
@@ -28,6 +29,7 @@ from fxforge.core.report import Report
 from fxforge.core.shapes import MetaInfo, annotate, run_and_annotate
 from fxforge.core.source import first_line, user_frame_of
 from fxforge.core.verify import compare_outputs, isolated
+from fxforge.core.vocabulary import HOOK_DICTS, has_hooks
 
 METHODS = ("auto", "fx", "export", "dynamo")
 
@@ -52,6 +54,11 @@ class CaptureError(RuntimeError):
         detail = "; ".join(f"{method}: {why}" for method, why in reasons.items())
         self._message = f"cannot capture {model_name}: {detail}"
         super().__init__(self._message)
+
+    @property
+    def message_without_breaks(self) -> str:
+        """The message without where TorchDynamo breaks the model (which takes a dynamo run to find)."""
+        return self._message
 
     @property
     def breaks(self) -> list:
@@ -185,6 +192,19 @@ def capture(module: nn.Module, example_inputs: Any = None, method: str = "auto",
     raise CaptureError(name, reasons, find_breaks=functools.partial(breaks_of, module, args, kwargs))
 
 
+def _unhooked(module: nn.Module) -> nn.Module:
+    """``module``, or where it has hooks a copy of its modules without them that shares its tensors: dynamo's run
+    must not fire the user's hooks, and a hook wrapped to stay quiet would break dynamo's graph."""
+    if not any(map(has_hooks, module.modules())):
+        return module
+    copy_ = copy.deepcopy(module, memo={id(t): t for t in [*module.parameters(), *module.buffers()]})
+    for inner in copy_.modules():
+        for table in HOOK_DICTS:
+            if isinstance(getattr(inner, table, None), dict):
+                getattr(inner, table).clear()
+    return copy_
+
+
 def breaks_of(module: nn.Module, args: tuple, kwargs: dict) -> list:
     """Where TorchDynamo cuts ``module`` on these inputs (its state left as it was), for an error that says why
     one graph cannot hold it; [] where dynamo fails on it too.
@@ -195,7 +215,7 @@ def breaks_of(module: nn.Module, args: tuple, kwargs: dict) -> list:
     """
     try:
         with isolated(module, inputs=(args, kwargs)):
-            return capture_dynamo(module, args, example_kwargs=kwargs).breaks
+            return capture_dynamo(_unhooked(module), args, example_kwargs=kwargs).breaks
     except Exception:  # noqa: BLE001 - the error being built says what broke; dynamo failing adds nothing
         return []
 

@@ -51,6 +51,7 @@ from fxforge.capture.model import describe_failure
 from fxforge.core.breaks import Break, distinct
 from fxforge.core.report import Report
 from fxforge.core.verify import isolated
+from fxforge.core.vocabulary import has_hooks
 from fxforge.runtime.fallbacks import FallbackWarning, caller_stacklevel
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.plans import PlanBuilder, ShapePolicy
@@ -90,6 +91,7 @@ class DynamoRunner:
         self.builder_for = builder_for
         self.policy = policy
         self.why = why
+        self.deferred = ""  # why prepare built nothing
         self.modules: dict[int, tuple[tuple, OptimizedModule]] = {}  # graph index -> (bound tensors, module)
         self.graphs: dict[int, CompiledGraph] = {}
         self.breaks: list[Break] = known_breaks(forward)  # (those an instance before this one met)
@@ -175,10 +177,18 @@ class DynamoRunner:
 
     def prepare(self, args: tuple, kwargs: dict) -> None:
         """Build every graph's plan for these inputs (one call without gradients; the model's buffers and RNG left
-        as they were) and :meth:`measure` the report's shares."""
+        as they were) and :meth:`measure` the report's shares. A model with hooks is left for its first call: a
+        run here would fire them (and dynamo traces hooks into its graphs, so they cannot be silenced here
+        without compiling graphs the user's calls never meet)."""
+        if self._hooked():
+            self.deferred = "graphs built on the first call, not by optimize: the model has hooks, which a run of fxforge's would fire"
+            return
         with isolated(self.model, inputs=(args, kwargs)), torch.no_grad():
             self(args, kwargs)
         self.measure(args, kwargs)
+
+    def _hooked(self) -> bool:
+        return any(map(has_hooks, self.model.modules()))
 
     def measure(self, args: tuple, kwargs: dict) -> None:
         """Measure on one call (its plans built already) the share of the model's FLOPs (eager's, counted by
@@ -209,6 +219,8 @@ class DynamoRunner:
             report.notes.append(f"runs eagerly: {self.failed}")
         if self.why:
             report.notes.append(f"captured through TorchDynamo, graph by graph: {self.why}")
+        if self.deferred:
+            report.notes.append(self.deferred)
         for graph, module in self.ordered():
             report.add_graph(module.report, graph.lines, graph.ends, self.ran.count(graph.index) or 1,
                              self.flops.get(graph.index, 0))

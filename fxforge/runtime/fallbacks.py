@@ -152,9 +152,11 @@ class CaptureFailed(Exception):
         self.reasons = reasons
 
 
-def fallback_reason(error: BaseException) -> str:
+def fallback_reason(error: BaseException, breaks: bool = True) -> str:
     """Why a model runs eagerly, for its :class:`FallbackWarning`: a branch on a tensor's value named by its
-    line, with what to do; else the capture's reasons (or the error's first line).
+    line, with what to do; else the capture's reasons (or the error's first line), and where TorchDynamo would
+    break the model (a run of dynamo over it, found on first use) unless ``breaks`` is False (a caller that hands
+    the model to dynamo, which finds its breaks itself).
 
     Example:
         >>> fallback_reason(ValueError("bad\\nmore"))
@@ -168,4 +170,7 @@ def fallback_reason(error: BaseException) -> str:
         where, code = branch
         return (f"its forward branches on a tensor's value at {where}" + (f" ({code})" if code else "")
                 + f", which one graph cannot hold; {BRANCH_FIXES}")
+    message = getattr(error, "message_without_breaks", None) if not breaks else None
+    if message is not None:
+        return message
     return str(error) if str(error).startswith("cannot capture") else first_line(error)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.core.hooks import silenced_hooks
 from fxforge.core.plan import Plan
 from fxforge.core.source import first_line
 from fxforge.core.verify import Comparison, compare_outputs, isolated, random_like
-from fxforge.runtime.guards import silenced_hooks
 from fxforge.runtime.signature import family_of, sizes_of
 
 

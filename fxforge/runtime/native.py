@@ -71,7 +71,7 @@ def use_dynamo(holder: dict, cache: PlanCache, dynamo: DynamoFactory | None, met
         def take_over(error: BaseException) -> bool:
             if not uncapturable(error):
                 return False
-            runner = holder["_fxforge_dynamo"] = dynamo(forward, fallback_reason(error))
+            runner = holder["_fxforge_dynamo"] = dynamo(forward, fallback_reason(error, breaks=False))
             cache.eager = lambda *args, **kwargs: runner(args, kwargs)
             return True
 

@@ -41,12 +41,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxforge.core.captured import Captured
+from fxforge.core.hooks import silenced_hooks
 from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.verify import Comparison
 from fxforge.runtime import fallbacks
 from fxforge.runtime.fallbacks import FallbackWarning, GradientsWarning, caller_stacklevel, gradients_cause
 from fxforge.runtime.first_use import against_eager, at, fx_plan_of_family, sizes
-from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad, silenced_hooks
+from fxforge.runtime.guards import ModelWatch, ModuleState, global_hooks, needs_grad
 from fxforge.runtime.plan_policy import (  # noqa: F401 - as before
     MAX_PLANS,
     MAX_REBUILDS,

@@ -93,6 +93,29 @@ def test_a_buffer_edited_through_data_stays_edited_when_a_gradients_plan_is_buil
         torch.testing.assert_close(opt(x), twin(x))
 
 
+def test_hooks_fire_once_per_users_call_not_on_fxforges_own_runs():
+    """optimize runs the model to build and measure its graphs, and an error that one graph cannot hold the model
+    runs dynamo to name the breaks: a feature-collecting hook saw 3 calls before the user made one."""
+    model = _settled(Branch())
+    twin = copy.deepcopy(model)
+    seen, seen_eager = [], []
+    model.conv.register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))
+    twin.conv.register_forward_hook(lambda m, args, out: seen_eager.append(out.detach().clone()))
+    opt = fxforge.optimize(model, (torch.randn(2, 3, 8, 8),), method="dynamo")
+    assert seen == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for grad in (False, True, False):
+            x = torch.randn(2, 3, 8, 8)
+            with torch.set_grad_enabled(grad):
+                torch.testing.assert_close(opt(x), twin(x))
+    assert len(seen) == len(seen_eager) == 3
+    for got, expected in zip(seen, seen_eager):
+        torch.testing.assert_close(got, expected)
+    from fxforge.capture.model import breaks_of
+    assert len(breaks_of(model, (torch.randn(2, 3, 8, 8),), {})) == 1 and len(seen) == 3
+
+
 def test_copies_of_a_graph_by_graph_module_are_independent():
     model = _settled(Branch())
     opt = fxforge.optimize(model, (torch.randn(2, 3, 8, 8),), method="dynamo")
