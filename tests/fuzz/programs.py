@@ -153,6 +153,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.head_dim = heads, dim // heads
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.wide = False  # values twice as wide as queries and keys (LeViT): SDPA's math kernel, left as written
         self.scale_form, self.mask_form, self.softmax_form = scale_form, mask_form, softmax_form
         self.fill, self.causal = fill, causal
         self.softmax = nn.Softmax(-1)
@@ -161,9 +162,14 @@ class Attention(nn.Module):
         self.views = False  # the masks added to a [B, H, L, S] view of 3-d bmm scores (MBart)
         self.causal_form = "tril"  # or "arange": transformers' kv_idx <= q_idx, proven for every size
 
+    def widen(self) -> Attention:
+        dim = self.heads * self.head_dim
+        self.wide, self.v, self.o = True, nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        return self
+
     def split(self, t):
-        b, s, _ = t.shape
-        return t.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        b, s, width = t.shape
+        return t.view(b, s, self.heads, width // self.heads).transpose(1, 2)
 
     def forward(self, x, mask):
         q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
@@ -205,7 +211,7 @@ class Attention(nn.Module):
         else:
             probs = F.softmax(scores, dim=-1)
         out = self.drop(probs) @ v
-        return self.o(out.transpose(1, 2).reshape(x.shape))
+        return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
 @st.composite
@@ -219,6 +225,8 @@ def attentions(draw) -> tuple[nn.Module, dict]:
     model = Attention(dim, heads, draw(st.sampled_from(["div", "mul", "none", "per_head"])), mask_form,
                       draw(st.sampled_from(["module", "method", "function"])), fill, draw(st.booleans()))
     model.views = draw(st.booleans())
+    if draw(st.booleans()):
+        model.widen()
     model.causal_form = draw(st.sampled_from(["tril", "arange"]))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     shape = {"batch": draw(st.integers(1, 3)), "length": draw(st.integers(1, 7)), "dim": dim,
@@ -251,6 +259,25 @@ class MLPBlock(nn.Module):
 
     def forward(self, x, mask):
         return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class NormedMLPBlock(nn.Module):
+    """LeViT's MLP: linear layers each followed by a BatchNorm1d over the flattened tokens (folded into them)."""
+
+    def __init__(self, dim: int, activation: str):
+        super().__init__()
+        self.up, self.up_bn = nn.Linear(dim, 2 * dim, bias=False), nn.BatchNorm1d(2 * dim)
+        self.down, self.down_bn = nn.Linear(2 * dim, dim, bias=False), nn.BatchNorm1d(dim)
+        self.act = ACTIVATIONS[activation]()
+        for bn in (self.up_bn, self.down_bn):  # statistics as a few training passes leave them
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x, mask):
+        y = self.up(x)
+        y = self.act(self.up_bn(y.flatten(0, 1)).reshape_as(y))
+        z = self.down(y)
+        return x + self.down_bn(z.flatten(0, 1)).reshape_as(z)
 
 
 class SDPABlock(nn.Module):
@@ -313,8 +340,10 @@ def token_readers(draw) -> tuple[nn.Module, dict]:
     torch.manual_seed(draw(st.integers(0, 2**16)))  # the weights: a failing program replays as drawn
     blocks = []
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["mlp", "sdpa", "hand-written"]))
-        if kind == "mlp":
+        kind = draw(st.sampled_from(["mlp", "bn-mlp", "sdpa", "hand-written"]))
+        if kind == "bn-mlp":
+            blocks.append(NormedMLPBlock(dim, draw(st.sampled_from(["relu", "gelu", "hardswish"]))))
+        elif kind == "mlp":
             blocks.append(MLPBlock(dim, draw(st.sampled_from(["layer", "rms"])),
                                    draw(st.sampled_from(["relu", "gelu", "silu", "tanh", "gelu_new"]))))
         elif kind == "sdpa":

@@ -33,6 +33,7 @@ def test_a_checkpointed_step_is_eagers(program, fraction, seed):
     model.mutate_input = False  # an input changed in place is the suite's other property's business
     model.train()
     eager = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()  # the step in float64: how far float32 rounding takes eager's gradients
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).requires_grad_()
     try:
         copy.deepcopy(model)(x)
@@ -55,10 +56,20 @@ def test_a_checkpointed_step_is_eagers(program, fraction, seed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_input_grad, want_input_grad, rtol=1e-4, atol=1e-5)
     assert set(got_grads) == set(want_grads)
+    exact_grads = None
     for name, grad in got_grads.items():
         if want_grads[name] is None:
             assert grad is None or not grad.any(), name
-        else:
+            continue
+        try:
             torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        except AssertionError:
+            # A gradient that is zero but for rounding (a BatchNorm's bias before another BatchNorm, which takes
+            # out the mean of what flows back) differs by rounding alone: within a few times eager's own error
+            if exact_grads is None:
+                exact_grads = _step(exact, fresh.double(), seed)[2]
+            noise = float((want_grads[name].double() - exact_grads[name]).abs().max())
+            error = float((grad.double() - exact_grads[name]).abs().max())
+            assert error <= max(4 * noise, 1e-5), f"{name}: error {error:.3g} against float64, eager's {noise:.3g}"
     for got_buffer, want_buffer in zip(model.buffers(), eager.buffers()):
         torch.testing.assert_close(got_buffer, want_buffer, rtol=1e-5, atol=1e-6)
