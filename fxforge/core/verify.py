@@ -222,7 +222,10 @@ def isolated(*modules: torch.nn.Module, seed: int = 0, inputs: Any = None) -> It
             with torch.no_grad():
                 for buf, version, copy in saved:
                     if version is None or tensor_version(buf) != version:
-                        with torch.inference_mode(buf.is_inference()):  # where an inference tensor may change
+                        if buf.is_inference():
+                            with torch.inference_mode():  # (where an inference tensor may change)
+                                buf.copy_(copy)
+                        else:  # (inference_mode(False) would turn grad mode back on: a buffer may require grad)
                             buf.copy_(copy)
 
 

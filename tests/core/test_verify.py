@@ -120,3 +120,13 @@ def test_isolating_after_a_data_edit_puts_back_the_edited_values_not_an_older_co
     with verify.isolated(holder):
         holder.stat.mul_(0.0)
     assert holder.stat.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_isolating_restores_a_buffer_that_requires_grad():
+    """Dynamo's host modules hold the model's parameters as buffers; fx's containers are in training mode, so
+    they are always put back, and the copy into a tensor that requires grad must not record (it raised)."""
+    holder = nn.Module()  # training mode: always restored
+    holder.register_buffer("weight", torch.ones(3, requires_grad=True))
+    with verify.isolated(holder), torch.no_grad():
+        holder.weight.mul_(2.0)
+    assert holder.weight.tolist() == [1.0, 1.0, 1.0] and holder.weight.requires_grad
