@@ -27,13 +27,13 @@ from torch.fx import Node
 
 from fxforge.core.nodes import fake_value
 from fxforge.core.shapes import propagate_meta
-from fxforge.core.symbolic import hint
 from fxforge.core.vocabulary import calls
 from fxforge.rewrites.attention.checks import Attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.folds import fold_keep, fold_mask
 from fxforge.rewrites.attention.guards import NAN_ROWS
 from fxforge.rewrites.attention.index_masks import Keep, holds_everywhere, read_mask
+from fxforge.rewrites.attention.kernel_choice import strided_last_dim
 from fxforge.rewrites.attention.masks import LARGE_NEGATIVE, MaskPlan
 from fxforge.rewrites.attention.operands import Operand
 from fxforge.rewrites.attention.steps import Scale
@@ -70,6 +70,8 @@ _TARGETS: dict[str, tuple[Callable, Any]] = {
     "sdpa": (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default),
     "nan_rows": (NAN_ROWS, NAN_ROWS),
 }
+# The SDPA call in both forms (traced graphs, exported ones): what :func:`build` emits.
+SDPA_TARGETS = _TARGETS["sdpa"]
 
 
 class GraphBuilder:
@@ -323,7 +325,7 @@ def _last_dim_contiguous(builder: GraphBuilder, t: Node) -> Node:
     """``t``, copied where its last dim is not contiguous in memory (K given as a [.., D, S] tensor and
     transposed back): torch's fused kernels need a unit stride there, and the copy costs one pass over t."""
     value = fake_value(t)
-    if value is None or value.ndim < 2 or hint(value.shape[-1]) <= 1 or hint(value.stride(-1)) == 1:
+    if value is None or not strided_last_dim(value):
         return t
     return builder.call("contiguous", t, memory_format=torch.contiguous_format)
 

@@ -29,11 +29,22 @@ from fxforge.core.symbolic import hint
 _CUT = 4  # the query and key lengths of the stand-ins
 
 
+def strided_last_dim(value: torch.Tensor) -> bool:
+    """Whether ``value``'s last dim (of more than one element) is not contiguous in memory: torch's fused SDPA
+    kernels need a unit stride there.
+
+    Example:
+        >>> strided_last_dim(torch.empty(2, 3).t()), strided_last_dim(torch.empty(3, 2))
+        (True, False)
+    """
+    return value.ndim >= 2 and hint(value.shape[-1]) > 1 and hint(value.stride(-1)) != 1
+
+
 def _stand_in(value: torch.Tensor, lengths: dict[int, int]) -> torch.Tensor:
     """A small real tensor like ``value``: each dim in ``lengths`` (by position) cut to its new length, the
     last dim transposed in memory where ``value``'s is not contiguous."""
     shape = [lengths.get(i, hint(d)) for i, d in enumerate(value.shape)]
-    if value.ndim >= 2 and hint(value.shape[-1]) > 1 and hint(value.stride(-1)) != 1:
+    if strided_last_dim(value):
         swapped = [*shape[:-2], shape[-1], shape[-2]]
         return torch.empty(swapped, dtype=value.dtype, device=value.device).transpose(-2, -1)
     return torch.empty(shape, dtype=value.dtype, device=value.device)
@@ -83,7 +94,7 @@ def fused_kernel_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         why = f"q and k have head dim {hint(q.shape[-1])}, v {hint(v.shape[-1])}"
     elif mask is not None and mask.ndim not in (2, 4):
         why = f"a {mask.ndim}-d mask"
-    elif any(t.ndim >= 2 and hint(t.shape[-1]) > 1 and hint(t.stride(-1)) != 1 for t in (q, k, v)):
+    elif any(map(strided_last_dim, (q, k, v))):
         why = "an operand whose last dim is not contiguous"
     else:
         why = f"{q.dtype} on {q.device.type}, as torch chose"

@@ -19,7 +19,7 @@ from fxforge.core.derived import read_as_constants
 from fxforge.core.nodes import copy_graph_module, fake_value, is_effectful
 from fxforge.core.source import first_line, inherit_origin
 from fxforge.rewrites.attention.biased_scores import split_biased_scores
-from fxforge.rewrites.attention.builders import GraphBuilder, build, describe_change
+from fxforge.rewrites.attention.builders import SDPA_TARGETS, GraphBuilder, build, describe_change
 from fxforge.rewrites.attention.checks import CHECKS, Attention, find_gqa, metadata_reads, read_attention
 from fxforge.rewrites.attention.constants import Constants
 from fxforge.rewrites.attention.kernel_choice import fused_kernel_refusal
@@ -128,9 +128,6 @@ def replace(attention: Attention, plan: MaskPlan, gm: torch.fx.GraphModule, ctx:
         if not getattr(node, "_erased", False):
             gm.graph.erase_node(node)
     _erase_dead(gm, list(inputs))
-
-
-SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 
 
 def _undo(gm: torch.fx.GraphModule, builder: GraphBuilder) -> None:
