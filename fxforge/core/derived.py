@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from fxforge.core.statistics import with_counters
 from fxforge.core.tensor_cache import version
 
 _VERSION = operator.attrgetter("_version")
@@ -87,7 +88,8 @@ class SourceStates:
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], record: bool = True):
-        self.tensors = list({id(t): t for t in tensors}.values())
+        # (a running statistic with the counter that moves when a kernel updates it behind its version)
+        self.tensors = with_counters(tensors)
         if record:
             self.record()
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxforge.core.derived import DATA_TOUCHES, watch_data
+from fxforge.core.statistics import counter_of, note_statistics
 from fxforge.core.tensor_cache import TensorCache
 from fxforge.core.tensor_cache import version as tensor_version
 
@@ -161,15 +162,20 @@ class _Snapshots:
         self._copies = TensorCache()
 
     def take(self, modules: Sequence[torch.nn.Module]) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
-        """``(buffer, its version or None to always restore, a copy)`` for each buffer of ``modules``."""
+        """``(buffer, its version or None to always restore, a copy)`` for each buffer of ``modules``; a running
+        statistic's copy is also keyed by its counter (BatchNorm's kernels update it behind its version)."""
         saved, seen = [], set()
+        for module in modules:
+            note_statistics(module)
         for owner in (m for module in modules for m in module.modules()):
             for name, buf in owner._buffers.items():
                 if buf is None or id(buf) in seen or name.startswith(CONSTANT_BUFFER_PREFIX):
                     continue
                 seen.add(id(buf))
                 version = tensor_version(buf)
-                copy = self._copies.get(buf, self._key(buf, version), lambda buf=buf: buf.detach().clone())
+                counter = counter_of(buf)
+                key = (*self._key(buf, version), None if counter is None else tensor_version(counter))
+                copy = self._copies.get(buf, key, lambda buf=buf: buf.detach().clone())
                 saved.append((buf, None if owner.training else version, copy))
         return saved
 

@@ -48,6 +48,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from fxforge.core.derived import CONSTANT_READS, SourceStates
+from fxforge.core.statistics import note_statistics
 from fxforge.core.vocabulary import HOOK_DICTS
 
 # module -> the watches that hold it (weak both ways: a watch dies with its plan cache, a module with its model)
@@ -271,6 +272,7 @@ class ModelWatch:
         """Watch the model's modules as they are now (after a re-plan: new submodules, new hooks, constants read)."""
         _install_registration_hooks()
         _watch_conversions()
+        note_statistics(self.model)  # (before a plan's derived values are watched by them)
         self._watch_constants()
         modules = list(self.model.modules())
         with _WATCHERS_LOCK:

@@ -134,6 +134,17 @@ def _same_outcome(opt: nn.Module, eager: nn.Module, inputs: tuple, condition: st
     _same_call(_call(opt, inputs, condition, seed), expected, condition == "autocast", exact_gradients)
 
 
+def _called_in_training_mode(model: nn.Module, inputs: tuple, seed: int) -> None:
+    """One call of the model itself (not the optimized module) in training mode, its modes then put back."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model(*(torch.nan_to_num(t) * 2.0 + 0.5 if t.is_floating_point() else t for t in inputs))
+    for module, training in modes:
+        module.training = training
+
+
 def _hook_all(model: nn.Module, log: list) -> list:
     """A forward hook on every submodule that records what it saw (Grad-CAM and feature extraction do this)."""
     return [m.register_forward_hook(lambda mod, args, out, name=name: log.append((name, out.detach().clone())))
@@ -164,6 +175,9 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: b
         rng = data.draw(st.integers(0, 1000), label="rng")
         STATE_CHANGES[change](model, rng)
         STATE_CHANGES[change](eager, rng)
+        if data.draw(st.booleans(), label="a training-mode call on the model itself"):
+            for twin in (model, eager):  # BatchNorm moves its statistics behind their version counters
+                _called_in_training_mode(twin, fresh_inputs(4), rng)
         assert opt.training == model.training, "the optimized module's mode does not follow the model's"
 
         condition = data.draw(st.sampled_from([*CONDITIONS, "hooks", "train"]), label="condition")

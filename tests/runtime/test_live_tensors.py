@@ -157,3 +157,39 @@ def test_batchnorm_edits_through_data_are_seen(edit):
         for _ in range(2):
             x = _input(ConvBnRelu)
             torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class BranchyConvBn(nn.Module):
+    """conv + BatchNorm, then a branch on the data: TorchDynamo runs it as two graphs, each with its own plans."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x)).relu()
+        if h.mean() > 0:
+            return self.head(h)
+        return -self.head(h)
+
+
+@pytest.mark.parametrize("kind", [ConvBnRelu, BranchyConvBn])
+@pytest.mark.parametrize("who", ["model", "optimized"])
+def test_statistics_updated_by_a_training_call_are_seen(kind, who):
+    """BatchNorm's kernels update the running statistics in place without bumping their versions: a plan that
+    folded them sees the update by the statistics' counter (before, a training call on the model itself left the
+    optimized module 0.2 off; one through a graph's own plans left the other graphs' plans behind)."""
+    model = _model(kind)
+    opt = fxforge.optimize(model, (_input(ConvBnRelu),))
+    with torch.no_grad():
+        x = _input(ConvBnRelu)
+        torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+        assert opt.report.counts.get("conv_bn_fold") == 1
+        model.train()
+        (model if who == "model" else opt)(_input(ConvBnRelu) * 3 + 1)  # statistics move (momentum 0.1)
+        model.eval()
+        for _ in range(2):
+            x = _input(ConvBnRelu)
+            torch.testing.assert_close(opt(x), model(x), rtol=1e-5, atol=1e-5)
+
