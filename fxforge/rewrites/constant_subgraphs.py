@@ -63,13 +63,20 @@ def _leaves(value: Any) -> list:
     return leaves
 
 
-def _constant_nodes(gm: torch.fx.GraphModule) -> set[Node]:
+def constant_nodes(gm: torch.fx.GraphModule, weights: bool = False) -> set[Node]:
     """The call nodes computed from Python values and other such nodes alone (no random op, no effect but
-    writing into their own tensors)."""
+    writing into their own tensors); with ``weights``, the model's parameters and buffers count as such values.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> _ = g.output(g.call_function(torch.add, (x, g.call_method("mul", (g.call_function(torch.arange, (3,)), 2)))))
+        >>> sorted(n.name for n in constant_nodes(torch.fx.GraphModule(torch.nn.Module(), g)))
+        ['arange', 'mul']
+    """
     constant: set[Node] = set()
     parameters = {name for name, _ in gm.named_parameters()}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target not in parameters and _capture_made(str(node.target)):
+        if node.op == "get_attr" and (weights or node.target not in parameters and _capture_made(str(node.target))):
             constant.add(node)  # a tensor the capture made from the code (``torch.tensor(3)`` in forward)
         if node.op not in ("call_function", "call_method"):
             continue
@@ -81,9 +88,18 @@ def _constant_nodes(gm: torch.fx.GraphModule) -> set[Node]:
     return constant
 
 
-def _groups(constant: set[Node], order: dict[Node, int]) -> list[list[Node]]:
+def groups(constant: set[Node], order: dict[Node, int]) -> list[list[Node]]:
     """The constant nodes in groups connected through their data edges, each in graph order (``order``: each
-    node's position in the graph)."""
+    node's position in the graph).
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x"); steps = g.call_function(torch.arange, (3,))
+        >>> y = g.call_function(torch.add, (x, g.call_method("mul", (steps, 2))))
+        >>> _ = g.output(g.call_function(torch.add, (y, g.call_function(torch.ones, (3,)))))
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), g); order = {n: i for i, n in enumerate(g.nodes)}
+        >>> [[n.name for n in group] for group in groups(constant_nodes(gm), order)]
+        [['arange', 'mul'], ['ones']]
+    """
     parent = {n: n for n in constant}
 
     def root(n: Node) -> Node:
@@ -101,22 +117,40 @@ def _groups(constant: set[Node], order: dict[Node, int]) -> list[list[Node]]:
     return list(groups.values())
 
 
+def foldable_reads(group: list[Node], gm: torch.fx.GraphModule, order: dict[Node, int]) -> list | None:
+    """``(node, reader)`` for each read of ``group`` from outside it, or None where the group cannot be computed
+    once: nothing outside reads it, it is one node, a value of it is returned as it is (the caller's to change),
+    a read from outside comes before its last write, or something outside writes into it.
+
+    Example:
+        >>> g = torch.fx.Graph(); x = g.placeholder("x")
+        >>> _ = g.output(g.call_function(torch.add, (x, g.call_method("mul", (g.call_function(torch.arange, (3,)), 2)))))
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), g); order = {n: i for i, n in enumerate(g.nodes)}
+        >>> [(n.name, u.name) for n, u in foldable_reads(groups(constant_nodes(gm), order)[0], gm, order)]
+        [('mul', 'add')]
+    """
+    members = set(group)
+    outside = [(n, u) for n in group for u in n.users if u not in members]
+    writes = [n for n in group if is_inplace(n, gm)]
+    if not outside or len(group) < 2 or any(u.op == "output" for _, u in outside):
+        return None
+    if writes and min(order[u] for _, u in outside) < max(order[w] for w in writes):
+        return None
+    if any(is_inplace(u, gm) or mutated_aliases(u, gm) for _, u in outside):
+        return None
+    return outside
+
+
 def fold_constant_subgraphs(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
     """Compute each group of constant nodes once; the values read from outside become buffers."""
-    constant = _constant_nodes(gm)
+    constant = constant_nodes(gm)
     if not constant:
         return
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for group in _groups(constant, order):
-        members = set(group)
-        outside = [(n, u) for n in group for u in n.users if u not in members]
-        writes = [n for n in group if is_inplace(n, gm)]
-        if not outside or len(group) < 2 or any(u.op == "output" for _, u in outside):
-            continue  # (one constructor costs little; a value returned as it is would be the caller's to change)
-        if writes and min(order[u] for _, u in outside) < max(order[w] for w in writes):
-            continue  # a read from outside before the group's last write: its value there is not the final one
-        if any(is_inplace(u, gm) or mutated_aliases(u, gm) for _, u in outside):
-            continue  # written into from outside: each call must start from a fresh value
+    for group in groups(constant, order):
+        outside = foldable_reads(group, gm, order)
+        if outside is None:
+            continue
         values: dict[Node, Any] = {}
         with torch.no_grad():
             for node in group:  # (in graph order)
@@ -132,7 +166,7 @@ def fold_constant_subgraphs(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
             with gm.graph.inserting_before(node):
                 buffer = gm.graph.get_attr(name)
             buffer.meta.update(node.meta)
-            for user in [u for u in node.users if u not in members]:
+            for user in [u for u in node.users if u not in group]:
                 user.replace_input_with(node, buffer)
         for node in reversed(group):
             if not node.users and node.op != "get_attr":

@@ -5,7 +5,7 @@ and an ``apply(graph_module, ctx)`` method, such as :class:`~fxforge.rewrites.pa
 
 Example:
     >>> [p.name for p in resolve("default")]
-    ['cleanup', 'conv_bn_fold', 'binary_fold', 'conv_activation', 'attention', 'memory_reorder']
+    ['cleanup', 'conv_bn_fold', 'binary_fold', 'conv_activation', 'attention', 'weight_fold', 'memory_reorder']
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from fxforge.rewrites.conv_activation import CONV_ACTIVATION
 from fxforge.rewrites.conv_bn_fold import CONV_BN_FOLD
 from fxforge.rewrites.memory_reorder import MEMORY_REORDER
 from fxforge.rewrites.passes import Pass
+from fxforge.rewrites.weight_subgraphs import WEIGHT_FOLD
 
 # Read top to bottom: the order in which "default" runs them.
 BUILTIN: dict[str, Pass] = {
@@ -28,11 +29,14 @@ BUILTIN: dict[str, Pass] = {
     BINARY_FOLD.name: BINARY_FOLD,
     CONV_ACTIVATION.name: CONV_ACTIVATION,
     ATTENTION.name: ATTENTION,
+    WEIGHT_FOLD.name: WEIGHT_FOLD,
     MEMORY_REORDER.name: MEMORY_REORDER,
 }
 # binary_fold runs after conv_bn_fold (bn(conv(x)) * c folds fully) and folds the BatchNorms its own folds put
 # right after a convolution (bn(conv(x) * c)).
-DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "binary_fold", "conv_activation", "attention", "memory_reorder"]
+# weight_fold runs after attention, which reads masks as constants where the model keeps them.
+DEFAULT: list[str] = ["cleanup", "conv_bn_fold", "binary_fold", "conv_activation", "attention", "weight_fold",
+                      "memory_reorder"]
 
 
 class UnknownRewriteError(ValueError):
@@ -41,7 +45,7 @@ class UnknownRewriteError(ValueError):
     Example:
         >>> print(UnknownRewriteError("nope"))  # doctest: +NORMALIZE_WHITESPACE
         unknown rewrite 'nope'; built-in rewrites: cleanup, conv_bn_fold, binary_fold, conv_activation, attention,
-        memory_reorder
+        weight_fold, memory_reorder
     """
 
     def __init__(self, name: str):

@@ -123,11 +123,16 @@ def test_torch_onnx_dynamo_really_refuses(name, tmp_path):
         torch.onnx.export(model, (x,), str(tmp_path / "d.onnx"), dynamo=True)
 
 
+# weight_fold computes relpos's gathered bias and windows' interpolated mask once, which removes what the dynamo
+# exporter fails on; the fallback is tested on the graph as the model writes it.
+WITHOUT_WEIGHT_FOLD = ["cleanup", "conv_bn_fold", "binary_fold", "conv_activation", "attention", "memory_reorder"]
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_fallback_to_the_torchscript_exporter(name, tmp_path):
     factory, shape, message = REFUSED[name]
     model, x = _model(factory), torch.randn(shape)
-    result = fxforge.export_onnx(model, tmp_path / "m.onnx", (x,), dynamic_batch=True)
+    result = fxforge.export_onnx(model, tmp_path / "m.onnx", (x,), dynamic_batch=True, rewrites=WITHOUT_WEIGHT_FOLD)
     assert result.fallback.startswith("torch.onnx dynamo exporter failed: ") and message in result.fallback
     assert "exported with the TorchScript exporter" in result.fallback
     assert any("TorchScript exporter" in note for note in result.report.notes) and result.fallback in str(result)
@@ -138,6 +143,19 @@ def test_fallback_to_the_torchscript_exporter(name, tmp_path):
         with torch.no_grad():
             check = compare_outputs(model(fresh), run(fresh), rtol_scale=VALIDATION_TOLERANCE_SCALE)
         assert check.ok, check.reason
+
+
+@pytest.mark.parametrize("name", ["relpos", "windows"])
+def test_a_bias_computed_from_weights_alone_is_folded_before_the_exporter_meets_it(name, tmp_path):
+    factory, shape, _ = REFUSED[name]
+    model, x = _model(factory), torch.randn(shape)
+    result = fxforge.export_onnx(model, tmp_path / "m.onnx", (x,), dynamic_batch=True)
+    assert result.fallback is None and any(m.rule == "weight_fold" for m in result.report.matches), str(result)
+    run = OnnxRuntimeModule(result.path)
+    fresh = torch.randn(3, *shape[1:])
+    with torch.no_grad():
+        check = compare_outputs(model(fresh), run(fresh), rtol_scale=VALIDATION_TOLERANCE_SCALE)
+    assert check.ok, check.reason
 
 
 def test_onnxruntime_target_takes_the_fallback_file():
