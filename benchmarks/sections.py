@@ -23,6 +23,7 @@ from benchmarks import (
     onnx_forms,
     optimize_time,
     pipeline,
+    precision,
     timed,
     training,
     zoo,
@@ -46,5 +47,6 @@ SECTIONS: dict[str, Section] = {
         memory_reorder.SECTION,
         breaks.SECTION,
         fusions.SECTION,
+        precision.SECTION,
     )
 }

@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(opt)
     _rewrite_arguments(opt)
     _write_arguments(opt, output_required=False)
+    opt.add_argument("--precision", choices=("float32", "bf16", "fp16"), default="float32",
+                     help="run matrix products and convolutions in this precision where the outputs keep "
+                          "--tolerance and the plan measures faster (with --target native)")
+    opt.add_argument("--tolerance", type=float, default=None, metavar="R",
+                     help="the largest relative error against float32 accepted with --precision (default 0.05)")
     opt.add_argument("--no-bench", action="store_true", help="do not time eager against optimized")
     opt.add_argument("--bench-reps", type=int, default=10, metavar="N", help="timed repetitions of each (default 10)")
     opt.set_defaults(run=run_optimize, parser=opt)
@@ -211,6 +216,31 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def check_precision(args: argparse.Namespace) -> None:
+    """``--precision`` and ``--tolerance`` of ``fxforge optimize``: a reduced precision runs with ``--target native``
+    and is not written to a file yet.
+
+    Raises:
+        argparse.ArgumentTypeError: (a usage error) the combination is not served.
+
+    Example:
+        >>> check_precision(argparse.Namespace(precision="bf16", target="auto", output=None, tolerance=None))
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --precision bf16 runs with --target native (the other targets do not reduce precision yet)
+    """
+    if args.tolerance is not None and not args.tolerance > 0:
+        raise argparse.ArgumentTypeError(f"--tolerance {args.tolerance}: expected a positive relative error")
+    if args.precision == "float32":
+        return
+    if args.target != "native":
+        raise argparse.ArgumentTypeError(f"--precision {args.precision} runs with --target native (the other "
+                                         "targets do not reduce precision yet)")
+    if args.output:
+        raise argparse.ArgumentTypeError(f"--precision {args.precision} plans are not written to files yet; "
+                                         "leave out -o")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
@@ -224,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "input") and not args.input and not getattr(args, "inputs", None):
             raise argparse.ArgumentTypeError("give the model's example inputs: --input SHAPE[:DTYPE] (one per input) "
                                              "or --inputs FILE.py:FACTORY")
+        if args.command == "optimize":
+            check_precision(args)
         if args.command in ("optimize", "export"):
             check_target(args)
             check_dynamic(args)

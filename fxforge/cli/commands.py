@@ -298,6 +298,8 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
     import fxforge
 
     options: dict[str, Any] = {"rewrites": rewrites, "verify": not args.no_verify, "dynamic": False}
+    if getattr(args, "precision", "float32") != "float32":
+        options.update(precision=args.precision, tolerance=args.tolerance)
     if args.output and target.contract.artifact == ".onnx":
         options.update(dynamic_options(args.dynamic, ".onnx", inputs))
     raced = getattr(target, "raced", None)

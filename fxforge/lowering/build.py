@@ -32,6 +32,7 @@ from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.symbolic import ShapeGuard
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.lower import make_plan, plain_plan
+from fxforge.lowering.precision_stage import with_precision
 from fxforge.rewrites import pipeline
 from fxforge.rewrites.registry import resolve
 
@@ -92,12 +93,15 @@ NATIVE = Lowering(_native_lower)
 
 def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallConditions | None = None,
                dynamic: Any = None, *, rewrites: Any = "default", verify: bool = True, method: str = "auto",
-               tuning: TuningPolicy = MEASURE_ALL, lowering: Lowering = NATIVE) -> Plan:
+               tuning: TuningPolicy = MEASURE_ALL, lowering: Lowering = NATIVE, precision: str = "float32",
+               tolerance: Any = None) -> Plan:
     """Capture ``module`` for these inputs, rewrite it for calls made under ``conditions`` (autotune choosing
     kernels and layout), lower it with ``lowering``.
 
     A plan for calls that record gradients, or run under autocast, keeps eager's ops where gradients or
-    autocast need them (no folded parameters, no fused kernels) and runs its rewritten graph as it is. Plans
+    autocast need them (no folded parameters, no fused kernels) and runs its rewritten graph as it is. Other
+    plans run their matrix products and convolutions in ``precision`` (``"bf16"``, ``"fp16"``) where the outputs
+    keep ``tolerance`` and the graph measures faster (:mod:`fxforge.lowering.precision_stage`). Plans
     are built outside inference mode, so that what they compute once (folded and prepacked weights) is an
     ordinary tensor whatever mode the first call was made in.
 
@@ -136,6 +140,7 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
             kept = [p for p in resolve(rewrites) if p.name not in lowering.left_out] if lowering.left_out else rewrites
             rewritten = rewrite(captured, kept, verify=verify, tuning=tuning if lowering.tuned else None,
                                 conditions=conditions)
+            rewritten = with_precision(rewritten, precision, tolerance)
             plan = lowering.lower(rewritten, dynamic is not None and dynamic != "fx")
     if guard is not None and guard.symbols:
         plan.shapes = guard
@@ -151,7 +156,8 @@ def plan_builder(module: nn.Module, **options: Any) -> Callable[..., Plan]:
 
     Args:
         module: the model.
-        options: ``rewrites``, ``verify``, ``method``, ``tuning``, ``lowering`` (see :func:`build_plan`).
+        options: ``rewrites``, ``verify``, ``method``, ``tuning``, ``lowering``, ``precision``, ``tolerance``
+            (see :func:`build_plan`).
 
     Example:
         >>> build = plan_builder(torch.nn.ReLU(), rewrites=[])

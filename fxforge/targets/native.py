@@ -19,10 +19,12 @@ from typing import Any
 from torch import nn
 
 from fxforge.capture import normalize_inputs
+from fxforge.core.accuracy import Tolerance
 from fxforge.exporters.export import dynamic_capture
 from fxforge.exporters.pt2 import NativeExport, save_native
 from fxforge.lowering import build
 from fxforge.lowering.build import Lowering, plan_builder
+from fxforge.lowering.precision_stage import precision_dtype
 from fxforge.runtime.dynamo import DynamoRunner, one_graph_needed
 from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
@@ -31,7 +33,7 @@ from fxforge.targets.base import Contract, Target, model_kind, prepared
 from fxforge.training.module import checkpointed
 
 # What the plan builder takes of a target's options.
-_PLAN_OPTIONS = ("rewrites", "verify", "method", "tuning")
+_PLAN_OPTIONS = ("rewrites", "verify", "method", "tuning", "precision", "tolerance")
 
 
 class NativeTarget(Target):
@@ -42,7 +44,7 @@ class NativeTarget(Target):
     summary = "the rewritten graph run by PyTorch (fused oneDNN/cuDNN kernels chosen by autotune)"
     contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
                         artifact=".pt2")
-    options = ("tuning", "dynamic_shapes", "max_plans")
+    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance")
     lowering: Lowering = build.NATIVE
     compiled_training = False
 
@@ -50,6 +52,9 @@ class NativeTarget(Target):
         policy = ShapePolicy(options.get("dynamic"), options.get("dynamic_shapes"),
                              options.get("max_plans", MAX_PLANS))
         plan_options = {k: options[k] for k in _PLAN_OPTIONS if k in options}
+        if "precision" in plan_options:  # (checked before anything runs)
+            precision_dtype(plan_options["precision"])
+            Tolerance.of(plan_options.get("tolerance"))
         method = plan_options.pop("method", "auto")
         if method != "dynamo":
             plan_options["method"] = method
