@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,8 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cold import rows_in_processes
-from benchmarks.section import Section, csv_list
+from benchmarks.cold_section import cold_section, ratio
 
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-breaks.json"
@@ -231,15 +229,6 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
     return row
 
 
-def run_models(models: list[str], rounds: int, reps: int) -> list[dict]:
-    """Each model in a new process with cold caches (:mod:`benchmarks.cold`)."""
-    return rows_in_processes("benchmarks.breaks", models, rounds, reps)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else ""
-
-
 def markdown(rows: list[dict], command: str) -> str:
     """The block: per model and contender, latency, its ratios, prepare and new-size seconds, max error; then
     dynamo's graphs and fxforge's report figures."""
@@ -263,8 +252,8 @@ def markdown(rows: list[dict], command: str) -> str:
                 lines.append(f"| {row['model']} ({shapes}) | {contender} | failed: {report.md_cell(entry['failed'])}"
                              " | | | | | | |")
                 continue
-            lines.append(f"| {row['model']} ({shapes}) | {contender} | {entry['ms']:.2f} | {_ratio(eager, entry['ms'])} | "
-                         f"{_ratio(compiled, entry['ms'])} | {entry['prepare_s']:.1f} | {entry.get('new_size_s', 0):.2f} | "
+            lines.append(f"| {row['model']} ({shapes}) | {contender} | {entry['ms']:.2f} | {ratio(eager, entry['ms'])} | "
+                         f"{ratio(compiled, entry['ms'])} | {entry['prepare_s']:.1f} | {entry.get('new_size_s', 0):.2f} | "
                          f"{entry['error']:.1e} | {row['load']:.1f} |")
     lines += ["", ("| model | dynamo (explain): graphs, breaks, ops | fxforge: method, graphs, nodes captured, "
                   "FLOPs inside optimized graphs, rewrites | breaks fxforge names |"), "|---|---|---|---|"]
@@ -280,23 +269,9 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``--suite breaks``."""
-    parser.add_argument("--models", type=csv_list, default=list(MODELS), help="comma-separated: " + ",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--reps", type=int, default=10, help="calls per contender per round")
-    report.add_markdown_options(parser, BLOCK)
+SECTION = cold_section("breaks", "models with graph breaks: fxforge (dynamo, graph by graph) against eager and "
+                       "torch.compile: latency, prepare, new size, FLOP share (issue 49)", "benchmarks.breaks", MODELS,
+                       BLOCK, OUT, markdown)
 
-
-def run(args: argparse.Namespace) -> int:
-    """Measure every model, print and write the block."""
-    rows = run_models(args.models, args.rounds, args.reps)
-    report.publish(args, BLOCK, OUT, rows, markdown(rows, args.command))
-    return 0 if all("error" not in row for row in rows) else 1
-
-
-SECTION = Section("breaks", "models with graph breaks: fxforge (dynamo, graph by graph) against eager and "
-                  "torch.compile: latency, prepare, new size, FLOP share (issue 49)", add_arguments, run)
-
-if __name__ == "__main__":  # one model in this process (run_models' child): its row as JSON
+if __name__ == "__main__":  # one model in this process (a cold_section child): its row as JSON
     print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))

@@ -30,10 +30,8 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cold import rows_in_processes
-from benchmarks.section import Section, csv_list
+from benchmarks.cold_section import cold_section, contender_lines, ratio, settled, time_contenders
 
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-fusions.json"
@@ -139,15 +136,11 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
 
     import fxforge
     from benchmarks.contenders import OrtCallable, ort_session, plain_onnx_export
-    from benchmarks.rounds import max_abs_error, time_interleaved
+    from benchmarks.rounds import max_abs_error
 
     make, shape, channels_last = _models()[name]
     torch.manual_seed(0)
-    model = make().train()
-    with torch.no_grad():
-        for _ in range(3):
-            model(torch.randn(*shape))
-    model.eval()
+    model = settled(make(), lambda: (torch.randn(*shape),))
     x = torch.randn(*shape)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -167,40 +160,14 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                     "compile-freezing": lambda: torch.compile(model, options={"freezing": True}),
                     "ort": plain_ort,
                     "fxforge-ort": lambda: fxforge.optimize(model, example, target="onnxruntime")}
-        fns = {}
-        for contender, build in builders.items():
-            start = time.perf_counter()
-            try:
-                fn = build()
-                out = fn(*example)
-            except Exception as error:  # noqa: BLE001 - a contender that fails is a row that says so
-                row["contenders"][contender] = {"failed": f"{type(error).__name__}: {error}"[:300]}
-                continue
-            fns[contender] = fn
-            row["contenders"][contender] = {"prepare_s": time.perf_counter() - start,
-                                            "error": max_abs_error(reference, out)}
-        times, failures = time_interleaved(fns, example, warmup=2, rounds=rounds, reps=reps)
-        for contender in fns:
-            entry = row["contenders"][contender]
-            if contender in failures:
-                entry["failed"] = repr(failures[contender])[:300]
-            else:
-                entry["ms"] = statistics.median(t for r in times[contender] for t in r)
+        fns, row["contenders"] = time_contenders(builders, example, example,
+                                                 lambda out: max_abs_error(reference, out), rounds, reps)
         rep = fns["fxforge"].report if "fxforge" in fns else None
         row["counts"] = rep.counts if rep is not None else {}
         row["misses"] = sorted({f"{m.rule}: {m.reason}" for m in rep.near_misses
                                 if m.rule in ("binary_fold", "conv_activation")})[:4] if rep is not None else []
     row["load"] = os.getloadavg()[0]
     return row
-
-
-def run_models(models: list[str], rounds: int, reps: int) -> list[dict]:
-    """Each model in a new process with cold caches (:mod:`benchmarks.cold`)."""
-    return rows_in_processes("benchmarks.fusions", models, rounds, reps)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else ""
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -213,20 +180,11 @@ def markdown(rows: list[dict], command: str) -> str:
              "", "| model (input) | contender | ms | vs eager | vs freezing | prepare s | max abs err | load |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['model']} | failed: {report.md_cell(row['error'])} | | | | | | |")
-            continue
-        shape = "x".join(map(str, row["shape"])) + (", channels-last" if row["channels_last"] else "")
-        eager, frozen = (row["contenders"].get(c, {}).get("ms") for c in ("eager", "compile-freezing"))
-        for contender in CONTENDERS:
-            entry = row["contenders"].get(contender, {"failed": "not run"})
-            if "failed" in entry:
-                lines.append(f"| {row['model']} ({shape}) | {contender} | failed: {report.md_cell(entry['failed'])} "
-                             "| | | | | |")
-                continue
-            lines.append(f"| {row['model']} ({shape}) | {contender} | {entry['ms']:.2f} | {_ratio(eager, entry['ms'])} "
-                         f"| {_ratio(frozen, entry['ms'])} | {entry['prepare_s']:.1f} | {entry['error']:.1e} | "
-                         f"{row['load']:.1f} |")
+        shape = "x".join(map(str, row.get("shape", ()))) + (", channels-last" if row.get("channels_last") else "")
+        eager, frozen = (row.get("contenders", {}).get(c, {}).get("ms") for c in ("eager", "compile-freezing"))
+        lines += contender_lines(row, f"{row['model']} ({shape})", CONTENDERS, lambda entry, row=row, e=eager, f=frozen: (
+            f"{entry['ms']:.2f} | {ratio(e, entry['ms'])} | {ratio(f, entry['ms'])} | {entry['prepare_s']:.1f} | "
+            f"{entry['error']:.1e} | {row['load']:.1f}"), 6)
     lines += ["", "| model | fxforge's rewrites | fusion refusals |", "|---|---|---|"]
     for row in rows:
         if "error" not in row:
@@ -235,23 +193,9 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``--suite fusions``."""
-    parser.add_argument("--models", type=csv_list, default=list(MODELS), help="comma-separated: " + ",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--reps", type=int, default=10, help="calls per contender per round")
-    report.add_markdown_options(parser, BLOCK)
+SECTION = cold_section("fusions", "conv blocks with binary folding and the new post-ops: fxforge against eager, "
+                       "torch.compile (also with freezing) and ONNX Runtime (issue 50)", "benchmarks.fusions", MODELS,
+                       BLOCK, OUT, markdown)
 
-
-def run(args: argparse.Namespace) -> int:
-    """Measure every model, print and write the block."""
-    rows = run_models(args.models, args.rounds, args.reps)
-    report.publish(args, BLOCK, OUT, rows, markdown(rows, args.command))
-    return 0 if all("error" not in row for row in rows) else 1
-
-
-SECTION = Section("fusions", "conv blocks with binary folding and the new post-ops: fxforge against eager, "
-                  "torch.compile (also with freezing) and ONNX Runtime (issue 50)", add_arguments, run)
-
-if __name__ == "__main__":  # one model in this process (run_models' child): its row as JSON
+if __name__ == "__main__":  # one model in this process (a cold_section child): its row as JSON
     print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))

@@ -17,18 +17,15 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cold import rows_in_processes
-from benchmarks.section import Section, csv_list
+from benchmarks.cold_section import cold_section, contender_lines, ratio, settled, time_contenders
 
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-precision.json"
@@ -82,16 +79,11 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
     import torch
 
     import fxforge
-    from benchmarks.rounds import time_interleaved
     from fxforge.core.accuracy import agreement
 
     make, inputs = _models()[name]
     torch.manual_seed(0)
-    model = make().train()
-    with torch.no_grad():
-        for _ in range(3):
-            model(*inputs())
-    model.eval()
+    model = settled(make(), inputs)
     example, fresh = inputs(), inputs()
     row: dict[str, Any] = {"model": name, "shape": list(example[0].shape), "contenders": {}}
 
@@ -107,26 +99,9 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                     "fxforge-bf16": lambda: fxforge.optimize(model, example, precision="bf16", tolerance=0.05),
                     "autocast-bf16": lambda: autocast(model),
                     "compile-autocast-bf16": lambda: autocast(torch.compile(model))}
-        fns = {}
-        for contender, build in builders.items():
-            start = time.perf_counter()
-            try:
-                fn = build()
-                fn(*example)
-                out = _first(fn(*fresh)).float()
-            except Exception as error:  # noqa: BLE001 - a contender that fails is a row that says so
-                row["contenders"][contender] = {"failed": f"{type(error).__name__}: {error}"[:300]}
-                continue
-            fns[contender] = fn
-            row["contenders"][contender] = {"prepare_s": time.perf_counter() - start,
-                                            "error": agreement([reference], [out]).relative_error}
-        times, failures = time_interleaved(fns, example, warmup=2, rounds=rounds, reps=reps)
-        for contender in fns:
-            entry = row["contenders"][contender]
-            if contender in failures:
-                entry["failed"] = repr(failures[contender])[:300]
-            else:
-                entry["ms"] = statistics.median(t for r in times[contender] for t in r)
+        fns, row["contenders"] = time_contenders(
+            builders, example, fresh, lambda out: agreement([reference], [_first(out).float()]).relative_error,
+            rounds, reps)
         reduced = fns.get("fxforge-bf16")
         rep = reduced.report if reduced is not None else None
         layers = [t for t in rep.tuning if t.rule == "precision" and t.subject != "graph"] if rep else []
@@ -134,15 +109,6 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
         row["note"] = next((n for n in rep.notes if n.startswith("precision")), "") if rep else ""
     row["load"] = os.getloadavg()[0]
     return row
-
-
-def run_models(models: list[str], rounds: int, reps: int) -> list[dict]:
-    """Each model in a new process with cold caches (:mod:`benchmarks.cold`)."""
-    return rows_in_processes("benchmarks.precision", models, rounds, reps)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else ""
 
 
 def markdown(rows: list[dict], command: str) -> str:
@@ -156,20 +122,11 @@ def markdown(rows: list[dict], command: str) -> str:
              "", "| model (input) | contender | ms | vs eager | vs fxforge fp32 | prepare s | rel err | load |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['model']} | failed: {report.md_cell(row['error'])} | | | | | | |")
-            continue
-        shape = "x".join(map(str, row["shape"]))
-        eager, fp32 = (row["contenders"].get(c, {}).get("ms") for c in ("eager", "fxforge"))
-        for contender in CONTENDERS:
-            entry = row["contenders"].get(contender, {"failed": "not run"})
-            if "failed" in entry:
-                lines.append(f"| {row['model']} ({shape}) | {contender} | failed: {report.md_cell(entry['failed'])} "
-                             "| | | | | |")
-                continue
-            lines.append(f"| {row['model']} ({shape}) | {contender} | {entry['ms']:.2f} | {_ratio(eager, entry['ms'])} "
-                         f"| {_ratio(fp32, entry['ms'])} | {entry['prepare_s']:.1f} | {entry['error']:.1e} | "
-                         f"{row['load']:.1f} |")
+        shape = "x".join(map(str, row.get("shape", ())))
+        eager, fp32 = (row.get("contenders", {}).get(c, {}).get("ms") for c in ("eager", "fxforge"))
+        lines += contender_lines(row, f"{row['model']} ({shape})", CONTENDERS, lambda entry, row=row, e=eager, f=fp32: (
+            f"{entry['ms']:.2f} | {ratio(e, entry['ms'])} | {ratio(f, entry['ms'])} | {entry['prepare_s']:.1f} | "
+            f"{entry['error']:.1e} | {row['load']:.1f}"), 6)
     lines += ["", "| model | fxforge layers in bf16 | fxforge's precision note |", "|---|---|---|"]
     for row in rows:
         if "error" not in row:
@@ -177,23 +134,8 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``--suite precision``."""
-    parser.add_argument("--models", type=csv_list, default=list(MODELS), help="comma-separated: " + ",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--reps", type=int, default=10, help="calls per contender per round")
-    report.add_markdown_options(parser, BLOCK)
+SECTION = cold_section("precision", "bfloat16 plans against fxforge float32, eager and torch.compile under "
+                       "autocast (issue 51)", "benchmarks.precision", MODELS, BLOCK, OUT, markdown)
 
-
-def run(args: argparse.Namespace) -> int:
-    """Measure every model, print and write the block."""
-    rows = run_models(args.models, args.rounds, args.reps)
-    report.publish(args, BLOCK, OUT, rows, markdown(rows, args.command))
-    return 0 if all("error" not in row for row in rows) else 1
-
-
-SECTION = Section("precision", "bfloat16 plans against fxforge float32, eager and torch.compile under autocast "
-                  "(issue 51)", add_arguments, run)
-
-if __name__ == "__main__":  # one model in this process (run_models' child): its row as JSON
+if __name__ == "__main__":  # one model in this process (a cold_section child): its row as JSON
     print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
