@@ -66,6 +66,25 @@ def test_calls_that_record_gradients_compute_it_and_get_eagers_gradients():
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def test_a_graph_for_autocast_calls_computes_it_per_call_as_eager_does():
+    """Under autocast the value is eager's own computation in autocast's precision: no float32 copy is folded
+    (verification would catch one by its dtype and roll the pass back; the pass does not try)."""
+    from fxforge.core.plan import CallConditions
+    from fxforge.lowering.build import rewrite
+
+    model = TableBias().eval()
+    x = torch.randn(3, 2, 6, 6)
+    captured = fxforge.capture(model, (x,))
+    under = rewrite(captured, ["weight_fold"], conditions=CallConditions(autocast=(("cpu", torch.bfloat16),)))
+    assert _folds(under.report) == 0 and _folds(rewrite(captured, ["weight_fold"]).report) == 1
+    assert not under.report.rolled_back, under.report.rolled_back  # refused, not folded in float32 and rolled back
+    opt = fxforge.optimize(model, (x,))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, want = opt(x), model(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 class Left(nn.Module):
     """What stays per call: views of a weight alone, and a weight the forward writes into."""
 
