@@ -102,8 +102,8 @@ def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captu
     report.tuning.append(Tuning("precision", "graph", precision if faster else "float32", timings,
                                 "" if faster else "not faster than float32 on the example inputs"))
     if not faster:
-        report.notes.append(f"precision {precision}: float32 kept: {summary}, but {timings[precision]:.3g} ms "
-                            f"against float32's {timings['float32']:.3g} ms")
+        report.notes.append(f"precision {precision}: float32 kept: not faster ({timings[precision]:.3g} ms against "
+                            f"float32's {timings['float32']:.3g} ms) with {summary}")
         return rewritten
     report.notes.append(f"precision {precision}: {summary}; {timings[precision]:.3g} ms against float32's "
                         f"{timings['float32']:.3g} ms")
