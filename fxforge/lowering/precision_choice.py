@@ -118,7 +118,8 @@ def choose_layers(gm: torch.fx.GraphModule, inputs: Sequence[tuple], dtype: torc
         return PrecisionChoice(names, [LayerPrecision(n, node_source(nodes[n]), kind) for n in names], every)
     alone = {n: agreement(reference, _run(gm, inputs, {n}, dtype)) for n in names}
     order = sorted(names, key=lambda n: _key(alone[n]))
-    low, high, found = 0, len(order) - 1, {}  # the largest prefix of ``order`` that keeps the tolerance
+    # The largest prefix of ``order`` that keeps the tolerance; the whole of it broke it above, so it is not run again.
+    low, high, found = 0, len(order) - 2, {}
     while low <= high:
         middle = (low + high) // 2
         trial = agreement(reference, _run(gm, inputs, set(order[:middle + 1]), dtype))
