@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ class Agreement:
     relative_error: float
     cosine: float
     top1: float | None = None
+    metric: float | None = None
 
     def describe(self) -> str:
         """One line.
@@ -48,35 +49,58 @@ class Agreement:
             'relative error 0.0123, cosine 0.99991, top-1 agreement 100.0%'
         """
         top1 = f", top-1 agreement {self.top1:.1%}" if self.top1 is not None else ""
-        return f"relative error {self.relative_error:.3g}, cosine {self.cosine:.5f}{top1}"
+        metric = f", the user's metric {self.metric:.4g}" if self.metric is not None else ""
+        return f"relative error {self.relative_error:.3g}, cosine {self.cosine:.5f}{top1}{metric}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """What a reduced-precision result must keep: a relative error at most, a cosine at least, and for class
-    scores a top-1 agreement at least (the issue's 99 % by default).
+    """What a reduced-precision result must keep: a relative error at most, a cosine at least, for class scores a
+    top-1 agreement at least (99 % by default; None: not held), and where the user gives one, their own
+    ``metric`` at least ``metric_at_least``. ``metric(reference, candidate)`` gets one call's outputs (float32's
+    and the candidate's, as the graph returns them) and returns a number, higher is better; the worst over the
+    calls is held. Give a metric and ``top1=None`` where a 2-d output is features rather than class scores.
 
     Example:
         >>> Tolerance.of(0.01)
-        Tolerance(relative_error=0.01, cosine=0.999, top1=0.99)
+        Tolerance(relative_error=0.01, cosine=0.999, top1=0.99, metric=None, metric_at_least=0.0)
+        >>> Tolerance.of({"relative_error": 0.1, "top1": None}).top1 is None
+        True
     """
 
     relative_error: float = 0.05
     cosine: float = 0.999
-    top1: float = 0.99
+    top1: float | None = 0.99
+    metric: Callable[[Any, Any], float] | None = None
+    metric_at_least: float = 0.0
 
     @classmethod
     def of(cls, tolerance: Any) -> Tolerance:
-        """A :class:`Tolerance` from what a caller passes: None (the defaults), a number (the relative error), or
-        a Tolerance."""
+        """A :class:`Tolerance` from what a caller passes: None (the defaults), a number (the relative error), a
+        dict of the fields, or a Tolerance."""
         if tolerance is None:
             return cls()
         if isinstance(tolerance, Tolerance):
             return tolerance
+        if isinstance(tolerance, dict) and set(tolerance) <= {f.name for f in dataclasses.fields(cls)}:
+            return cls(**tolerance)
         if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and tolerance > 0:
             return cls(relative_error=float(tolerance))
         raise ValueError(f"tolerance={tolerance!r}: expected a positive number (the largest relative error "
-                         "accepted), a fxforge Tolerance, or None")
+                         "accepted), a dict of relative_error, cosine, top1, metric, metric_at_least, a fxforge "
+                         "Tolerance, or None")
+
+    def describe(self) -> str:
+        """One line.
+
+        Example:
+            >>> Tolerance().describe()
+            'relative error 0.05, cosine 0.999, top-1 99%'
+        """
+        parts = [f"relative error {self.relative_error:.3g}", f"cosine {self.cosine}"]
+        parts += [f"top-1 {self.top1:.0%}"] if self.top1 is not None else []
+        parts += [f"the user's metric at least {self.metric_at_least}"] if self.metric is not None else []
+        return ", ".join(parts)
 
     def refusal(self, found: Agreement) -> str | None:
         """Why ``found`` breaks the tolerance, or None."""
@@ -84,8 +108,10 @@ class Tolerance:
             return f"relative error {found.relative_error:.3g} above the tolerance {self.relative_error:.3g}"
         if not found.cosine >= self.cosine:
             return f"cosine {found.cosine:.5f} below {self.cosine}"
-        if found.top1 is not None and found.top1 < self.top1:
+        if self.top1 is not None and found.top1 is not None and found.top1 < self.top1:
             return f"top-1 agreement {found.top1:.1%} below {self.top1:.0%}"
+        if self.metric is not None and not (found.metric is not None and found.metric >= self.metric_at_least):
+            return f"the user's metric {found.metric} below {self.metric_at_least}"
         return None
 
 
@@ -112,13 +138,26 @@ def _measures(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, 
     return relative, cosine, top1
 
 
-def agreement(references: Sequence[Any], candidates: Sequence[Any]) -> Agreement:
-    """The worst agreement over pairs of outputs (each a tensor or a pytree of them, of one call each).
+def agreement(references: Sequence[Any], candidates: Sequence[Any],
+              metric: Callable[[Any, Any], float] | None = None) -> Agreement:
+    """The worst agreement over pairs of outputs (each a tensor or a pytree of them, of one call each), with the
+    worst of ``metric`` over the pairs where one is given.
 
     Example:
         >>> agreement([torch.ones(3)], [torch.ones(3)])
-        Agreement(relative_error=0.0, cosine=1.0, top1=None)
+        Agreement(relative_error=0.0, cosine=1.0, top1=None, metric=None)
+        >>> agreement([torch.ones(3)], [torch.ones(3) * 2], lambda r, c: -float((r - c).abs().sum())).metric
+        -3.0
     """
+    found = _worst(references, candidates)
+    if metric is None:
+        return found
+    scores = [float(metric(r, c)) for r, c in zip(references, candidates, strict=True)]
+    worst = math.nan if any(math.isnan(x) for x in scores) else min(scores, default=math.inf)
+    return dataclasses.replace(found, metric=worst)
+
+
+def _worst(references: Sequence[Any], candidates: Sequence[Any]) -> Agreement:
     worst_error, worst_cosine, worst_top1 = 0.0, 1.0, None
     for reference, candidate in zip(references, candidates, strict=True):
         for r, c in zip(pytree.tree_leaves(reference), pytree.tree_leaves(candidate), strict=True):

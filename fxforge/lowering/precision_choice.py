@@ -17,8 +17,8 @@ Example:
     >>> choice.reduced, choice.refusal
     (['_0', '_2'], None)
     >>> tight = choose_layers(gm, [(torch.randn(8, 16),)], torch.bfloat16, Tolerance(relative_error=1e-6))
-    >>> tight.reduced, tight.refusal
-    ([], 'no layer keeps the tolerance in bfloat16 (relative error 1e-06)')
+    >>> tight.reduced, tight.refusal.split(": ")[0]
+    ([], 'no layer keeps the tolerance in bfloat16 (the least sensitive alone')
 """
 
 from __future__ import annotations
@@ -104,25 +104,49 @@ def _key(found: Agreement) -> float:
     return math.inf if math.isnan(found.relative_error) else found.relative_error
 
 
-def choose_layers(gm: torch.fx.GraphModule, inputs: Sequence[tuple], dtype: torch.dtype,
+class FloatReduction:
+    """Layers cast to a reduced floating-point ``dtype`` (the trials cast around them in an interpreter).
+
+    Example:
+        >>> FloatReduction(torch.bfloat16).kind
+        'bfloat16'
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.kind = dtype, str(dtype).removeprefix("torch.")
+
+    def layers(self, gm: torch.fx.GraphModule) -> list[Node]:
+        """The layers that can be reduced."""
+        return reducible(gm)
+
+    def run(self, gm: torch.fx.GraphModule, inputs: Sequence[tuple], names: set[str]) -> list:
+        """``gm``'s outputs on ``inputs`` with the named layers reduced."""
+        return _run(gm, inputs, names, self.dtype)
+
+
+def choose_layers(gm: torch.fx.GraphModule, inputs: Sequence[tuple], reduction: Any,
                   tolerance: Tolerance) -> PrecisionChoice:
-    """The layers of ``gm`` to run in ``dtype`` so that its outputs on ``inputs`` (calls, each a tuple of
-    arguments) keep ``tolerance`` against float32 (see the module docstring)."""
-    names = [n.name for n in reducible(gm)]
+    """The layers of ``gm`` to run reduced so that its outputs on ``inputs`` (calls, each a tuple of arguments)
+    keep ``tolerance`` against float32 (see the module docstring). ``reduction``: a reduced floating-point dtype,
+    or an object with ``kind``, ``layers(gm)`` and ``run(gm, inputs, names)`` as :class:`FloatReduction` has
+    (int8: :class:`~fxforge.lowering.int8.Int8Reduction`)."""
+    if isinstance(reduction, torch.dtype):
+        reduction = FloatReduction(reduction)
+    names = [n.name for n in reduction.layers(gm)]
     nodes = {n.name: n for n in gm.graph.nodes}
     with torch.no_grad():
         reference = [gm(*args) for args in inputs]
-    kind = str(dtype).removeprefix("torch.")
-    every = agreement(reference, _run(gm, inputs, set(names), dtype))
+    kind = reduction.kind
+    every = agreement(reference, reduction.run(gm, inputs, set(names)), tolerance.metric)
     if names and tolerance.refusal(every) is None:
         return PrecisionChoice(names, [LayerPrecision(n, node_source(nodes[n]), kind) for n in names], every)
-    alone = {n: agreement(reference, _run(gm, inputs, {n}, dtype)) for n in names}
+    alone = {n: agreement(reference, reduction.run(gm, inputs, {n}), tolerance.metric) for n in names}
     order = sorted(names, key=lambda n: _key(alone[n]))
     # The largest prefix of ``order`` that keeps the tolerance; the whole of it broke it above, so it is not run again.
     low, high, found = 0, len(order) - 2, {}
     while low <= high:
         middle = (low + high) // 2
-        trial = agreement(reference, _run(gm, inputs, set(order[:middle + 1]), dtype))
+        trial = agreement(reference, reduction.run(gm, inputs, set(order[:middle + 1])), tolerance.metric)
         if tolerance.refusal(trial) is None:
             found[middle + 1] = trial
             low = middle + 1
@@ -139,7 +163,8 @@ def choose_layers(gm: torch.fx.GraphModule, inputs: Sequence[tuple], dtype: torc
             layers.append(LayerPrecision(n, node_source(nodes[n]), "float32", alone[n], f"kept in float32: {why}"))
     reduced = [n for n in names if n in chosen]
     if not reduced:
-        refusal = (f"no layer keeps the tolerance in {kind} (relative error {tolerance.relative_error:.3g})"
-                   if names else "no matrix product or convolution computes in float32")
+        refusal = (f"no layer keeps the tolerance in {kind} (the least sensitive alone: "
+                   f"{tolerance.refusal(alone[order[0]])})" if names
+                   else "no matrix product or convolution computes in float32")
         return PrecisionChoice([], layers, Agreement(0.0, 1.0, None), refusal)
     return PrecisionChoice(reduced, layers, found[count])

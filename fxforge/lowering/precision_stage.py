@@ -1,5 +1,5 @@
-"""The precision stage of a plan: a rewritten graph's matrix products and convolutions in bfloat16 or float16
-where the outputs keep the tolerance and the graph runs faster, else float32 with the reason.
+"""The precision stage of a plan: a rewritten graph's matrix products and convolutions in bfloat16, float16 or
+int8 where the outputs keep the tolerance and the graph runs faster, else float32 with the reason.
 
 Between the rewrites and lowering, for calls that record no gradients: the layers are chosen on calibration
 calls (the example inputs and two random draws of their statistics, :func:`~fxforge.core.verify.random_like`)
@@ -8,6 +8,12 @@ model's tensors, the reduced weights folded from them) is then timed against the
 inputs, both lowered, and kept only where it is faster. The report gets one line per layer (its precision, its
 agreement reduced alone where measured, the reason where it stays in float32) and a note with the outputs'
 agreement and both timings.
+
+Int8 (:mod:`fxforge.lowering.int8`): linear layers quantize their inputs per token at call time; convolutions
+quantize theirs with the range observed on the calibration calls, and the agreement is measured on one call
+more that the observers did not see. ``"auto"`` builds each precision the inputs' device has fast kernels for
+(bf16 and int8 on CPU, bf16 and fp16 on CUDA) and races them against float32 in one timing: the fastest that
+keeps the tolerance and beats float32 is kept.
 
 Example:
     >>> _ = torch.manual_seed(0)
@@ -26,35 +32,38 @@ import inspect
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fxforge.core.accuracy import Tolerance
 from fxforge.core.captured import Captured
 from fxforge.core.report import Tuning
 from fxforge.core.verify import random_like
+from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantized_copy
 from fxforge.lowering.lower import lower
 from fxforge.lowering.precision import reduce_layers
 from fxforge.lowering.precision_choice import choose_layers
 from fxforge.lowering.timing import DECISIVE, time_interleaved
 
 PRECISIONS = {"float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-              "float16": torch.float16}
+              "float16": torch.float16, "int8": "int8", "auto": "auto"}
 CALIBRATION_DRAWS = 2  # random calls besides the example
 TIMING_BUDGET_S = 1.0
 
 
-def precision_dtype(precision: str) -> torch.dtype | None:
-    """The dtype ``precision`` names (None: float32, nothing reduced).
+def precision_dtype(precision: str) -> torch.dtype | str | None:
+    """What ``precision`` names: a reduced floating-point dtype, ``"int8"``, ``"auto"`` (the fastest of those that
+    keep the tolerance), or None (float32, nothing reduced).
 
     Raises:
         ValueError: a name fxforge does not reduce to.
 
     Example:
-        >>> precision_dtype("bf16"), precision_dtype("float32")
-        (torch.bfloat16, None)
+        >>> precision_dtype("bf16"), precision_dtype("int8"), precision_dtype("float32")
+        (torch.bfloat16, 'int8', None)
         >>> precision_dtype("int4")
         Traceback (most recent call last):
         ...
-        ValueError: precision='int4': expected one of float32, bf16, bfloat16, fp16, float16
+        ValueError: precision='int4': expected one of float32, bf16, bfloat16, fp16, float16, int8, auto
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -67,44 +76,83 @@ def _positional(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
     return tuple(bound.arguments.values())
 
 
-def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captured:
-    """``rewritten`` with its layers in ``precision`` where they keep ``tolerance`` (see :class:`Tolerance`) and
-    the graph runs faster; otherwise ``rewritten`` itself, the reason in its report's notes."""
-    dtype = precision_dtype(precision)
-    if dtype is None:
-        return rewritten
-    tolerance = Tolerance.of(tolerance)
-    gm, report = rewritten.graph_module, rewritten.report
-    example = _positional(gm, rewritten.example_args, rewritten.example_kwargs)
-    calls = [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
-    choice = choose_layers(gm, calls, dtype, tolerance)
+def _raced(precision: str, example: tuple) -> list[str]:
+    """The precisions ``precision`` tries: itself, or for ``"auto"`` those with fast kernels on the inputs' device
+    (bf16 and int8 on CPU; bf16 and fp16 on CUDA)."""
+    if precision != "auto":
+        return [precision]
+    devices = {t.device.type for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)}
+    return ["bf16", "fp16"] if "cuda" in devices else ["bf16", "int8"]
+
+
+def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance: Tolerance, report: Any
+               ) -> tuple[torch.fx.GraphModule | None, str]:
+    """The graph with its layers in ``precision`` where they keep ``tolerance`` on ``calls`` (None: no layer
+    does), and the one-line summary of the choice; each layer's line goes to ``report``."""
+    kind = precision_dtype(precision)
+    if kind == "int8":
+        # Static convolution inputs: observed on the calibration calls; the agreement is measured on those and one
+        # call more that the observers did not see.
+        ranges = observe_inputs(gm, calls, [n.name for n in int8_layers(gm)])
+        calls = calls + [random_like(calls[0], CALIBRATION_DRAWS + 1)]
+        choice = choose_layers(gm, calls, Int8Reduction(ranges), tolerance)
+    else:
+        choice = choose_layers(gm, calls, kind, tolerance)
     for layer in choice.layers:
         where = f" ({layer.source})" if layer.source else ""
         measured = f"reduced alone: {layer.alone.describe()}" if layer.alone is not None else ""
         note = "; ".join(x for x in (layer.reason, measured) if x)
         report.tuning.append(Tuning("precision", f"{layer.name}{where}", layer.dtype, note=note, kind="accuracy"))
     if not choice.reduced:
-        report.notes.append(f"precision {precision}: float32 kept: {choice.refusal}")
+        return None, choice.refusal or ""
+    if kind == "int8":
+        reduced = quantized_copy(gm, set(choice.reduced), ranges)
+    else:
+        reduced = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (the model's tensors, shared)
+        reduced.meta.update(gm.meta)
+        reduced.meta["fxforge_folds"] = dict(gm.meta.get("fxforge_folds", {}))
+        chosen = set(choice.reduced)
+        reduce_layers(reduced, [n for n in reduced.graph.nodes if n.name in chosen], kind)
+    summary = (f"{len(choice.reduced)} of {len(choice.layers)} layers in {precision}; outputs against float32 on "
+               f"{len(calls)} calls: {choice.agreement.describe()} (tolerance: {tolerance.describe()})")
+    return reduced, summary
+
+
+def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captured:
+    """``rewritten`` with its layers in ``precision`` where they keep ``tolerance`` (see :class:`Tolerance`) and
+    the graph runs faster (``"auto"``: the fastest of the precisions raced); otherwise ``rewritten`` itself, the
+    reason in its report's notes."""
+    if precision_dtype(precision) is None:
         return rewritten
-    reduced = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (the model's tensors, shared)
-    reduced.meta.update(gm.meta)
-    reduced.meta["fxforge_folds"] = dict(gm.meta.get("fxforge_folds", {}))
-    chosen = set(choice.reduced)
-    reduce_layers(reduced, [n for n in reduced.graph.nodes if n.name in chosen], dtype)
-    runs = {"float32": lower(gm), precision: lower(reduced)}
+    tolerance = Tolerance.of(tolerance)
+    gm, report = rewritten.graph_module, rewritten.report
+    example = _positional(gm, rewritten.example_args, rewritten.example_kwargs)
+    calls = [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
+    candidates, summaries = {}, {}
+    for name in _raced(precision, example):
+        reduced, summaries[name] = _candidate(gm, name, calls, tolerance, report)
+        if reduced is None:
+            report.notes.append(f"precision {name}: float32 kept: {summaries[name]}")
+        else:
+            candidates[name] = reduced
+    if not candidates:
+        return rewritten
+    runs = {"float32": lower(gm), **{name: lower(reduced) for name, reduced in candidates.items()}}
     with torch.no_grad():
         timings = time_interleaved({name: (lambda run=run: run(*example)) for name, run in runs.items()},
                                    TIMING_BUDGET_S, decisive=DECISIVE)
-    summary = (f"{len(choice.reduced)} of {len(choice.layers)} layers in {precision}; outputs against float32 on "
-               f"{len(calls)} calls: {choice.agreement.describe()} (tolerance: relative error "
-               f"{tolerance.relative_error:.3g}, cosine {tolerance.cosine}, top-1 {tolerance.top1:.0%})")
-    faster = timings[precision] < timings["float32"] * (1 - DECISIVE)
-    report.tuning.append(Tuning("precision", "graph", precision if faster else "float32", timings,
+    best = min(candidates, key=timings.__getitem__)
+    faster = timings[best] < timings["float32"] * (1 - DECISIVE)
+    report.tuning.append(Tuning("precision", "graph", best if faster else "float32", timings,
                                 "" if faster else "not faster than float32 on the example inputs"))
+    for name in candidates:
+        against = f"{timings[name]:.3g} ms against float32's {timings['float32']:.3g} ms"
+        if name == best and faster:
+            report.notes.append(f"precision {name}: {summaries[name]}; {against}")
+        elif timings[name] < timings["float32"] * (1 - DECISIVE):
+            report.notes.append(f"precision {name}: not kept: slower than {best} ({against}) with {summaries[name]}")
+        else:
+            report.notes.append(f"precision {name}: float32 kept: not faster ({against}) with {summaries[name]}")
     if not faster:
-        report.notes.append(f"precision {precision}: float32 kept: not faster ({timings[precision]:.3g} ms against "
-                            f"float32's {timings['float32']:.3g} ms) with {summary}")
         return rewritten
-    report.notes.append(f"precision {precision}: {summary}; {timings[precision]:.3g} ms against float32's "
-                        f"{timings['float32']:.3g} ms")
-    return dataclasses.replace(rewritten, graph_module=reduced, lowered_run=None)
+    return dataclasses.replace(rewritten, graph_module=candidates[best], lowered_run=None)

@@ -193,8 +193,8 @@ def test_no_layer_within_a_tiny_tolerance_keeps_float32_with_the_reason():
 
 def test_bad_precision_options_are_refused_before_anything_runs():
     model, x = _model("tokens")
-    with pytest.raises(ValueError, match=r"precision='int8': expected one of float32, bf16"):
-        fxforge.optimize(model, (x,), precision="int8")
+    with pytest.raises(ValueError, match=r"precision='int4': expected one of float32, bf16"):
+        fxforge.optimize(model, (x,), precision="int4")
     with pytest.raises(ValueError, match="tolerance=-1: expected a positive number"):
         fxforge.optimize(model, (x,), precision="bf16", tolerance=-1)
     with pytest.raises(TypeError, match="target 'inductor' does not take precision"):

@@ -1,0 +1,170 @@
+"""Int8 linear layers and convolutions as ``torch.library`` ops: weights per output channel, activations per token
+(linear, dynamic) or per tensor (convolution, static: calibrated), accumulated in int32, the result in float32.
+
+- ``fxforge::int8_linear(input, weight_q, weight_scale, bias)``: each row of ``input`` (a token) is scaled
+  by its own largest magnitude into int8 at call time, multiplied with the int8 weight by ``torch._int_mm``
+  (VNNI on CPU), and the int32 sums scaled back by the row's and the output channel's scales, plus the bias.
+- ``fxforge::int8_conv(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
+  input_zero_point, activation)``: ``input`` is quantized to uint8 with the scale and zero point calibrated
+  for it, and oneDNN's int8 convolution (``onednn::qconv2d_pointwise``, weights prepacked once per weight and
+  version) writes float32 with the dequantization, the bias and a ReLU fused.
+
+Quantized weights are symmetric int8 per output channel (:func:`weight_scale`, :func:`weight_int8`); the
+plan folds them from the live float weights, so a changed weight is quantized again. A call whose input holds
+NaN or an infinity runs the float32 layer on the dequantized weights (int8 has no such values; eager's answer
+is NaN there), as does a convolution whose input reaches far beyond its calibrated range (clamping it would
+change the answer by more than rounding does) and a call where the kernels cannot run (not on CPU).
+
+Example:
+    >>> _ = torch.manual_seed(0)
+    >>> x, w, b = torch.randn(4, 64), torch.randn(32, 64), torch.randn(32)
+    >>> y = torch.ops.fxforge.int8_linear(x, weight_int8(w), weight_scale(w), b)
+    >>> ((y - F.linear(x, w, b)).abs().max() / F.linear(x, w, b).abs().max()).item() < 0.02
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from fxforge.core.tensor_cache import TensorCache
+from fxforge.lowering.kernels import packing_key
+
+QMAX = 127
+# How far beyond its calibrated range a convolution's input may reach (as a share of the range's width) and still
+# be clamped into it; an input reaching further runs the float32 convolution for that call.
+SATURATION_MARGIN = 0.1
+# oneDNN-prepacked int8 convolution weights, per int8 weight, its version and the call's configuration.
+PACKED_INT8 = TensorCache()
+
+
+def weight_scale(weight: Tensor) -> Tensor:
+    """The symmetric int8 scale of each output channel of ``weight`` (float32; a channel of zeros gets 1).
+
+    Example:
+        >>> weight_scale(torch.tensor([[1.0, -2.54], [0.0, 0.0]])).tolist()
+        [0.019999999552965164, 1.0]
+    """
+    largest = weight.detach().abs().flatten(1).amax(1)
+    return torch.where(largest > 0, largest / QMAX, torch.ones_like(largest)).float()
+
+
+def weight_int8(weight: Tensor) -> Tensor:
+    """``weight`` rounded to int8 in its channels' :func:`weight_scale`.
+
+    Example:
+        >>> weight_int8(torch.tensor([[1.0, -2.54], [0.0, 0.0]])).tolist()
+        [[50, -127], [0, 0]]
+    """
+    scale = weight_scale(weight).to(weight.dtype).view(-1, *([1] * (weight.dim() - 1)))
+    return torch.round(weight.detach() / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
+def input_qparams(low: float, high: float) -> tuple[float, int]:
+    """The uint8 scale and zero point that cover ``[low, high]`` (widened to hold 0, so that zero padding is exact).
+
+    Example:
+        >>> scale, zero = input_qparams(0.0, 5.1)
+        >>> round(scale, 6), zero
+        (0.02, 0)
+        >>> input_qparams(-1.0, 1.0)[1]
+        128
+    """
+    low, high = min(float(low), 0.0), max(float(high), 0.0)
+    scale = (high - low) / 255 if high > low else 1.0
+    return scale, int(min(255, max(0, round(-low / scale))))
+
+
+def _dequantized(weight_q: Tensor, scale: Tensor) -> Tensor:
+    return weight_q.float() * scale.view(-1, *([1] * (weight_q.dim() - 1)))
+
+
+def _finite(x: Tensor) -> bool:
+    return bool(torch.isfinite(x.sum()))  # (one pass; a sum that overflows reads as not finite: float32 then)
+
+
+def _within(x: Tensor, scale: float, zero_point: int) -> bool:
+    """Whether ``x`` lies within the calibrated range widened by :data:`SATURATION_MARGIN` of its width (NaN
+    does not)."""
+    low, high = torch.aminmax(x)
+    width = 255 * scale
+    return bool(low >= -zero_point * scale - SATURATION_MARGIN * width) and \
+        bool(high <= (255 - zero_point) * scale + SATURATION_MARGIN * width)
+
+
+@torch.library.custom_op("fxforge::int8_linear", mutates_args=())
+def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear(input, weight, bias)`` with ``input`` quantized per row at call time and ``weight_q`` an int8
+    weight in ``weight_scale`` per output channel (see the module docstring).
+
+    Example:
+        >>> w = torch.tensor([[1.0, 2.0]])
+        >>> torch.ops.fxforge.int8_linear(torch.tensor([[2.0, 1.0]]), weight_int8(w), weight_scale(w), None)
+        tensor([[4.]])
+    """
+    rows = input.reshape(-1, input.shape[-1])
+    largest = torch.linalg.vector_norm(rows, float("inf"), -1, True) if rows.numel() else rows.new_zeros(0, 1)
+    if input.device.type != "cpu" or rows.shape[0] == 0 or not _finite(largest):
+        return F.linear(input, _dequantized(weight_q, weight_scale), bias)
+    scale = largest.clamp_min_(torch.finfo(torch.float32).tiny) / QMAX
+    rows_q = torch.round(rows / scale).to(torch.int8)
+    product = torch._int_mm(rows_q, weight_q.t())
+    out = torch.mul(product, scale).mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.view(*input.shape[:-1], weight_q.shape[0])
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(input, weight_q, weight_scale, bias):
+    return input.new_empty((*input.shape[:-1], weight_q.shape[0]))
+
+
+@torch.library.custom_op("fxforge::int8_conv", mutates_args=())
+def int8_conv(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, stride: Sequence[int],
+              padding: Sequence[int], dilation: Sequence[int], groups: int, input_scale: float,
+              input_zero_point: int, activation: str) -> Tensor:
+    """A 2d convolution (then ``activation``, ``"none"`` or ``"relu"``) of ``input`` quantized with the static
+    ``input_scale`` and ``input_zero_point`` and an int8 weight in ``weight_scale`` per output channel. The
+    output keeps the input's memory format.
+
+    Example:
+        >>> x, w = torch.rand(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+        >>> scale, zero = input_qparams(0.0, 1.0)
+        >>> y = torch.ops.fxforge.int8_conv(x, weight_int8(w), weight_scale(w), None, [1, 1], [1, 1], [1, 1], 1,
+        ...                                 scale, zero, "relu")
+        >>> y.shape, bool((y - F.relu(F.conv2d(x, w, padding=1))).abs().max() < 0.1)
+        (torch.Size([1, 3, 5, 5]), True)
+    """
+    if input.device.type != "cpu" or input.dim() != 4 or input.numel() == 0 or \
+            not _within(input, input_scale, input_zero_point):
+        out = F.conv2d(input, _dequantized(weight_q, weight_scale), bias, stride, padding, dilation, groups)
+        return F.relu(out) if activation == "relu" else out
+    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
+    config = (tuple(stride), tuple(padding), tuple(dilation), groups, float(input_scale), int(input_zero_point))
+    packed = PACKED_INT8.get(weight_q, (*packing_key(weight_q), *packing_key(weight_scale), *config),
+                             lambda: torch.ops.onednn.qconv_prepack(weight_q, weight_scale, input_scale,
+                                                                    input_zero_point, stride, padding, dilation,
+                                                                    groups, None))
+    quantized = torch.round(torch.add(input_zero_point, input, alpha=1 / input_scale)).clamp_(0, 255).to(torch.uint8)
+    zeros = torch.zeros(weight_q.shape[0], dtype=torch.int64)
+    out = torch.ops.onednn.qconv2d_pointwise(quantized, input_scale, input_zero_point, packed, weight_scale, zeros,
+                                             bias, stride, padding, dilation, groups, 1.0, 0, torch.float32,
+                                             activation, [], "")
+    if not channels_last and not out.is_contiguous():
+        out = out.contiguous()
+    return out
+
+
+@int8_conv.register_fake
+def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
+                    input_zero_point, activation):
+    sizes = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+             for size, k, s, p, d in zip(input.shape[2:], weight_q.shape[2:], stride, padding, dilation)]
+    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
+    return torch.empty((input.shape[0], weight_q.shape[0], *sizes), dtype=input.dtype, device=input.device,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)

@@ -1,0 +1,221 @@
+"""Int8 plans: the int8 ops against float32, the graph rewrite on users' models (module, functional and exported
+captures), weights that change, inputs beyond the calibration, and ``precision="int8"``/``"auto"`` end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxforge
+from fxforge.core.accuracy import Tolerance, agreement
+from fxforge.lowering import precision_stage
+from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantize_layers
+from fxforge.lowering.int8_ops import input_qparams, weight_int8, weight_scale
+from fxforge.lowering.lower import derived_values
+from fxforge.lowering.precision_choice import choose_layers
+from tests.lowering.test_precision import MODELS, _model
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return agreement([want], [got]).relative_error
+
+
+def _int8_linear(x, w, b=None):
+    return torch.ops.fxforge.int8_linear(x, weight_int8(w), weight_scale(w), b)
+
+
+def _int8_conv(x, w, b, low, high, stride=1, padding=1, dilation=1, groups=1, activation="none"):
+    pair = lambda v: [v, v]
+    return torch.ops.fxforge.int8_conv(x, weight_int8(w), weight_scale(w), b, pair(stride), pair(padding),
+                                       pair(dilation), groups, *input_qparams(low, high), activation)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (1, 96), (2, 5, 96), (3, 1, 1, 96)])
+def test_int8_linear_is_close_to_float32_for_every_batch_shape(shape):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(shape), torch.randn(48, 96), torch.randn(48)
+    y = _int8_linear(x, w, b)
+    assert y.shape == (*shape[:-1], 48) and y.dtype == torch.float32
+    assert 0 < _relative(y, F.linear(x, w, b)) < 0.02
+
+
+def test_int8_linear_rows_of_zeros_and_of_special_values_answer_as_eager():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
+    x[1] = 0
+    torch.testing.assert_close(_int8_linear(x, w, b)[1], b)  # (a row of zeros: exactly the bias)
+    x[2, 3] = float("nan")
+    got, want = _int8_linear(x, w, b), F.linear(x, w, b)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    x[2, 3] = float("inf")  # (where a weight rounds to 0, inf * 0 is NaN where eager has inf: finite where eager is)
+    got, want = _int8_linear(x, w, b), F.linear(x, w, b)
+    assert torch.equal(got.isfinite(), want.isfinite()) and not got.isfinite().all()
+
+
+@pytest.mark.parametrize("groups, stride, dilation", [(1, 1, 1), (4, 2, 1), (16, 1, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_int8_conv_is_close_to_float32_and_keeps_the_input_layout(groups, stride, dilation, channels_last):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 16, 12, 12), torch.randn(32, 16 // groups, 3, 3), torch.randn(32)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    for activation in ("none", "relu"):
+        y = _int8_conv(x, w, b, float(x.min()), float(x.max()), stride, dilation, dilation, groups, activation)
+        want = F.conv2d(x, w, b, stride, dilation, dilation, groups)
+        want = F.relu(want) if activation == "relu" else want
+        assert y.shape == want.shape and 0 < _relative(y, want) < 0.03
+        assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def test_int8_conv_inputs_beyond_the_calibration_or_not_finite_run_in_float32():
+    torch.manual_seed(0)
+    x, w = torch.rand(1, 4, 6, 6), torch.randn(4, 4, 3, 3)
+    low, high = 0.0, 1.0
+    assert _relative(_int8_conv(x * 1.05, w, None, low, high), F.conv2d(x * 1.05, w, padding=1)) < 0.03  # clamped
+    far = x * 1.5  # clamping into [0, 1] would be far off: the float32 convolution answers
+    assert _relative(_int8_conv(far, w, None, low, high), F.conv2d(far, w, padding=1)) < 0.01  # (weights' rounding)
+    below = x - 0.5
+    assert _relative(_int8_conv(below, w, None, low, high), F.conv2d(below, w, padding=1)) < 0.01
+    x[0, 1, 2, 2] = float("nan")
+    got, want = _int8_conv(x, w, None, low, high), F.conv2d(x, w, padding=1)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_the_int8_ops_have_fake_implementations_for_export():
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w, v = torch.randn(8, 3, 3, 3), torch.randn(5, 8 * 4 * 4)
+            self.register_buffer("wq", weight_int8(w)); self.register_buffer("ws", weight_scale(w))
+            self.register_buffer("vq", weight_int8(v)); self.register_buffer("vs", weight_scale(v))
+
+        def forward(self, x):
+            y = torch.ops.fxforge.int8_conv(x, self.wq, self.ws, None, [2, 2], [1, 1], [1, 1], 1, 0.01, 128, "relu")
+            return torch.ops.fxforge.int8_linear(y.flatten(1), self.vq, self.vs, None)
+
+    x = torch.randn(2, 3, 8, 8)
+    exported = torch.export.export(Both(), (x,))
+    targets = {str(n.target) for n in exported.graph.nodes}
+    assert {"fxforge.int8_conv.default", "fxforge.int8_linear.default"} <= targets
+    torch.testing.assert_close(exported.module()(x), Both.__call__(exported.module(), x))
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_layer_in_int8_stays_close_and_follows_the_weights(name, method):
+    model, x = _model(name)
+    new = fxforge.rewrite(fxforge.capture(model, (x,), method=method))
+    gm = new.graph_module
+    layers = int8_layers(gm)
+    assert len(layers) >= 2, [n.target for n in gm.graph.nodes]
+    calls = [(x,), (torch.randn(x.shape),)]
+    quantize_layers(gm, layers, observe_inputs(gm, calls, [n.name for n in layers]))
+    assert any(b.dtype == torch.int8 for b in gm.buffers()), "the weights were not held in int8"
+    assert not int8_layers(gm)
+    values = derived_values(gm, gm)
+    fresh = torch.randn(x.shape)
+    with torch.no_grad():
+        got, want = gm(fresh), model(fresh)
+        assert got.dtype == torch.float32 and 0 < _relative(got, want) < 0.05
+        for p in model.parameters():  # an optimizer step in place: the int8 weights are quantized again
+            p.mul_(0.9).add_(0.01)
+        assert values.refresh_if_stale()
+        assert _relative(gm(fresh), model(fresh)) < 0.05
+
+
+def test_the_layers_int8_breaks_stay_in_float32_with_the_reason():
+    class Cancelling(nn.Module):
+        """``b(h) - c(h)`` of two nearly equal layers: int8 rounding swamps the difference."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+            with torch.no_grad():
+                self.c.weight.copy_(self.b.weight + 1e-3 * torch.randn_like(self.b.weight))
+                self.c.bias.copy_(self.b.bias)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return self.b(h) - self.c(h)
+
+    torch.manual_seed(0)
+    model = Cancelling().eval()
+    gm = torch.fx.symbolic_trace(model)
+    calls = [(torch.randn(8, 16),), (torch.randn(8, 16),)]
+    choice = choose_layers(gm, calls, Int8Reduction({}), Tolerance(relative_error=0.05, top1=None))
+    assert choice.reduced == ["a"], choice.layers
+    kept = {layer.name: layer for layer in choice.layers if layer.dtype == "float32"}
+    assert set(kept) == {"b", "c"} and all("relative error" in layer.reason for layer in kept.values())
+
+
+def _timings(order: dict[str, float]):
+    def timed(calls, *args, **kwargs):
+        for call in calls.values():
+            call()
+        return {name: order[name] for name in calls}
+    return timed
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_optimize_in_int8_answers_within_the_tolerance_on_fresh_inputs(name, monkeypatch):
+    monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    model, x = _model(name)
+    opt = fxforge.optimize(model, (x,), target="native", precision="int8", tolerance={"relative_error": 0.05})
+    assert any(note.startswith("precision int8: ") and " layers in int8" in note for note in opt.report.notes), \
+        opt.report.notes
+    layers = [t for t in opt.report.tuning if t.rule == "precision" and t.subject != "graph"]
+    assert layers and {t.choice for t in layers} <= {"int8", "float32"} and "int8" in {t.choice for t in layers}
+    with torch.no_grad():
+        for fresh in (torch.randn(x.shape), torch.randn(x.shape) * 1.5 + 0.2):
+            assert 0 < _relative(opt(fresh), model(fresh)) <= 0.05  # (int8: not float32's answer)
+        fresh = torch.randn(1, *x.shape[1:])  # a new size: a plan of its own
+        assert _relative(opt(fresh), model(fresh)) <= 0.05
+        if x.dim() == 4:
+            fresh = torch.randn(x.shape).to(memory_format=torch.channels_last)
+            got = opt(fresh)
+            assert _relative(got, model(fresh)) <= 0.05
+        fresh = torch.randn(x.shape)
+        fresh.view(-1)[3] = float("nan")
+        got, want = opt(fresh), model(fresh)
+        assert torch.equal(got.isnan(), want.isnan())
+        for p in model.parameters():
+            p.data.mul_(-1.5)  # .data: no version bump; the int8 weights follow
+        fresh = torch.randn(x.shape)
+        assert _relative(opt(fresh), model(fresh)) <= 0.05
+
+
+@pytest.mark.parametrize("fastest", ["int8", "bf16", "float32"])
+def test_auto_keeps_the_fastest_precision_within_the_tolerance(fastest, monkeypatch):
+    order = {"float32": 1.0, "bf16": 0.7, "int8": 0.8}
+    order[fastest] = 0.3
+    if fastest == "float32":
+        order.update(bf16=1.0, int8=1.2)
+    monkeypatch.setattr(precision_stage, "time_interleaved", _timings(order))
+    model, x = _model("tokens")
+    opt = fxforge.optimize(model, (x,), target="native", precision="auto", tolerance={"relative_error": 0.05})
+    graph = [t for t in opt.report.tuning if t.rule == "precision" and t.subject == "graph"]
+    assert [t.choice for t in graph] == [fastest]
+    notes = " ".join(opt.report.notes)
+    assert "precision bf16: " in notes and "precision int8: " in notes
+    with torch.no_grad():
+        fresh = torch.randn(x.shape)
+        error = _relative(opt(fresh), model(fresh))
+        assert error <= 0.05 and (error == 0) == (fastest == "float32")
+
+
+def test_a_users_metric_decides_and_top1_can_be_left_out():
+    model, x = _model("conv_bn")
+    gm = fxforge.rewrite(fxforge.capture(model, (x,))).graph_module
+    calls = [(x,), (torch.randn(x.shape),)]
+    ranges = observe_inputs(gm, calls, [n.name for n in int8_layers(gm)])
+    never = Tolerance(relative_error=1.0, cosine=0.0, top1=None, metric=lambda r, c: -1.0, metric_at_least=0.0)
+    refused = choose_layers(gm, calls, Int8Reduction(ranges), never)
+    assert refused.reduced == [] and "the user's metric -1.0 below 0.0" in refused.refusal
+    same_class = Tolerance(relative_error=1.0, cosine=0.0, top1=None,
+                           metric=lambda r, c: float((r.argmax(1) == c.argmax(1)).double().mean()), metric_at_least=1.0)
+    chosen = choose_layers(gm, calls, Int8Reduction(ranges), same_class)
+    assert chosen.reduced and chosen.agreement.metric == 1.0
+    with pytest.raises(ValueError, match="expected a positive number"):
+        Tolerance.of({"relative": 0.1})
