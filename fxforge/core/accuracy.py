@@ -2,8 +2,9 @@
 
 Per output tensor: the **relative error**, ``max |candidate - reference| / max |reference|`` (normwise: an element
 near zero does not blow it up), and the **cosine** of the two flattened; for an output that reads as class scores
-(floating point, ``[batch, classes]`` with several classes) the **top-1 agreement**, the share of rows whose
-highest score is the same class. An :class:`Agreement` holds the worst of each over every output and call;
+(floating point, ``[batch, classes]`` with several classes, and either unnamed or named as scores: ``logits``,
+``scores``, ``probs``..., as transformers' classifiers name theirs; a named ``pooler_output`` or ``embeddings`` is
+features) the **top-1 agreement**, the share of rows whose highest score is the same class. An :class:`Agreement` holds the worst of each over every output and call;
 :class:`Tolerance` says what is accepted.
 
 Example:
@@ -115,11 +116,25 @@ class Tolerance:
         return None
 
 
-def _scores(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 1
+_SCORE_NAMES = ("logit", "score", "prob", "class")
 
 
-def _measures(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, float, float | None]:
+def _named(path: tuple) -> str | None:
+    """The name the output's structure gives it (its innermost dict key or attribute), or None."""
+    for key in reversed(path):
+        name = getattr(key, "key", getattr(key, "name", None))
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def _scores(t: torch.Tensor, name: str | None = None) -> bool:
+    shaped = t.is_floating_point() and t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 1
+    return shaped and (name is None or any(word in name.lower() for word in _SCORE_NAMES))
+
+
+def _measures(reference: torch.Tensor, candidate: torch.Tensor, name: str | None = None
+              ) -> tuple[float, float, float | None]:
     r, c = reference.detach().double().flatten(), candidate.detach().double().flatten()
     if r.numel() == 0:
         return 0.0, 1.0, None
@@ -133,7 +148,7 @@ def _measures(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[float, 
     norms = float(r.norm() * c.norm())
     cosine = float(r @ c) / norms if norms > 0 else (1.0 if error == 0 else 0.0)
     top1 = None
-    if _scores(reference):
+    if _scores(reference, name):
         top1 = float((reference.argmax(1) == candidate.argmax(1)).double().mean())
     return relative, cosine, top1
 
@@ -146,6 +161,12 @@ def agreement(references: Sequence[Any], candidates: Sequence[Any],
     Example:
         >>> agreement([torch.ones(3)], [torch.ones(3)])
         Agreement(relative_error=0.0, cosine=1.0, top1=None, metric=None)
+        >>> scores = torch.tensor([[1.0, 2.0], [2.0, 1.0]])
+        >>> flipped = scores.flip(1)
+        >>> agreement([{"logits": scores}], [{"logits": flipped}]).top1, agreement([scores], [flipped]).top1
+        (0.0, 0.0)
+        >>> agreement([{"pooler_output": scores}], [{"pooler_output": flipped}]).top1 is None   # features
+        True
         >>> agreement([torch.ones(3)], [torch.ones(3) * 2], lambda r, c: -float((r - c).abs().sum())).metric
         -3.0
     """
@@ -160,10 +181,11 @@ def agreement(references: Sequence[Any], candidates: Sequence[Any],
 def _worst(references: Sequence[Any], candidates: Sequence[Any]) -> Agreement:
     worst_error, worst_cosine, worst_top1 = 0.0, 1.0, None
     for reference, candidate in zip(references, candidates, strict=True):
-        for r, c in zip(pytree.tree_leaves(reference), pytree.tree_leaves(candidate), strict=True):
+        for (path, r), c in zip(pytree.tree_flatten_with_path(reference)[0], pytree.tree_leaves(candidate),
+                                strict=True):
             if not isinstance(r, torch.Tensor) or not r.is_floating_point():
                 continue
-            relative, cosine, top1 = _measures(r, c)
+            relative, cosine, top1 = _measures(r, c, _named(path))
             worst_error = relative if math.isnan(relative) else max(worst_error, relative)
             worst_cosine = cosine if math.isnan(cosine) else min(worst_cosine, cosine)
             if top1 is not None:

@@ -157,9 +157,15 @@ def observe_inputs(gm: torch.fx.GraphModule, calls: Sequence[tuple], names: Sequ
 
 def _after(y: torch.Tensor, other: torch.Tensor | None, binary: str, activation: str,
            scalars: Sequence[float]) -> torch.Tensor:
-    """A fused op's residual and activation, applied to the int8 layer's float32 result."""
+    """A fused op's residual and activation, applied to the int8 layer's float32 result ``y`` (a fresh tensor
+    of the graph's own, so changed in place where the shapes allow)."""
     if other is not None:
-        y = fused_ops.BINARIES[binary](y, other)
+        if torch.broadcast_shapes(y.shape, other.shape) == y.shape and other.dtype == y.dtype:
+            y = y.add_(other) if binary == "add" else y.sub_(other)
+        else:
+            y = fused_ops.BINARIES[binary](y, other)
+    if activation == "relu":
+        return y.relu_()
     return fused_ops.ACTIVATIONS[activation](y, scalars)
 
 

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -87,13 +88,48 @@ def _finite(x: Tensor) -> bool:
     return bool(torch.isfinite(x.sum()))  # (one pass; a sum that overflows reads as not finite: float32 then)
 
 
+def _dense(x: Tensor) -> Tensor:
+    """``x``'s elements as a 1-d view in memory order (a channels-last tensor would be copied by a reduction)."""
+    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return x.permute(0, 2, 3, 1).reshape(-1)
+    return x.reshape(-1)
+
+
 def _within(x: Tensor, scale: float, zero_point: int) -> bool:
     """Whether ``x`` lies within the calibrated range widened by :data:`SATURATION_MARGIN` of its width (NaN
     does not)."""
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(_dense(x))
     width = 255 * scale
     return bool(low >= -zero_point * scale - SATURATION_MARGIN * width) and \
         bool(high <= (255 - zero_point) * scale + SATURATION_MARGIN * width)
+
+
+def quantize_uint8(x: Tensor, scale: float, zero_point: int) -> Tensor:
+    """``x`` rounded to uint8 in ``scale`` and ``zero_point`` (clamped into 0..255), with its strides.
+
+    ATen's per-tensor quantizer makes one vectorized pass; its quantized tensor's bytes are the uint8 values, so
+    they are viewed as such rather than copied (torch's own float -> uint8 conversion is several times slower).
+    Where the quantizer is gone (it is deprecated), the same values come from plain ops.
+
+    Example:
+        >>> quantize_uint8(torch.tensor([-1.0, 0.0, 0.26, 9.0]), 0.1, 10).tolist()
+        [0, 10, 13, 100]
+    """
+    quantizer = getattr(torch, "quantize_per_tensor", None)
+    if quantizer is None:
+        return torch.round(torch.add(zero_point, x, alpha=1 / scale)).clamp_(0, 255).to(torch.uint8)
+    global _QUANTIZER_WARNED
+    if not _QUANTIZER_WARNED:  # (its deprecation warning, once per process: said here, not to the user)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantizer(torch.zeros(1), 1.0, 0, torch.quint8)
+        _QUANTIZER_WARNED = True
+    q = quantizer(x, scale, zero_point, torch.quint8)
+    return torch.empty(0, dtype=torch.uint8, device=x.device).set_(q.untyped_storage(), q.storage_offset(),
+                                                                  q.shape, q.stride())
+
+
+_QUANTIZER_WARNED = False
 
 
 @torch.library.custom_op("fxforge::int8_linear", mutates_args=())
@@ -107,15 +143,21 @@ def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Ten
         tensor([[4.]])
     """
     rows = input.reshape(-1, input.shape[-1])
-    largest = torch.linalg.vector_norm(rows, float("inf"), -1, True) if rows.numel() else rows.new_zeros(0, 1)
+    largest = rows.abs().amax(-1, keepdim=True) if rows.numel() else rows.new_zeros(0, 1)
     if input.device.type != "cpu" or rows.shape[0] == 0 or not _finite(largest):
         return F.linear(input, _dequantized(weight_q, weight_scale), bias)
-    scale = largest.clamp_min_(torch.finfo(torch.float32).tiny) / QMAX
-    rows_q = torch.round(rows / scale).to(torch.int8)
+    scale = largest.clamp_min_(torch.finfo(torch.float32).tiny).div_(QMAX)
+    rows_q = torch.div(rows, scale).round_().to(torch.int8)
     product = torch._int_mm(rows_q, weight_q.t())
-    out = torch.mul(product, scale).mul_(weight_scale)
-    if bias is not None:
-        out.add_(bias)
+    # The int32 sums become float32 in their own memory (element for element, so in place is safe): a new
+    # tensor of the output's size would cost as much again in page faults as the conversion.
+    out = product.view(torch.float32)
+    out.copy_(product)
+    out.mul_(scale)
+    if bias is None:
+        out.mul_(weight_scale)
+    else:
+        torch.addcmul(bias, out, weight_scale, out=out)
     return out.view(*input.shape[:-1], weight_q.shape[0])
 
 
@@ -150,7 +192,7 @@ def int8_conv(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tenso
                              lambda: torch.ops.onednn.qconv_prepack(weight_q, weight_scale, input_scale,
                                                                     input_zero_point, stride, padding, dilation,
                                                                     groups, None))
-    quantized = torch.round(torch.add(input_zero_point, input, alpha=1 / input_scale)).clamp_(0, 255).to(torch.uint8)
+    quantized = quantize_uint8(input, input_scale, input_zero_point)
     zeros = torch.zeros(weight_q.shape[0], dtype=torch.int64)
     out = torch.ops.onednn.qconv2d_pointwise(quantized, input_scale, input_zero_point, packed, weight_scale, zeros,
                                              bias, stride, padding, dilation, groups, 1.0, 0, torch.float32,
