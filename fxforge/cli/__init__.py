@@ -136,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(opt)
     _rewrite_arguments(opt)
     _write_arguments(opt, output_required=False)
-    opt.add_argument("--precision", choices=("float32", "bf16", "fp16"), default="float32",
+    opt.add_argument("--precision", choices=("float32", "bf16", "fp16", "int8", "auto"), default="float32",
                      help="run matrix products and convolutions in this precision where the outputs keep "
-                          "--tolerance and the plan measures faster (with --target native)")
+                          "--tolerance and the plan measures faster (with --target native; auto: the fastest "
+                          "of bf16 and int8, bf16 and fp16 on CUDA)")
     opt.add_argument("--tolerance", type=float, default=None, metavar="R",
                      help="the largest relative error against float32 accepted with --precision (default 0.05)")
     opt.add_argument("--no-bench", action="store_true", help="do not time eager against optimized")

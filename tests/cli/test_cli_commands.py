@@ -143,13 +143,16 @@ def test_profile_prints_the_slowest_nodes_and_saves_the_table(user_model, out):
     assert {"node", "op", "time_ms", "flops", "bytes", "bound"} <= set(header)
 
 
-def test_optimize_in_bfloat16_reports_each_layers_precision(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "int8", "auto"])
+def test_optimize_in_reduced_precision_reports_each_layers_precision(tmp_path, precision):
     model = tmp_path / "mlp.py"
     model.write_text("import torch\n\nclass MLP(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
                      "        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)\n\n"
                      "    def forward(self, x):\n        return self.b(torch.relu(self.a(x)))\n")
-    result = run_cli("optimize", f"{model}:MLP", "--input", "32x64", "--target", "native", "--precision", "bf16",
+    result = run_cli("optimize", f"{model}:MLP", "--input", "4x8x64", "--target", "native", "--precision", precision,
                      "--tolerance", "0.03", "--no-bench", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "precision accuracy" in result.stdout and "note: precision bf16: " in result.stdout, result.stdout
+    assert "precision accuracy" in result.stdout, result.stdout
+    for raced in (["bf16", "int8"] if precision == "auto" else [precision]):
+        assert f"note: precision {raced}: " in result.stdout, result.stdout
     assert "tolerance: relative error 0.03" in result.stdout

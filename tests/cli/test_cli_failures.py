@@ -99,7 +99,9 @@ def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
      "--precision bf16 plans are not written to files yet; leave out -o", "optimize"),
     (["--input", "2x8", "--target", "native", "--precision", "bf16", "--tolerance", "0"],
      "--tolerance 0.0: expected a positive relative error", "optimize"),
-    (["--input", "2x8", "--precision", "int8"], "argument --precision: invalid choice: 'int8'", "optimize"),
+    (["--input", "2x8", "--precision", "int4"], "argument --precision: invalid choice: 'int4'", "optimize"),
+    (["--input", "2x8", "--precision", "int8", "--target", "onnxruntime"], "--precision int8 runs with --target native",
+     "optimize"),
 ])
 def test_usage_errors_exit_2(capsys, args, message, command):
     with pytest.raises(SystemExit) as exit_info:
