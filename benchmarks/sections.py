@@ -19,6 +19,7 @@ from benchmarks import (
     first_calls,
     fusions,
     guard_overhead,
+    int8,
     memory_reorder,
     onnx_forms,
     optimize_time,
@@ -48,5 +49,6 @@ SECTIONS: dict[str, Section] = {
         breaks.SECTION,
         fusions.SECTION,
         precision.SECTION,
+        int8.SECTION,
     )
 }

@@ -143,11 +143,12 @@ def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Ten
         tensor([[4.]])
     """
     rows = input.reshape(-1, input.shape[-1])
-    largest = rows.abs().amax(-1, keepdim=True) if rows.numel() else rows.new_zeros(0, 1)
+    magnitudes = rows.abs()
+    largest = magnitudes.amax(-1, keepdim=True) if rows.numel() else rows.new_zeros(0, 1)
     if input.device.type != "cpu" or rows.shape[0] == 0 or not _finite(largest):
         return F.linear(input, _dequantized(weight_q, weight_scale), bias)
     scale = largest.clamp_min_(torch.finfo(torch.float32).tiny).div_(QMAX)
-    rows_q = torch.div(rows, scale).round_().to(torch.int8)
+    rows_q = torch.div(rows, scale, out=magnitudes).round_().to(torch.int8)  # (the magnitudes' memory, reused)
     product = torch._int_mm(rows_q, weight_q.t())
     # The int32 sums become float32 in their own memory (element for element, so in place is safe): a new
     # tensor of the output's size would cost as much again in page faults as the conversion.
