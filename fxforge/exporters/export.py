@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -34,6 +34,7 @@ from fxforge.core.captured import Captured
 from fxforge.core.plan import CallConditions
 from fxforge.core.source import first_line
 from fxforge.exporters.onnx import OnnxExport, check_options, write_checked
+from fxforge.exporters.onnx_precision import check_precision, quantize_file
 from fxforge.exporters.ort_module import OnnxRuntimeModule
 from fxforge.exporters.program import ExportError
 from fxforge.rewrites import pipeline
@@ -43,7 +44,7 @@ from fxforge.rewrites.registry import resolve
 EXPORT_CONDITIONS = CallConditions(guards_as_ops=True)
 # What export_onnx takes besides the model, the path and the inputs; the onnxruntime target passes these on.
 EXPORT_OPTIONS = ("rewrites", "verify", "method", "dynamic", "dynamic_batch", "dynamic_shapes", "opset", "attention",
-                  "external_data")
+                  "external_data", "precision", "tolerance", "calibration")
 
 
 @contextlib.contextmanager
@@ -220,7 +221,8 @@ def dynamic_capture(model: nn.Module, args: tuple, kwargs: dict, dynamic_shapes:
 def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_inputs: Any = None,
                 dynamic_batch: bool = False, rewrites: Any = "default", opset: int | None = None,
                 dynamic_shapes: Any = None, *, dynamic: bool = False, verify: bool = True, method: str = "auto",
-                attention: str = "MultiHeadAttention", external_data: bool | None = None) -> OnnxExport:
+                attention: str = "MultiHeadAttention", external_data: bool | None = None, precision: str = "float32",
+                tolerance: Any = None, calibration: Sequence[tuple] | None = None) -> OnnxExport:
     """Capture, rewrite and export ``model`` to an ONNX file that ONNX Runtime runs like the model.
 
     A file with dynamic dims (``dynamic``, ``dynamic_batch``, ``dynamic_shapes``) is validated in ONNX
@@ -261,6 +263,14 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
             :mod:`fxforge.exporters.translations`) or ``"plain"`` (torch.onnx's MatMul/Softmax graph).
         external_data: weights in a separate ``.data`` file (True), in the ``.onnx`` (False), or only
             when they must be (None).
+        precision: ``"float32"``, or ``"int8"``: the validated float32 file quantized by ONNX Runtime's
+            quantizer (QDQ with calibrated activations, or dynamic for files without convolutions), kept where
+            it keeps ``tolerance`` against the float32 file and runs faster in ONNX Runtime; else the float32
+            file, the reason in the report's notes (see :mod:`fxforge.exporters.onnx_precision`).
+        tolerance: what int8 must keep: a relative error, a dict or a :class:`~fxforge.core.accuracy.Tolerance`
+            (default 0.05, cosine 0.999, top-1 99 % for class scores).
+        calibration: the calls (tuples of positional inputs) static int8 calibrates on; default: the example
+            inputs and four random draws of their statistics.
 
     Returns:
         An :class:`~fxforge.exporters.onnx.OnnxExport`: the path, the report, the translations used and
@@ -284,13 +294,15 @@ def export_onnx(model: nn.Module | Captured, path: str | os.PathLike, example_in
         ({'input': {0: 'batch', 1: 'seq'}}, ['example inputs', 'batch 3, seq 7', 'batch 1, seq 3'])
     """
     opset = check_options(opset, dynamic_batch, dynamic_shapes, attention, dynamic)
+    check_precision(precision, external_data, tolerance, example_inputs)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write {path!r}: no folder {directory!r}")
     options = {"rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
                "dynamic_batch": dynamic_batch, "dynamic_shapes": dynamic_shapes, "opset": opset,
-               "attention": attention, "external_data": external_data}
+               "attention": attention, "external_data": external_data, "precision": precision, "tolerance": tolerance,
+               "calibration": calibration}
     result, module = export_for_session(model, options, example_inputs, {}, path, {})
     del module  # its session was only for validation
     return result
@@ -323,5 +335,10 @@ def export_for_session(model: nn.Module, options: dict, args: tuple, kwargs: dic
                                   attention=options.get("attention", "MultiHeadAttention"),
                                   external_data=options.get("external_data"), module_options=module_options,
                                   refine=refine)
-        return write_exportable(write, captured, unrewritten, options.get("rewrites", "default"),
-                                 options.get("verify", True))
+        result, module = write_exportable(write, captured, unrewritten, options.get("rewrites", "default"),
+                                          options.get("verify", True))
+    if options.get("precision", "float32") == "int8":
+        example = args if isinstance(args, tuple) else (args,) if args is not None else tuple(model.example_args)
+        if quantize_file(result, example, options.get("tolerance"), options.get("calibration")):
+            module.session_options = module.session_options  # (a new session, on the int8 file)
+    return result, module

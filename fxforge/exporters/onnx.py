@@ -83,6 +83,9 @@ class OnnxExport:
             exact result (see :func:`~fxforge.exporters.program.validate`).
         fallback: why the file was written by torch.onnx's TorchScript exporter (its dynamo exporter failed
             on the model; also in the report's notes), or None.
+        precision: ``"float32"``, or the int8 form the file was quantized to (``precision="int8"``; the
+            validation above is of the float32 file it was made from, the int8 file's agreement with it is in
+            the report's notes).
 
     Example:
         >>> r = OnnxExport("m.onnx", 20, Report(method="fx"), None, None, {}, [], {"example inputs": 0.0})
@@ -101,6 +104,7 @@ class OnnxExport:
     left_out: str | None = None
     judged: dict[str, str] = dataclasses.field(default_factory=dict)
     fallback: str | None = None
+    precision: str = "float32"
 
     def __str__(self) -> str:
         shapes = "dynamic " + ", ".join(f"{k}{v}" for k, v in self.dynamic.items()) if self.dynamic else "static shapes"
@@ -110,6 +114,8 @@ class OnnxExport:
                   + (f", judged by {self.judged[k]}" if self.judged.get(k, "float32 eager") != "float32 eager" else "")
                   for k, v in self.validation.items()]
         lines += [f"  {self.fallback}"] if self.fallback else []
+        lines += [f"  precision: {self.precision} (validated against the float32 file)"] \
+            if self.precision != "float32" else []
         return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from fxforge.core.source import first_line
 from fxforge.core.target_cache import device_of
 from fxforge.exporters.export import EXPORT_OPTIONS, export_for_session
 from fxforge.exporters.onnx import OnnxExport, check_options
+from fxforge.exporters.onnx_precision import check_precision
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
 from fxforge.runtime.race import Entrant, Narrows
@@ -131,7 +132,9 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
             of new sizes eager serves): the dims where their sizes differ from the example's are exported
             dynamic (with the batch and sequence dims), as ``dynamic=None`` does on a call of new sizes.
         export_options: ``rewrites``, ``verify``, ``method``, ``dynamic_batch``, ``dynamic_shapes``,
-            ``opset``, ``attention``, ``external_data`` (see :func:`export_onnx`).
+            ``opset``, ``attention``, ``external_data``, ``precision``, ``tolerance``, ``calibration`` (see
+            :func:`export_onnx`; int8: the file quantized by ONNX Runtime where it keeps the tolerance and runs
+            faster).
 
     Raises:
         TypeError, ValueError: unknown or conflicting options.
@@ -151,6 +154,8 @@ def onnxruntime_module(model: nn.Module, example_inputs: Any = None, *, path: st
     check_options(export_options.get("opset"), export_options.get("dynamic_batch", False),
                   export_options.get("dynamic_shapes"), export_options.get("attention", "MultiHeadAttention"),
                   bool(dynamic))
+    check_precision(export_options.get("precision", "float32"), export_options.get("external_data"),
+                    export_options.get("tolerance"), example_inputs)
     explicit = bool(export_options.get("dynamic_batch")) or export_options.get("dynamic_shapes") is not None
     export = functools.partial(export_for_session, model, {**export_options, "dynamic": bool(dynamic)})
     module = OnnxRuntimeModule.deferred(model, export, path=path, providers=providers,

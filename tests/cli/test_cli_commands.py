@@ -156,3 +156,18 @@ def test_optimize_in_reduced_precision_reports_each_layers_precision(tmp_path, p
     for raced in (["bf16", "int8"] if precision == "auto" else [precision]):
         assert f"note: precision {raced}: " in result.stdout, result.stdout
     assert "tolerance: relative error 0.03" in result.stdout
+
+
+def test_optimize_for_onnxruntime_in_int8_writes_the_file_it_judged(tmp_path):
+    model = tmp_path / "cnn.py"
+    model.write_text("import torch\n\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                     "        self.c = torch.nn.Conv2d(3, 32, 3, padding=1)\n        self.f = torch.nn.Linear(32, 10)\n\n"
+                     "    def forward(self, x):\n        return self.f(torch.relu(self.c(x)).mean((2, 3)))\n")
+    out = tmp_path / "net.onnx"
+    result = run_cli("optimize", f"{model}:Net", "--input", "8x3x32x32", "--target", "onnxruntime", "--precision",
+                     "int8", "-o", str(out), "--no-bench", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "note: precision int8: " in result.stdout, result.stdout
+    quantized = "precision int8: static QDQ" in result.stdout
+    ops = {node.op_type for node in __import__("onnx").load(str(out)).graph.node}
+    assert ("QuantizeLinear" in ops) == quantized, (ops, result.stdout)

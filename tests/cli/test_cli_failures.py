@@ -96,11 +96,11 @@ def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
     (["--input", "2x8"], "the following arguments are required: -o/--output", "export"),
     (["--input", "2x8", "--precision", "bf16"], "--precision bf16 runs with --target native", "optimize"),
     (["--input", "2x8", "--precision", "bf16", "--target", "native", "-o", "m.pt2"],
-     "--precision bf16 plans are not written to files yet; leave out -o", "optimize"),
+     "--precision bf16 plans of --target native are not written to files yet; leave out -o", "optimize"),
     (["--input", "2x8", "--target", "native", "--precision", "bf16", "--tolerance", "0"],
      "--tolerance 0.0: expected a positive relative error", "optimize"),
     (["--input", "2x8", "--precision", "int4"], "argument --precision: invalid choice: 'int4'", "optimize"),
-    (["--input", "2x8", "--precision", "int8", "--target", "onnxruntime"], "--precision int8 runs with --target native",
+    (["--input", "2x8", "--precision", "auto", "--target", "onnxruntime"], "--precision auto runs with --target native",
      "optimize"),
 ])
 def test_usage_errors_exit_2(capsys, args, message, command):
