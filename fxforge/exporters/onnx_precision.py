@@ -92,10 +92,14 @@ def _feeds(io: Any, call: tuple) -> dict[str, Any]:
 
 def _quantized(path: str, form: str, io: Any, calibration: Sequence[tuple]) -> str:
     """``path`` quantized in ``form`` into a new file beside it; returns its path."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, \
-        quantize_static
-
     import onnx
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     out, source = f"{path}.{form.replace(' ', '_')}.tmp.onnx", f"{path}.source.tmp.onnx"
     # torch.onnx records the weights' shapes as value_info too; the quantizer transposes some weights (a Gemm's
@@ -157,13 +161,12 @@ def quantize_file(result: Any, example: tuple, tolerance: Any, calibration: Sequ
             if refusal is not None:
                 refusals.append(f"{form}: {refusal}")
                 continue
-            timings = time_interleaved({"float32": lambda: plain(*example), "int8": lambda: module(*example)},
+            timings = time_interleaved({"float32": lambda: plain(*example), "int8": lambda run=module: run(*example)},
                                        TIMING_BUDGET_S, decisive=DECISIVE)
             against = f"{timings['int8']:.3g} ms against float32's {timings['float32']:.3g} ms in ONNX Runtime"
             if not timings["int8"] < timings["float32"] * (1 - DECISIVE):
                 refusals.append(f"{form}: not faster ({against})")
                 continue
-            del module
             os.replace(quantized, result.path)
             result.report.notes.append(f"precision int8: {form} (weights per channel); outputs against the float32 "
                                        f"file on {len(checks)} calls: {found.describe()} (tolerance: "
