@@ -70,10 +70,13 @@ def precision_dtype(precision: str) -> torch.dtype | str | None:
     return PRECISIONS[precision]
 
 
-def _positional(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple:
+def _positional(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple | None:
+    """The example call as positional arguments of the graph (None: it takes keyword-only ones)."""
+    if not kwargs:
+        return tuple(args)
     bound = inspect.signature(gm.forward).bind(*args, **kwargs)
     bound.apply_defaults()
-    return tuple(bound.arguments.values())
+    return None if bound.kwargs else tuple(bound.args)  # (a ``**kwargs`` left empty is not an argument)
 
 
 def _raced(precision: str, example: tuple) -> list[str]:
@@ -127,6 +130,10 @@ def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captu
     tolerance = Tolerance.of(tolerance)
     gm, report = rewritten.graph_module, rewritten.report
     example = _positional(gm, rewritten.example_args, rewritten.example_kwargs)
+    if example is None:
+        report.notes.append(f"precision {precision}: float32 kept: the graph takes keyword-only inputs, which the "
+                            "calibration calls do not vary yet")
+        return rewritten
     calls = [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
     candidates, summaries = {}, {}
     for name in _raced(precision, example):

@@ -199,3 +199,25 @@ def test_bad_precision_options_are_refused_before_anything_runs():
         fxforge.optimize(model, (x,), precision="bf16", tolerance=-1)
     with pytest.raises(TypeError, match="target 'inductor' does not take precision"):
         fxforge.optimize(model, (x,), target="inductor", precision="bf16")
+
+
+def test_a_forward_with_defaults_and_keyword_arguments_gets_its_precision(reduced_is_faster):
+    class HubStyle(nn.Module):
+        """A forward as transformers writes it: named inputs with defaults, then ``**kwargs``."""
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, pixel_values=None, labels=None, return_dict=None, **kwargs):
+            return {"features": self.down(torch.relu(self.up(pixel_values)))}
+
+    torch.manual_seed(0)
+    model, x = HubStyle().eval(), torch.randn(2, 7, 32)
+    for precision in ("bf16", "int8"):
+        opt = fxforge.optimize(model, (x,), precision=precision)
+        assert any(n.startswith(f"precision {precision}: ") and " layers in " in n for n in opt.report.notes), \
+            opt.report.notes
+        with torch.no_grad():
+            fresh = torch.randn(2, 7, 32)
+            assert 0 < _relative(opt(fresh)["features"], model(fresh)["features"]) <= 0.05
