@@ -36,6 +36,7 @@ from fxforge.core.tensor_cache import TensorCache
 from fxforge.lowering.kernels import packing_key
 
 QMAX = 127
+_TINY = torch.finfo(torch.float32).tiny
 # How far beyond its calibrated range a convolution's input may reach (as a share of the range's width) and still
 # be clamped into it; an input reaching further runs the float32 convolution for that call.
 SATURATION_MARGIN = 0.1
@@ -132,22 +133,24 @@ def quantize_uint8(x: Tensor, scale: float, zero_point: int) -> Tensor:
 _QUANTIZER_WARNED = False
 
 
-@torch.library.custom_op("fxforge::int8_linear", mutates_args=())
-def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+def linear_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """``linear(input, weight, bias)`` with ``input`` quantized per row at call time and ``weight_q`` an int8
-    weight in ``weight_scale`` per output channel (see the module docstring).
+    weight in ``weight_scale`` per output channel (see the module docstring): what ``fxforge::int8_linear``
+    runs, called straight from a plan's graph (no custom-op dispatch).
 
     Example:
-        >>> w = torch.tensor([[1.0, 2.0]])
-        >>> torch.ops.fxforge.int8_linear(torch.tensor([[2.0, 1.0]]), weight_int8(w), weight_scale(w), None)
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> linear_int8(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None)
         tensor([[4.]])
     """
     rows = input.reshape(-1, input.shape[-1])
-    magnitudes = rows.abs()
-    largest = magnitudes.amax(-1, keepdim=True) if rows.numel() else rows.new_zeros(0, 1)
-    if input.device.type != "cpu" or rows.shape[0] == 0 or not _finite(largest):
+    if input.device.type != "cpu" or rows.shape[0] == 0 or rows.shape[1] == 0:
         return F.linear(input, _dequantized(weight_q, weight_scale), bias)
-    scale = largest.clamp_min_(torch.finfo(torch.float32).tiny).div_(QMAX)
+    magnitudes = rows.abs()
+    largest = magnitudes.amax(-1, keepdim=True)
+    if not _finite(largest):
+        return F.linear(input, _dequantized(weight_q, weight_scale), bias)
+    scale = largest.clamp_min_(_TINY).div_(QMAX)
     rows_q = torch.div(rows, scale, out=magnitudes).round_().to(torch.int8)  # (the magnitudes' memory, reused)
     product = torch._int_mm(rows_q, weight_q.t())
     # The int32 sums become float32 in their own memory (element for element, so in place is safe): a new
@@ -162,24 +165,34 @@ def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Ten
     return out.view(*input.shape[:-1], weight_q.shape[0])
 
 
+@torch.library.custom_op("fxforge::int8_linear", mutates_args=())
+def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`linear_int8` as an op with a fake implementation (what a rewritten graph holds).
+
+    Example:
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> torch.ops.fxforge.int8_linear(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None)
+        tensor([[4.]])
+    """
+    return linear_int8(input, weight_q, weight_scale, bias)
+
+
 @int8_linear.register_fake
 def _int8_linear_fake(input, weight_q, weight_scale, bias):
     return input.new_empty((*input.shape[:-1], weight_q.shape[0]))
 
 
-@torch.library.custom_op("fxforge::int8_conv", mutates_args=())
-def int8_conv(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, stride: Sequence[int],
+def conv_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, stride: Sequence[int],
               padding: Sequence[int], dilation: Sequence[int], groups: int, input_scale: float,
               input_zero_point: int, activation: str) -> Tensor:
-    """A 2d convolution (then ``activation``, ``"none"`` or ``"relu"``) of ``input`` quantized with the static
+    """What ``fxforge::int8_conv`` runs (called straight from a plan's graph): a 2d convolution (then ``activation``, ``"none"`` or ``"relu"``) of ``input`` quantized with the static
     ``input_scale`` and ``input_zero_point`` and an int8 weight in ``weight_scale`` per output channel. The
     output keeps the input's memory format.
 
     Example:
         >>> x, w = torch.rand(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
         >>> scale, zero = input_qparams(0.0, 1.0)
-        >>> y = torch.ops.fxforge.int8_conv(x, weight_int8(w), weight_scale(w), None, [1, 1], [1, 1], [1, 1], 1,
-        ...                                 scale, zero, "relu")
+        >>> y = conv_int8(x, weight_int8(w), weight_scale(w), None, [1, 1], [1, 1], [1, 1], 1, scale, zero, "relu")
         >>> y.shape, bool((y - F.relu(F.conv2d(x, w, padding=1))).abs().max() < 0.1)
         (torch.Size([1, 3, 5, 5]), True)
     """
@@ -203,6 +216,23 @@ def int8_conv(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tenso
     return out
 
 
+@torch.library.custom_op("fxforge::int8_conv", mutates_args=())
+def int8_conv(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None, stride: Sequence[int],
+              padding: Sequence[int], dilation: Sequence[int], groups: int, input_scale: float,
+              input_zero_point: int, activation: str) -> Tensor:
+    """:func:`conv_int8` as an op with a fake implementation (what a rewritten graph holds).
+
+    Example:
+        >>> x, w = torch.rand(1, 2, 5, 5), torch.randn(3, 2, 1, 1)
+        >>> y = torch.ops.fxforge.int8_conv(x, weight_int8(w), weight_scale(w), None, [1, 1], [0, 0], [1, 1], 1,
+        ...                                 *input_qparams(0.0, 1.0), "none")
+        >>> y.shape
+        torch.Size([1, 3, 5, 5])
+    """
+    return conv_int8(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
+                     input_zero_point, activation)
+
+
 @int8_conv.register_fake
 def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
                     input_zero_point, activation):
@@ -211,3 +241,7 @@ def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilati
     channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
     return torch.empty((input.shape[0], weight_q.shape[0], *sizes), dtype=input.dtype, device=input.device,
                        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+# Each op's plain function, for graphs that run rather than export (see :func:`fxforge.lowering.int8.direct_calls`).
+DIRECT = {torch.ops.fxforge.int8_linear.default: linear_int8, torch.ops.fxforge.int8_conv.default: conv_int8}
