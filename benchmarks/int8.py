@@ -9,6 +9,8 @@ interleaved rounds under ``torch.no_grad()``:
   Runtime for most models here) — the float32 to beat;
 - ``fxforge-bf16``, ``fxforge-int8``, ``fxforge-auto``: the native target with ``precision=`` that (tolerance
   0.05);
+- ``fxforge-ort-int8``: ``target="onnxruntime", precision="int8"``: fxforge's file quantized by ONNX Runtime's
+  quantizer, kept only where it keeps the tolerance and runs faster (else the float32 file);
 - ``ort-int8``: the plain ``torch.onnx.export(dynamo=True)`` model through ONNX Runtime's quantizer —
   ``quantize_dynamic`` (per channel, int8 weights) for models without convolutions, ``quantize_static`` in the
   QDQ format (per channel, calibrated on the example and two random draws) for the ones with;
@@ -44,8 +46,9 @@ from benchmarks.cold_section import cold_section, contender_lines, ratio, settle
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-int8.json"
 BLOCK = "int8"
-CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "ort-int8", "ao-dynamic")
-REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto")
+CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "ort-int8",
+              "ao-dynamic")
+REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8")
 MODELS = ("mlp_b8", "resnet_block_b8", "bert_small_b1", "bert_small_b8", "vit_small_b8", "vit_classifier_b8",
           "llama_small_b1", "resnet50_b1", "convnext_tiny_b1")
 TOP1_CALLS = 8
@@ -166,6 +169,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
         builders = {"eager": lambda: model, "fxforge-fp32": lambda: fxforge.optimize(model, example),
                     **{f"fxforge-{p}": (lambda p=p: fxforge.optimize(model, example, target="native", precision=p,
                                                                    tolerance=0.05)) for p in ("bf16", "int8", "auto")},
+                    "fxforge-ort-int8": lambda: fxforge.optimize(model, example, target="onnxruntime",
+                                                                 precision="int8", tolerance=0.05),
                     "ort-int8": lambda: _ort_int8(model, example, calibration, tmp),
                     "ao-dynamic": ao_dynamic}
         fns, row["contenders"] = time_contenders(
@@ -180,11 +185,14 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                 row["contenders"][contender]["top1"] = sum(same) / len(same)
         row["plans"] = {}
         for contender in REDUCED:
-            rep = getattr(fns.get(contender), "report", None)
+            built = fns.get(contender)
+            rep = getattr(getattr(built, "onnx_export", None), "report", None) or getattr(built, "report", None)
             if rep is None:
                 continue
             layers = [t for t in rep.tuning if t.rule == "precision" and t.subject != "graph"]
             graph = [t.choice for t in rep.tuning if t.rule == "precision" and t.subject == "graph"]
+            if contender == "fxforge-ort-int8":
+                graph = [built.onnx_export.precision]
             reduced = sum(t.choice != "float32" for t in layers)
             row["plans"][contender] = {"kept": graph[0] if graph else "float32",
                                        "layers": f"{reduced} of {len(layers)}",

@@ -44,7 +44,7 @@ def _ops(path: str) -> set[str]:
 @pytest.fixture
 def int8_is_faster(monkeypatch):
     monkeypatch.setattr(onnx_precision, "time_interleaved",
-                        lambda calls, *a, **k: {name: (0.5 if name == "int8" else 1.0) for name in calls})
+                        lambda calls, *a, **k: {name: (1.0 if name == "float32" else 0.5) for name in calls})
 
 
 @pytest.mark.parametrize("model, shape, form, ops", [
@@ -67,6 +67,16 @@ def test_an_int8_file_answers_within_the_tolerance(tmp_path, int8_is_faster, mod
         fresh = torch.randn(shape)
         found = agreement([model(fresh)], [session(fresh)])
     assert 0 < found.relative_error <= 0.1, found
+
+
+def test_both_forms_that_keep_the_tolerance_are_timed_and_the_fastest_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_precision, "time_interleaved",
+                        lambda calls, *a, **k: {"float32": 1.0, "static QDQ": 0.6, "dynamic": 0.4})
+    path = str(tmp_path / "t.onnx")
+    result = fxforge.export_onnx(Tokens().eval(), path, (torch.randn(2, 16, 64),), precision="int8",
+                                 tolerance={"relative_error": 1.0, "cosine": 0.0, "top1": None})
+    note = next(n for n in result.report.notes if n.startswith("precision int8"))
+    assert note.startswith("precision int8: dynamic") and note.endswith("; static QDQ: 0.6 ms"), note
 
 
 def test_transformer_files_fall_back_to_dynamic_quantization_where_static_breaks_the_tolerance(tmp_path,
