@@ -166,7 +166,7 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
 
     with torch.no_grad():
         reference = _first(model(*fresh))
-        builders = {"eager": lambda: model, "fxforge-fp32": lambda: fxforge.optimize(model, example),
+        builders = {"eager": lambda: model, "fxforge-fp32": lambda: fxforge.optimize(model, example, target="auto"),
                     **{f"fxforge-{p}": (lambda p=p: fxforge.optimize(model, example, target="native", precision=p,
                                                                    tolerance=0.05)) for p in ("bf16", "int8", "auto")},
                     "fxforge-ort-int8": lambda: fxforge.optimize(model, example, target="onnxruntime",
