@@ -219,3 +219,31 @@ def test_a_users_metric_decides_and_top1_can_be_left_out():
     assert chosen.reduced and chosen.agreement.metric == 1.0
     with pytest.raises(ValueError, match="expected a positive number"):
         Tolerance.of({"relative": 0.1})
+
+
+def test_int8_plans_serve_every_size_of_a_dynamic_plan_and_calls_in_inference_mode(monkeypatch):
+    monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    model, x = _model("conv_bn")
+    opt = fxforge.optimize(model, (x,), target="native", precision="int8", dynamic=True,
+                           tolerance={"relative_error": 0.05, "top1": None})
+    assert "precision int8: " in " ".join(opt.report.notes) and "dynamic sizes" in " ".join(opt.report.notes)
+    with torch.no_grad():
+        for shape in [(2, 3, 12, 12), (3, 3, 16, 16), (4, 3, 10, 14)]:
+            fresh = torch.randn(shape)
+            assert 0 < _relative(opt(fresh), model(fresh)) <= 0.05, shape
+    with torch.inference_mode():
+        fresh = torch.randn(2, 3, 12, 12)
+        assert 0 < _relative(opt(fresh), model(fresh)) <= 0.05
+
+
+def test_calls_that_record_gradients_get_float32_and_eagers_gradients_with_int8(monkeypatch):
+    monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    model, x = _model("tokens")
+    twin = _model("tokens")[0]
+    opt = fxforge.optimize(model, (x,), precision="int8", tolerance={"relative_error": 0.05})
+    fresh = torch.randn(x.shape)
+    with pytest.warns(Warning):
+        opt(fresh).square().sum().backward()
+    twin(fresh).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
