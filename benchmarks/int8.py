@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -201,6 +202,46 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
     return row
 
 
+def _speedups(rows: list[dict], pick: Any) -> list[float]:
+    found = []
+    for row in rows:
+        entries = row.get("contenders", {})
+        fp32 = entries.get("fxforge-fp32", {}).get("ms")
+        ms = pick(entries)
+        if fp32 and ms:
+            found.append(fp32 / ms)
+    return found
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Geometric means over the models of each int8 way's speed-up on fxforge's float32 (``target="auto"``).
+
+    Example:
+        >>> rows = [{"contenders": {"fxforge-fp32": {"ms": 4.0}, "fxforge-int8": {"ms": 2.0},
+        ...                         "fxforge-ort-int8": {"ms": 1.0}}}]
+        >>> summary(rows)[2]
+        '| fxforge-int8 (native) | 2.00x | 1 |'
+    """
+    def ms(name: str):
+        return lambda entries: entries.get(name, {}).get("ms")
+
+    def best(entries: dict) -> float | None:
+        times = [entries.get(n, {}).get("ms") for n in ("fxforge-int8", "fxforge-ort-int8")]
+        return min((t for t in times if t), default=None)
+
+    ways = [("fxforge-int8 (native)", ms("fxforge-int8")), ("fxforge-ort-int8", ms("fxforge-ort-int8")),
+            ("the faster of those two", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
+            ("ort-int8 (ONNX Runtime's quantizer, unchecked)", ms("ort-int8")),
+            ("ao-dynamic (unchecked)", ms("ao-dynamic"))]
+    lines = ["| geometric mean over the models | vs fxforge fp32 | models |", "|---|---:|---:|"]
+    for label, pick in ways:
+        found = _speedups(rows, pick)
+        if found:
+            mean = math.exp(sum(math.log(x) for x in found) / len(found))
+            lines.append(f"| {label} | {mean:.2f}x | {len(found)} |")
+    return lines
+
+
 def markdown(rows: list[dict], command: str) -> str:
     """The block: per model and contender, latency, its ratios against eager and fxforge float32, accuracy."""
     lines = ["## Int8: int8, bf16 and auto plans against float32 and int8 peers (issue 51)", "",
@@ -220,6 +261,7 @@ def markdown(rows: list[dict], command: str) -> str:
             f"{entry['error']:.1e} | {entry['top1']:.1%} | {row['load']:.1f}" if 'top1' in entry else
             f"{entry['ms']:.2f} | {ratio(e, entry['ms'])} | {ratio(f, entry['ms'])} | {entry['prepare_s']:.1f} | "
             f"{entry['error']:.1e} | | {row['load']:.1f}"), 7)
+    lines += ["", *summary(rows)]
     lines += ["", "| model | plan | kept | layers reduced | fxforge's precision notes |", "|---|---|---|---|---|"]
     for row in rows:
         for contender, plan in row.get("plans", {}).items():
