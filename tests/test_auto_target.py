@@ -353,3 +353,33 @@ def test_inductor_is_skipped_when_it_cannot_pay_back_its_compile(cache_dir, monk
     opt = fxforge.optimize(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), (torch.randn(4, 8),), target="auto")
     inductor = next(c for c in opt.report.race.contenders if c.target == "inductor")
     assert inductor.refused.startswith("skipped: it cannot pay back its build: about ") and inductor.prepare_s is None
+
+
+def test_auto_with_a_precision_races_reduced_targets_held_to_the_tolerance(cache_dir, monkeypatch):
+    from fxforge.exporters import onnx_precision
+    from fxforge.lowering import precision_stage
+
+    steady = {"eager": 2.0, "native": 1.0, "onnxruntime": 0.8, "inductor": 0.9}
+    monkeypatch.setattr(race_module, "time_in_blocks", lambda calls, **_: {name: steady[name] for name in calls})
+    reduced_wins = lambda calls, *a, **k: {n: (1.0 if n == "float32" else 0.5) for n in calls}
+    monkeypatch.setattr(precision_stage, "time_interleaved", reduced_wins)
+    monkeypatch.setattr(onnx_precision, "time_interleaved", reduced_wins)
+    model, x = conv_net(0), torch.randn(8, 3, 16, 16)
+    tolerance = {"relative_error": 0.05, "top1": None}
+    opt = fxforge.optimize(model, (x,), target="auto", targets=["native", "onnxruntime"], precision="int8",
+                           tolerance=tolerance)
+    race = opt.report.race
+    contenders = {c.target: c for c in race.contenders}
+    # int8 answers differ from eager by more than float32's rounding: held to the tolerance instead
+    assert not contenders["native"].refused, contenders["native"]
+    assert not contenders["onnxruntime"].refused or "outside the precision tolerance" in contenders["onnxruntime"].refused
+    assert race.winner in ("native", "onnxruntime")
+    with torch.no_grad():
+        fresh = torch.randn(8, 3, 16, 16)
+        error = (opt(fresh)["features"] - model(fresh)["features"]).abs().max() / model(fresh)["features"].abs().max()
+    assert 0 < error <= 0.1
+    native = fxforge.optimize(model, (x,), target="auto", targets=["native"], precision="auto", tolerance=tolerance)
+    assert native.report.race.winner == "native" and any(n.startswith(("precision int8: ", "precision bf16: "))
+                                                        for n in native.report.notes), native.report.notes
+    with pytest.raises(ValueError, match="precision='int4'"):
+        fxforge.optimize(model, (x,), target="auto", precision="int4")

@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     _write_arguments(opt, output_required=False)
     opt.add_argument("--precision", choices=("float32", "bf16", "fp16", "int8", "auto"), default="float32",
                      help="run matrix products and convolutions in this precision where the outputs keep "
-                          "--tolerance and the plan measures faster (with --target native; auto: the fastest "
-                          "of bf16 and int8, bf16 and fp16 on CUDA; int8 also with --target onnxruntime, "
+                          "--tolerance and the plan measures faster (with --target native or auto; auto: the "
+                          "fastest of bf16 and int8, bf16 and fp16 on CUDA; int8 also with --target onnxruntime, "
                           "where -o writes the int8 ONNX file)")
     opt.add_argument("--tolerance", type=float, default=None, metavar="R",
                      help="the largest relative error against float32 accepted with --precision (default 0.05)")
@@ -220,16 +220,17 @@ def _quiet_libraries() -> None:
 
 def check_precision(args: argparse.Namespace) -> None:
     """``--precision`` and ``--tolerance`` of ``fxforge optimize``: a reduced precision runs with ``--target native``
-    (not written to a file yet), or for int8 with ``--target onnxruntime`` (the file quantized by ONNX Runtime).
+    or ``auto`` (not written to a file yet), or for int8 with ``--target onnxruntime`` (the file quantized by ONNX
+    Runtime).
 
     Raises:
         argparse.ArgumentTypeError: (a usage error) the combination is not served.
 
     Example:
-        >>> check_precision(argparse.Namespace(precision="bf16", target="auto", output=None, tolerance=None))
+        >>> check_precision(argparse.Namespace(precision="bf16", target="inductor", output=None, tolerance=None))
         Traceback (most recent call last):
         ...
-        argparse.ArgumentTypeError: --precision bf16 runs with --target native (int8 also with --target onnxruntime)
+        argparse.ArgumentTypeError: --precision bf16 runs with --target native or auto (int8 also with --target onnxruntime)
     """
     if args.tolerance is not None and not args.tolerance > 0:
         raise argparse.ArgumentTypeError(f"--tolerance {args.tolerance}: expected a positive relative error")
@@ -237,12 +238,13 @@ def check_precision(args: argparse.Namespace) -> None:
         return
     if args.precision == "int8" and args.target == "onnxruntime":
         return
-    if args.target != "native":
-        raise argparse.ArgumentTypeError(f"--precision {args.precision} runs with --target native (int8 also with "
-                                         "--target onnxruntime)")
+    if args.target not in ("native", "auto"):
+        raise argparse.ArgumentTypeError(f"--precision {args.precision} runs with --target native or auto (int8 "
+                                         "also with --target onnxruntime)")
     if args.output:
-        raise argparse.ArgumentTypeError(f"--precision {args.precision} plans of --target native are not written to "
-                                         "files yet; leave out -o (int8: --target onnxruntime -o model.onnx)")
+        raise argparse.ArgumentTypeError(f"--precision {args.precision} plans of --target {args.target} are not "
+                                         "written to files yet; leave out -o (int8: --target onnxruntime -o "
+                                         "model.onnx)")
 
 
 def main(argv: list[str] | None = None) -> int:

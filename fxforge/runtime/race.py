@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxforge.core.accuracy import Tolerance, agreement
 from fxforge.core.disk_cache import BUSY_LOAD, machine_load
 from fxforge.core.report import Contender, Race
 from fxforge.core.source import first_line
@@ -158,9 +159,20 @@ def _skipped(entrant: Entrant, began: float, budget_s: float | None, eager_ms: f
     return ""
 
 
+def _differs(expected: Any, actual: Any, tolerance: Tolerance | None) -> tuple[str, float | None]:
+    """Why ``actual`` does not agree with eager's ``expected`` ("" where it does), and the largest absolute
+    difference: within :data:`RTOL_SCALE` times float32's tolerance, or for a reduced-precision race within
+    ``tolerance`` (:class:`~fxforge.core.accuracy.Tolerance`)."""
+    compared = compare_outputs(expected, actual, rtol_scale=RTOL_SCALE)
+    if tolerance is None or compared.ok:
+        return ("" if compared.ok else compared.reason), compared.max_abs_err
+    refusal = tolerance.refusal(agreement([expected], [actual], tolerance.metric))
+    return (f"outside the precision tolerance: {refusal}" if refusal else ""), compared.max_abs_err
+
+
 def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, seed: int, began: float,
-             budget_s: float | None, eager_ms: float | None = None,
-             served: Served | None = None) -> tuple[nn.Module | None, Contender]:
+             budget_s: float | None, eager_ms: float | None = None, served: Served | None = None,
+             tolerance: Tolerance | None = None) -> tuple[nn.Module | None, Contender]:
     """Build one entrant and check it on the fresh inputs (and, for a file of fixed sizes, on ``served``):
     (the module or None, its contender line)."""
     if entrant.refusal:
@@ -186,19 +198,19 @@ def _entered(entrant: Entrant, model: nn.Module, fresh: tuple, expected: Any, se
     except Exception as error:  # noqa: BLE001 - any failure refuses this target, with its reason
         return None, Contender(entrant.target, prepare_s=time.perf_counter() - start,
                                refused=str(error) if isinstance(error, Narrows) else f"failed: {first_line(error)}")
-    compared = compare_outputs(expected, actual, rtol_scale=RTOL_SCALE)
-    if not compared.ok:
-        return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err,
-                               refused=f"differs from eager on fresh inputs: {compared.reason}")
+    reason, max_abs_err = _differs(expected, actual, tolerance)
+    if reason:
+        return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=max_abs_err,
+                               refused=f"differs from eager on fresh inputs: {reason}")
     if entrant.fixed_sizes and served is not None:
-        refused = _serves(entrant.target, module, model, served, seed)
+        refused = _serves(entrant.target, module, model, served, seed, tolerance)
         if refused:
-            return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err,
-                                   refused=refused)
-    return module, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=compared.max_abs_err)
+            return None, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=max_abs_err, refused=refused)
+    return module, Contender(entrant.target, prepare_s=prepare_s, max_abs_err=max_abs_err)
 
 
-def _serves(target: str, module: nn.Module, model: nn.Module, served: Served, seed: int) -> str:
+def _serves(target: str, module: nn.Module, model: nn.Module, served: Served, seed: int,
+            tolerance: Tolerance | None = None) -> str:
     """Why ``module`` does not serve the new sizes eager serves (``served``) like eager, or ""."""
     what = f"does not serve inputs of new sizes that eager serves ({served.text})"
     try:
@@ -207,8 +219,8 @@ def _serves(target: str, module: nn.Module, model: nn.Module, served: Served, se
             actual = module(*served.args, **served.kwargs)
     except Exception as error:  # noqa: BLE001 - a size it does not take refuses it, with the reason
         return f"{what}: {first_line(error)}"
-    compared = compare_outputs(served.expected, actual, rtol_scale=RTOL_SCALE)
-    return "" if compared.ok else f"{what}: differs from eager there: {compared.reason}"
+    reason, _ = _differs(served.expected, actual, tolerance)
+    return f"{what}: differs from eager there: {reason}" if reason else ""
 
 
 def eager_call_ms(model: nn.Module, args: tuple, kwargs: dict, calls: int = 3) -> float:
@@ -264,7 +276,8 @@ def _summary(marks: dict[str, str], load: float) -> str:
 
 def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *, budget_s: float | None = None,
          began: float | None = None, seed: int = 1, preference: tuple[str, ...] = (),
-         served: Served | None = None, payback: bool = False) -> tuple[dict[str, nn.Module], Race]:
+         served: Served | None = None, payback: bool = False, tolerance: Tolerance | None = None
+         ) -> tuple[dict[str, nn.Module], Race]:
     """Build, check and time ``entrants`` against eager; returns the modules that passed, by target, and
     the :class:`~fxforge.core.report.Race` (``winner``: a target, ``"eager"`` where none beat eager, or empty
     where none passed; ``contenders``: eager first, then every entrant, refused ones with their reason).
@@ -282,6 +295,8 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
             ``fixed_sizes`` entrant is checked.
         payback: skip an entrant whose build is expected to take longer than :data:`PAYBACK_CALLS` eager
             calls, once one target is built.
+        tolerance: for entrants built in a reduced precision, what they must keep against eager (else within
+            :data:`RTOL_SCALE` times float32's tolerance).
     """
     began = time.perf_counter() if began is None else began
     fresh = random_like((args, kwargs), seed)
@@ -294,7 +309,7 @@ def race(model: nn.Module, args: tuple, kwargs: dict, entrants: list[Entrant], *
     contenders = []
     for entrant in entrants:  # the budget skips nothing before one target is built: the race needs one
         module, contender = _entered(entrant, model, fresh, expected, seed, began, budget_s if built else None,
-                                     eager_ms if built else None, served)
+                                     eager_ms if built else None, served, tolerance)
         contenders.append(contender)
         if module is not None:
             built[entrant.target] = module

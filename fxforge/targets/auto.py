@@ -41,9 +41,11 @@ from typing import Any
 from torch import nn
 
 from fxforge.capture import normalize_inputs
+from fxforge.core.accuracy import Tolerance
 from fxforge.core.follows import FollowsTraining
 from fxforge.core.report import Contender, Race, Report
 from fxforge.core.target_cache import choice_key, target_cache
+from fxforge.lowering.precision_stage import precision_dtype
 from fxforge.rewrites.registry import resolve
 from fxforge.runtime.progress import step
 from fxforge.runtime.race import RaceWarning, race, remembrable
@@ -67,7 +69,7 @@ class AutoTarget(Target):
     name = "auto"
     summary = "the fastest of the raced targets, measured on the example inputs"
     contract = Contract(dynamic="what the winner serves", artifact=None, decorates=False, raced=False)
-    options = ("targets", "budget_s", "max_plans")
+    options = ("targets", "budget_s", "max_plans", "precision", "tolerance")
 
     def __init__(self, registry: Mapping[str, Target]):
         self.registry = registry
@@ -128,16 +130,21 @@ class AutoTarget(Target):
         chosen = options.pop("targets", None)
         targets = tuple(chosen or (t.name for t in self.raced()))
         budget_s = options.pop("budget_s", AUTO_BUDGET_S)
+        precision, tolerance = options.pop("precision", "float32"), options.pop("tolerance", None)
+        reduced = precision_dtype(precision) is not None
+        tolerance = Tolerance.of(tolerance) if reduced else None
         common = {k: options.get(k, default) for k, default in
                   (("rewrites", "default"), ("verify", True), ("method", "auto"), ("dynamic", None))}
         names = [getattr(p, "name", repr(p)) for p in resolve(common["rewrites"])]
         key = choice_key(model, args, kwargs, f"targets {sorted(targets)} rewrites {names} verify {common['verify']} "
-                                              f"method {common['method']} dynamic {common['dynamic']}")
+                                              f"method {common['method']} dynamic {common['dynamic']}"
+                                              + (f" precision {precision} {tolerance}" if reduced else ""))
         cache = target_cache()
         stored = cache.get(key) if cache is not None else None
         shared: dict[str, Any] = {}
-        entrants = {t.name: t.entrant(model, args, kwargs, {k: v for k, v in options.items()
-                                                            if k in COMMON_OPTIONS or k in t.options}, shared)
+        entrants = {t.name: t.entrant(model, args, kwargs, {**{k: v for k, v in options.items()
+                                                               if k in COMMON_OPTIONS or k in t.options},
+                                                            **_precision_options(t, precision, tolerance)}, shared)
                     for t in self.raced() if t.name in targets}
         preference = self.preference()
         notes: list[str] = []
@@ -149,7 +156,7 @@ class AutoTarget(Target):
             winner = stored["winner"]
             served = self._served(model, args, kwargs, [entrants[winner]], shared)
             built, result = race(model, args, kwargs, [entrants[winner]], budget_s=None, began=began,
-                                 preference=preference, served=served)
+                                 preference=preference, served=served, tolerance=tolerance)
             then = stored["eager_ms"] / stored["latency_ms"][winner]
             timed = next((c for c in result.contenders if c.target == winner), None)
             now = result.eager_ms / timed.latency_ms if result.winner and timed and timed.latency_ms else None
@@ -161,7 +168,7 @@ class AutoTarget(Target):
         racing = [e for name, e in entrants.items() if name not in snapshots]
         served = self._served(model, args, kwargs, racing, shared)
         built, result = race(model, args, kwargs, racing, budget_s=budget_s, began=began, preference=preference,
-                             served=served, payback=chosen is None)
+                             served=served, payback=chosen is None, tolerance=tolerance)
         for name in snapshots:
             result.contenders.append(Contender(name, refused="not raced: the model is in training mode (it runs "
                                                              "an inference snapshot)"))
@@ -198,6 +205,25 @@ class AutoTarget(Target):
             with step("finding the input sizes eager serves"):
                 shared["served"] = new_sizes(model, args, kwargs)
         return shared.get("served")
+
+
+def _precision_options(target: Target, precision: str, tolerance: Tolerance | None) -> dict[str, Any]:
+    """What a raced target gets of ``precision``: the native target all of them (``"auto"`` races bf16 and int8
+    there); a target that serves int8 (ONNX Runtime's files) int8 for ``"int8"`` and ``"auto"``; the others
+    float32 (nothing).
+
+    Example:
+        >>> from fxforge.targets import TARGETS
+        >>> _precision_options(TARGETS["onnxruntime"], "auto", Tolerance()), _precision_options(TARGETS["inductor"], "int8", None)
+        ({'precision': 'int8', 'tolerance': Tolerance(relative_error=0.05, cosine=0.999, top1=0.99, metric=None, metric_at_least=0.0)}, {})
+    """
+    if tolerance is None or "precision" not in target.options:
+        return {}
+    if target.name == "native":
+        return {"precision": precision, "tolerance": tolerance}
+    if precision in ("int8", "auto"):
+        return {"precision": "int8", "tolerance": tolerance}
+    return {}
 
 
 class EagerModule(nn.Module):

@@ -94,14 +94,17 @@ def test_usage_error_exits_2_with_usage_as_a_subprocess(user_model, out):
     (["--input", "2x8", "-o", "graph.png"], "-o graph.png: the file name must end in .svg or .html or .htm", "show"),
     (["--input", "2x8", "--csv", "t.xlsx"], "--csv t.xlsx: the file name must end in .csv", "profile"),
     (["--input", "2x8"], "the following arguments are required: -o/--output", "export"),
-    (["--input", "2x8", "--precision", "bf16"], "--precision bf16 runs with --target native", "optimize"),
+    (["--input", "2x8", "--precision", "bf16", "--target", "inductor"], "--precision bf16 runs with --target native or auto",
+     "optimize"),
     (["--input", "2x8", "--precision", "bf16", "--target", "native", "-o", "m.pt2"],
      "--precision bf16 plans of --target native are not written to files yet; leave out -o", "optimize"),
+    (["--input", "2x8", "--precision", "int8", "--target", "auto", "-o", "m.onnx"],
+     "--precision int8 plans of --target auto are not written to files yet", "optimize"),
     (["--input", "2x8", "--target", "native", "--precision", "bf16", "--tolerance", "0"],
      "--tolerance 0.0: expected a positive relative error", "optimize"),
     (["--input", "2x8", "--precision", "int4"], "argument --precision: invalid choice: 'int4'", "optimize"),
-    (["--input", "2x8", "--precision", "auto", "--target", "onnxruntime"], "--precision auto runs with --target native",
-     "optimize"),
+    (["--input", "2x8", "--precision", "auto", "--target", "onnxruntime"],
+     "--precision auto runs with --target native or auto", "optimize"),
 ])
 def test_usage_errors_exit_2(capsys, args, message, command):
     with pytest.raises(SystemExit) as exit_info:
