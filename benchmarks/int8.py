@@ -11,6 +11,8 @@ interleaved rounds under ``torch.no_grad()``:
   0.05);
 - ``fxforge-ort-int8``: ``target="onnxruntime", precision="int8"``: fxforge's file quantized by ONNX Runtime's
   quantizer, kept only where it keeps the tolerance and runs faster (else the float32 file);
+- ``fxforge-auto-target``: ``target="auto", precision="auto"``: the targets raced in the precision each serves
+  (native bf16/int8, ONNX Runtime int8, Inductor float32), each held to the tolerance against eager;
 - ``ort-int8``: the plain ``torch.onnx.export(dynamo=True)`` model through ONNX Runtime's quantizer —
   ``quantize_dynamic`` (per channel, int8 weights) for models without convolutions, ``quantize_static`` in the
   QDQ format (per channel, calibrated on the example and two random draws) for the ones with;
@@ -47,9 +49,9 @@ from benchmarks.cold_section import cold_section, contender_lines, ratio, settle
 HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-int8.json"
 BLOCK = "int8"
-CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "ort-int8",
-              "ao-dynamic")
-REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8")
+CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8",
+              "fxforge-auto-target", "ort-int8", "ao-dynamic")
+REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "fxforge-auto-target")
 MODELS = ("mlp_b8", "resnet_block_b8", "bert_small_b1", "bert_small_b8", "vit_small_b8", "vit_classifier_b8",
           "llama_small_b1", "resnet50_b1", "convnext_tiny_b1")
 TOP1_CALLS = 8
@@ -172,6 +174,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                                                                    tolerance=0.05)) for p in ("bf16", "int8", "auto")},
                     "fxforge-ort-int8": lambda: fxforge.optimize(model, example, target="onnxruntime",
                                                                  precision="int8", tolerance=0.05),
+                    "fxforge-auto-target": lambda: fxforge.optimize(model, example, target="auto", precision="auto",
+                                                                    tolerance=0.05),
                     "ort-int8": lambda: _ort_int8(model, example, calibration, tmp),
                     "ao-dynamic": ao_dynamic}
         fns, row["contenders"] = time_contenders(
@@ -192,8 +196,12 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                 continue
             layers = [t for t in rep.tuning if t.rule == "precision" and t.subject != "graph"]
             graph = [t.choice for t in rep.tuning if t.rule == "precision" and t.subject == "graph"]
-            if contender == "fxforge-ort-int8":
-                graph = [built.onnx_export.precision]
+            export = getattr(built, "onnx_export", None)
+            if export is not None:
+                graph = [export.precision]
+            race = getattr(built, "race", None)
+            if contender == "fxforge-auto-target" and race is not None:
+                graph = [f"{race.winner}: {graph[0] if graph else 'float32'}"]
             reduced = sum(t.choice != "float32" for t in layers)
             row["plans"][contender] = {"kept": graph[0] if graph else "float32",
                                        "layers": f"{reduced} of {len(layers)}",
@@ -231,6 +239,7 @@ def summary(rows: list[dict]) -> list[str]:
 
     ways = [("fxforge-int8 (native)", ms("fxforge-int8")), ("fxforge-ort-int8", ms("fxforge-ort-int8")),
             ("the faster of those two", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
+            ("fxforge-auto-target (targets raced, precision auto)", ms("fxforge-auto-target")),
             ("ort-int8 (ONNX Runtime's quantizer, unchecked)", ms("ort-int8")),
             ("ao-dynamic (unchecked)", ms("ao-dynamic"))]
     lines = ["| geometric mean over the models | vs fxforge fp32 | models |", "|---|---:|---:|"]

@@ -7,7 +7,7 @@ from benchmarks.int8 import CONTENDERS, MODELS, markdown
 
 def _row(name: str, classifier: bool) -> dict:
     ms = {"eager": 10.0, "fxforge-fp32": 8.0, "fxforge-bf16": 5.0, "fxforge-int8": 4.0, "fxforge-auto": 4.0,
-          "fxforge-ort-int8": 3.2, "ort-int8": 3.0, "ao-dynamic": 6.0}
+          "fxforge-ort-int8": 3.2, "fxforge-auto-target": 3.2, "ort-int8": 3.0, "ao-dynamic": 6.0}
     contenders = {c: {"ms": ms[c], "prepare_s": 1.0, "error": 0.004} for c in CONTENDERS}
     if classifier:
         for entry in contenders.values():
