@@ -81,15 +81,19 @@ def _parts(node: Node, gm: torch.fx.GraphModule) -> _Layer | None:
     if node.op != "call_function":
         return None
     target, args = node.target, node.args
+    if target in _LINEARS + _CONVS and not isinstance(_argument(node, 0, "input", None), Node):
+        return None  # (an input passed in a way this does not read: the layer stays as it is)
     if target in _LINEARS:
-        return _Layer(args[0], _argument(node, 1, "weight", None), _argument(node, 2, "bias", None))
+        return _Layer(_argument(node, 0, "input", None), _argument(node, 1, "weight", None),
+                      _argument(node, 2, "bias", None))
     if target in _CONVS:
         padding = _argument(node, 4, "padding", 0)
         if isinstance(padding, str):
             return None
         conv = (_pair(_argument(node, 3, "stride", 1)), _pair(padding), _pair(_argument(node, 5, "dilation", 1)),
                 _argument(node, 6, "groups", 1))
-        return _Layer(args[0], _argument(node, 1, "weight", None), _argument(node, 2, "bias", None), conv)
+        return _Layer(_argument(node, 0, "input", None), _argument(node, 1, "weight", None),
+                      _argument(node, 2, "bias", None), conv)
     if str(target).startswith(_FUSED_LINEAR):
         x, w, b, other, binary, activation, scalars = args[:7]
         return _Layer(x, w, b, None, other, binary, activation, scalars)
@@ -130,7 +134,7 @@ class _Observer(torch.fx.Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.name in self.names:
-            x = self.env[n.args[0]]
+            x = self.env[n.args[0] if n.args else n.kwargs["input"]]
             finite = x[torch.isfinite(x)]
             if finite.numel():
                 low, high = self.ranges.get(n.name, (0.0, 0.0))

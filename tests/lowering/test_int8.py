@@ -247,3 +247,25 @@ def test_calls_that_record_gradients_get_float32_and_eagers_gradients_with_int8(
     twin(fresh).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_layers_called_with_keyword_inputs_are_read_or_left_as_they_are():
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.c = nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(4, 3, 3, 3))
+
+        def forward(self, x, image):
+            return F.linear(input=x, weight=self.w), F.conv2d(input=image, weight=self.c, padding=1)
+
+    torch.manual_seed(0)
+    model = Keywords().eval()
+    gm = torch.fx.symbolic_trace(model)
+    calls = [(torch.randn(4, 16), torch.randn(1, 3, 6, 6))]
+    layers = int8_layers(gm)
+    assert len(layers) == 2
+    quantize_layers(gm, layers, observe_inputs(gm, calls, [n.name for n in layers]))
+    assert not int8_layers(gm)
+    with torch.no_grad():
+        for got, want in zip(gm(*calls[0]), model(*calls[0])):
+            assert 0 < _relative(got, want) < 0.05
