@@ -1,5 +1,6 @@
-"""Int8 plans: the int8 ops against float32, the graph rewrite on users' models (module, functional and exported
-captures), weights that change, inputs beyond the calibration, and ``precision="int8"``/``"auto"`` end to end."""
+"""Int8 plans: the int8 ops against float32, the graph rewrite on users' models (its module, functional and
+exported captures with changing weights are in ``test_precision.py``, beside bf16's), inputs beyond the
+calibration, and ``precision="int8"``/``"auto"`` end to end."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from fxforge.core.accuracy import Tolerance, agreement
 from fxforge.lowering import precision_stage
 from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantize_layers
 from fxforge.lowering.int8_ops import input_qparams, weight_int8, weight_scale
-from fxforge.lowering.lower import derived_values
 from fxforge.lowering.precision_choice import choose_layers
-from tests.lowering.test_precision import MODELS, _model
+from tests.lowering.test_precision import MODELS, Cancelling, _model
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -102,44 +102,7 @@ def test_the_int8_ops_have_fake_implementations_for_export():
     torch.testing.assert_close(exported.module()(x), Both.__call__(exported.module(), x))
 
 
-@pytest.mark.parametrize("method", ["fx", "export"])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_layer_in_int8_stays_close_and_follows_the_weights(name, method):
-    model, x = _model(name)
-    new = fxforge.rewrite(fxforge.capture(model, (x,), method=method))
-    gm = new.graph_module
-    layers = int8_layers(gm)
-    assert len(layers) >= 2, [n.target for n in gm.graph.nodes]
-    calls = [(x,), (torch.randn(x.shape),)]
-    quantize_layers(gm, layers, observe_inputs(gm, calls, [n.name for n in layers]))
-    assert any(b.dtype == torch.int8 for b in gm.buffers()), "the weights were not held in int8"
-    assert not int8_layers(gm)
-    values = derived_values(gm, gm)
-    fresh = torch.randn(x.shape)
-    with torch.no_grad():
-        got, want = gm(fresh), model(fresh)
-        assert got.dtype == torch.float32 and 0 < _relative(got, want) < 0.05
-        for p in model.parameters():  # an optimizer step in place: the int8 weights are quantized again
-            p.mul_(0.9).add_(0.01)
-        assert values.refresh_if_stale()
-        assert _relative(gm(fresh), model(fresh)) < 0.05
-
-
 def test_the_layers_int8_breaks_stay_in_float32_with_the_reason():
-    class Cancelling(nn.Module):
-        """``b(h) - c(h)`` of two nearly equal layers: int8 rounding swamps the difference."""
-
-        def __init__(self):
-            super().__init__()
-            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
-            with torch.no_grad():
-                self.c.weight.copy_(self.b.weight + 1e-3 * torch.randn_like(self.b.weight))
-                self.c.bias.copy_(self.b.bias)
-
-        def forward(self, x):
-            h = torch.relu(self.a(x))
-            return self.b(h) - self.c(h)
-
     torch.manual_seed(0)
     model = Cancelling().eval()
     gm = torch.fx.symbolic_trace(model)
@@ -234,19 +197,6 @@ def test_int8_plans_serve_every_size_of_a_dynamic_plan_and_calls_in_inference_mo
     with torch.inference_mode():
         fresh = torch.randn(2, 3, 12, 12)
         assert 0 < _relative(opt(fresh), model(fresh)) <= 0.05
-
-
-def test_calls_that_record_gradients_get_float32_and_eagers_gradients_with_int8(monkeypatch):
-    monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
-    model, x = _model("tokens")
-    twin = _model("tokens")[0]
-    opt = fxforge.optimize(model, (x,), precision="int8", tolerance={"relative_error": 0.05})
-    fresh = torch.randn(x.shape)
-    with pytest.warns(Warning):
-        opt(fresh).square().sum().backward()
-    twin(fresh).square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def test_layers_called_with_keyword_inputs_are_read_or_left_as_they_are():

@@ -12,6 +12,7 @@ from torch import nn
 import fxforge
 from fxforge.core.accuracy import Tolerance, agreement
 from fxforge.lowering import precision_stage
+from fxforge.lowering.int8 import int8_layers, observe_inputs, quantize_layers
 from fxforge.lowering.lower import derived_values
 from fxforge.lowering.precision import reduce_layers, reducible
 from fxforge.lowering.precision_choice import choose_layers
@@ -75,42 +76,56 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return agreement([want], [got]).relative_error
 
 
+def _reduce_every_layer(gm: torch.fx.GraphModule, x: torch.Tensor, precision: str) -> tuple[torch.dtype, float]:
+    """Every layer of ``gm`` in ``precision``: the dtype its weights are then held in, and the error allowed."""
+    if precision == "bf16":
+        layers = reducible(gm)
+        assert len(layers) >= 2, [n.target for n in gm.graph.nodes]
+        reduce_layers(gm, layers, torch.bfloat16)
+        return torch.bfloat16, 0.03
+    layers = int8_layers(gm)
+    assert len(layers) >= 2, [n.target for n in gm.graph.nodes]
+    quantize_layers(gm, layers, observe_inputs(gm, [(x,), (torch.randn(x.shape),)], [n.name for n in layers]))
+    assert not int8_layers(gm)
+    return torch.int8, 0.05
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
 @pytest.mark.parametrize("method", ["fx", "export"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_layer_reduced_stays_close_and_follows_the_weights(name, method):
+def test_every_layer_reduced_stays_close_and_follows_the_weights(name, method, precision):
     model, x = _model(name)
     new = fxforge.rewrite(fxforge.capture(model, (x,), method=method))
     gm = new.graph_module
-    layers = reducible(gm)
-    assert len(layers) >= 2, [n.target for n in gm.graph.nodes]
-    reduce_layers(gm, layers, torch.bfloat16)
-    assert any(b.dtype == torch.bfloat16 for b in gm.buffers()), "the weights were not held in bfloat16"
+    dtype, allowed = _reduce_every_layer(gm, x, precision)
+    assert any(b.dtype == dtype for b in gm.buffers()), f"the weights were not held in {dtype}"
     values = derived_values(gm, gm)
     fresh = torch.randn(x.shape)
     with torch.no_grad():
         got, want = gm(fresh), model(fresh)
-        assert got.dtype == torch.float32 and 0 < _relative(got, want) < 0.03
-        for p in model.parameters():  # an optimizer step in place: the bfloat16 copies follow
+        assert got.dtype == torch.float32 and 0 < _relative(got, want) < allowed
+        for p in model.parameters():  # an optimizer step in place: the reduced copies follow
             p.mul_(0.9).add_(0.01)
         assert values.refresh_if_stale()
-        assert _relative(gm(fresh), model(fresh)) < 0.03
+        assert _relative(gm(fresh), model(fresh)) < allowed
+
+
+class Cancelling(nn.Module):
+    """``b(h) - c(h)`` of two nearly equal layers: rounding their inputs (bfloat16, int8) swamps the difference."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+        with torch.no_grad():
+            self.c.weight.copy_(self.b.weight + 1e-3 * torch.randn_like(self.b.weight))
+            self.c.bias.copy_(self.b.bias)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) - self.c(h)
 
 
 def test_a_layer_whose_rounding_is_amplified_stays_in_float32_with_the_reason():
-    class Cancelling(nn.Module):
-        """``b(h) - c(h)`` of two nearly equal layers: rounding their inputs to bfloat16 swamps the difference."""
-
-        def __init__(self):
-            super().__init__()
-            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
-            with torch.no_grad():
-                self.c.weight.copy_(self.b.weight + 1e-3 * torch.randn_like(self.b.weight))
-                self.c.bias.copy_(self.b.bias)
-
-        def forward(self, x):
-            h = torch.relu(self.a(x))
-            return self.b(h) - self.c(h)
-
     torch.manual_seed(0)
     model = Cancelling().eval()
     gm = torch.fx.symbolic_trace(model)
@@ -160,10 +175,12 @@ def test_optimize_in_bfloat16_answers_within_the_tolerance_on_fresh_inputs(name,
         assert _relative(opt(fresh), model(fresh)) <= 0.03
 
 
-def test_calls_that_record_gradients_get_float32_and_eagers_gradients(reduced_is_faster):
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_calls_that_record_gradients_get_float32_and_eagers_gradients(reduced_is_faster, precision):
     model, x = _model("tokens")
     twin = _model("tokens")[0]
-    opt = fxforge.optimize(model, (x,), precision="bf16")
+    opt = fxforge.optimize(model, (x,), precision=precision)
+    assert any(n.startswith(f"precision {precision}: ") and " layers in " in n for n in opt.report.notes)
     fresh = torch.randn(x.shape)
     with pytest.warns(Warning):
         opt(fresh).square().sum().backward()
