@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import Node
 
+from fxforge.core.nodes import copy_graph_module
 from fxforge.lowering.int8_ops import DIRECT, input_qparams, weight_int8, weight_scale
 from fxforge.lowering.precision import _float32, _module_call_as_function
 from fxforge.rewrites import fused_ops
@@ -134,7 +134,7 @@ class _Observer(torch.fx.Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.name in self.names:
-            x = self.env[n.args[0] if n.args else n.kwargs["input"]]
+            x = self.env[_argument(n, 0, "input", None)]
             finite = x[torch.isfinite(x)]
             if finite.numel():
                 low, high = self.ranges.get(n.name, (0.0, 0.0))
@@ -238,9 +238,7 @@ def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, 
         >>> [n.target.__name__ for n in copy.graph.nodes if n.op == "call_function"], len(list(gm.graph.nodes))
         (['linear_int8'], 3)
     """
-    quantized = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    quantized.meta.update(gm.meta)
-    quantized.meta["fxforge_folds"] = dict(gm.meta.get("fxforge_folds", {}))
+    quantized = copy_graph_module(gm)
     quantize_layers(quantized, [n for n in quantized.graph.nodes if n.name in names], ranges)
     direct_calls(quantized)
     return quantized
@@ -267,8 +265,12 @@ class Int8Reduction:
         """The layers int8 can run."""
         return int8_layers(gm)
 
+    def apply(self, gm: torch.fx.GraphModule, names: set[str]) -> torch.fx.GraphModule:
+        """A copy of ``gm`` with the named layers in int8 (:func:`quantized_copy`)."""
+        return quantized_copy(gm, names, self.ranges)
+
     def run(self, gm: torch.fx.GraphModule, inputs: Sequence[tuple], names: set[str]) -> list:
         """``gm``'s outputs on ``inputs`` with the named layers in int8."""
-        quantized = quantized_copy(gm, names, self.ranges)
+        quantized = self.apply(gm, names)
         with torch.no_grad():
             return [quantized(*args) for args in inputs]

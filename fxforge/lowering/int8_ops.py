@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from fxforge.core.tensor_cache import TensorCache
 from fxforge.lowering.kernels import packing_key
+from fxforge.lowering.postop_probes import _channels_last
 
 QMAX = 127
 _TINY = torch.finfo(torch.float32).tiny
@@ -91,7 +92,7 @@ def _finite(x: Tensor) -> bool:
 
 def _dense(x: Tensor) -> Tensor:
     """``x``'s elements as a 1-d view in memory order (a channels-last tensor would be copied by a reduction)."""
-    if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+    if _channels_last(x):
         return x.permute(0, 2, 3, 1).reshape(-1)
     return x.reshape(-1)
 
@@ -200,7 +201,7 @@ def conv_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tenso
             not _within(input, input_scale, input_zero_point):
         out = F.conv2d(input, _dequantized(weight_q, weight_scale), bias, stride, padding, dilation, groups)
         return F.relu(out) if activation == "relu" else out
-    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
+    channels_last = _channels_last(input)
     # Packed for the input's shape: oneDNN picks its weight layout by it (a 1x1 convolution over 1024 channels
     # runs 3x faster packed for its shape than packed for none).
     shape = list(input.shape)
@@ -244,7 +245,7 @@ def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilati
                     input_zero_point, activation):
     sizes = [(size + 2 * p - d * (k - 1) - 1) // s + 1
              for size, k, s, p, d in zip(input.shape[2:], weight_q.shape[2:], stride, padding, dilation)]
-    channels_last = input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
+    channels_last = _channels_last(input)
     return torch.empty((input.shape[0], weight_q.shape[0], *sizes), dtype=input.dtype, device=input.device,
                        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 

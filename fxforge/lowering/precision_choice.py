@@ -35,8 +35,9 @@ from torch import nn
 from torch.fx import Node
 
 from fxforge.core.accuracy import Agreement, Tolerance, agreement
+from fxforge.core.nodes import copy_graph_module
 from fxforge.core.source import node_source
-from fxforge.lowering.precision import reducible
+from fxforge.lowering.precision import reduce_layers, reducible
 
 
 @dataclasses.dataclass
@@ -123,13 +124,19 @@ class FloatReduction:
         """``gm``'s outputs on ``inputs`` with the named layers reduced."""
         return _run(gm, inputs, names, self.dtype)
 
+    def apply(self, gm: torch.fx.GraphModule, names: set[str]) -> torch.fx.GraphModule:
+        """A copy of ``gm`` (sharing the model's tensors) with the named layers reduced."""
+        reduced = copy_graph_module(gm)
+        reduce_layers(reduced, [n for n in reduced.graph.nodes if n.name in names], self.dtype)
+        return reduced
+
 
 def choose_layers(gm: torch.fx.GraphModule, inputs: Sequence[tuple], reduction: Any,
                   tolerance: Tolerance) -> PrecisionChoice:
     """The layers of ``gm`` to run reduced so that its outputs on ``inputs`` (calls, each a tuple of arguments)
     keep ``tolerance`` against float32 (see the module docstring). ``reduction``: a reduced floating-point dtype,
     or an object with ``kind``, ``layers(gm)`` and ``run(gm, inputs, names)`` as :class:`FloatReduction` has
-    (int8: :class:`~fxforge.lowering.int8.Int8Reduction`)."""
+    (int8: :class:`~fxforge.lowering.int8.Int8Reduction`); its ``apply(gm, names)`` makes the chosen graph."""
     if isinstance(reduction, torch.dtype):
         reduction = FloatReduction(reduction)
     names = [n.name for n in reduction.layers(gm)]

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 from typing import Any
@@ -38,10 +37,9 @@ from fxforge.core.accuracy import Tolerance
 from fxforge.core.captured import Captured
 from fxforge.core.report import Tuning
 from fxforge.core.verify import random_like
-from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantized_copy
+from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs
 from fxforge.lowering.lower import lower
-from fxforge.lowering.precision import reduce_layers
-from fxforge.lowering.precision_choice import choose_layers
+from fxforge.lowering.precision_choice import FloatReduction, choose_layers
 from fxforge.lowering.timing import DECISIVE, time_interleaved
 
 PRECISIONS = {"float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -96,11 +94,11 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
     if kind == "int8":
         # Static convolution inputs: observed on the calibration calls; the agreement is measured on those and one
         # call more that the observers did not see.
-        ranges = observe_inputs(gm, calls, [n.name for n in int8_layers(gm)])
+        reduction = Int8Reduction(observe_inputs(gm, calls, [n.name for n in int8_layers(gm)]))
         calls = calls + [random_like(calls[0], CALIBRATION_DRAWS + 1)]
-        choice = choose_layers(gm, calls, Int8Reduction(ranges), tolerance)
     else:
-        choice = choose_layers(gm, calls, kind, tolerance)
+        reduction = FloatReduction(kind)
+    choice = choose_layers(gm, calls, reduction, tolerance)
     for layer in choice.layers:
         where = f" ({layer.source})" if layer.source else ""
         measured = f"reduced alone: {layer.alone.describe()}" if layer.alone is not None else ""
@@ -108,14 +106,7 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
         report.tuning.append(Tuning("precision", f"{layer.name}{where}", layer.dtype, note=note, kind="accuracy"))
     if not choice.reduced:
         return None, choice.refusal or ""
-    if kind == "int8":
-        reduced = quantized_copy(gm, set(choice.reduced), ranges)
-    else:
-        reduced = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (the model's tensors, shared)
-        reduced.meta.update(gm.meta)
-        reduced.meta["fxforge_folds"] = dict(gm.meta.get("fxforge_folds", {}))
-        chosen = set(choice.reduced)
-        reduce_layers(reduced, [n for n in reduced.graph.nodes if n.name in chosen], kind)
+    reduced = reduction.apply(gm, set(choice.reduced))  # (a new GraphModule, the model's tensors shared)
     summary = (f"{len(choice.reduced)} of {len(choice.layers)} layers in {precision}; outputs against float32 on "
                f"{len(calls)} calls: {choice.agreement.describe()} (tolerance: {tolerance.describe()})")
     return reduced, summary
