@@ -51,3 +51,39 @@ def test_integer_outputs_are_not_measured_and_empty_ones_agree():
 def test_a_tolerance_that_is_not_a_positive_number_is_refused(bad):
     with pytest.raises(ValueError, match="expected a positive number"):
         Tolerance.of(bad)
+
+
+def _noisy_scores(rows: int, classes: int, noise: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    reference = torch.randn(rows, classes, generator=generator)
+    return reference, reference + noise * torch.randn(rows, classes, generator=generator)
+
+
+def test_the_expected_top1_agreement_tracks_the_flip_rate_on_rows_never_checked():
+    reference, candidate = _noisy_scores(20000, 100, 0.02)
+    actual = float((reference.argmax(1) == candidate.argmax(1)).double().mean())
+    expected = [agreement([reference[k:k + 40]], [candidate[k:k + 40]]).top1_expected for k in range(0, 400, 40)]
+    assert 0.95 < actual < 0.99
+    assert abs(sum(expected) / len(expected) - actual) < 0.01
+    exact = agreement([reference[:40]], [reference[:40].clone()])
+    assert exact.top1 == exact.top1_expected == 1.0
+
+
+def test_a_flip_rate_forty_rows_do_not_show_is_refused_by_the_margins():
+    reference, candidate = _noisy_scores(20000, 100, 0.02)
+    # Some 40 rows with no flip among them, while about 3 % of all rows flip.
+    start = next(k for k in range(0, 20000, 40)
+                 if bool((reference[k:k + 40].argmax(1) == candidate[k:k + 40].argmax(1)).all()))
+    found = agreement([reference[start:start + 40]], [candidate[start:start + 40]])
+    assert found.top1 == 1.0
+    assert found.top1_expected < 0.99
+    assert Tolerance().refusal(found).startswith("top-1 agreement expected from the score margins")
+    assert Tolerance(top1=None).refusal(found) is None
+    assert "expected from the margins" in found.describe()
+
+
+def test_features_get_no_expected_top1_and_nan_rows_are_left_out_of_it():
+    reference, candidate = _noisy_scores(40, 10, 0.0)
+    assert agreement([{"pooler_output": reference}], [{"pooler_output": candidate}]).top1_expected is None
+    reference[0, 0] = candidate[0, 0] = math.nan
+    assert agreement([reference], [candidate]).top1_expected == 1.0
