@@ -214,6 +214,10 @@ def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: di
     gm.recompile()
 
 
+def _is_conv(gm: torch.fx.GraphModule, node: Node) -> bool:
+    return _is_conv_module(gm, node) or (node.op == "call_function" and _parts(node, gm).conv is not None)
+
+
 def _is_conv_module(gm: torch.fx.GraphModule, node: Node) -> bool:
     return node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), nn.Conv2d)
 
@@ -247,7 +251,8 @@ def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, 
 class Int8Reduction:
     """The int8 trials of :func:`~fxforge.lowering.precision_choice.choose_layers`: each runs a quantized copy
     of the graph (:func:`quantized_copy`), the convolutions' inputs in the ``ranges`` observed on calibration
-    calls.
+    calls. ``convolutions=False`` (a graph run on a GPU, where no int8 convolution kernel is at hand) offers the
+    linear layers alone.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8)))
@@ -258,12 +263,12 @@ class Int8Reduction:
 
     kind = "int8"
 
-    def __init__(self, ranges: dict[str, tuple[float, float]]):
-        self.ranges = ranges
+    def __init__(self, ranges: dict[str, tuple[float, float]], convolutions: bool = True):
+        self.ranges, self.convolutions = ranges, convolutions
 
     def layers(self, gm: torch.fx.GraphModule) -> list[Node]:
         """The layers int8 can run."""
-        return int8_layers(gm)
+        return [n for n in int8_layers(gm) if self.convolutions or not _is_conv(gm, n)]
 
     def apply(self, gm: torch.fx.GraphModule, names: set[str]) -> torch.fx.GraphModule:
         """A copy of ``gm`` with the named layers in int8 (:func:`quantized_copy`)."""

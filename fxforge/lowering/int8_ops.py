@@ -13,7 +13,9 @@ Quantized weights are symmetric int8 per output channel (:func:`weight_scale`, :
 plan folds them from the live float weights, so a changed weight is quantized again. A call whose input holds
 NaN or an infinity runs the float32 layer on the dequantized weights (int8 has no such values; eager's answer
 is NaN there), as does a convolution whose input reaches far beyond its calibrated range (clamping it would
-change the answer by more than rounding does) and a call where the kernels cannot run (not on CPU).
+change the answer by more than rounding does) and a call where the kernels cannot run: a convolution not on
+the CPU, a linear layer on a GPU with 16 rows or fewer or sizes not multiples of 8 (cuBLAS's int8 product,
+:func:`int_mm_runs`), or on another device.
 
 Example:
     >>> _ = torch.manual_seed(0)
@@ -134,6 +136,25 @@ def quantize_uint8(x: Tensor, scale: float, zero_point: int) -> Tensor:
 _QUANTIZER_WARNED = False
 
 
+def int_mm_runs(rows: Tensor, weight_q: Tensor) -> bool:
+    """Whether ``torch._int_mm`` multiplies ``rows`` (2-d) by ``weight_q``'s transpose on their device: on the
+    CPU any sizes; on CUDA (cuBLAS's int8 product) more than 16 rows, and the inner and output sizes multiples of
+    8 (the inner at least 16).
+
+    Example:
+        >>> int_mm_runs(torch.zeros(4, 64), torch.zeros(32, 64, dtype=torch.int8))
+        True
+    """
+    if rows.shape[0] == 0 or rows.shape[1] == 0:
+        return False
+    if rows.device.type == "cpu":
+        return True
+    if rows.device.type != "cuda":
+        return False
+    inner, outputs = rows.shape[1], weight_q.shape[0]
+    return rows.shape[0] > 16 and inner >= 16 and inner % 8 == 0 and outputs % 8 == 0
+
+
 def linear_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """``linear(input, weight, bias)`` with ``input`` quantized per row at call time and ``weight_q`` an int8
     weight in ``weight_scale`` per output channel (see the module docstring): what ``fxforge::int8_linear``
@@ -145,7 +166,7 @@ def linear_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Ten
         tensor([[4.]])
     """
     rows = input.reshape(-1, input.shape[-1])
-    if input.device.type != "cpu" or rows.shape[0] == 0 or rows.shape[1] == 0:
+    if not int_mm_runs(rows, weight_q):
         return F.linear(input, _dequantized(weight_q, weight_scale), bias)
     magnitudes = rows.abs()
     largest = magnitudes.amax(-1, keepdim=True)

@@ -11,7 +11,8 @@ agreement and both timings.
 
 Int8 (:mod:`fxforge.lowering.int8`): linear layers quantize their inputs per token at call time; convolutions
 quantize theirs with the range observed on the calibration calls, and the agreement is measured on one call
-more that the observers did not see. ``"auto"`` builds each precision the inputs' device has fast kernels for
+more that the observers did not see. On a GPU only the linear layers run in int8 (cuBLAS's int8 product
+through ``torch._int_mm``): no int8 convolution kernel is at hand there. ``"auto"`` builds each precision the inputs' device has fast kernels for
 (bf16 and int8 on CPU, bf16 and fp16 on CUDA) and races them against float32 in one timing: the fastest that
 keeps the tolerance and beats float32 is kept.
 
@@ -82,8 +83,11 @@ def _raced(precision: str, example: tuple) -> list[str]:
     (bf16 and int8 on CPU; bf16 and fp16 on CUDA)."""
     if precision != "auto":
         return [precision]
-    devices = {t.device.type for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)}
-    return ["bf16", "fp16"] if "cuda" in devices else ["bf16", "int8"]
+    return ["bf16", "fp16"] if "cuda" in _devices(example) else ["bf16", "int8"]
+
+
+def _devices(example: tuple) -> set[str]:
+    return {t.device.type for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)}
 
 
 def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance: Tolerance, report: Any
@@ -94,7 +98,8 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
     if kind == "int8":
         # Static convolution inputs: observed on the calibration calls; the agreement is measured on those and one
         # call more that the observers did not see.
-        reduction = Int8Reduction(observe_inputs(gm, calls, [n.name for n in int8_layers(gm)]))
+        on_cpu = _devices(calls[0]) <= {"cpu"}
+        reduction = Int8Reduction(observe_inputs(gm, calls, [n.name for n in int8_layers(gm)]), convolutions=on_cpu)
         calls = calls + [random_like(calls[0], CALIBRATION_DRAWS + 1)]
     else:
         reduction = FloatReduction(kind)

@@ -219,3 +219,18 @@ def test_layers_called_with_keyword_inputs_are_read_or_left_as_they_are():
     with torch.no_grad():
         for got, want in zip(gm(*calls[0]), model(*calls[0])):
             assert 0 < _relative(got, want) < 0.05
+
+
+def test_an_int8_reduction_without_convolutions_offers_the_linear_layers_alone():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3, 3, 3))
+
+        def forward(self, x):
+            return F.conv2d(x, self.w).flatten(1)
+
+    modules = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 2)))
+    assert [n.name for n in Int8Reduction({}).layers(modules)] == ["_0", "_2"]
+    assert [n.name for n in Int8Reduction({}, convolutions=False).layers(modules)] == ["_2"]
+    assert Int8Reduction({}, convolutions=False).layers(torch.fx.symbolic_trace(Functional())) == []
