@@ -4,6 +4,7 @@ Runtime's quantizer on the validated float32 file, kept where it keeps the toler
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import onnx
 import pytest
@@ -48,7 +49,7 @@ def int8_is_faster(monkeypatch):
 
 
 @pytest.mark.parametrize("model, shape, form, ops", [
-    (_cnn, (8, 3, 16, 16), "static QDQ", {"QuantizeLinear", "DequantizeLinear"}),
+    (_cnn, (8, 3, 16, 16), "static QDQ fused", {"QuantizeLinear", "DequantizeLinear"}),
     # a residual stream of raw inputs: fresh draws leave static ranges, so the dynamic form is the one kept
     (Tokens, (2, 16, 64), "dynamic", {"DynamicQuantizeLinear", "MatMulInteger"}),
 ])
@@ -70,13 +71,14 @@ def test_an_int8_file_answers_within_the_tolerance(tmp_path, int8_is_faster, mod
 
 
 def test_both_forms_that_keep_the_tolerance_are_timed_and_the_fastest_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(onnx_precision, "time_interleaved",
-                        lambda calls, *a, **k: {"float32": 1.0, "static QDQ": 0.6, "dynamic": 0.4})
+    steady = {"float32": 1.0, "static QDQ fused": 0.6, "static QDQ": 0.5, "dynamic": 0.4}
+    monkeypatch.setattr(onnx_precision, "time_interleaved", lambda calls, *a, **k: {n: steady[n] for n in calls})
     path = str(tmp_path / "t.onnx")
     result = fxforge.export_onnx(Tokens().eval(), path, (torch.randn(2, 16, 64),), precision="int8",
                                  tolerance={"relative_error": 1.0, "cosine": 0.0, "top1": None})
     note = next(n for n in result.report.notes if n.startswith("precision int8"))
-    assert note.startswith("precision int8: dynamic") and note.endswith("; static QDQ: 0.6 ms"), note
+    # (the plain static form is not tried where the fused one keeps the tolerance)
+    assert note.startswith("precision int8: dynamic") and note.endswith("; static QDQ fused: 0.6 ms"), note
 
 
 def test_transformer_files_fall_back_to_dynamic_quantization_where_static_breaks_the_tolerance(tmp_path,
@@ -87,15 +89,16 @@ def test_transformer_files_fall_back_to_dynamic_quantization_where_static_breaks
 
     def static_breaks(path, form, io, calibration):
         calls.append(form)
-        return real(path, form, io, [tuple(t * 50 for t in c) for c in calibration] if form == "static QDQ"
+        return real(path, form, io, [tuple(t * 50 for t in c) for c in calibration] if form.startswith("static")
                     else calibration)  # (ranges 50x too wide: static rounds everything away)
 
     monkeypatch.setattr(onnx_precision, "_quantized", static_breaks)
     path = str(tmp_path / "t.onnx")
     result = fxforge.export_onnx(Tokens().eval(), path, (torch.randn(2, 16, 64),), precision="int8")
-    assert calls == ["static QDQ", "dynamic"]
+    assert calls == ["static QDQ fused", "static QDQ", "dynamic"]
     note = next(n for n in result.report.notes if n.startswith("precision int8"))
     assert note.startswith("precision int8: dynamic"), note
+    assert "; refused: static QDQ fused: relative error" in note and "; refused: static QDQ: relative error" in note
     assert "DynamicQuantizeLinear" in _ops(path)
 
 
@@ -103,13 +106,14 @@ def test_a_file_that_breaks_the_tolerance_or_is_not_faster_stays_float32(tmp_pat
     path = str(tmp_path / "c.onnx")
     result = fxforge.export_onnx(_cnn(), path, (torch.randn(8, 3, 16, 16),), precision="int8", tolerance=1e-6)
     note = next(n for n in result.report.notes if n.startswith("precision int8"))
-    assert note.startswith("precision int8: float32 kept: static QDQ: relative error"), note
+    assert note.startswith("precision int8: float32 kept: static QDQ fused: relative error"), note
+    assert "above the tolerance 1e-06; static QDQ: relative error" in note, note  # (the fallback, refused too)
     assert "QuantizeLinear" not in _ops(path) and result.precision == "float32"
     monkeypatch.setattr(onnx_precision, "time_interleaved",
                         lambda calls, *a, **k: {name: 1.0 for name in calls})
     result = fxforge.export_onnx(_cnn(), path, (torch.randn(8, 3, 16, 16),), precision="int8")
     note = next(n for n in result.report.notes if n.startswith("precision int8"))
-    assert "static QDQ: not faster (1 ms against float32's 1 ms" in note, note
+    assert "static QDQ fused: not faster (1 ms against float32's 1 ms" in note, note
     assert "QuantizeLinear" not in _ops(path) and os.listdir(tmp_path) == ["c.onnx"]
 
 
@@ -121,7 +125,76 @@ def test_the_onnxruntime_target_serves_int8_and_quantizes_each_export(int8_is_fa
         for shape in [(8, 3, 16, 16), (16, 3, 16, 16)]:  # (a new batch size: exported again, quantized again)
             fresh = torch.randn(shape)
             assert 0 < agreement([model(fresh)], [opt(fresh)]).relative_error <= 0.1
-    assert opt.exports == 2 and opt.onnx_export.precision == "int8 (static QDQ)"
+    assert opt.exports == 2 and opt.onnx_export.precision == "int8 (static QDQ fused)"
+
+
+def _runtime_ops(path: str, tmp_path) -> Counter:
+    """The operators of the graph ONNX Runtime runs for ``path`` (after its own fusions)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath, options.log_severity_level = str(tmp_path / "optimized.onnx"), 3
+    ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+    ops = Counter(node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node)
+    os.remove(options.optimized_model_filepath)
+    return ops
+
+
+TOLERANCE = {"relative_error": 0.05, "top1": None}  # (an untrained classifier's top-1 turns on near ties)
+
+
+def _relu6_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU6(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 10)).eval()
+
+
+def test_the_fused_form_keeps_a_conv_chain_in_int8_and_is_the_only_static_form_tried(tmp_path, int8_is_faster,
+                                                                                      monkeypatch):
+    """ReLUs and Clips folded into the convolutions' quantized outputs, pools quantized: ONNX Runtime runs the chain
+    without requantizing between the layers (the plain static form leaves a float ReLU island, and a
+    DequantizeLinear/QuantizeLinear pair around it, at each layer)."""
+    forms, real = [], onnx_precision._quantized
+    monkeypatch.setattr(onnx_precision, "_quantized", lambda path, form, *a: forms.append(form) or real(path, form, *a))
+    model, x = _relu6_cnn(), torch.randn(8, 3, 16, 16)
+    path = str(tmp_path / "c.onnx")
+    result = fxforge.export_onnx(model, path, (x,), precision="int8", tolerance=TOLERANCE)
+    assert forms == ["static QDQ fused"] and result.precision == "int8 (static QDQ fused)", result.report.notes
+    assert not {"Relu", "Clip"} & _ops(path) and "QuantizeLinear" in _ops(path)
+    fused = _runtime_ops(path, tmp_path)
+    assert fused["QLinearConv"] == 3 and fused["QuantizeLinear"] <= 1 and not {"Relu", "Clip"} & set(fused), fused
+    float32 = str(tmp_path / "f.onnx")
+    plain = fxforge.export_onnx(model, float32, (x,))
+    static = onnx_precision._quantized(float32, "static QDQ", plain.io, [(x,)])
+    assert _runtime_ops(static, tmp_path)["QuantizeLinear"] >= 3  # (a requantization at each ReLU)
+    with torch.no_grad():
+        fresh = torch.randn(8, 3, 16, 16)
+        assert 0 < agreement([model(fresh)], [OnnxRuntimeModule(path, result.io)(fresh)]).relative_error <= 0.05
+
+
+def test_a_fused_form_that_breaks_the_tolerance_is_refused_and_the_plain_static_form_kept(tmp_path, int8_is_faster,
+                                                                                           monkeypatch):
+    real = onnx_precision._quantized
+
+    def fused_breaks(path, form, io, calibration):
+        return real(path, form, io, [tuple(t * 50 for t in c) for c in calibration] if form == "static QDQ fused"
+                    else calibration)
+
+    monkeypatch.setattr(onnx_precision, "_quantized", fused_breaks)
+    path = str(tmp_path / "c.onnx")
+    result = fxforge.export_onnx(_relu6_cnn(), path, (torch.randn(8, 3, 16, 16),), precision="int8",
+                                 tolerance=TOLERANCE)
+    note = next(n for n in result.report.notes if n.startswith("precision int8"))
+    assert note.startswith("precision int8: static QDQ (weights per channel)"), note
+    assert "; refused: static QDQ fused: relative error" in note and "above the tolerance 0.05" in note, note
+    assert result.precision == "int8 (static QDQ)" and {"Relu", "Clip"} <= _ops(path)
+    assert os.listdir(tmp_path) == ["c.onnx"]
+
+
+def test_files_without_relus_or_pools_skip_the_fused_form():
+    assert onnx_precision._forms({"Conv", "MatMul", "Gelu", "Add", "LayerNormalization"}) == ["static QDQ"]
+    assert onnx_precision._forms({"MatMul", "Relu", "Add"}) == ["static QDQ fused", "static QDQ", "dynamic"]
 
 
 def test_bad_precision_options_are_refused_before_anything_is_written(tmp_path):
