@@ -51,7 +51,12 @@ fuzz: $(VENV)/.installed-dev
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check fxforge tests benchmarks examples
 
-bench: $(VENV)/.installed-dev
+# The benchmarks need dev and the bench extra (torchao: the int8 section's PT2E + Inductor peer).
+$(VENV)/.installed-bench: $(VENV)/.installed-dev pyproject.toml
+	$(PY) -m pip install -e '.[dev,bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(PY) -m benchmarks
 
 # The model zoo (torchvision, timm) in an environment of its own: the registries' torchvision is a CUDA build

@@ -17,8 +17,13 @@ interleaved rounds under ``torch.no_grad()``:
   ``quantize_dynamic`` (per channel, int8 weights) for models without convolutions, ``quantize_static`` in the
   QDQ format (per channel, calibrated on the example and two random draws) for the ones with;
 - ``ao-dynamic``: ``torch.ao.quantization.quantize_dynamic`` of the ``nn.Linear`` layers (eager, deprecated);
-- PT2E + Inductor int8 is not a contender: torch 2.13 ships neither ``torch.ao.quantization.quantize_pt2e`` nor the
-  X86 Inductor quantizer (both moved to torchao, which has no wheel here).
+- ``pt2e-int8``: PT2E + Inductor, torch's own int8 recipe for the CPU (from torchao, the ``bench`` extra, as
+  torch 2.13 no longer ships ``quantize_pt2e``): ``torch.export.export(model, example).module()``,
+  ``prepare_pt2e`` with torchao's ``X86InductorQuantizer`` in its default global config (static: per-channel
+  int8 weights, per-tensor uint8 activations, for every model, convolutions or not), calibrated on the calls
+  ``ort-int8`` calibrates on, ``convert_pt2e``, then ``torch.compile``, compiled on its first call with
+  Inductor's ``freezing`` on (Inductor's CPU int8 inference recipe; its prepare time counts all of these). Its
+  row says "not run" where torchao is not installed, and the error where a step fails (e.g. the export).
 
 Accuracy against eager float32 on fresh inputs: the relative error (``max|a - b| / max|b|``) of the first output
 on one fresh call, and for classifiers the top-1 agreement over 8 fresh calls (random images of the example's
@@ -50,11 +55,12 @@ HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-int8.json"
 BLOCK = "int8"
 CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8",
-              "fxforge-auto-target", "ort-int8", "ao-dynamic")
+              "fxforge-auto-target", "ort-int8", "ao-dynamic", "pt2e-int8")
 REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "fxforge-auto-target")
 MODELS = ("mlp_b8", "resnet_block_b8", "bert_small_b1", "bert_small_b8", "vit_small_b8", "vit_classifier_b8",
           "llama_small_b1", "resnet50_b1", "convnext_tiny_b1")
 TOP1_CALLS = 8
+PT2E_MISSING = "not run: torchao is not installed (pip install torchao)"
 
 
 def _models() -> dict[str, Any]:
@@ -142,6 +148,48 @@ def _ort_int8(model: Any, example: tuple, calibration: list[tuple], tmp: str) ->
     return OrtCallable(ort_session(quantized, torch.device("cpu")), torch.device("cpu"))
 
 
+def _pt2e_int8(model: Any, example: tuple, calibration: list[tuple]) -> Any:
+    """PT2E + Inductor int8 (see the module docstring); call it under ``torch.no_grad()`` (freezing)."""
+    import torch
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(torch.export.export(model, example).module(), quantizer)
+    for call in calibration:
+        prepared(*call)
+    compiled = torch.compile(convert_pt2e(prepared))
+    with inductor_config.patch(freezing=True):  # compiled on this first call, weights frozen (Inductor's recipe)
+        compiled(*example)
+    return compiled
+
+
+def _peers(model: Any, example: tuple, calibration: list[tuple], tmp: str) -> tuple[dict, dict]:
+    """The peers' builders, and the entries (``{"skipped": why}``) of those that cannot run here."""
+    import importlib.util
+
+    import torch
+
+    def ao_dynamic():
+        import copy
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear},
+                                                          dtype=torch.qint8)
+
+    builders = {"ort-int8": lambda: _ort_int8(model, example, calibration, tmp), "ao-dynamic": ao_dynamic}
+    skipped = {}
+    if importlib.util.find_spec("torchao") is None:
+        skipped["pt2e-int8"] = {"skipped": PT2E_MISSING}
+    else:
+        builders["pt2e-int8"] = lambda: _pt2e_int8(model, example, calibration)
+    return builders, skipped
+
+
 def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
     """One model's row (see the module docstring)."""
     import torch
@@ -156,16 +204,7 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
     example, fresh = inputs(), inputs()
     calibration = [example] + [random_like(example, seed) for seed in (1, 2)]
     row: dict[str, Any] = {"model": name, "shape": list(example[0].shape), "contenders": {}}
-    tmp = tempfile.mkdtemp(prefix="fxforge-int8-")
-
-    def ao_dynamic():
-        import copy
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear},
-                                                          dtype=torch.qint8)
+    peers, skipped = _peers(model, example, calibration, tempfile.mkdtemp(prefix="fxforge-int8-"))
 
     with torch.no_grad():
         reference = _first(model(*fresh))
@@ -176,11 +215,11 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                                                                  precision="int8", tolerance=0.05),
                     "fxforge-auto-target": lambda: fxforge.optimize(model, example, target="auto", precision="auto",
                                                                     tolerance=0.05),
-                    "ort-int8": lambda: _ort_int8(model, example, calibration, tmp),
-                    "ao-dynamic": ao_dynamic}
+                    **peers}
         fns, row["contenders"] = time_contenders(
             builders, example, fresh, lambda out: agreement([reference], [_first(out).float()]).relative_error,
             rounds, reps)
+        row["contenders"].update(skipped)
         if classifier:
             checks = [inputs() for _ in range(TOP1_CALLS)]
             wanted = [_first(model(*call)).argmax(-1) for call in checks]
@@ -241,7 +280,8 @@ def summary(rows: list[dict]) -> list[str]:
             ("the faster of those two", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
             ("fxforge-auto-target (targets raced, precision auto)", ms("fxforge-auto-target")),
             ("ort-int8 (ONNX Runtime's quantizer, unchecked)", ms("ort-int8")),
-            ("ao-dynamic (unchecked)", ms("ao-dynamic"))]
+            ("ao-dynamic (unchecked)", ms("ao-dynamic")),
+            ("pt2e-int8 (PT2E + Inductor, torchao's X86 quantizer, unchecked)", ms("pt2e-int8"))]
     lines = ["| geometric mean over the models | vs fxforge fp32 | models |", "|---|---:|---:|"]
     for label, pick in ways:
         found = _speedups(rows, pick)
@@ -259,17 +299,24 @@ def markdown(rows: list[dict], command: str) -> str:
               "cold caches. `vs fp32` is fxforge's float32 plan's latency (`target=\"auto\"`: its fastest float32 "
               "target) / the contender's. `rel err`: `max|a - b| / max|b|` against eager float32 on a fresh input; "
               "`top-1`: agreement with eager float32 over 8 fresh batches (classifiers). `load`: the 1-minute load "
-              "average at the end. PT2E + Inductor int8 is absent: torch 2.13 has no `quantize_pt2e`."),
+              "average at the end. `pt2e-int8`: PT2E + Inductor (`torch.export`, torchao's `X86InductorQuantizer` "
+              "in its default static config, calibrated on the calls `ort-int8` calibrates on, `torch.compile` "
+              "with freezing)."),
              "", "| model (input) | contender | ms | vs eager | vs fp32 | prepare s | rel err | top-1 | load |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def columns(entry: dict, row: dict, eager: float | None, fp32: float | None) -> str:
+        if "skipped" in entry:  # a peer that cannot run here (pt2e-int8 without torchao): why, other cells empty
+            return report.md_cell(entry["skipped"]) + " |" * 6
+        top1 = f"{entry['top1']:.1%} |" if "top1" in entry else "|"
+        return (f"{entry['ms']:.2f} | {ratio(eager, entry['ms'])} | {ratio(fp32, entry['ms'])} | "
+                f"{entry['prepare_s']:.1f} | {entry['error']:.1e} | {top1} {row['load']:.1f}")
+
     for row in rows:
         shape = "x".join(map(str, row.get("shape", ())))
         eager, fp32 = (row.get("contenders", {}).get(c, {}).get("ms") for c in ("eager", "fxforge-fp32"))
-        lines += contender_lines(row, f"{row['model']} ({shape})", CONTENDERS, lambda entry, row=row, e=eager, f=fp32: (
-            f"{entry['ms']:.2f} | {ratio(e, entry['ms'])} | {ratio(f, entry['ms'])} | {entry['prepare_s']:.1f} | "
-            f"{entry['error']:.1e} | {entry['top1']:.1%} | {row['load']:.1f}" if 'top1' in entry else
-            f"{entry['ms']:.2f} | {ratio(e, entry['ms'])} | {ratio(f, entry['ms'])} | {entry['prepare_s']:.1f} | "
-            f"{entry['error']:.1e} | | {row['load']:.1f}"), 7)
+        lines += contender_lines(row, f"{row['model']} ({shape})", CONTENDERS,
+                                 lambda entry, row=row, e=eager, f=fp32: columns(entry, row, e, f), 7)
     lines += ["", *summary(rows)]
     lines += ["", "| model | plan | kept | layers reduced | fxforge's precision notes |", "|---|---|---|---|---|"]
     for row in rows:
