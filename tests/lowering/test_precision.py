@@ -238,3 +238,44 @@ def test_a_forward_with_defaults_and_keyword_arguments_gets_its_precision(reduce
         with torch.no_grad():
             fresh = torch.randn(2, 7, 32)
             assert 0 < _relative(opt(fresh)["features"], model(fresh)["features"]) <= 0.05
+
+
+class SharedInputs(nn.Module):
+    """Three projections of one value (q, k, v), a chain of two linear layers and a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        mixed = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x)
+        return x + self.down(self.up(mixed))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shared_casts_drop_round_trips_and_duplicates_without_changing_a_bit(monkeypatch, dtype):
+    from fxforge.lowering import precision
+
+    torch.manual_seed(0)
+    model, x = SharedInputs().eval(), torch.randn(2, 5, 16)
+
+    def reduced(share: bool) -> torch.fx.GraphModule:
+        if not share:
+            monkeypatch.setattr(precision, "share_casts", lambda gm: 0)
+        gm = torch.fx.symbolic_trace(model)
+        reduce_layers(gm, [n for n in reducible(gm) if n.op == "call_module"], dtype)
+        monkeypatch.undo()
+        return gm
+
+    def casts(gm: torch.fx.GraphModule, to: torch.dtype) -> int:
+        return sum(1 for n in gm.graph.nodes if n.op == "call_method" and n.target == "to" and n.args[1] == to
+                   and n.args[0].op != "get_attr")
+
+    shared, plain = reduced(True), reduced(False)
+    # x once for q, k and v (was 3 casts); up's result goes to down in dtype (no float32 and back).
+    assert casts(plain, dtype) == 5 and casts(shared, dtype) == 2
+    assert casts(plain, torch.float32) == 5 and casts(shared, torch.float32) == 4
+    with torch.no_grad():
+        assert torch.equal(shared(x), plain(x))
+        assert Tolerance().refusal(agreement([model(x)], [shared(x)])) is None
