@@ -357,12 +357,13 @@ def test_inductor_is_skipped_when_it_cannot_pay_back_its_compile(cache_dir, monk
 
 def test_auto_with_a_precision_races_reduced_targets_held_to_the_tolerance(cache_dir, monkeypatch):
     from fxforge.exporters import onnx_precision
-    from fxforge.lowering import precision_stage
+    from fxforge.lowering import int8_speed, precision_stage
 
     steady = {"eager": 2.0, "native": 1.0, "onnxruntime": 0.8, "inductor": 0.9}
     monkeypatch.setattr(race_module, "time_in_blocks", lambda calls, **_: {name: steady[name] for name in calls})
     reduced_wins = lambda calls, *a, **k: {n: (1.0 if n == "float32" else 0.5) for n in calls}
     monkeypatch.setattr(precision_stage, "time_interleaved", reduced_wins)
+    monkeypatch.setattr(int8_speed, "time_interleaved", reduced_wins)
     monkeypatch.setattr(onnx_precision, "time_interleaved", reduced_wins)
     model, x = conv_net(0), torch.randn(8, 3, 16, 16)
     tolerance = {"relative_error": 0.05, "top1": None}

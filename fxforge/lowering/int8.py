@@ -173,11 +173,11 @@ def _after(y: torch.Tensor, other: torch.Tensor | None, binary: str, activation:
     return fused_ops.ACTIVATIONS[activation](y, scalars)
 
 
-def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: dict[str, tuple[float, float]]
-                    ) -> None:
+def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: dict[str, tuple[float, float]],
+                    per_tensor: frozenset[str] = frozenset()) -> None:
     """Replace each of ``layers`` (from :func:`int8_layers`) by its int8 op; a convolution's input is quantized
-    with the scale of its range in ``ranges`` (by node name; a convolution without one stays as it is).
-    ``gm`` is changed in place and recompiled."""
+    with the scale of its range in ``ranges`` (by node name; a convolution without one stays as it is), a linear
+    layer's per token, or per tensor where ``per_tensor`` names it. ``gm`` is changed in place and recompiled."""
     for node in layers:
         name = node.name
         parts = _parts(node, gm)
@@ -192,8 +192,8 @@ def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: di
             scale = graph.call_function(weight_scale, (parts.weight,))
             activation = parts.activation
             if parts.conv is None:
-                call = graph.call_function(torch.ops.fxforge.int8_linear.default,
-                                           (parts.input, quantized, scale, parts.bias))
+                op = torch.ops.fxforge.int8_linear_tensor if name in per_tensor else torch.ops.fxforge.int8_linear
+                call = graph.call_function(op.default, (parts.input, quantized, scale, parts.bias))
             else:
                 fused_relu = activation == "relu" and parts.other is None
                 activation = "none" if fused_relu else activation
@@ -215,7 +215,15 @@ def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: di
 
 
 def _is_conv(gm: torch.fx.GraphModule, node: Node) -> bool:
-    return _is_conv_module(gm, node) or (node.op == "call_function" and _parts(node, gm).conv is not None)
+    return _conv_settings(gm, node) is not None
+
+
+def _conv_settings(gm: torch.fx.GraphModule, node: Node) -> tuple | None:
+    """A convolution layer's (stride, padding, dilation, groups); None for a linear layer."""
+    if _is_conv_module(gm, node):
+        module = gm.get_submodule(str(node.target))
+        return (list(module.stride), list(module.padding), list(module.dilation), module.groups)
+    return _parts(node, gm).conv if node.op == "call_function" else None
 
 
 def _is_conv_module(gm: torch.fx.GraphModule, node: Node) -> bool:
@@ -231,8 +239,8 @@ def direct_calls(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, tuple[float, float]]
-                   ) -> torch.fx.GraphModule:
+def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, tuple[float, float]],
+                   per_tensor: frozenset[str] = frozenset()) -> torch.fx.GraphModule:
     """A new GraphModule of ``gm``'s graph (sharing the model's tensors) with the named layers in int8, calling
     the ops' plain functions (:func:`direct_calls`).
 
@@ -243,7 +251,7 @@ def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, 
         (['linear_int8'], 3)
     """
     quantized = copy_graph_module(gm)
-    quantize_layers(quantized, [n for n in quantized.graph.nodes if n.name in names], ranges)
+    quantize_layers(quantized, [n for n in quantized.graph.nodes if n.name in names], ranges, per_tensor)
     direct_calls(quantized)
     return quantized
 
@@ -252,7 +260,8 @@ class Int8Reduction:
     """The int8 trials of :func:`~fxforge.lowering.precision_choice.choose_layers`: each runs a quantized copy
     of the graph (:func:`quantized_copy`), the convolutions' inputs in the ``ranges`` observed on calibration
     calls. ``convolutions=False`` (a graph run on a GPU, where no int8 convolution kernel is at hand) offers the
-    linear layers alone.
+    linear layers alone; ``speeds`` leaves out the layers not faster in int8 at their size and picks each linear
+    layer's kernel (per token or per tensor).
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8)))
@@ -263,16 +272,20 @@ class Int8Reduction:
 
     kind = "int8"
 
-    def __init__(self, ranges: dict[str, tuple[float, float]], convolutions: bool = True):
-        self.ranges, self.convolutions = ranges, convolutions
+    def __init__(self, ranges: dict[str, tuple[float, float]], convolutions: bool = True,
+                 speeds: dict[str, Any] | None = None):
+        self.ranges, self.convolutions, self.speeds = ranges, convolutions, speeds or {}
 
     def layers(self, gm: torch.fx.GraphModule) -> list[Node]:
-        """The layers int8 can run."""
-        return [n for n in int8_layers(gm) if self.convolutions or not _is_conv(gm, n)]
+        """The layers int8 can run, less those ``speeds`` (by node name, from
+        :func:`~fxforge.lowering.int8_speed.layer_speeds`) found not faster in int8."""
+        return [n for n in int8_layers(gm) if (self.convolutions or not _is_conv(gm, n))
+                and (n.name not in self.speeds or self.speeds[n.name].faster)]
 
     def apply(self, gm: torch.fx.GraphModule, names: set[str]) -> torch.fx.GraphModule:
         """A copy of ``gm`` with the named layers in int8 (:func:`quantized_copy`)."""
-        return quantized_copy(gm, names, self.ranges)
+        per_tensor = frozenset(name for name, speed in self.speeds.items() if speed.kernel == "per tensor")
+        return quantized_copy(gm, names, self.ranges, per_tensor)
 
     def run(self, gm: torch.fx.GraphModule, inputs: Sequence[tuple], names: set[str]) -> list:
         """``gm``'s outputs on ``inputs`` with the named layers in int8."""

@@ -4,18 +4,21 @@
 - ``fxforge::int8_linear(input, weight_q, weight_scale, bias)``: each row of ``input`` (a token) is scaled
   by its own largest magnitude into int8 at call time, multiplied with the int8 weight by ``torch._int_mm``
   (VNNI on CPU), and the int32 sums scaled back by the row's and the output channel's scales, plus the bias.
+- ``fxforge::int8_linear_tensor(input, weight_q, weight_scale, bias)``: ``input`` quantized per tensor at call
+  time by FBGEMM's prepacked dynamic kernel: faster for small products, coarser; chosen per layer by timing.
 - ``fxforge::int8_conv(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
   input_zero_point, activation)``: ``input`` is quantized to uint8 with the scale and zero point calibrated
   for it, and oneDNN's int8 convolution (``onednn::qconv2d_pointwise``, weights prepacked once per weight and
   version and input shape) writes float32 with the dequantization, the bias and a ReLU fused.
 
 Quantized weights are symmetric int8 per output channel (:func:`weight_scale`, :func:`weight_int8`); the
-plan folds them from the live float weights, so a changed weight is quantized again. A call whose input holds
-NaN or an infinity runs the float32 layer on the dequantized weights (int8 has no such values; eager's answer
-is NaN there), as does a convolution whose input reaches far beyond its calibrated range (clamping it would
-change the answer by more than rounding does) and a call where the kernels cannot run: a convolution not on
-the CPU, a linear layer on a GPU with 16 rows or fewer or sizes not multiples of 8 (cuBLAS's int8 product,
-:func:`int_mm_runs`), or on another device.
+plan folds them from the live float weights, so a changed weight is quantized again. A convolution whose input
+reaches beyond its calibrated range quantizes that call in a range widened by whole steps to hold it
+(:func:`covering_qparams`; clamping would change the answer by up to the overshoot, far more than rounding
+does). The float32 layer runs, on the dequantized weights, for a call whose input holds NaN or an infinity (int8
+has no such values; eager's answer is NaN there) and where the kernels cannot run: a convolution not on the CPU
+or beyond the widest range, a linear layer on a GPU with 16 rows or fewer or sizes not multiples of 8 (cuBLAS's
+int8 product, :func:`int_mm_runs`), or on another device.
 
 Example:
     >>> _ = torch.manual_seed(0)
@@ -27,8 +30,10 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,11 +45,16 @@ from fxforge.lowering.postop_probes import _channels_last
 
 QMAX = 127
 _TINY = torch.finfo(torch.float32).tiny
-# How far beyond its calibrated range a convolution's input may reach (as a share of the range's width) and still
-# be clamped into it; an input reaching further runs the float32 convolution for that call.
-SATURATION_MARGIN = 0.1
+# A convolution's input beyond its calibrated range is quantized in a range widened on that side by steps of this
+# share of the calibrated width (so few ranges are ever packed), at most WIDEST steps in all; further, or NaN or
+# an infinity, runs the float32 convolution for that call. Clamping instead would change the answer by up to the
+# overshoot, far more than rounding does.
+WIDEN_STEP = 0.25
+WIDEST = 40
 # oneDNN-prepacked int8 convolution weights, per int8 weight and its version, then per call configuration.
 PACKED_INT8 = TensorCache()
+# FBGEMM-prepacked int8 weights (and bias) of the per-tensor dynamic linear kernel, per int8 weight and version.
+PACKED_DYNAMIC = TensorCache()
 
 
 def weight_scale(weight: Tensor) -> Tensor:
@@ -99,13 +109,33 @@ def _dense(x: Tensor) -> Tensor:
     return x.reshape(-1)
 
 
-def _within(x: Tensor, scale: float, zero_point: int) -> bool:
-    """Whether ``x`` lies within the calibrated range widened by :data:`SATURATION_MARGIN` of its width (NaN
-    does not)."""
-    low, high = torch.aminmax(_dense(x))
-    width = 255 * scale
-    return bool(low >= -zero_point * scale - SATURATION_MARGIN * width) and \
-        bool(high <= (255 - zero_point) * scale + SATURATION_MARGIN * width)
+def covering_qparams(x: Tensor, scale: float, zero_point: int) -> tuple[float, int] | None:
+    """The uint8 scale and zero point to quantize ``x`` in: the calibrated ones where ``x`` lies in their range,
+    else a range widened on the side(s) ``x`` overshoots by whole steps of :data:`WIDEN_STEP` of its width;
+    None where ``x`` holds NaN or an infinity, or reaches beyond :data:`WIDEST` steps.
+
+    Example:
+        >>> scale, zero = input_qparams(0.0, 1.0)
+        >>> covering_qparams(torch.tensor([0.0, 0.5]), scale, zero) == (scale, zero)
+        True
+        >>> low_high = lambda q: (round(-q[1] * q[0], 2), round((255 - q[1]) * q[0], 2))
+        >>> low_high(covering_qparams(torch.tensor([-0.1, 1.3]), scale, zero))   # a step below, two above
+        (-0.25, 1.5)
+        >>> covering_qparams(torch.tensor([float("nan")]), scale, zero) is None
+        True
+    """
+    low, high = (float(v) for v in torch.aminmax(_dense(x)))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    calibrated_low, calibrated_high = -zero_point * scale, (255 - zero_point) * scale
+    if low >= calibrated_low and high <= calibrated_high:
+        return scale, zero_point
+    step = WIDEN_STEP * (calibrated_high - calibrated_low)
+    below = math.ceil(max(0.0, calibrated_low - low) / step - 1e-9)
+    above = math.ceil(max(0.0, high - calibrated_high) / step - 1e-9)
+    if below + above > WIDEST:
+        return None
+    return input_qparams(calibrated_low - below * step, calibrated_high + above * step)
 
 
 def quantize_uint8(x: Tensor, scale: float, zero_point: int) -> Tensor:
@@ -187,6 +217,66 @@ def linear_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Ten
     return out.view(*input.shape[:-1], weight_q.shape[0])
 
 
+def dynamic_kernel_exists() -> bool:
+    """Whether this torch has the prepacked dynamic int8 linear kernel (``quantized::linear_dynamic``, FBGEMM on
+    x86), which :func:`linear_int8_tensor` calls (deprecated with torch's quantized tensors).
+
+    Example:
+        >>> isinstance(dynamic_kernel_exists(), bool)
+        True
+    """
+    return hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch.ops.quantized, "linear_prepack")
+
+
+def _packed_dynamic(weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Any:
+    def pack() -> Any:
+        with warnings.catch_warnings():  # (torch's quantized tensors are deprecated; said once, in the docs)
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(
+                weight_q, weight_scale.double(), torch.zeros(weight_q.shape[0], dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach())
+
+    key = (*packing_key(weight_q), *packing_key(weight_scale),
+           *((id(bias), *packing_key(bias)) if bias is not None else ()))
+    return PACKED_DYNAMIC.get(weight_q, key, pack)
+
+
+def linear_int8_tensor(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear(input, weight, bias)`` with ``input`` quantized per tensor at call time (one scale for the whole
+    call, from its range) by FBGEMM's prepacked dynamic int8 kernel (``quantized::linear_dynamic``; weights packed
+    once per weight and version): fewer passes around the product than :func:`linear_int8`'s per-token
+    quantization, so faster for small products, and coarser; the layer's kernel is chosen by timing
+    (:mod:`fxforge.lowering.int8_speed`) and its rounding checked like any other. NaN, an infinity, another
+    device or no such kernel: the float32 layer on the dequantized weight.
+
+    Example:
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> linear_int8_tensor(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None)
+        tensor([[4.]])
+    """
+    if input.device.type != "cpu" or input.numel() == 0 or not dynamic_kernel_exists() or not _finite(input):
+        return F.linear(input, _dequantized(weight_q, weight_scale), bias)
+    return torch.ops.quantized.linear_dynamic(input.contiguous(), _packed_dynamic(weight_q, weight_scale, bias),
+                                              False)
+
+
+@torch.library.custom_op("fxforge::int8_linear_tensor", mutates_args=())
+def int8_linear_tensor(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`linear_int8_tensor` as an op with a fake implementation (what a rewritten graph holds).
+
+    Example:
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> torch.ops.fxforge.int8_linear_tensor(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None)
+        tensor([[4.]])
+    """
+    return linear_int8_tensor(input, weight_q, weight_scale, bias)
+
+
+@int8_linear_tensor.register_fake
+def _int8_linear_tensor_fake(input, weight_q, weight_scale, bias):
+    return input.new_empty((*input.shape[:-1], weight_q.shape[0]))
+
+
 @torch.library.custom_op("fxforge::int8_linear", mutates_args=())
 def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`linear_int8` as an op with a fake implementation (what a rewritten graph holds).
@@ -218,10 +308,13 @@ def conv_int8(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tenso
         >>> y.shape, bool((y - F.relu(F.conv2d(x, w, padding=1))).abs().max() < 0.1)
         (torch.Size([1, 3, 5, 5]), True)
     """
-    if input.device.type != "cpu" or input.dim() != 4 or input.numel() == 0 or \
-            not _within(input, input_scale, input_zero_point):
+    qparams = None
+    if input.device.type == "cpu" and input.dim() == 4 and input.numel() > 0:
+        qparams = covering_qparams(input, input_scale, input_zero_point)
+    if qparams is None:
         out = F.conv2d(input, _dequantized(weight_q, weight_scale), bias, stride, padding, dilation, groups)
         return F.relu(out) if activation == "relu" else out
+    input_scale, input_zero_point = qparams
     channels_last = _channels_last(input)
     # Packed for the input's shape: oneDNN picks its weight layout by it (a 1x1 convolution over 1024 channels
     # runs 3x faster packed for its shape than packed for none).
@@ -272,4 +365,5 @@ def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilati
 
 
 # Each op's plain function, for graphs that run rather than export (see :func:`fxforge.lowering.int8.direct_calls`).
-DIRECT = {torch.ops.fxforge.int8_linear.default: linear_int8, torch.ops.fxforge.int8_conv.default: conv_int8}
+DIRECT = {torch.ops.fxforge.int8_linear.default: linear_int8, torch.ops.fxforge.int8_conv.default: conv_int8,
+          torch.ops.fxforge.int8_linear_tensor.default: linear_int8_tensor}

@@ -37,8 +37,10 @@ import torch.utils._pytree as pytree
 from fxforge.core.accuracy import Tolerance
 from fxforge.core.captured import Captured
 from fxforge.core.report import Tuning
+from fxforge.core.source import node_source
 from fxforge.core.verify import random_like
 from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs
+from fxforge.lowering.int8_speed import layer_speeds
 from fxforge.lowering.lower import lower
 from fxforge.lowering.precision_choice import FloatReduction, choose_layers
 from fxforge.lowering.timing import DECISIVE, time_interleaved
@@ -98,18 +100,31 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
     if kind == "int8":
         # Static convolution inputs: observed on the calibration calls; the agreement is measured on those and one
         # call more that the observers did not see.
-        on_cpu = _devices(calls[0]) <= {"cpu"}
-        reduction = Int8Reduction(observe_inputs(gm, calls, [n.name for n in int8_layers(gm)]), convolutions=on_cpu)
+        names = [n.name for n in int8_layers(gm)]
+        ranges = observe_inputs(gm, calls, names)
+        offered = Int8Reduction(ranges, convolutions=_devices(calls[0]) <= {"cpu"})
+        speeds = layer_speeds(gm, calls[0], [n.name for n in offered.layers(gm)], ranges)
+        reduction = Int8Reduction(ranges, offered.convolutions, speeds)
         calls = calls + [random_like(calls[0], CALIBRATION_DRAWS + 1)]
     else:
-        reduction = FloatReduction(kind)
+        reduction, speeds = FloatReduction(kind), {}
     choice = choose_layers(gm, calls, reduction, tolerance)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, speed in speeds.items():
+        if not speed.faster:
+            where = f" ({node_source(nodes[name])})" if node_source(nodes[name]) else ""
+            report.tuning.append(Tuning("precision", f"{name}{where}", "float32", kind="speed",
+                                        note=f"kept in float32: not faster in {precision} at its size "
+                                             f"({speed.describe()})"))
     for layer in choice.layers:
         where = f" ({layer.source})" if layer.source else ""
         measured = f"reduced alone: {layer.alone.describe()}" if layer.alone is not None else ""
-        note = "; ".join(x for x in (layer.reason, measured) if x)
+        speed = speeds[layer.name].describe() if layer.name in speeds else ""
+        note = "; ".join(x for x in (layer.reason, measured, speed) if x)
         report.tuning.append(Tuning("precision", f"{layer.name}{where}", layer.dtype, note=note, kind="accuracy"))
     if not choice.reduced:
+        if speeds and not any(speed.faster for speed in speeds.values()):
+            return None, f"no layer is faster in {precision} at its size"
         return None, choice.refusal or ""
     reduced = reduction.apply(gm, set(choice.reduced))  # (a new GraphModule, the model's tensors shared)
     summary = (f"{len(choice.reduced)} of {len(choice.layers)} layers in {precision}; outputs against float32 on "

@@ -152,10 +152,12 @@ def test_optimize_in_reduced_precision_reports_each_layers_precision(tmp_path, p
     result = run_cli("optimize", f"{model}:MLP", "--input", "4x8x64", "--target", "native", "--precision", precision,
                      "--tolerance", "0.03", "--no-bench", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "precision accuracy" in result.stdout, result.stdout
+    # Each layer's line: its precision by accuracy, or (int8, where the machine times a layer of this size as
+    # faster in float32) by speed, with both timings.
+    assert "precision accuracy" in result.stdout or "precision speed" in result.stdout, result.stdout
     for raced in (["bf16", "int8"] if precision == "auto" else [precision]):
         assert f"note: precision {raced}: " in result.stdout, result.stdout
-    assert "tolerance: relative error 0.03" in result.stdout
+    assert "tolerance: relative error 0.03" in result.stdout or "no layer is faster in int8" in result.stdout
 
 
 def test_optimize_for_onnxruntime_in_int8_writes_the_file_it_judged(tmp_path):

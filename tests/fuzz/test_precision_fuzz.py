@@ -13,10 +13,15 @@ from hypothesis import strategies as st
 
 import fxforge
 from fxforge.core.accuracy import agreement
-from fxforge.lowering import precision_stage
+from fxforge.lowering import int8_speed, precision_stage
 from tests.fuzz.programs import STATE_CHANGES, conv_nets, twins
 
 TOLERANCE = 0.05
+# The programs' activations are of order 1 (random normal inputs, default initialisation). An output that is the
+# rounding residue of such activations (a ReLU of a bias cancelling its input: all zeros but a few values of 1e-3)
+# carries the reduced precision's rounding at that order, far above its own size, in every reduced plan; it is
+# held to twice one bfloat16 rounding step at 1.0 instead of the relative error.
+FLOOR = 2 * 2.0 ** -8
 
 
 def _faster(calls, *args, **kwargs):
@@ -30,7 +35,8 @@ def _within(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN where eager has none (or the reverse)"
     found = agreement([torch.nan_to_num(want)], [torch.nan_to_num(got)])
     # The tolerance holds on the calibration calls; fresh inputs of the same statistics get twice its margin.
-    assert found.relative_error <= 2 * TOLERANCE, f"{what}: {found.describe()}"
+    error = float((torch.nan_to_num(want) - torch.nan_to_num(got)).abs().max()) if want.numel() else 0.0
+    assert found.relative_error <= 2 * TOLERANCE or error <= FLOOR, f"{what}: {found.describe()}, error {error:.3g}"
 
 
 @given(st.data())
@@ -51,6 +57,7 @@ def test_random_conv_nets_in_reduced_precision_answer_within_the_tolerance(data)
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         patch.setattr(precision_stage, "time_interleaved", _faster)
+        patch.setattr(int8_speed, "time_interleaved", _faster)
         opt = fxforge.optimize(model, (make(0),), precision=precision, tolerance=TOLERANCE)
         note(f"{opt.report.notes}")
         with torch.no_grad():

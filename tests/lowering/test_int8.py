@@ -11,7 +11,7 @@ from torch import nn
 
 import fxforge
 from fxforge.core.accuracy import Tolerance, agreement
-from fxforge.lowering import precision_stage
+from fxforge.lowering import int8_speed, precision_stage
 from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantize_layers
 from fxforge.lowering.int8_ops import input_qparams, weight_int8, weight_scale
 from fxforge.lowering.precision_choice import choose_layers
@@ -69,18 +69,32 @@ def test_int8_conv_is_close_to_float32_and_keeps_the_input_layout(groups, stride
         assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-def test_int8_conv_inputs_beyond_the_calibration_or_not_finite_run_in_float32():
+def test_int8_conv_inputs_beyond_the_calibration_are_quantized_in_a_wider_range_and_not_finite_in_float32():
+    from fxforge.lowering import int8_ops
+
     torch.manual_seed(0)
     x, w = torch.rand(1, 4, 6, 6), torch.randn(4, 4, 3, 3)
     low, high = 0.0, 1.0
-    assert _relative(_int8_conv(x * 1.05, w, None, low, high), F.conv2d(x * 1.05, w, padding=1)) < 0.03  # clamped
-    far = x * 1.5  # clamping into [0, 1] would be far off: the float32 convolution answers
-    assert _relative(_int8_conv(far, w, None, low, high), F.conv2d(far, w, padding=1)) < 0.01  # (weights' rounding)
-    below = x - 0.5
-    assert _relative(_int8_conv(below, w, None, low, high), F.conv2d(below, w, padding=1)) < 0.01
+    for beyond in (x * 1.05, x * 1.5, x - 0.5, x * 8):  # (clamping into [0, 1] would be 5-700 % off)
+        assert _relative(_int8_conv(beyond, w, None, low, high), F.conv2d(beyond, w, padding=1)) < 0.03
+    far = x * 20  # beyond ten widths: the float32 convolution answers (the weights' rounding alone)
+    scale, zero = input_qparams(low, high)
+    assert int8_ops.covering_qparams(far, scale, zero) is None
+    assert _relative(_int8_conv(far, w, None, low, high), F.conv2d(far, w, padding=1)) < 0.01
     x[0, 1, 2, 2] = float("nan")
     got, want = _int8_conv(x, w, None, low, high), F.conv2d(x, w, padding=1)
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_a_widened_range_is_whole_steps_of_the_calibrated_width_so_few_are_packed():
+    from fxforge.lowering.int8_ops import covering_qparams
+
+    scale, zero = input_qparams(-1.0, 1.0)
+    ranges = {covering_qparams(torch.tensor([-1.0, 1.0 + 0.01 * k]), scale, zero) for k in range(1, 100)}
+    # overshoots of 1 % .. 99 % of the width 2 need 1 or 2 steps of 0.5: two ranges, not 99
+    assert len(ranges) == 2
+    assert covering_qparams(torch.tensor([0.0, 0.5]), scale, zero) == (scale, zero)
+    assert covering_qparams(torch.tensor([float("inf")]), scale, zero) is None
 
 
 def test_the_int8_ops_have_fake_implementations_for_export():
@@ -113,6 +127,13 @@ def test_the_layers_int8_breaks_stay_in_float32_with_the_reason():
     assert set(kept) == {"b", "c"} and all("relative error" in layer.reason for layer in kept.values())
 
 
+def _kernels_faster(calls, *args, **kwargs):
+    """Layer timings that say every int8 kernel beats float32 (the machine decides in use, not in a test)."""
+    for call in calls.values():
+        call()
+    return {name: (1.0 if name == "float32" else 0.5) for name in calls}
+
+
 def _timings(order: dict[str, float]):
     def timed(calls, *args, **kwargs):
         for call in calls.values():
@@ -124,6 +145,7 @@ def _timings(order: dict[str, float]):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_optimize_in_int8_answers_within_the_tolerance_on_fresh_inputs(name, monkeypatch):
     monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    monkeypatch.setattr(int8_speed, "time_interleaved", _kernels_faster)
     model, x = _model(name)
     opt = fxforge.optimize(model, (x,), target="native", precision="int8", tolerance={"relative_error": 0.05})
     assert any(note.startswith("precision int8: ") and " layers in int8" in note for note in opt.report.notes), \
@@ -156,6 +178,7 @@ def test_auto_keeps_the_fastest_precision_within_the_tolerance(fastest, monkeypa
     if fastest == "float32":
         order.update(bf16=1.0, int8=1.2)
     monkeypatch.setattr(precision_stage, "time_interleaved", _timings(order))
+    monkeypatch.setattr(int8_speed, "time_interleaved", _kernels_faster)
     model, x = _model("tokens")
     opt = fxforge.optimize(model, (x,), target="native", precision="auto", tolerance={"relative_error": 0.05})
     graph = [t for t in opt.report.tuning if t.rule == "precision" and t.subject == "graph"]
@@ -186,6 +209,7 @@ def test_a_users_metric_decides_and_top1_can_be_left_out():
 
 def test_int8_plans_serve_every_size_of_a_dynamic_plan_and_calls_in_inference_mode(monkeypatch):
     monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    monkeypatch.setattr(int8_speed, "time_interleaved", _kernels_faster)
     model, x = _model("conv_bn")
     opt = fxforge.optimize(model, (x,), target="native", precision="int8", dynamic=True,
                            tolerance={"relative_error": 0.05, "top1": None})
@@ -234,3 +258,76 @@ def test_an_int8_reduction_without_convolutions_offers_the_linear_layers_alone()
     assert [n.name for n in Int8Reduction({}).layers(modules)] == ["_0", "_2"]
     assert [n.name for n in Int8Reduction({}, convolutions=False).layers(modules)] == ["_2"]
     assert Int8Reduction({}, convolutions=False).layers(torch.fx.symbolic_trace(Functional())) == []
+
+
+def test_the_per_tensor_kernel_is_close_follows_weight_and_bias_and_keeps_nan():
+    from fxforge.lowering.int8_ops import dynamic_kernel_exists, linear_int8_tensor
+
+    if not dynamic_kernel_exists():
+        pytest.skip("this torch has no quantized::linear_dynamic")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 7, 64), torch.randn(32, 64), torch.randn(32)
+    wq, ws = weight_int8(w), weight_scale(w)
+    assert _relative(linear_int8_tensor(x, wq, ws, b), F.linear(x, w, b)) < 0.03
+    with torch.no_grad():  # the packed weight and bias follow in-place changes of either
+        wq.neg_()
+        b.mul_(3)
+    assert _relative(linear_int8_tensor(x, wq, ws, b), F.linear(x, -w, b)) < 0.03
+    x[1, 3, 5] = float("nan")
+    got, want = linear_int8_tensor(x, wq, ws, b), F.linear(x, -w, b)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_layer_speeds_time_each_shape_once_and_keep_the_faster_int8_kernel(monkeypatch):
+    from fxforge.lowering.int8_speed import PER_TENSOR, layer_speeds
+
+    timed = []
+
+    def per_tensor_fastest(calls, *args, **kwargs):
+        timed.append(sorted(calls))
+        for call in calls.values():
+            call()
+        return {name: {"float32": 1.0, PER_TENSOR: 0.3}.get(name, 0.6) for name in calls}
+
+    monkeypatch.setattr(int8_speed, "time_interleaved", per_tensor_fastest)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)).eval()
+    gm = torch.fx.symbolic_trace(model)
+    speeds = layer_speeds(gm, (torch.randn(4, 16),), ["_0", "_1", "_2"], {})
+    assert len(timed) == 2  # _0 and _1 share a shape
+    assert {speed.kernel for speed in speeds.values()} == {PER_TENSOR} and all(s.faster for s in speeds.values())
+
+
+@pytest.mark.parametrize("change", ["none", "scale .data", "reassign parameter"])
+def test_a_plan_on_the_per_tensor_kernel_answers_within_the_tolerance(monkeypatch, change):
+    from fxforge.lowering.int8_ops import dynamic_kernel_exists
+    from fxforge.lowering.int8_speed import PER_TENSOR
+    from tests.fuzz.programs import STATE_CHANGES
+
+    if not dynamic_kernel_exists():
+        pytest.skip("this torch has no quantized::linear_dynamic")
+    monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
+    monkeypatch.setattr(int8_speed, "time_interleaved", lambda calls, *a, **k: (
+        [call() for call in calls.values()], {n: {"float32": 1.0, PER_TENSOR: 0.3}.get(n, 0.6) for n in calls})[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).eval()
+    opt = fxforge.optimize(model, (torch.randn(4, 16, 64),), precision="int8")
+    assert any("int8 (per tensor)" in t.note for t in opt.report.tuning if t.rule == "precision")
+    STATE_CHANGES[change](model, 7)
+    with torch.no_grad():
+        fresh = torch.randn(3, 9, 64)
+        assert Tolerance().refusal(agreement([model(fresh)], [opt(fresh)])) is None
+
+
+def test_the_per_tensor_op_exports_through_its_fake_implementation():
+    class Tensorwise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = torch.randn(8, 16)
+            self.register_buffer("wq", weight_int8(w))
+            self.register_buffer("ws", weight_scale(w))
+
+        def forward(self, x):
+            return torch.ops.fxforge.int8_linear_tensor(x, self.wq, self.ws, None)
+
+    exported = torch.export.export(Tensorwise(), (torch.randn(3, 16),))
+    assert "fxforge.int8_linear_tensor.default" in {str(n.target) for n in exported.graph.nodes}

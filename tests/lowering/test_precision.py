@@ -11,7 +11,7 @@ from torch import nn
 
 import fxforge
 from fxforge.core.accuracy import Tolerance, agreement
-from fxforge.lowering import precision_stage
+from fxforge.lowering import int8_speed, precision_stage
 from fxforge.lowering.int8 import int8_layers, observe_inputs, quantize_layers
 from fxforge.lowering.lower import derived_values
 from fxforge.lowering.precision import reduce_layers, reducible
@@ -151,6 +151,7 @@ def reduced_is_faster(monkeypatch):
         return {name: (1.0 if name == "float32" else 0.5) for name in calls}
 
     monkeypatch.setattr(precision_stage, "time_interleaved", timed)
+    monkeypatch.setattr(int8_speed, "time_interleaved", timed)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
