@@ -208,22 +208,18 @@ class AutoTarget(Target):
 
 
 def _precision_options(target: Target, precision: str, tolerance: Tolerance | None) -> dict[str, Any]:
-    """What a raced target gets of ``precision``: the native target all of them (``"auto"`` races bf16 and int8
-    there); a target that serves int8 (ONNX Runtime's files) int8 for ``"int8"`` and ``"auto"``; the others
-    float32 (nothing).
+    """What a raced target gets of ``precision`` (:meth:`~fxforge.targets.base.Target.precision_for`: the native
+    target every precision, ONNX Runtime int8 for ``"int8"`` and ``"auto"``, Inductor none).
 
     Example:
         >>> from fxforge.targets import TARGETS
-        >>> _precision_options(TARGETS["onnxruntime"], "auto", Tolerance()), _precision_options(TARGETS["inductor"], "int8", None)
-        ({'precision': 'int8', 'tolerance': Tolerance(relative_error=0.05, cosine=0.999, top1=0.99, metric=None, metric_at_least=0.0)}, {})
+        >>> _precision_options(TARGETS["onnxruntime"], "auto", Tolerance())["precision"]
+        'int8'
+        >>> _precision_options(TARGETS["inductor"], "int8", None)
+        {}
     """
-    if tolerance is None or "precision" not in target.options:
-        return {}
-    if target.name == "native":
-        return {"precision": precision, "tolerance": tolerance}
-    if precision in ("int8", "auto"):
-        return {"precision": "int8", "tolerance": tolerance}
-    return {}
+    given = target.precision_for(precision) if tolerance is not None else None
+    return {} if given is None else {"precision": given, "tolerance": tolerance}
 
 
 class EagerModule(nn.Module):

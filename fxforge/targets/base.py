@@ -96,6 +96,24 @@ class Target(abc.ABC):
     summary: str = ""
     contract: Contract
     options: tuple[str, ...] = ()
+    # The reduced precisions this target runs, each as ``precision=`` it takes (``"auto"``: it races its own);
+    # ``target="auto"`` passes a raced target the user's precision where it is here, and for ``"auto"`` the
+    # target's one reduced precision where it has only one (none: the target runs float32).
+    precisions: tuple[str, ...] = ()
+
+    def precision_for(self, precision: str) -> str | None:
+        """What this target is given of the user's ``precision`` when raced (None: it runs float32).
+
+        Example:
+            >>> from fxforge.targets import TARGETS
+            >>> [TARGETS[t].precision_for("auto") for t in ("native", "onnxruntime", "inductor")]
+            ['auto', 'int8', None]
+        """
+        if precision in self.precisions:
+            return precision
+        if precision == "auto" and len(self.precisions) == 1:
+            return self.precisions[0]
+        return None
 
     def check(self, options: dict[str, Any]) -> dict[str, Any]:
         """``options`` (common ones and this target's) checked once, before anything runs; returns them.

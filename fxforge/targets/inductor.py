@@ -35,6 +35,7 @@ class InductorTarget(NativeTarget):
     contract = Contract(dynamic="every size: one compiled plan per signature, or one with the dims that change "
                                 "dynamic", artifact=None)
     options = ("dynamic_shapes", "max_plans")
+    precisions = ()
     lowering = Lowering(_compiled, tuned=False, left_out=LEFT_TO_INDUCTOR)
     compiled_training = True
 

@@ -45,6 +45,7 @@ class NativeTarget(Target):
     contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
                         artifact=".pt2")
     options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance")
+    precisions = ("bf16", "bfloat16", "fp16", "float16", "int8", "auto")
     lowering: Lowering = build.NATIVE
     compiled_training = False
 

@@ -47,6 +47,7 @@ class OnnxRuntimeTarget(Target):
                         live_weights=False, hooks=False, gradients=False, training=False, artifact=".onnx",
                         devices="CPU, and CUDA where onnxruntime-gpu sees a GPU")
     options = tuple(o for o in EXPORT_OPTIONS if o not in COMMON_OPTIONS) + SESSION_OPTIONS
+    precisions = ("int8",)
 
     def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
         if model_kind(model) == "class":
