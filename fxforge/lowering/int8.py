@@ -174,10 +174,12 @@ def _after(y: torch.Tensor, other: torch.Tensor | None, binary: str, activation:
 
 
 def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: dict[str, tuple[float, float]],
-                    per_tensor: frozenset[str] = frozenset()) -> None:
+                    kernels: dict[str, str] | None = None) -> None:
     """Replace each of ``layers`` (from :func:`int8_layers`) by its int8 op; a convolution's input is quantized
     with the scale of its range in ``ranges`` (by node name; a convolution without one stays as it is), a linear
-    layer's per token, or per tensor where ``per_tensor`` names it. ``gm`` is changed in place and recompiled."""
+    layer's by its kernel in ``kernels`` (``"per token"``, the default; ``"per tensor"``; ``"static"``, in its
+    range). ``gm`` is changed in place and recompiled."""
+    kernels = kernels or {}
     for node in layers:
         name = node.name
         parts = _parts(node, gm)
@@ -191,8 +193,12 @@ def quantize_layers(gm: torch.fx.GraphModule, layers: Sequence[Node], ranges: di
             quantized = graph.call_function(weight_int8, (parts.weight,))
             scale = graph.call_function(weight_scale, (parts.weight,))
             activation = parts.activation
-            if parts.conv is None:
-                op = torch.ops.fxforge.int8_linear_tensor if name in per_tensor else torch.ops.fxforge.int8_linear
+            kernel = kernels.get(name, "per token")
+            if parts.conv is None and kernel == "static" and name in ranges:
+                call = graph.call_function(torch.ops.fxforge.int8_linear_static.default,
+                                           (parts.input, quantized, scale, parts.bias, *input_qparams(*ranges[name])))
+            elif parts.conv is None:
+                op = torch.ops.fxforge.int8_linear_tensor if kernel == "per tensor" else torch.ops.fxforge.int8_linear
                 call = graph.call_function(op.default, (parts.input, quantized, scale, parts.bias))
             else:
                 fused_relu = activation == "relu" and parts.other is None
@@ -240,7 +246,7 @@ def direct_calls(gm: torch.fx.GraphModule) -> None:
 
 
 def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, tuple[float, float]],
-                   per_tensor: frozenset[str] = frozenset()) -> torch.fx.GraphModule:
+                   kernels: dict[str, str] | None = None) -> torch.fx.GraphModule:
     """A new GraphModule of ``gm``'s graph (sharing the model's tensors) with the named layers in int8, calling
     the ops' plain functions (:func:`direct_calls`).
 
@@ -251,7 +257,7 @@ def quantized_copy(gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, 
         (['linear_int8'], 3)
     """
     quantized = copy_graph_module(gm)
-    quantize_layers(quantized, [n for n in quantized.graph.nodes if n.name in names], ranges, per_tensor)
+    quantize_layers(quantized, [n for n in quantized.graph.nodes if n.name in names], ranges, kernels)
     direct_calls(quantized)
     return quantized
 
@@ -261,7 +267,7 @@ class Int8Reduction:
     of the graph (:func:`quantized_copy`), the convolutions' inputs in the ``ranges`` observed on calibration
     calls. ``convolutions=False`` (a graph run on a GPU, where no int8 convolution kernel is at hand) offers the
     linear layers alone; ``speeds`` leaves out the layers not faster in int8 at their size and picks each linear
-    layer's kernel (per token or per tensor).
+    layer's kernel (per token, per tensor or static).
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8)))
@@ -284,8 +290,7 @@ class Int8Reduction:
 
     def apply(self, gm: torch.fx.GraphModule, names: set[str]) -> torch.fx.GraphModule:
         """A copy of ``gm`` with the named layers in int8 (:func:`quantized_copy`)."""
-        per_tensor = frozenset(name for name, speed in self.speeds.items() if speed.kernel == "per tensor")
-        return quantized_copy(gm, names, self.ranges, per_tensor)
+        return quantized_copy(gm, names, self.ranges, {name: speed.kernel for name, speed in self.speeds.items()})
 
     def run(self, gm: torch.fx.GraphModule, inputs: Sequence[tuple], names: set[str]) -> list:
         """``gm``'s outputs on ``inputs`` with the named layers in int8."""

@@ -6,6 +6,8 @@
   (VNNI on CPU), and the int32 sums scaled back by the row's and the output channel's scales, plus the bias.
 - ``fxforge::int8_linear_tensor(input, weight_q, weight_scale, bias)``: ``input`` quantized per tensor at call
   time by FBGEMM's prepacked dynamic kernel: faster for small products, coarser; chosen per layer by timing.
+- ``fxforge::int8_linear_static(input, weight_q, weight_scale, bias, input_scale, input_zero_point)``: ``input``
+  quantized to uint8 with a range calibrated for it, oneDNN's int8 product with the dequantization and bias fused.
 - ``fxforge::int8_conv(input, weight_q, weight_scale, bias, stride, padding, dilation, groups, input_scale,
   input_zero_point, activation)``: ``input`` is quantized to uint8 with the scale and zero point calibrated
   for it, and oneDNN's int8 convolution (``onednn::qconv2d_pointwise``, weights prepacked once per weight and
@@ -277,6 +279,56 @@ def _int8_linear_tensor_fake(input, weight_q, weight_scale, bias):
     return input.new_empty((*input.shape[:-1], weight_q.shape[0]))
 
 
+def linear_int8_static(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                       input_scale: float, input_zero_point: int) -> Tensor:
+    """``linear(input, weight, bias)`` with ``input`` quantized to uint8 with the static ``input_scale`` and
+    ``input_zero_point`` calibrated for it (widened for a call that reaches beyond, :func:`covering_qparams`), by
+    oneDNN's int8 matrix product (``onednn::qlinear_pointwise``, the dequantization and bias fused, weights
+    prepacked once per weight, version and input shape): one pass over the input besides the product, the fewest
+    of the three linear kernels. NaN, an infinity, another device: the float32 layer on the dequantized weight.
+
+    Example:
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> scale, zero = input_qparams(0.0, 1.0)
+        >>> linear_int8_static(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None, scale, zero)
+        tensor([[4.]])
+    """
+    rows = input.reshape(-1, input.shape[-1])
+    qparams = covering_qparams(rows, input_scale, input_zero_point) \
+        if input.device.type == "cpu" and rows.numel() > 0 else None
+    if qparams is None:
+        return F.linear(input, _dequantized(weight_q, weight_scale), bias)
+    scale, zero_point = qparams
+    by_shape = PACKED_INT8.get(weight_q, (*packing_key(weight_q), *packing_key(weight_scale)), dict)
+    packed = by_shape.get(tuple(rows.shape))
+    if packed is None:
+        packed = by_shape[tuple(rows.shape)] = torch.ops.onednn.qlinear_prepack(weight_q, list(rows.shape))
+    zeros = torch.zeros(weight_q.shape[0], dtype=torch.int64)
+    out = torch.ops.onednn.qlinear_pointwise(quantize_uint8(rows.contiguous(), scale, zero_point), scale, zero_point,
+                                             packed, weight_scale, zeros, bias, 1.0, 0, torch.float32, "none", [],
+                                             "")
+    return out.view(*input.shape[:-1], weight_q.shape[0])
+
+
+@torch.library.custom_op("fxforge::int8_linear_static", mutates_args=())
+def int8_linear_static(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                       input_scale: float, input_zero_point: int) -> Tensor:
+    """:func:`linear_int8_static` as an op with a fake implementation (what a rewritten graph holds).
+
+    Example:
+        >>> w = torch.tensor([[2.0, 2.0]])
+        >>> torch.ops.fxforge.int8_linear_static(torch.tensor([[1.0, 1.0]]), weight_int8(w), weight_scale(w), None,
+        ...                                      *input_qparams(0.0, 1.0))
+        tensor([[4.]])
+    """
+    return linear_int8_static(input, weight_q, weight_scale, bias, input_scale, input_zero_point)
+
+
+@int8_linear_static.register_fake
+def _int8_linear_static_fake(input, weight_q, weight_scale, bias, input_scale, input_zero_point):
+    return input.new_empty((*input.shape[:-1], weight_q.shape[0]))
+
+
 @torch.library.custom_op("fxforge::int8_linear", mutates_args=())
 def int8_linear(input: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`linear_int8` as an op with a fake implementation (what a rewritten graph holds).
@@ -366,4 +418,5 @@ def _int8_conv_fake(input, weight_q, weight_scale, bias, stride, padding, dilati
 
 # Each op's plain function, for graphs that run rather than export (see :func:`fxforge.lowering.int8.direct_calls`).
 DIRECT = {torch.ops.fxforge.int8_linear.default: linear_int8, torch.ops.fxforge.int8_conv.default: conv_int8,
-          torch.ops.fxforge.int8_linear_tensor.default: linear_int8_tensor}
+          torch.ops.fxforge.int8_linear_tensor.default: linear_int8_tensor,
+          torch.ops.fxforge.int8_linear_static.default: linear_int8_static}

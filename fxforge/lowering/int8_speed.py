@@ -6,8 +6,8 @@ input per token, converting the int32 sums back); a small layer (a 256-wide proj
 slower in int8. Each layer's input is recorded on the example call; layers of the same kind, weight shape,
 settings and input shape are timed once (a transformer's layers repeat), int8 (:func:`~fxforge.lowering.int8_ops.
 linear_int8`, :func:`~fxforge.lowering.int8_ops.conv_int8`) against ``F.linear``/``F.conv2d`` in interleaved
-calls; a linear layer's two int8 kernels (inputs quantized per token, or per tensor by FBGEMM's dynamic kernel)
-are both timed and the faster kept. A layer is offered to int8 only where its int8 kernel is faster; the others
+calls; a linear layer's int8 kernels (inputs quantized per token, per tensor by FBGEMM's dynamic kernel, or
+static in their calibrated range by oneDNN's) are all timed and the fastest kept. A layer is offered to int8 only where its int8 kernel is faster; the others
 stay in float32 with the timings (:class:`~fxforge.lowering.int8.Int8Reduction` reads these).
 
 Example:
@@ -34,6 +34,7 @@ from fxforge.lowering.int8_ops import (
     dynamic_kernel_exists,
     input_qparams,
     linear_int8,
+    linear_int8_static,
     linear_int8_tensor,
     weight_int8,
     weight_scale,
@@ -42,7 +43,8 @@ from fxforge.lowering.timing import DECISIVE, time_interleaved
 
 BUDGET_S = 0.05  # timing one layer shape, every kernel
 # The int8 kernels of a linear layer (:mod:`fxforge.lowering.int8_ops`): inputs quantized per token
-# (``torch._int_mm``) or per tensor (FBGEMM's dynamic kernel); a convolution has one (static, per tensor).
+# (``torch._int_mm``), per tensor at call time (FBGEMM's dynamic kernel) or static (a calibrated range, oneDNN's
+# int8 product); a convolution has one (static).
 PER_TOKEN, PER_TENSOR, STATIC = "per token", "per tensor", "static"
 
 
@@ -91,13 +93,16 @@ class _Inputs(torch.fx.Interpreter):
 
 
 def _calls(parts: Any, conv: tuple | None, x: torch.Tensor, weight: torch.Tensor, bias: Any,
-           input_range: tuple[float, float]) -> dict[str, Any]:
+           input_range: tuple[float, float] | None) -> dict[str, Any]:
     weight = weight.detach()
     wq, ws = weight_int8(weight), weight_scale(weight)
     if conv is None:
         calls = {PER_TOKEN: lambda: linear_int8(x, wq, ws, bias), "float32": lambda: F.linear(x, weight, bias)}
         if x.device.type == "cpu" and dynamic_kernel_exists():
             calls[PER_TENSOR] = lambda: linear_int8_tensor(x, wq, ws, bias)
+        if x.device.type == "cpu" and input_range is not None:
+            scale, zero = input_qparams(*input_range)
+            calls[STATIC] = lambda: linear_int8_static(x, wq, ws, bias, scale, zero)
         return calls
     scale, zero = input_qparams(*input_range)
     return {STATIC: lambda: conv_int8(x, wq, ws, bias, *conv, scale, zero, "none"),
@@ -126,7 +131,7 @@ def layer_speeds(gm: torch.fx.GraphModule, example: tuple, names: Sequence[str],
             key = (settings, tuple(x.shape), tuple(weight.shape), bias is not None, ranges.get(name),
                    x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else False)
             if key not in speeds:
-                timings = time_interleaved(_calls(layers[name], conv, x, weight, bias, ranges.get(name, (0.0, 1.0))),
+                timings = time_interleaved(_calls(layers[name], conv, x, weight, bias, ranges.get(name)),
                                            BUDGET_S, decisive=DECISIVE)
                 kernel = min((k for k in timings if k != "float32"), key=timings.__getitem__)
                 speeds[key] = LayerSpeed(timings[kernel], timings["float32"], kernel)

@@ -297,25 +297,39 @@ def test_layer_speeds_time_each_shape_once_and_keep_the_faster_int8_kernel(monke
     assert {speed.kernel for speed in speeds.values()} == {PER_TENSOR} and all(s.faster for s in speeds.values())
 
 
+@pytest.mark.parametrize("kernel", ["per tensor", "static"])
 @pytest.mark.parametrize("change", ["none", "scale .data", "reassign parameter"])
-def test_a_plan_on_the_per_tensor_kernel_answers_within_the_tolerance(monkeypatch, change):
+def test_a_plan_on_each_linear_kernel_answers_within_the_tolerance(monkeypatch, change, kernel):
     from fxforge.lowering.int8_ops import dynamic_kernel_exists
-    from fxforge.lowering.int8_speed import PER_TENSOR
     from tests.fuzz.programs import STATE_CHANGES
 
-    if not dynamic_kernel_exists():
+    if kernel == "per tensor" and not dynamic_kernel_exists():
         pytest.skip("this torch has no quantized::linear_dynamic")
     monkeypatch.setattr(precision_stage, "time_interleaved", _timings({"float32": 1.0, "int8": 0.5}))
     monkeypatch.setattr(int8_speed, "time_interleaved", lambda calls, *a, **k: (
-        [call() for call in calls.values()], {n: {"float32": 1.0, PER_TENSOR: 0.3}.get(n, 0.6) for n in calls})[1])
+        [call() for call in calls.values()], {n: {"float32": 1.0, kernel: 0.3}.get(n, 0.6) for n in calls})[1])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).eval()
     opt = fxforge.optimize(model, (torch.randn(4, 16, 64),), precision="int8")
-    assert any("int8 (per tensor)" in t.note for t in opt.report.tuning if t.rule == "precision")
+    assert any(f"int8 ({kernel})" in t.note for t in opt.report.tuning if t.rule == "precision")
     STATE_CHANGES[change](model, 7)
     with torch.no_grad():
-        fresh = torch.randn(3, 9, 64)
-        assert Tolerance().refusal(agreement([model(fresh)], [opt(fresh)])) is None
+        for fresh in (torch.randn(3, 9, 64), 3 * torch.randn(2, 16, 64)):  # (a static range met and overshot)
+            assert Tolerance().refusal(agreement([model(fresh)], [opt(fresh)])) is None
+
+
+def test_the_static_linear_kernel_is_close_widens_its_range_and_keeps_nan():
+    from fxforge.lowering.int8_ops import linear_int8_static
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 7, 64), torch.randn(32, 64), torch.randn(32)
+    wq, ws = weight_int8(w), weight_scale(w)
+    scale, zero = input_qparams(-4.0, 4.0)
+    assert _relative(linear_int8_static(x, wq, ws, b, scale, zero), F.linear(x, w, b)) < 0.03
+    assert _relative(linear_int8_static(5 * x, wq, ws, b, scale, zero), F.linear(5 * x, w, b)) < 0.03  # widened
+    x[1, 3, 5] = float("nan")
+    got, want = linear_int8_static(x, wq, ws, b, scale, zero), F.linear(x, w, b)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
 
 
 def test_the_per_tensor_op_exports_through_its_fake_implementation():
@@ -327,7 +341,9 @@ def test_the_per_tensor_op_exports_through_its_fake_implementation():
             self.register_buffer("ws", weight_scale(w))
 
         def forward(self, x):
-            return torch.ops.fxforge.int8_linear_tensor(x, self.wq, self.ws, None)
+            y = torch.ops.fxforge.int8_linear_tensor(x, self.wq, self.ws, None)
+            return torch.ops.fxforge.int8_linear_static(y, self.wq[:, :8], self.ws, None, 0.05, 128)
 
     exported = torch.export.export(Tensorwise(), (torch.randn(3, 16),))
-    assert "fxforge.int8_linear_tensor.default" in {str(n.target) for n in exported.graph.nodes}
+    targets = {str(n.target) for n in exported.graph.nodes}
+    assert {"fxforge.int8_linear_tensor.default", "fxforge.int8_linear_static.default"} <= targets
