@@ -39,6 +39,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from benchmarks.int8 import _first
+
 MODELS = ("bert_base_b8", "llama_b1", "vit_b16_b8", "resnet50_b8")
 CONTENDERS = ("eager", "compile-bf16", "compile-fp16", "compile-int8", "fxforge-bf16", "fxforge-fp16",
               "fxforge-int8", "fxforge-auto")
@@ -85,16 +87,6 @@ def _ids(batch: int, length: int, vocab: int, seed: int) -> Any:
     import torch
 
     return torch.randint(0, vocab, (batch, length), device="cuda", generator=_gen(seed))
-
-
-def _first(out: Any) -> Any:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) or hasattr(out, "values"):
-        return next(iter(out.values()))
-    return out[0]
 
 
 def _autocast(run: Any, dtype: Any) -> Any:
