@@ -22,3 +22,20 @@ def _doctest_names(doctest_namespace):
 # waiting for a busy core makes every op slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _module_call_left_as_found(request):
+    """A test that leaves ``nn.Module.__call__`` or ``__getattr__`` patched (a trace that did not put torch.fx's
+    patches back) fails by name, and the originals are put back, so the tests after it on the same worker do not
+    fail in its place."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    yield
+    call, getattr_ = torch.nn.Module.__call__, torch.nn.Module.__getattr__
+    if call is symbolic_trace._orig_module_call and getattr_ is symbolic_trace._orig_module_getattr:
+        return
+    torch.nn.Module.__call__ = symbolic_trace._orig_module_call
+    torch.nn.Module.__getattr__ = symbolic_trace._orig_module_getattr
+    pytest.fail(f"{request.node.nodeid} left nn.Module.__call__ or __getattr__ patched "
+                f"({getattr(call, '__qualname__', call)}, {getattr(getattr_, '__qualname__', getattr_)})")
