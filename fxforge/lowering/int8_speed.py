@@ -92,7 +92,7 @@ class _Inputs(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-def _calls(parts: Any, conv: tuple | None, x: torch.Tensor, weight: torch.Tensor, bias: Any,
+def _calls(conv: tuple | None, x: torch.Tensor, weight: torch.Tensor, bias: Any,
            input_range: tuple[float, float] | None) -> dict[str, Any]:
     weight = weight.detach()
     wq, ws = weight_int8(weight), weight_scale(weight)
@@ -115,23 +115,23 @@ def layer_speeds(gm: torch.fx.GraphModule, example: tuple, names: Sequence[str],
     quantizes with its range in ``ranges``; one without stays out, as does a layer the call does not reach)."""
     from fxforge.lowering.int8 import _conv_settings, _parts
 
-    layers = {n.name: _parts(n, gm) for n in gm.graph.nodes if n.name in set(names)}
-    layers = {name: parts for name, parts in layers.items() if parts is not None}
+    wanted = set(names)
+    nodes = {n.name: n for n in gm.graph.nodes if n.name in wanted}
+    layers = {name: parts for name, node in nodes.items() if (parts := _parts(node, gm)) is not None}
     recorder = _Inputs(gm, layers)
     with torch.no_grad():
         recorder.run(*example)
         speeds: dict[tuple, LayerSpeed] = {}
         found = {}
         for name, (x, weight, bias) in recorder.seen.items():
-            node = next(n for n in gm.graph.nodes if n.name == name)
-            conv = _conv_settings(gm, node)
+            conv = _conv_settings(gm, nodes[name])
             if conv is not None and name not in ranges:
                 continue
             settings = tuple(tuple(v) if isinstance(v, list) else v for v in conv) if conv else None
             key = (settings, tuple(x.shape), tuple(weight.shape), bias is not None, ranges.get(name),
                    x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else False)
             if key not in speeds:
-                timings = time_interleaved(_calls(layers[name], conv, x, weight, bias, ranges.get(name)),
+                timings = time_interleaved(_calls(conv, x, weight, bias, ranges.get(name)),
                                            BUDGET_S, decisive=DECISIVE)
                 kernel = min((k for k in timings if k != "float32"), key=timings.__getitem__)
                 speeds[key] = LayerSpeed(timings[kernel], timings["float32"], kernel)

@@ -112,7 +112,8 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, speed in speeds.items():
         if not speed.faster:
-            where = f" ({node_source(nodes[name])})" if node_source(nodes[name]) else ""
+            source = node_source(nodes[name])
+            where = f" ({source})" if source else ""
             report.tuning.append(Tuning("precision", f"{name}{where}", "float32", kind="speed",
                                         note=f"kept in float32: not faster in {precision} at its size "
                                              f"({speed.describe()})"))
