@@ -8,7 +8,7 @@ Example:
     1
 """
 
-from fxforge.api import optimize
+from fxforge.api import optimize, parallelize
 from fxforge.capture import CaptureError, capture
 from fxforge.core.captured import Captured
 from fxforge.core.report import Report
@@ -24,4 +24,4 @@ from fxforge.runtime.profile.subjects import profile
 from fxforge.training import TrainingMemory, training_memory
 
 __all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass", "Profile", "Report", "TrainingMemory",
-           "capture", "export_onnx", "load", "optimize", "partition", "profile", "rewrite", "training_memory"]
+           "capture", "export_onnx", "load", "optimize", "parallelize", "partition", "profile", "rewrite", "training_memory"]

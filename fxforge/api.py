@@ -116,3 +116,24 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     if model is None:
         return functools.partial(optimize, example_inputs=example_inputs, target=target, **options)
     return chosen.build(model, example_inputs, options)
+
+
+def parallelize(model: Any, example_inputs: Any, devices: int = 4, memory_per_device: Any = None, loss: Any = None,
+                optimizer: Any = "adamw", mesh: dict[str, int] | None = None, **options: Any) -> Any:
+    """Plan data, fully sharded, tensor and pipeline parallelism for training ``model`` on ``devices``.
+
+    Returns a :class:`~fxforge.parallel.plan.ParallelPlan`: ``.strategy`` (``{"dp", "fsdp", "tp", "pp"}``),
+    ``.tp_plan`` (module -> ``"colwise" | "rowwise" | "sequence" | "vocab" | "replicate"``), ``.candidates``
+    (every mesh with its predicted step time, memory per device and collective bytes; those that do not fit
+    refused with the figure) and ``.why``. ``fxforge.parallel.run(plan, inputs)`` runs it on local processes
+    and checks it against the model in one. See :func:`fxforge.parallel.planner.parallelize` for the options.
+
+    Example (slow: measures the link once, then cached)::
+
+        plan = fxforge.parallelize(model, (ids,), devices=2, memory_per_device="4GiB")
+        print(plan)
+        result = fxforge.parallel.run(plan, (ids,), steps=3)
+    """
+    from fxforge.parallel.planner import parallelize as plan
+
+    return plan(model, example_inputs, devices, memory_per_device, loss, optimizer, mesh, **options)

@@ -21,14 +21,20 @@ def is_module(name: str, root: pathlib.Path) -> bool:
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every cycle found by a depth-first search (each reported once, as the path that closes it)."""
+    """Every cycle found by a depth-first search (each reported once, as the path that closes it, from its
+    alphabetically first member: the same cycle reads the same whichever node the search reached first)."""
     found, state = [], {}
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                if nxt not in path:
+                    found.append([node, nxt])
+                    continue
+                body = path[path.index(nxt):]
+                start = body.index(min(body))
+                found.append([*body[start:], *body[:start], body[start]])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"

@@ -12,6 +12,8 @@
                                                              (one training step's memory; checkpointing plan)
     fxforge partition MODEL --input ... --stages K [--microbatches M] [--memory-per-stage 2GiB] [--run]
                                                              (pipeline stages; --run: run and check them)
+    fxforge parallelize MODEL --input ... --devices N [--memory-per-device 16GiB] [--mesh tp=2] [--run]
+                                                             (data / sharded / tensor / pipeline plans)
     fxforge rewrites                                         (the built-in rewrites)
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
@@ -53,6 +55,7 @@ from fxforge.cli.dynamic import check_dynamic
 from fxforge.cli.failures import capture_failure
 from fxforge.cli.inputs import InputError
 from fxforge.cli.memory import AUTOCAST, add_memory_options, run_memory
+from fxforge.cli.parallelize import add_parallelize_command
 from fxforge.cli.partition import add_partition_command
 from fxforge.cli.profile import run_profile
 from fxforge.targets import TARGETS
@@ -202,10 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     mem.set_defaults(run=run_memory, parser=mem)
 
     part = add_partition_command(commands, _model_arguments)
+    par = add_parallelize_command(commands, _model_arguments)
 
     commands.add_parser("rewrites", help="list the built-in rewrites",
                         description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
-    for sub in (opt, exp, prof, show, mem, part):  # --debug also after the command's name
+    for sub in (opt, exp, prof, show, mem, part, par):  # --debug also after the command's name
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
     return parser
 

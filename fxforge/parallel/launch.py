@@ -22,13 +22,8 @@ import copy
 import dataclasses
 import os
 import pickle
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +32,7 @@ from torch.utils import _pytree as pytree
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
 from fxforge.parallel.partition import Partition
+from fxforge.parallel.processes import run_workers
 from fxforge.parallel.restructure import pipeline_ready
 from fxforge.parallel.units import microbatches_of
 
@@ -94,12 +90,6 @@ class PipelineRun:
                 f"outputs and gradients {verdict} the single process (max abs error {self.output_error:.2e} "
                 f"outputs, {self.gradient_error:.2e} gradients); step {statistics.median(steady) * 1e3:.1f} ms "
                 f"vs {statistics.median(ref) * 1e3:.1f} ms in one process")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatches: int, loss_fn: Any
@@ -168,43 +158,16 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
         aliases.setdefault(id(p), (name, []))
     for name, p in staged.named_parameters(remove_duplicate=False):
         aliases[id(p)][1].append(name)
-    with tempfile.TemporaryDirectory(prefix="fxforge-pipeline-") as tmp:
-        folder = Path(tmp)
-        payload = folder / "payload.pt"
-        try:
-            pickle.dumps(loss_fn)
-        except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise ValueError(f"loss_fn cannot be sent to the workers ({error}): give a module-level function") from None
-        torch.save({"model": staged, "microbatch": microbatch, "split_points": part.split_points,
-                    "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
-                    "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
-                    "backend": backend, "cuda": use_cuda}, payload)
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(threads))
-        setup = [f"{worker_setup.__module__}:{worker_setup.__qualname__}"] if worker_setup else []
-        procs = [subprocess.Popen([sys.executable, "-m", "fxforge.parallel.worker", str(payload), str(rank),
-                                   str(part.stages), str(folder), *setup], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for rank in range(part.stages)]
-        deadline = time.monotonic() + timeout
-        errors = {}
-        for rank, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"the pipeline's workers did not finish in {timeout:.0f} s") from None
-            if proc.returncode:
-                lines = [line for line in err.strip().splitlines() if line.strip()]
-                errors[rank] = lines[-1] if lines else f"exit code {proc.returncode}"
-        if errors:
-            # A rank's own exception first; the others only report that a peer hung up.
-            own = {rank: (folder / f"rank{rank}.error").read_text() for rank in errors
-                   if (folder / f"rank{rank}.error").is_file()}
-            first = [(r, line) for r, line in sorted(own.items()) if "Connection closed by peer" not in line]
-            rank, line = (first or sorted(own.items()) or sorted(errors.items()))[0]
-            raise RuntimeError(f"pipeline stage {rank} failed: {line}")
-        results = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(part.stages)]
+    try:
+        pickle.dumps(loss_fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise ValueError(f"loss_fn cannot be sent to the workers ({error}): give a module-level function") from None
+    payload = {"model": staged, "microbatch": microbatch, "split_points": part.split_points,
+               "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
+               "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
+               "backend": backend, "cuda": use_cuda}
+    results = run_workers("fxforge.parallel.worker", payload, part.stages, threads=threads, timeout=timeout,
+                          worker_setup=worker_setup, what="pipeline stage")
     return _compare(part, reference_model, list(aliases.values()), args, kwargs, loss_fn, results, schedule,
                     backend, steps)
 

@@ -13,16 +13,15 @@ and its cause, on one line.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxforge.parallel.engine import build_pipe
+from fxforge.parallel.processes import worker_main
 
 
 def _schedule_class(name: str) -> Any:
@@ -72,31 +71,7 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
 
 
 def main(argv: list[str]) -> int:
-    payload_path, rank, world, out_dir = argv[0], int(argv[1]), int(argv[2]), argv[3]
-    if len(argv) > 4:  # module:function to call before the model is unpickled
-        module, _, name = argv[4].partition(":")
-        getattr(importlib.import_module(module), name)()
-    payload = torch.load(payload_path, weights_only=False)
-    if payload["cuda"]:
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(payload["backend"], rank=rank, world_size=world)
-    try:
-        result = run_rank(payload, rank, world, device)
-    except Exception as error:
-        # What went wrong here, for the launcher: the other ranks only see their peer hang up.
-        cause = error.__cause__ or error.__context__
-        text = " ".join(str(error).split())[:400]
-        if cause is not None:
-            text += f" (from {type(cause).__name__}: {' '.join(str(cause).split())[:300]})"
-        Path(out_dir, f"rank{rank}.error").write_text(f"{type(error).__name__}: {text}")
-        raise
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, f"{out_dir}/rank{rank}.pt")
-    return 0
+    return worker_main(argv, run_rank)
 
 
 if __name__ == "__main__":

@@ -99,10 +99,18 @@ def _device(model: torch.nn.Module, values: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class _Meter:
+class PhaseMeter:
     """Per-phase peaks and held bytes above the start: the CPU allocator's records (through the profiler) on
     CPU, the caching allocator's statistics on CUDA. :meth:`end` closes a phase; :meth:`phases` reads them
-    all once the meter has exited."""
+    all once the meter has exited.
+
+    Example:
+        >>> with PhaseMeter(torch.device("cpu")) as meter:
+        ...     x = torch.ones(1024)
+        ...     meter.end("forward")
+        >>> meter.phases()["forward"].peak_bytes >= 4096
+        True
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -111,7 +119,7 @@ class _Meter:
         self.cuda: dict[str, Phase] = {}
         self.base = 0
 
-    def __enter__(self) -> _Meter:  # noqa: PYI034 - a private helper, never subclassed
+    def __enter__(self) -> PhaseMeter:  # noqa: PYI034 - never subclassed
         if self.records is not None:
             self.records.__enter__()
         else:
@@ -173,7 +181,7 @@ def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     trainable = [p for p in model.parameters() if p.requires_grad]
     amp = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
-    def run(meter: _Meter | None, opt: torch.optim.Optimizer | None) -> dict[str, int]:
+    def run(meter: PhaseMeter | None, opt: torch.optim.Optimizer | None) -> dict[str, int]:
         with amp():
             value = loss(model(*args, **kwargs))
         sizes = {"loss": unique_bytes([value])}
@@ -206,7 +214,7 @@ def measure_step(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
             "inputs": unique_bytes(tensor_leaves((args, kwargs))),
             "state": unique_bytes(state),
         }
-        with _Meter(device) as meter:
+        with PhaseMeter(device) as meter:
             sizes = run(meter, opt)
     measured = meter.phases()
     # Both allocators' figures are above what was allocated when the step began: the persistent set.

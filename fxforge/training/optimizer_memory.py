@@ -20,6 +20,7 @@ AdamW keeps its bias corrections as tensors, and the step's peak grows by a few 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +51,7 @@ def resolve_optimizer(optimizer: Any) -> Callable[[list[torch.Tensor]], torch.op
         if optimizer is None:
             return None
         if optimizer is torch.optim.SGD:
-            return lambda params, **kw: torch.optim.SGD(params, lr=0.01, momentum=0.9, **kw)
+            return functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)  # picklable: workers get it
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("pass the optimizer's class or a factory params -> optimizer, not an instance")
     if not callable(optimizer):

@@ -1,0 +1,151 @@
+"""One device's memory under a mesh: its share of the weights, gradients and optimizer state, and the
+activations of its slice of the batch, from the one-process training-memory model
+(:func:`fxforge.training.training_memory`).
+
+- **Weights**: a tensor-parallel layer keeps ``1/tp`` of its matrix (``torch.chunk``'s split: the first
+  ranks hold the larger part when it does not divide), replicated ones stay whole; ``fully_shard`` then
+  keeps ``ceil(dim0 / fsdp)`` rows of each. Gradients follow the weights; the optimizer's state is
+  :func:`fxforge.training.optimizer_memory.optimizer_memory` of the local shards.
+- **Activations**: the one-process step at the slice of the batch a replica sees (``batch / (dp x fsdp)``),
+  with the part tensor parallelism splits (:func:`fxforge.parallel.step_costs.saved_is_sharded`)
+  divided by ``tp``.
+- the batch itself is not counted (a run measures above it).
+- **Gathered**: under ``fully_shard`` a block's whole parameters exist while it runs, with the buffers
+  of the all-gathers around it: :data:`FSDP_BLOCKS_HELD` times the largest block.
+
+Example:
+    >>> local_shape((8, 6), 1, 4)
+    (8, 2)
+    >>> local_shape((10, 6), 0, 4), local_shape((6,), None, 4)
+    ((3, 6), (6,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from fxforge.parallel.step_costs import saved_is_sharded, sharded_regions
+
+FSDP_BLOCKS_HELD = 3
+"""Whole blocks' worth of bytes FSDP2 holds at its peak: while a block's parameters are all-gathered, the
+all-gather's output and the unsharded parameters it is copied out to exist together, and the previous
+block's all-gather output is kept until this one is issued (FSDP2 holds it so the CPU cannot run ahead of
+the collective); in backward the same with the next block prefetched."""
+
+
+def local_shape(shape: tuple[int, ...], dim: int | None, parts: int) -> tuple[int, ...]:
+    """The largest shard of ``shape`` split in ``parts`` along ``dim`` (``torch.chunk``: ceil division)."""
+    if dim is None or parts == 1:
+        return tuple(shape)
+    out = list(shape)
+    out[dim] = math.ceil(shape[dim] / parts)
+    return tuple(out)
+
+
+def fsdp_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """FSDP2's shard of ``shape`` over ``parts``: ``ceil(dim0 / parts)`` rows (the padding is allocated)."""
+    if parts == 1 or not shape:
+        return tuple(shape)
+    return (math.ceil(shape[0] / parts), *shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A device's predicted peak and its parts, bytes.
+
+    Example:
+        >>> m = DeviceMemory(100, 0, 100, 200, 50, 0, 0, 450, "backward")
+        >>> m.peak, m.parts()["activations"]
+        (450, 50)
+    """
+
+    weights: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    gathered: int
+    inputs: int
+    peak: int
+    peak_phase: str
+
+    def parts(self) -> dict[str, int]:
+        return {"weights": self.weights, "buffers": self.buffers, "gradients": self.gradients,
+                "optimizer_state": self.optimizer_state, "activations": self.activations,
+                "gathered": self.gathered, "inputs": self.inputs, "peak": self.peak}
+
+
+def local_parameters(model: torch.nn.Module, shard_dims: dict[str, int | None], tp: int, fsdp: int
+                     ) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
+    """Each distinct parameter's local shape on one device: ``(name, shape, dtype, requires_grad)``."""
+    out, seen = [], set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        shape = local_shape(tuple(p.shape), shard_dims.get(name) if tp > 1 else None, tp)
+        out.append((name, fsdp_shape(shape, fsdp), p.dtype, p.requires_grad))
+    return out
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def saved_share(training: Any, styles: dict[str, str]) -> float:
+    """The share of the step's saved activations tensor parallelism splits."""
+    by_module = training.simulation.saved_by_module
+    total = sum(by_module.values())
+    if not total or not styles:
+        return 0.0
+    regions = sharded_regions(styles)
+    return sum(b for m, b in by_module.items() if saved_is_sharded(m, styles, regions)) / total
+
+
+def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], styles: dict[str, str],
+                  shard_dims: dict[str, int | None], optimizer: Any, blocks: list[str]) -> DeviceMemory:
+    """One device's predicted memory under ``mesh``.
+
+    Args:
+        training: :func:`~fxforge.training.training_memory` of the model on one replica's slice of the batch.
+        model: the model (its parameters' shapes and dtypes).
+        mesh: ``{"dp", "fsdp", "tp", "pp"}`` sizes (``pp`` is planned by :func:`fxforge.partition`).
+        styles: the tensor-parallel styles by module (empty without tensor parallelism).
+        shard_dims: the dimension each parameter is split on by tensor parallelism (None: replicated).
+        optimizer: what :func:`~fxforge.training.optimizer_memory.optimizer_memory` takes.
+        blocks: the modules ``fully_shard`` wraps before the root.
+    """
+    from fxforge.training.optimizer_memory import optimizer_memory
+
+    tp, fsdp = mesh.get("tp", 1), mesh.get("fsdp", 1)
+    local = local_parameters(model, shard_dims, tp, fsdp)
+    weights = sum(_nbytes(s, d) for _, s, d, _ in local)
+    gradients = sum(_nbytes(s, d) for _, s, d, g in local if g)
+    state = optimizer_memory(optimizer, [torch.empty(s, dtype=d, device="meta", requires_grad=g)
+                                         for _, s, d, g in local]).state_bytes if optimizer is not None else 0
+    share = saved_share(training, styles) if tp > 1 else 0.0
+    scale = (1 - share) + share / tp
+    persistent = training.persistent_bytes
+    fwd = (training.forward_peak_bytes - persistent) * scale
+    bwd = (training.backward_peak_bytes - persistent - training.gradients_bytes) * scale + gradients
+    opt = gradients + training.optimizer.step_peak_bytes * (weights / max(training.weights_bytes, 1))
+    gathered = 0
+    if fsdp > 1:
+        unsharded = {name: 0 for name in blocks}
+        for name, shape, dtype, _ in local_parameters(model, shard_dims, tp, 1):
+            owner = next((b for b in blocks if name.startswith(b + ".")), None)
+            if owner is not None:
+                unsharded[owner] += _nbytes(shape, dtype)
+        gathered = max(unsharded.values(), default=0)
+        fwd += FSDP_BLOCKS_HELD * gathered
+        bwd += FSDP_BLOCKS_HELD * gathered
+    phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
+    phase = max(phases, key=phases.get)
+    base = weights + training.buffers_bytes + state  # the batch itself is left out (as the run measures)
+    return DeviceMemory(weights, training.buffers_bytes, gradients, state,
+                        int(training.activations_bytes * scale), gathered, training.inputs_bytes,
+                        int(base + phases[phase]), phase)

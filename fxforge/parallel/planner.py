@@ -1,0 +1,339 @@
+"""``fxforge.parallelize``: every way to spread a training step over the devices, priced, and the fastest
+that fits chosen.
+
+For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.strategy`):
+
+- **compute**: the one-process step (:mod:`fxforge.parallel.step_costs`), the forward and backward divided
+  over the data-parallel replicas and, for the share tensor parallelism splits, by its degree; the
+  optimizer's step over the local share of the parameters;
+- **collectives**: every collective of a step, predicted exactly from the graph and the parameters
+  (tensor parallel: :func:`~fxforge.parallel.tp_build.predicted_tp_collectives`; fully sharded and data
+  parallel: :mod:`fxforge.parallel.collectives`), each priced on the link (alpha-beta,
+  :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute
+  (gloo does not overlap them);
+- **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
+- **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule scaled by the measured step.
+
+The fastest candidate within ``memory_per_device`` is chosen; the others stay in the table with their
+figures, and those that do not fit say by how much.
+
+Example (starts a link measurement the first time, cached after)::
+
+    plan = fxforge.parallelize(model, (ids,), devices=2)
+    print(plan)                       # the candidates, the chosen mesh and why
+    plan.strategy, plan.tp_plan
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import torch
+
+from fxforge.capture.model import normalize_inputs
+from fxforge.core.memory import tensor_leaves
+from fxforge.core.units import parse_bytes
+from fxforge.parallel.collectives import (
+    Collective,
+    data_parallel_collectives,
+    fsdp_blocks,
+    fsdp_collectives,
+    gradient_ready_order,
+    total_bytes,
+)
+from fxforge.parallel.device_memory import device_memory, local_shape
+from fxforge.parallel.plan import Candidate, ParallelPlan
+from fxforge.parallel.step_costs import StepCosts, graph_shares, is_meta, time_step
+from fxforge.parallel.strategy import devices_of, full, meshes
+from fxforge.parallel.strategy import name as mesh_name
+
+
+def shard_dims(model: torch.nn.Module, styles: dict[str, str]) -> dict[str, int | None]:
+    """The dimension tensor parallelism splits each parameter on (None: replicated), by parameter name.
+
+    ``nn.Linear`` stores ``[out, in]``: column-split (and a vocabulary head) on 0, its bias too; row-split
+    on 1, its bias replicated. ``nn.Embedding`` over the vocabulary on 0. GPT-2's ``Conv1D`` stores
+    ``[in, out]``: the other way round.
+
+    Example:
+        >>> shard_dims(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)), {"0": "colwise", "1": "rowwise"})
+        {'0.weight': 0, '0.bias': 0, '1.weight': 1, '1.bias': None}
+    """
+    dims: dict[str, int | None] = {}
+    for module_name, module in model.named_modules():
+        style = styles.get(module_name)
+        transposed = type(module).__name__ == "Conv1D"
+        for param_name, _ in module.named_parameters(recurse=False):
+            key = f"{module_name}.{param_name}" if module_name else param_name
+            dim = None
+            if style in ("colwise", "vocab") and not isinstance(module, torch.nn.Embedding):
+                dim = (1 if param_name == "weight" else 0) if transposed else 0
+            elif style == "vocab":
+                dim = 0
+            elif style == "rowwise" and param_name == "weight":
+                dim = 0 if transposed else 1
+            dims.setdefault(key, dim)
+    return dims
+
+
+def local_model(model: torch.nn.Module, dims: dict[str, int | None], tp: int) -> torch.nn.Module:
+    """A copy of ``model`` on the meta device whose parameters have one tensor-parallel rank's shapes
+    (tied parameters stay tied): what fully sharded or replicated data parallelism then acts on."""
+    copied = copy.deepcopy(model)
+    made: dict[int, torch.nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for original, module in zip(model.modules(), copied.modules(), strict=True):
+        for key, p in original._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in made:
+                shape = local_shape(tuple(p.shape), dims.get(names[id(p)]), tp)
+                made[id(p)] = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                 requires_grad=p.requires_grad)
+            module._parameters[key] = made[id(p)]
+    return copied
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    leaves = [t for t in tensor_leaves((args, kwargs)) if t.dim()]
+    return int(leaves[0].shape[0]) if leaves else 1
+
+
+def as_inputs(args: tuple, kwargs: dict) -> Any:
+    """What ``normalize_inputs`` turns back into ``(args, kwargs)``: the positional tuple, or the keyword dict.
+
+    Example:
+        >>> as_inputs((), {"input_ids": 1}), as_inputs((1,), {})
+        ({'input_ids': 1}, (1,))
+    """
+    if args and kwargs:
+        raise ValueError("give the example inputs positionally or by keyword, not both: parallel plans take one form")
+    return kwargs if kwargs else args
+
+
+def _slice(value: Any, parts: int) -> Any:
+    from fxforge.parallel.mesh_worker import data_slice
+
+    return data_slice(value, 0, parts)
+
+
+class _Planner:
+    """The figures shared by every candidate, computed once."""
+
+    def __init__(self, model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads):
+        from fxforge.training.optimizer_memory import resolve_optimizer
+
+        self.model, self.args, self.kwargs, self.devices, self.cap = model, args, kwargs, devices, cap
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.optimizer_factory = resolve_optimizer(optimizer)
+        self.link, self.threads = link, threads
+        self.rows = _rows(args, kwargs)
+        self.blocks = fsdp_blocks(model)
+        self.weights = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
+        self._training: dict[int, Any] = {}
+        self._ready: list[str] | None = None
+        self.costs = self._step_costs()
+
+    def training(self, replicas: int) -> Any:
+        """The training-memory model of one replica's slice of the batch."""
+        if replicas not in self._training:
+            from fxforge.training.breakdown import training_memory
+
+            args, kwargs = _slice((self.args, self.kwargs), replicas)
+            self._training[replicas] = training_memory(self.model, as_inputs(args, kwargs),
+                                                       optimizer=self.optimizer,
+                                                       loss=lambda out: self.loss_fn(out, None))
+        return self._training[replicas]
+
+    def _step_costs(self) -> StepCosts:
+        from fxforge.runtime.roofline import measure_machine
+
+        whole = self.training(1)
+        seconds, stacks = graph_shares(whole.step, measure_machine())
+        if is_meta(self.args, self.kwargs, self.model):
+            return StepCosts(sum(seconds), 0.0, False, self.threads, seconds, stacks)
+        fb, opt = time_step(self.model, self.args, self.kwargs, self.loss_fn, self.optimizer_factory,
+                            threads=self.threads)
+        return StepCosts(fb, opt, True, self.threads, seconds, stacks)
+
+    def ready_order(self) -> list[str]:
+        if self._ready is None:
+            self._ready = gradient_ready_order(self.model, as_inputs(self.args, self.kwargs),
+                                               loss=lambda out: self.loss_fn(out, None))
+        return self._ready
+
+    def collectives(self, mesh: dict[str, int], tp_plan: Any) -> list[Collective]:
+        dp, fsdp, tp = mesh["dp"], mesh["fsdp"], mesh["tp"]
+        replicas = dp * fsdp
+        out: list[Collective] = []
+        styles = tp_plan.styles if tp > 1 else {}
+        local = local_model(self.model, shard_dims(self.model, styles), tp) if tp > 1 else self.model
+        if tp > 1:
+            from fxforge.parallel.tp_build import predicted_tp_collectives
+
+            args, kwargs = _slice((self.args, self.kwargs), replicas)
+            out += predicted_tp_collectives(self.model, as_inputs(args, kwargs), tp_plan)
+        if fsdp > 1:
+            shard = fsdp_collectives(local, fsdp, blocks=self.blocks)
+            out += shard
+            if dp > 1:  # hybrid: the reduce-scattered shards are then all-reduced across the replicas
+                out += [Collective("all_reduce", c.nbytes // fsdp, dp, "dp", "backward", c.where)
+                        for c in shard if c.kind == "reduce_scatter"]
+        elif dp > 1 and tp > 1:
+            out += data_parallel_collectives(local, dp, style="replicate", blocks=self.blocks)
+        elif dp > 1:
+            out += data_parallel_collectives(self.model, dp, step=3, ready_order=self.ready_order())
+        return out
+
+    def candidate(self, mesh: dict[str, int], tp_plan: Any) -> Candidate:
+        dp, fsdp, tp = mesh["dp"], mesh["fsdp"], mesh["tp"]
+        replicas = dp * fsdp
+        styles = tp_plan.styles if tp > 1 else {}
+        dims = shard_dims(self.model, styles)
+        memory = device_memory(self.training(replicas), self.model, mesh, styles, dims, self.optimizer,
+                               self.blocks)
+        share = self.costs.sharded_share(styles) if tp > 1 else 0.0
+        compute = (self.costs.forward_backward_s * ((1 - share) + share / tp) / replicas
+                   + self.costs.optimizer_s * memory.weights / max(self.weights, 1))
+        collectives = self.collectives(mesh, tp_plan)
+        comm = sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
+        fits = self.cap is None or memory.peak <= self.cap
+        reason = "" if fits else (f"needs {memory.peak / 2**30:.2f} GiB per device, over the "
+                                  f"{self.cap / 2**30:.2f} GiB given")
+        return Candidate(mesh, compute + comm, compute, comm, memory.peak, total_bytes(collectives), fits,
+                         reason, collectives, memory.parts())
+
+    def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
+        from fxforge.parallel.partition import partition
+
+        part = partition(self.model, as_inputs(self.args, self.kwargs), mesh["pp"], memory_per_stage=self.cap)
+        roofline = sum(self.costs.node_seconds) or 1.0
+        scale = (self.costs.forward_backward_s / roofline) if self.costs.measured else 1.0
+        compute = part.simulate().makespan * scale + self.costs.optimizer_s / mesh["pp"]
+        sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
+                 for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
+                 for _ in range(part.microbatches)]
+        comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
+        peak = max(part.stage_memory)
+        fits = self.cap is None or peak <= self.cap
+        reason = "" if fits else f"a stage needs {peak / 2**30:.2f} GiB, over the {self.cap / 2**30:.2f} GiB given"
+        return Candidate(mesh, compute + comm, compute, comm, peak, total_bytes(sends), fits, reason, sends,
+                         {"peak": peak})
+
+
+def tp_degrees(model: torch.nn.Module, example_inputs: Any, devices: int) -> dict[int, Any]:
+    """The tensor-parallel plan derived at each degree dividing ``devices`` that splits at least one layer."""
+    from fxforge.parallel.tp_derive import derive_tp_plan
+
+    plans = {}
+    for degree in range(2, devices + 1):
+        if devices % degree:
+            continue
+        plan = derive_tp_plan(model, example_inputs, degree)
+        if any(style in ("colwise", "rowwise", "vocab") for style in plan.styles.values()):
+            plans[degree] = plan
+    return plans
+
+
+def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, memory_per_device: Any = None,
+                loss: Any = None, optimizer: Any = torch.optim.AdamW, mesh: dict[str, int] | None = None, *,
+                link: Any = None, threads: int | None = None, pipeline: bool = True) -> ParallelPlan:
+    """Plan data, fully sharded, tensor and pipeline parallelism for training ``model`` on ``devices``.
+
+    Args:
+        model: the model (train or eval mode, as it will train; keep dropout off for an exact run check).
+        example_inputs: one whole batch (tuple, tensor or dict); data parallelism splits its rows.
+        devices: how many devices (processes) the step spreads over.
+        memory_per_device: bytes or ``"16GiB"`` a device may hold at its peak; None: no cap.
+        loss: ``(output, target) -> scalar``, a mean over the batch's rows (default: the mean square of the
+            outputs, :func:`~fxforge.parallel.launch.square_mean_loss`); module-level, to reach the workers.
+        optimizer: an optimizer class, factory or name, as for :func:`fxforge.training.training_memory`.
+        mesh: force a mesh (``{"tp": 2}``, ``{"dp": 2, "tp": 2}``) instead of choosing; its product is the
+            device count.
+        link: a :class:`~fxforge.core.links.Link` to cost collectives on (default: gloo measured here).
+        threads: torch threads per device for the compute (default: this machine's cores shared).
+        pipeline: offer pipeline stages.
+
+    Example (slow: measures the link once)::
+
+        plan = fxforge.parallelize(model, (ids,), devices=2, memory_per_device="4GiB")
+        print(plan.candidates[["strategy", "step_s", "memory_per_device", "fits"]])
+    """
+    from fxforge.parallel.launch import square_mean_loss
+
+    args, kwargs = normalize_inputs(example_inputs)
+    if mesh is not None:
+        forced = full(mesh)
+        devices = devices_of(forced)
+    if devices < 1:
+        raise ValueError(f"devices must be at least 1, not {devices}")
+    cap = parse_bytes(memory_per_device) if memory_per_device is not None else None
+    loss_fn = loss or square_mean_loss
+    threads = threads or max(1, (os.cpu_count() or 1) // devices)
+    if link is None:
+        from fxforge.runtime.link_measure import measured_link
+
+        link = measured_link("gloo", 2)
+    inputs = as_inputs(args, kwargs)
+    tp_plans = tp_degrees(model, inputs, devices)
+    planner = _Planner(model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads)
+    units_max = len(planner.blocks) + 1
+    options = [forced] if mesh is not None else meshes(devices, tp_degrees=tp_plans, pipeline=pipeline,
+                                                       max_stages=units_max)
+    candidates, notes = [], []
+    for option in options:
+        replicas = option["dp"] * option["fsdp"]
+        if planner.rows % replicas:
+            notes.append(f"{mesh_name(option)}: a batch of {planner.rows} rows does not split over {replicas} replicas")
+            continue
+        if option["tp"] > 1 and option["tp"] not in tp_plans:
+            notes.append(f"{mesh_name(option)}: no layer splits at tensor-parallel degree {option['tp']}")
+            continue
+        if option["pp"] > 1:
+            if devices_of(option) != option["pp"]:
+                notes.append(f"{mesh_name(option)}: pipelines combined with other axes are not planned yet")
+                continue
+            candidates.append(planner.pipeline_candidate(option))
+            continue
+        candidates.append(planner.candidate(option, tp_plans.get(option["tp"])))
+    if not candidates:
+        raise ValueError(f"no way to spread this model over {devices} devices: " + "; ".join(notes))
+    return _choose(candidates, planner, tp_plans, notes, model, loss, devices, cap)
+
+
+def _choose(candidates: list[Candidate], planner: _Planner, tp_plans: dict[int, Any], notes: list[str],
+            model: torch.nn.Module, loss: Any, devices: int, cap: int | None) -> ParallelPlan:
+    import pandas as pd
+
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.step_s))
+    chosen = ranked[0]
+    fitting = [c for c in ranked if c.fits]
+    if not fitting:
+        why = (f"nothing fits in {cap / 2**30:.2f} GiB per device; the smallest need is "
+               f"{min(c.memory_per_device for c in candidates) / 2**30:.2f} GiB ({min(candidates, key=lambda c: c.memory_per_device).name})")
+        raise ValueError(why)
+    runner_up = fitting[1] if len(fitting) > 1 else None
+    why = f"{chosen.name} is the fastest predicted step that fits ({chosen.step_s * 1e3:.2f} ms"
+    why += f", {runner_up.step_s / chosen.step_s:.2f}x faster than {runner_up.name})" if runner_up else ")"
+    why += (f"; compute {chosen.compute_s * 1e3:.2f} ms, collectives {chosen.comm_s * 1e3:.2f} ms on "
+            f"{chosen.comm_bytes / 2**20:.2f} MiB; peak {chosen.memory_per_device / 2**20:.1f} MiB per device")
+    table = pd.DataFrame([c.row() for c in ranked])
+    tp = tp_plans.get(chosen.strategy["tp"]) or (tp_plans[max(tp_plans)] if tp_plans else None)
+    styles = dict(tp.styles) if chosen.strategy["tp"] > 1 and tp is not None else {}
+    if not planner.costs.measured:
+        notes.append("compute estimated by the roofline model (meta tensors): not measured")
+    return ParallelPlan(chosen.strategy, styles, table, chosen, why, chosen.collectives, tp, planner.link, model,
+                        loss, planner.optimizer_factory, devices, cap, notes)
+
+
+def mfu(step_s: float, flops: float, devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: the step's FLOPs over what the devices could do in ``step_s``.
+
+    Example:
+        >>> mfu(1.0, 4e12, 8, 1e12)
+        0.5
+    """
+    return flops / (step_s * devices * peak_flops) if step_s > 0 and devices and peak_flops else math.nan

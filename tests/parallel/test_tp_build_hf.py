@@ -1,0 +1,40 @@
+"""BERT, T5 and ViT built from their derived tensor-parallel plans (see ``test_tp_build.py``): outputs and
+gradients equal one process in float64, collectives counted equal those predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tests.parallel.tp_models import check, transformers_model
+
+
+@pytest.fixture
+def fake_world(request):
+    """A fake process group of ``request.param`` ranks (no communication: LocalTensorMode computes)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_bert(fake_world):
+    model, inputs = transformers_model("bert")
+    plan, _ = check(model, inputs, fake_world)
+    assert plan.sequence_parallel and plan.exits == ["encoder.layer.1.output.LayerNorm"]
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_t5(fake_world):
+    model, inputs = transformers_model("t5")
+    plan, _ = check(model, inputs, fake_world)
+    assert plan.edits["decoder.block.0.layer.1.EncDecAttention"]["n_heads"] == (4, 4 // fake_world)
+    assert "decoder" in plan.gathers  # the encoder's output read by every cross-attention: one gather
+
+
+@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+def test_vit(fake_world):
+    model, inputs = transformers_model("vit")
+    plan, _ = check(model, inputs, fake_world)
+    assert plan.sequence_parallel == (fake_world == 2)   # a sequence of 10 splits in 2, not in 4
