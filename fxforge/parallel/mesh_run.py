@@ -51,10 +51,10 @@ class MeshRun:
         grad_error: the largest absolute difference of a parameter's full gradient from the single process's.
         step_s: the median wall time of a measured step (the slowest rank's, between barriers).
         comm_bytes: bytes of every collective one rank took part in during a steady step (the full tensors':
-            :class:`~fxforge.parallel.collectives.Collective`).
+            :class:`~fxforge.parallel.collectives.Collective`); None for a pipeline (its sends are not counted).
         collectives: rank 0's collectives of the steady step.
         memory_per_device: the largest measured peak of a rank's steady step, in bytes (its share of the
-            weights, buffers and optimizer state included).
+            weights, buffers and optimizer state included); None for a pipeline.
         predicted_step_s, predicted_comm_bytes, predicted_memory: the plan's figures (None when not given).
         collectives_match: the counted collectives equal the predicted ones, record by record.
         ok: outputs and gradients within ``rtol=1e-4, atol=1e-5`` of the single process's.
@@ -65,9 +65,9 @@ class MeshRun:
     max_error: float
     grad_error: float
     step_s: float
-    comm_bytes: int
+    comm_bytes: int | None
     collectives: list[Collective]
-    memory_per_device: int
+    memory_per_device: int | None
     predicted_step_s: float | None = None
     predicted_comm_bytes: int | None = None
     predicted_memory: int | None = None
@@ -78,8 +78,8 @@ class MeshRun:
     def __str__(self) -> str:
         from fxforge.parallel.strategy import name
 
-        def vs(measured: float, predicted: float | None, unit: str, scale: float) -> str:
-            text = f"{measured * scale:.1f} {unit}"
+        def vs(measured: float | None, predicted: float | None, unit: str, scale: float) -> str:
+            text = "not measured" if measured is None else f"{measured * scale:.1f} {unit}"
             return text if predicted is None else f"{text} (predicted {predicted * scale:.1f})"
 
         return (f"{name(self.strategy)} on {self.backend}: outputs max error {self.max_error:.2e}, gradients "
@@ -149,8 +149,8 @@ def run(plan: Any, example_inputs: Any, steps: int = 1, *, threads: int | None =
 
     strategy = full(plan.strategy)
     if strategy["pp"] > 1:
-        raise ValueError("a plan with pipeline stages runs with fxforge.parallel.launch.run_pipeline "
-                         "(its partition: plan.partition)")
+        return _pipeline(plan, example_inputs, steps, threads=threads, timeout=timeout, backend=backend,
+                         dtype=dtype, worker_setup=worker_setup)
     world = devices_of(strategy)
     use_cuda = backend == "nccl" or (backend is None and torch.cuda.device_count() >= world)
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -188,3 +188,21 @@ def run(plan: Any, example_inputs: Any, steps: int = 1, *, threads: int | None =
         collectives_match=(comparable(counted) == comparable(predicted_collectives)
                            if predicted_collectives is not None else None),
         step_seconds=per_step, ok=out_close and grad_close)
+
+
+def _pipeline(plan: Any, example_inputs: Any, steps: int, **options: Any) -> MeshRun:
+    """A pipeline plan, run by :func:`~fxforge.parallel.launch.run_pipeline` on its partition."""
+    from fxforge.parallel.launch import run_pipeline
+    from fxforge.parallel.strategy import full
+
+    part = plan.chosen.partition
+    if part is None:
+        raise ValueError("this pipeline plan has no partition to run (plan it with fxforge.parallelize)")
+    if plan.loss is not None:
+        options["loss_fn"] = plan.loss
+    done = run_pipeline(part, example_inputs, steps=steps + 1, **options)
+    steady = done.step_seconds[1:] or done.step_seconds
+    return MeshRun(full(plan.strategy), done.backend, done.output_error, done.gradient_error,
+                   statistics.median(steady), None, [], None,
+                   predicted_step_s=plan.chosen.step_s, predicted_comm_bytes=plan.chosen.comm_bytes,
+                   predicted_memory=plan.chosen.memory_per_device, step_seconds=tuple(steady), ok=done.ok)

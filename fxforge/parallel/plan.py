@@ -39,6 +39,7 @@ class Candidate:
         reason: why it is refused, or what it trades, in a sentence.
         collectives: the predicted collectives of one step.
         memory: the peak's parts (weights, gradients, optimizer_state, activations, gathered), bytes.
+        partition: for pipeline stages, the :class:`~fxforge.parallel.partition.Partition` they run.
     """
 
     strategy: dict[str, int]
@@ -51,6 +52,7 @@ class Candidate:
     reason: str = ""
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    partition: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -79,6 +81,7 @@ class ParallelPlan:
         tp: the derived :class:`~fxforge.parallel.tp_derive.TensorParallelPlan` (None when no degree
             above 1 was possible), its ``reasons`` say what stays replicated.
         link: the link the collectives were costed on.
+        options: every candidate, ranked; ``tp_by_degree``: the derived tensor-parallel plan per degree.
         model, loss, optimizer_factory: what :func:`fxforge.parallel.run` runs.
     """
 
@@ -96,6 +99,22 @@ class ParallelPlan:
     devices: int = 1
     memory_per_device: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    options: list[Candidate] = dataclasses.field(default_factory=list, repr=False)
+    tp_by_degree: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def choose(self, name: str) -> ParallelPlan:
+        """This plan with the candidate ``name`` (``"fsdp2"``, ``"dp2 x tp2"``) chosen instead, to run or compare it.
+
+        Raises:
+            KeyError: no such candidate (the message lists them).
+        """
+        for candidate in self.options:
+            if candidate.name == name:
+                tp = self.tp_by_degree.get(candidate.strategy["tp"], self.tp)
+                tp_plan = dict(tp.styles) if candidate.strategy["tp"] > 1 and tp is not None else {}
+                return dataclasses.replace(self, strategy=candidate.strategy, tp_plan=tp_plan, tp=tp, chosen=candidate,
+                                           why=f"{name} chosen by hand", collectives=candidate.collectives)
+        raise KeyError(f"no candidate {name!r}: the candidates are {', '.join(c.name for c in self.options)}")
 
     def run(self, example_inputs: Any, steps: int = 1, **options: Any) -> Any:
         """:func:`fxforge.parallel.run` on this plan."""

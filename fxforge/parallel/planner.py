@@ -209,10 +209,17 @@ class _Planner:
     def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
         from fxforge.parallel.partition import partition
 
-        part = partition(self.model, as_inputs(self.args, self.kwargs), mesh["pp"], memory_per_stage=self.cap)
-        roofline = sum(self.costs.node_seconds) or 1.0
-        scale = (self.costs.forward_backward_s / roofline) if self.costs.measured else 1.0
-        compute = part.simulate().makespan * scale + self.costs.optimizer_s / mesh["pp"]
+        inputs = as_inputs(self.args, self.kwargs)
+        if self.costs.measured:  # each node timed on one microbatch, on the threads a stage will have
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                part = partition(self.model, inputs, mesh["pp"], memory_per_stage=self.cap, costs="measured")
+            finally:
+                torch.set_num_threads(previous)
+        else:
+            part = partition(self.model, inputs, mesh["pp"], memory_per_stage=self.cap)
+        compute = part.simulate().makespan + self.costs.optimizer_s / mesh["pp"]
         sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
                  for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
                  for _ in range(part.microbatches)]
@@ -221,7 +228,7 @@ class _Planner:
         fits = self.cap is None or peak <= self.cap
         reason = "" if fits else f"a stage needs {peak / 2**30:.2f} GiB, over the {self.cap / 2**30:.2f} GiB given"
         return Candidate(mesh, compute + comm, compute, comm, peak, total_bytes(sends), fits, reason, sends,
-                         {"peak": peak})
+                         {"peak": peak}, partition=part)
 
 
 def tp_degrees(model: torch.nn.Module, example_inputs: Any, devices: int) -> dict[int, Any]:
@@ -326,7 +333,7 @@ def _choose(candidates: list[Candidate], planner: _Planner, tp_plans: dict[int, 
     if not planner.costs.measured:
         notes.append("compute estimated by the roofline model (meta tensors): not measured")
     return ParallelPlan(chosen.strategy, styles, table, chosen, why, chosen.collectives, tp, planner.link, model,
-                        loss, planner.optimizer_factory, devices, cap, notes)
+                        loss, planner.optimizer_factory, devices, cap, notes, ranked, dict(tp_plans))
 
 
 def mfu(step_s: float, flops: float, devices: int, peak_flops: float) -> float:
