@@ -35,7 +35,7 @@ import torch
 
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
-from fxforge.core.units import parse_bytes
+from fxforge.core.units import format_bytes, parse_bytes
 from fxforge.parallel.collectives import (
     Collective,
     data_parallel_collectives,
@@ -201,32 +201,39 @@ class _Planner:
         collectives = self.collectives(mesh, tp_plan)
         comm = sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
         fits = self.cap is None or memory.peak <= self.cap
-        reason = "" if fits else (f"needs {memory.peak / 2**30:.2f} GiB per device, over the "
-                                  f"{self.cap / 2**30:.2f} GiB given")
+        reason = "" if fits else (f"needs {format_bytes(memory.peak)} per device, over the "
+                                  f"{format_bytes(self.cap)} given")
         return Candidate(mesh, compute + comm, compute, comm, memory.peak, total_bytes(collectives), fits,
                          reason, collectives, memory.parts())
 
-    def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
+    def _partition(self, stages: int, cap: int | None) -> Any:
         from fxforge.parallel.partition import partition
 
         inputs = as_inputs(self.args, self.kwargs)
-        if self.costs.measured:  # each node timed on one microbatch, on the threads a stage will have
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
-                part = partition(self.model, inputs, mesh["pp"], memory_per_stage=self.cap, costs="measured")
-            finally:
-                torch.set_num_threads(previous)
-        else:
-            part = partition(self.model, inputs, mesh["pp"], memory_per_stage=self.cap)
+        if not self.costs.measured:
+            return partition(self.model, inputs, stages, memory_per_stage=cap)
+        previous = torch.get_num_threads()  # each node timed on one microbatch, on a stage's threads
+        torch.set_num_threads(self.threads)
+        try:
+            return partition(self.model, inputs, stages, memory_per_stage=cap, costs="measured")
+        finally:
+            torch.set_num_threads(previous)
+
+    def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
+        refusal = ""
+        try:
+            part = self._partition(mesh["pp"], self.cap)
+        except ValueError as error:  # no split fits the cap: priced without it, and refused with its reason
+            refusal = " ".join(str(error).split())
+            part = self._partition(mesh["pp"], None)
         compute = part.simulate().makespan + self.costs.optimizer_s / mesh["pp"]
         sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
                  for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
                  for _ in range(part.microbatches)]
         comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
         peak = max(part.stage_memory)
-        fits = self.cap is None or peak <= self.cap
-        reason = "" if fits else f"a stage needs {peak / 2**30:.2f} GiB, over the {self.cap / 2**30:.2f} GiB given"
+        fits = not refusal and (self.cap is None or peak <= self.cap)
+        reason = refusal or ("" if fits else f"a stage needs {format_bytes(peak)}, over the {format_bytes(self.cap)} given")
         return Candidate(mesh, compute + comm, compute, comm, peak, total_bytes(sends), fits, reason, sends,
                          {"peak": peak}, partition=part)
 
@@ -319,8 +326,9 @@ def _choose(candidates: list[Candidate], planner: _Planner, tp_plans: dict[int, 
     chosen = ranked[0]
     fitting = [c for c in ranked if c.fits]
     if not fitting:
-        why = (f"nothing fits in {cap / 2**30:.2f} GiB per device; the smallest need is "
-               f"{min(c.memory_per_device for c in candidates) / 2**30:.2f} GiB ({min(candidates, key=lambda c: c.memory_per_device).name})")
+        least = min(candidates, key=lambda c: c.memory_per_device)
+        why = (f"nothing fits in {format_bytes(cap)} per device; the smallest need is "
+               f"{format_bytes(least.memory_per_device)} ({least.name})")
         raise ValueError(why)
     runner_up = fitting[1] if len(fitting) > 1 else None
     why = f"{chosen.name} is the fastest predicted step that fits ({chosen.step_s * 1e3:.2f} ms"
