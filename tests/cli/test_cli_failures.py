@@ -5,7 +5,7 @@ import os
 import textwrap
 
 import pytest
-from cli_helpers import REPO, USER_MODEL, run_cli
+from cli_helpers import REPO, USER_MODEL, run_cli, run_cli_forked
 
 from fxforge.cli import main
 
@@ -38,20 +38,21 @@ FAILURES = {
 
 @pytest.fixture(scope="module")
 def failure_runs(tmp_path_factory):
-    """All the failure cases, each in an empty output folder, run at once (each run is mostly importing torch)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """All the failure cases, each in an empty output folder, run by one process that imports fxforge.cli once
+    and forks a ``python -m fxforge.cli`` per case (each run was mostly importing torch; real subprocesses:
+    ``test_usage_error_exits_2_with_usage_as_a_subprocess``, ``test_debug_shows_the_traceback``)."""
     root = tmp_path_factory.mktemp("failures")
     model = root / "models" / "user_model.py"
     model.parent.mkdir()
     model.write_text(USER_MODEL)
+    logs = root / "logs"
+    logs.mkdir()
     folders = {case: root / f"out{i}" for i, case in enumerate(FAILURES)}
     for folder in folders.values():
         folder.mkdir()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {case: pool.submit(run_cli, "optimize", *(a.format(model=model) for a in FAILURES[case][0]),
-                                     cwd=folders[case]) for case in FAILURES}
-        return {case: (future.result(), folders[case]) for case, future in futures.items()}
+    results = run_cli_forked([(["optimize", *(a.format(model=model) for a in FAILURES[case][0])], folders[case])
+                              for case in FAILURES], logs)
+    return {case: (result, folders[case]) for case, result in zip(FAILURES, results, strict=True)}
 
 
 @pytest.mark.parametrize("case", list(FAILURES))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import pytest
 import torch
@@ -353,15 +352,35 @@ def test_channels_last_that_cannot_run_is_skipped_with_the_reason():
     torch.testing.assert_close(lower(new.graph_module)(x), model(x))
 
 
-def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
+class _FakeClock:
+    """``time.perf_counter`` for ``fxforge.lowering.timing``: it moves only when a timed call says it took time, so
+    the early stops are tested on the samples given, not on how busy the machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def call(self, counts: dict, name: str, seconds: float):
+        def run():
+            counts[name] += 1
+            self.now += seconds
+        return run
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    from fxforge.lowering import timing
+
+    clock = _FakeClock()
+    monkeypatch.setattr(timing, "time", clock)
+    return clock
+
+
+def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups(fake_clock):
     counts = {"quick": 0, "slow": 0}
-
-    def quick():
-        counts["quick"] += 1
-
-    def slow():
-        counts["slow"] += 1
-        time.sleep(0.003)
+    quick, slow = fake_clock.call(counts, "quick", 0.0), fake_clock.call(counts, "slow", 0.003)
 
     timings = autotune.time_interleaved({"quick": quick, "slow": slow}, 1.0, warmed=("quick",), decisive=0.05)
     assert timings["quick"] < timings["slow"]
@@ -369,14 +388,11 @@ def test_graph_timing_stops_once_the_winner_is_clear_and_skips_done_warm_ups():
     assert counts == {"quick": 2, "slow": 3}
 
 
-def test_kernel_timing_stops_after_one_round_only_when_its_samples_differ_by_a_quarter():
+def test_kernel_timing_stops_after_one_round_only_when_its_samples_differ_by_a_quarter(fake_clock):
     counts = {"quick": 0, "slow": 0, "close": 0}
 
     def call(name, seconds):
-        def run():
-            counts[name] += 1
-            time.sleep(seconds)
-        return run
+        return fake_clock.call(counts, name, seconds)
 
     timings = autotune.time_interleaved({"quick": call("quick", 0.0), "slow": call("slow", 0.004)}, 1.0,
                                         decisive=0.05, decisive_first=0.25)
