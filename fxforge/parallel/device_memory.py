@@ -11,7 +11,10 @@ activations of its slice of the batch, from the one-process training-memory mode
   divided by ``tp``.
 - the batch itself is not counted (a run measures above it).
 - **Gathered**: under ``fully_shard`` a block's whole parameters exist while it runs, with the buffers
-  of the all-gathers around it: :data:`FSDP_BLOCKS_HELD` times the largest block.
+  of the all-gathers around it: :data:`FSDP_BLOCKS_HELD` times the largest block; and the root's
+  parameters (what no block holds: embeddings, the head) stay whole from its forward to the end of the
+  backward, where its whole gradients wait for the last reduce-scatter (those of the parameters
+  registered after the blocks, the head's, are there at the backward's peak; the embedding's come last).
 
 Example:
     >>> local_shape((8, 6), 1, 4)
@@ -136,13 +139,24 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
     gathered = 0
     if fsdp > 1:
         unsharded = {name: 0 for name in blocks}
-        for name, shape, dtype, _ in local_parameters(model, shard_dims, tp, 1):
+        root = root_grads = 0
+        after_blocks = False
+        for name, shape, dtype, grad in local_parameters(model, shard_dims, tp, 1):
             owner = next((b for b in blocks if name.startswith(b + ".")), None)
             if owner is not None:
                 unsharded[owner] += _nbytes(shape, dtype)
-        gathered = max(unsharded.values(), default=0)
-        fwd += FSDP_BLOCKS_HELD * gathered
-        bwd += FSDP_BLOCKS_HELD * gathered
+                after_blocks = True
+            else:
+                root += _nbytes(shape, dtype)
+                # a root parameter registered after the blocks (the head) is used after them: its gradient
+                # comes first in the backward and is there at the peak; the embedding's comes last
+                root_grads += _nbytes(shape, dtype) if grad and after_blocks else 0
+        block = max(unsharded.values(), default=0)
+        gathered = FSDP_BLOCKS_HELD * block + root
+        # The root's parameters stay gathered from its forward to the end of the backward (FSDP2 does not
+        # reshard the root after forward), and its whole gradients wait there for the last reduce-scatter.
+        fwd += gathered
+        bwd += gathered + root_grads
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     phase = max(phases, key=phases.get)
     base = weights + training.buffers_bytes + state  # the batch itself is left out (as the run measures)
