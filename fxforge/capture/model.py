@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from fxforge.capture.dynamo import capture_dynamo, own_graph
 from fxforge.capture.export import export_graph_module
@@ -28,7 +29,7 @@ from fxforge.core.nodes import count_calls
 from fxforge.core.report import Report
 from fxforge.core.shapes import MetaInfo, annotate, run_and_annotate
 from fxforge.core.source import first_line, user_frame_of
-from fxforge.core.verify import compare_outputs, isolated
+from fxforge.core.verify import Comparison, compare_outputs, isolated
 from fxforge.core.vocabulary import HOOK_DICTS, has_hooks
 
 METHODS = ("auto", "fx", "export", "dynamo")
@@ -85,6 +86,35 @@ def describe_failure(error: BaseException) -> str:
     return f"{reason} at {where}" if where else reason
 
 
+def _on_meta(*outputs: Any) -> bool:
+    """Whether any tensor in ``outputs`` lives on the meta device (a model planned on paper: shapes, no values)."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in pytree.tree_leaves(outputs))
+
+
+def _compare_layout(reference: Any, actual: Any) -> Comparison:
+    """:func:`compare_outputs` for outputs on the meta device, which hold no values to compare: the structure,
+    each tensor's shape, dtype and device, and the non-tensor leaves must agree.
+
+    Example:
+        >>> meta = torch.empty(2, 3, device="meta")
+        >>> _compare_layout((meta, 1), (meta.clone(), 1)).ok, _compare_layout(meta, meta.view(3, 2)).reason
+        (True, 'output: (2, 3)/torch.float32/meta vs (3, 2)/torch.float32/meta')
+    """
+    ref_leaves, ref_spec = pytree.tree_flatten_with_path(reference)
+    act_leaves, act_spec = pytree.tree_flatten_with_path(actual)
+    if ref_spec != act_spec:
+        return Comparison(False, float("inf"), f"output structure differs: {ref_spec} vs {act_spec}")
+    for (path, r), (_, a) in zip(ref_leaves, act_leaves):
+        name = "output" + pytree.keystr(path) if path else "output"
+        if isinstance(r, torch.Tensor) and isinstance(a, torch.Tensor):
+            layout = [(tuple(t.shape), t.dtype, t.device.type) for t in (r, a)]
+            if layout[0] != layout[1]:
+                return Comparison(False, float("inf"), f"{name}: " + " vs ".join("/".join(map(str, x)) for x in layout))
+        elif isinstance(r, torch.Tensor) or isinstance(a, torch.Tensor) or r != a:
+            return Comparison(False, float("inf"), f"{name}: {r!r} != {a!r}")
+    return Comparison(True, 0.0)
+
+
 def check_graph(module: nn.Module, graph_module: torch.fx.GraphModule, args: tuple, kwargs: dict, reference: Any,
                 *, record: bool = False) -> MetaInfo | None:
     """Refuse (raise) a graph whose outputs differ from the module's ``reference`` outputs; with ``record``,
@@ -102,7 +132,7 @@ def check_graph(module: nn.Module, graph_module: torch.fx.GraphModule, args: tup
             actual, info = run_and_annotate(graph_module, args, kwargs)
         else:
             actual = graph_module(*args, **kwargs)
-    result = compare_outputs(reference, actual)
+    result = compare_outputs(reference, actual) if not _on_meta(reference, actual) else _compare_layout(reference, actual)
     if not result.ok:
         raise RuntimeError(f"captured graph differs from the module: {result.reason}")
     return info

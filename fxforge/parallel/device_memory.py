@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -163,3 +164,49 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
     return DeviceMemory(weights, training.buffers_bytes, gradients, state,
                         int(training.activations_bytes * scale), gathered, training.inputs_bytes,
                         int(base + phases[phase]), phase)
+
+
+def shard_dims(model: torch.nn.Module, styles: dict[str, str]) -> dict[str, int | None]:
+    """The dimension tensor parallelism splits each parameter on (None: replicated), by parameter name.
+
+    ``nn.Linear`` stores ``[out, in]``: column-split (and a vocabulary head) on 0, its bias too; row-split
+    on 1, its bias replicated. ``nn.Embedding`` over the vocabulary on 0. GPT-2's ``Conv1D`` stores
+    ``[in, out]``: the other way round.
+
+    Example:
+        >>> shard_dims(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)), {"0": "colwise", "1": "rowwise"})
+        {'0.weight': 0, '0.bias': 0, '1.weight': 1, '1.bias': None}
+    """
+    dims: dict[str, int | None] = {}
+    for module_name, module in model.named_modules():
+        style = styles.get(module_name)
+        transposed = type(module).__name__ == "Conv1D"
+        for param_name, _ in module.named_parameters(recurse=False):
+            key = f"{module_name}.{param_name}" if module_name else param_name
+            dim = None
+            if style in ("colwise", "vocab") and not isinstance(module, torch.nn.Embedding):
+                dim = (1 if param_name == "weight" else 0) if transposed else 0
+            elif style == "vocab":
+                dim = 0
+            elif style == "rowwise" and param_name == "weight":
+                dim = 0 if transposed else 1
+            dims.setdefault(key, dim)
+    return dims
+
+
+def local_model(model: torch.nn.Module, dims: dict[str, int | None], tp: int) -> torch.nn.Module:
+    """A copy of ``model`` on the meta device whose parameters have one tensor-parallel rank's shapes
+    (tied parameters stay tied): what fully sharded or replicated data parallelism then acts on."""
+    copied = copy.deepcopy(model)
+    made: dict[int, torch.nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for original, module in zip(model.modules(), copied.modules(), strict=True):
+        for key, p in original._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in made:
+                shape = local_shape(tuple(p.shape), dims.get(names[id(p)]), tp)
+                made[id(p)] = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
+                                                 requires_grad=p.requires_grad)
+            module._parameters[key] = made[id(p)]
+    return copied

@@ -26,7 +26,6 @@ Example (starts a link measurement the first time, cached after)::
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Any
@@ -44,57 +43,11 @@ from fxforge.parallel.collectives import (
     gradient_ready_order,
     total_bytes,
 )
-from fxforge.parallel.device_memory import device_memory, local_shape
+from fxforge.parallel.device_memory import device_memory, local_model, shard_dims
 from fxforge.parallel.plan import Candidate, ParallelPlan
 from fxforge.parallel.step_costs import StepCosts, graph_shares, is_meta, time_step
 from fxforge.parallel.strategy import devices_of, full, meshes
 from fxforge.parallel.strategy import name as mesh_name
-
-
-def shard_dims(model: torch.nn.Module, styles: dict[str, str]) -> dict[str, int | None]:
-    """The dimension tensor parallelism splits each parameter on (None: replicated), by parameter name.
-
-    ``nn.Linear`` stores ``[out, in]``: column-split (and a vocabulary head) on 0, its bias too; row-split
-    on 1, its bias replicated. ``nn.Embedding`` over the vocabulary on 0. GPT-2's ``Conv1D`` stores
-    ``[in, out]``: the other way round.
-
-    Example:
-        >>> shard_dims(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)), {"0": "colwise", "1": "rowwise"})
-        {'0.weight': 0, '0.bias': 0, '1.weight': 1, '1.bias': None}
-    """
-    dims: dict[str, int | None] = {}
-    for module_name, module in model.named_modules():
-        style = styles.get(module_name)
-        transposed = type(module).__name__ == "Conv1D"
-        for param_name, _ in module.named_parameters(recurse=False):
-            key = f"{module_name}.{param_name}" if module_name else param_name
-            dim = None
-            if style in ("colwise", "vocab") and not isinstance(module, torch.nn.Embedding):
-                dim = (1 if param_name == "weight" else 0) if transposed else 0
-            elif style == "vocab":
-                dim = 0
-            elif style == "rowwise" and param_name == "weight":
-                dim = 0 if transposed else 1
-            dims.setdefault(key, dim)
-    return dims
-
-
-def local_model(model: torch.nn.Module, dims: dict[str, int | None], tp: int) -> torch.nn.Module:
-    """A copy of ``model`` on the meta device whose parameters have one tensor-parallel rank's shapes
-    (tied parameters stay tied): what fully sharded or replicated data parallelism then acts on."""
-    copied = copy.deepcopy(model)
-    made: dict[int, torch.nn.Parameter] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for original, module in zip(model.modules(), copied.modules(), strict=True):
-        for key, p in original._parameters.items():
-            if p is None:
-                continue
-            if id(p) not in made:
-                shape = local_shape(tuple(p.shape), dims.get(names[id(p)]), tp)
-                made[id(p)] = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
-                                                 requires_grad=p.requires_grad)
-            module._parameters[key] = made[id(p)]
-    return copied
 
 
 def _rows(args: tuple, kwargs: dict) -> int:
@@ -254,7 +207,8 @@ def tp_degrees(model: torch.nn.Module, example_inputs: Any, devices: int) -> dic
 
 def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, memory_per_device: Any = None,
                 loss: Any = None, optimizer: Any = torch.optim.AdamW, mesh: dict[str, int] | None = None, *,
-                link: Any = None, threads: int | None = None, pipeline: bool = True) -> ParallelPlan:
+                link: Any = None, threads: int | None = None, pipeline: bool = True, cluster: Any = None,
+                precision: str | None = None, activation_checkpointing: str | None = None) -> ParallelPlan:
     """Plan data, fully sharded, tensor and pipeline parallelism for training ``model`` on ``devices``.
 
     Args:
@@ -270,6 +224,15 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
         link: a :class:`~fxforge.core.links.Link` to cost collectives on (default: gloo measured here).
         threads: torch threads per device for the compute (default: this machine's cores shared).
         pipeline: offer pipeline stages.
+        cluster: a :class:`~fxforge.parallel.cluster.Cluster` to plan for on paper (usually with the model and
+            inputs on the meta device): compute from the step's FLOPs at the cluster's peak and assumed
+            efficiency, collectives on the links their groups span, ``memory_per_device`` defaulting to its
+            GPUs' memory; the candidates add ``mfu`` and ``tokens_per_s_per_device``
+            (:mod:`fxforge.parallel.paper` says what is modelled).
+        precision: with ``cluster``: ``"bf16"`` for FSDP2's bf16 mixed precision (float32 master weights,
+            gradients and optimizer state; bf16 compute), None for the model's own dtypes.
+        activation_checkpointing: with ``cluster``: ``"full"`` keeps only each block's input for backward
+            (recomputing the block), None keeps what the step saves.
 
     Example (slow: measures the link once)::
 
@@ -286,6 +249,15 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
         raise ValueError(f"devices must be at least 1, not {devices}")
     cap = parse_bytes(memory_per_device) if memory_per_device is not None else None
     loss_fn = loss or square_mean_loss
+    if cluster is not None:
+        from fxforge.parallel.paper import plan_on_paper
+
+        cap = cap if memory_per_device is not None else cluster.memory_bytes
+        return plan_on_paper(model, args, kwargs, devices, cluster, cap, loss_fn, optimizer,
+                             forced if mesh is not None else None, loss=loss, precision=precision,
+                             activation_checkpointing=activation_checkpointing)
+    if precision is not None or activation_checkpointing is not None:
+        raise ValueError("precision= and activation_checkpointing= are planned on paper only: give cluster= too")
     threads = threads or max(1, (os.cpu_count() or 1) // devices)
     if link is None:
         from fxforge.runtime.link_measure import measured_link

@@ -11,6 +11,7 @@ budget gets a graph of its own. ``benchmarks/RESULTS.md`` is never touched (mark
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -24,12 +25,15 @@ from benchmarks.zoo_env import zoo_passthrough
 
 TINY = SIZES["quick"]["gpt2"]
 KINDS = ("eager", "checkpoint", "fxforge", "fxforge-peer")
+# The benchmark's 2 threads (its --threads default); under pytest-xdist the worker's one (conftest.py): two
+# threads beside the other worker's fought it for the two cores.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 @pytest.fixture(scope="module")
 def result():
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     try:
         opts = training.RunOptions(fractions=(0.6,), kinds=KINDS, rounds=1, reps=1)
         return training.run_model("gpt2", TINY, opts, log=lambda _: None)
@@ -189,7 +193,7 @@ def test_summary_judges_fxforge_inductor_rows_apart():
 
 def test_fxforge_inductor_contender_runs_the_plan_compiled():
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     try:
         opts = training.RunOptions(fractions=(0.6,), kinds=("eager", "fxforge-inductor"), rounds=1, reps=1,
                                    cross_check=False, float64=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import sys
 import time
@@ -40,6 +41,15 @@ WORKDIR = {
 }
 CELL_TIMEOUT_S = 300
 MARKER = "NOTEBOOK_SUMMARY "
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_kernel_under_xdist(monkeypatch):
+    """Under pytest-xdist each kernel computes on one thread, as each worker does (conftest.py): a notebook's
+    two threads (its default, the benchmarks') fought the other worker for the two cores. The kernel inherits
+    the environment; the stored runs (``make notebooks``) keep the default."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        monkeypatch.setenv("FXFORGE_NOTEBOOK_THREADS", "1")
 
 
 def _stream_text(cell) -> str:
