@@ -267,12 +267,7 @@ def run(opts: argparse.Namespace) -> int:
         report.write_json(json_path, result)
     result["meta"]["load_after"] = report.load_average()
     report.write_json(json_path, result)
-    block = markdown(result)
-    if not opts.no_markdown:
-        report.write_block(opts.markdown, block, NAME)
-        log(f"wrote {opts.markdown}")
-    print(block)
-    return 0
+    return report.finish(opts, markdown(result), NAME)
 
 
 SECTION = Section(NAME, "parallel plans of LLaMA, GPT-2, BERT, T5 and ViT on 2 gloo ranks: every mesh priced, the "

@@ -198,12 +198,7 @@ def run(opts: argparse.Namespace) -> int:
         log(str(row))
         result["published"].append(row)
         report.write_json(json_path, result)
-    block = markdown(result)
-    if not opts.no_markdown:
-        report.write_block(opts.markdown, block, NAME)
-        log(f"wrote {opts.markdown}")
-    print(block)
-    return 0
+    return report.finish(opts, markdown(result), NAME)
 
 
 SECTION = Section(NAME, "parallel plans on paper: LLaMA 3 8B/70B and GPT-2 XL on 8 to 1,024 H100s (mesh, memory "

@@ -381,12 +381,7 @@ def run(opts: argparse.Namespace) -> int:
         result["measured"] += zoo["measured"]
     result["meta"]["complete"] = True
     report.write_json(json_path, result)
-    block = markdown(result)
-    if not opts.no_markdown:
-        report.write_block(opts.markdown, block, NAME)
-        log(f"wrote {opts.markdown}")
-    print(block)
-    return 0
+    return report.finish(opts, markdown(result), NAME)
 
 
 SECTION = Section(NAME, "pipeline stages of GPT-2, LLaMA, ResNet-50 and ViT-S at 2/4/8 stages: fxforge's split "

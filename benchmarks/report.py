@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.log import log
 from fxforge.core.disk_cache import cpu_model
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -715,6 +716,16 @@ def publish(args: Any, section: str, out: Any, runs: Any, block: str) -> None:
     print(block)
     if not args.no_markdown:
         write_block(args.markdown, block, section)
+
+
+def finish(args: Any, block: str, section: str) -> int:
+    """A section's last step: ``block`` into ``args.markdown`` between ``section``'s markers (unless
+    ``--no-markdown``), then printed; the exit status, 0."""
+    if not args.no_markdown:
+        write_block(args.markdown, block, section)
+        log(f"wrote {args.markdown}")
+    print(block)
+    return 0
 
 
 def write_markdown(path: str, result: dict[str, Any], section: str | None = None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -18,7 +17,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fxforge.parallel.tp_build import (
     Styles,
@@ -28,15 +26,6 @@ from fxforge.parallel.tp_build import (
 )
 from fxforge.parallel.tp_derive import derive_tp_plan
 from tests.parallel.tp_models import MLP, Attention, check, transformers_model
-
-
-@pytest.fixture
-def fake_world(request):
-    """A fake process group of ``request.param`` ranks (no communication: LocalTensorMode computes)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    yield request.param
-    dist.destroy_process_group()
-
 
 
 @pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
