@@ -179,7 +179,12 @@ class _Planner:
         except ValueError as error:  # no split fits the cap: priced without it, and refused with its reason
             refusal = " ".join(str(error).split())
             part = self._partition(mesh["pp"], None)
-        compute = part.simulate().makespan + self.costs.optimizer_s / mesh["pp"]
+        # The stages' times are the nodes' own, timed one by one on a microbatch (or the roofline's); the real
+        # step also pays autograd's engine and its accumulation between them. The whole step measured in this
+        # process over the same nodes' sum on the whole batch gives that factor.
+        node_sum = float(part.units.seconds.sum()) * part.microbatches
+        engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
+        compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / mesh["pp"]
         sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
                  for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
                  for _ in range(part.microbatches)]
