@@ -159,7 +159,7 @@ def _gathers(traced: TracedForward, colwise: set[str],
         The input gathers (module -> (slot, positional count)), the output gathers, and the layers served.
     """
     readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for name in colwise & linears:
+    for name in sorted(colwise & linears):  # a set: its order changes with the hash seed
         slot = traced.calls_of(name)[0].inputs.get(0)
         if slot is not None:
             readers.setdefault(base_of(slot), []).append(slot)
