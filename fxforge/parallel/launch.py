@@ -148,7 +148,7 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
     model, microbatch = part.model, part.units.microbatch
     if dtype is not None:  # the model and the floating-point inputs in ``dtype``, on copies
         model = copy.deepcopy(model).to(dtype)
-        args, kwargs, microbatch = _cast((args, kwargs, microbatch), dtype)
+        args, kwargs, microbatch = cast_floating((args, kwargs, microbatch), dtype)
     reference_model = copy.deepcopy(model)
     # The stages are built from the model as the engine runs it (a root sharing the model's parameters
     # where submodules were replaced); each parameter's gradient is checked under the model's own name.
@@ -172,7 +172,15 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
                     backend, steps)
 
 
-def _cast(value: Any, dtype: torch.dtype) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype | None) -> Any:
+    """``value`` with every floating-point tensor in it cast to ``dtype`` (None: as it is).
+
+    Example:
+        >>> cast_floating((torch.ones(1), torch.ones(1, dtype=torch.long)), torch.float64)[0].dtype
+        torch.float64
+    """
+    if dtype is None:
+        return value
     return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                            value)
 

@@ -26,7 +26,6 @@ import statistics
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from fxforge.capture.model import normalize_inputs
 from fxforge.core.memory import tensor_leaves
@@ -119,13 +118,6 @@ def _max_difference(expected: list[torch.Tensor | None], got: list[torch.Tensor 
     return error, close
 
 
-def _cast(value: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return value
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                           value)
-
-
 def run(plan: Any, example_inputs: Any, steps: int = 1, *, threads: int | None = None, timeout: float = 600.0,
         backend: str | None = None, dtype: torch.dtype | None = None, worker_setup: Any = None) -> MeshRun:
     """Run ``plan`` on local processes and check it against the model in this one process.
@@ -144,7 +136,7 @@ def run(plan: Any, example_inputs: Any, steps: int = 1, *, threads: int | None =
     Raises:
         RuntimeError: a rank failed (its own error is given) or the run did not finish in time.
     """
-    from fxforge.parallel.launch import square_mean_loss
+    from fxforge.parallel.launch import cast_floating, square_mean_loss
     from fxforge.parallel.strategy import devices_of, full
 
     strategy = full(plan.strategy)
@@ -156,7 +148,7 @@ def run(plan: Any, example_inputs: Any, steps: int = 1, *, threads: int | None =
     backend = backend or ("nccl" if use_cuda else "gloo")
     threads = threads or max(1, (os.cpu_count() or 1) // world)
     loss_fn = plan.loss or square_mean_loss
-    args, kwargs = _cast(normalize_inputs(example_inputs), dtype)
+    args, kwargs = cast_floating(normalize_inputs(example_inputs), dtype)
     model = copy.deepcopy(plan.model)
     if dtype is not None:
         model = model.to(dtype)

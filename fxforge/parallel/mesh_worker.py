@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from fxforge.parallel.collectives import CollectiveCounter, apply_fully_shard, blocking_allreduce_hook
 from fxforge.parallel.processes import worker_main
+from fxforge.training.measure import PhaseMeter
 
 MESH_AXES = ("dp", "fsdp", "tp")
 """The axes a mesh run builds, outermost first (pipelines run through :mod:`fxforge.parallel.launch`)."""
@@ -101,12 +103,6 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach().cpu().clone()
 
 
-def _meter(device: torch.device) -> Any:
-    from fxforge.training.measure import PhaseMeter
-
-    return PhaseMeter(device)
-
-
 def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any]:
     """Parallelize, run the payload's steps and return this rank's figures (the group is initialised)."""
     torch.set_num_threads(payload["threads"])
@@ -126,12 +122,12 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     for step in range(steps):
         last = step == steps - 1
         counter = CollectiveCounter(groups=mesh) if last and mesh is not None else None
-        meter = _meter(device) if last else None
+        meter = PhaseMeter(device) if last else None
         for p in model.parameters():
             p.grad = None
         dist.barrier()
         start = time.perf_counter()
-        with counter if counter is not None else _nothing(), meter if meter is not None else _nothing():
+        with counter if counter is not None else nullcontext(), meter if meter is not None else nullcontext():
             out = module(*args, **kwargs)
             loss = loss_fn(out, None)
             if meter is not None:
@@ -143,10 +139,7 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
                 grads = {n: _full(p.grad) for n, p in named}
                 output = pytree.tree_map(lambda t: _full(t) if isinstance(t, torch.Tensor) else t, out)
             if optimizer is not None:
-                if counter is not None:
-                    with counter.phase("optimizer"):
-                        optimizer.step()
-                else:
+                with counter.phase("optimizer") if counter is not None else nullcontext():
                     optimizer.step()
             if meter is not None:
                 meter.end("optimizer")
@@ -173,14 +166,6 @@ def _local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
              if isinstance(t, torch.Tensor)]
     return {"weights": unique_bytes(local(p) for p in model.parameters()),
             "buffers": unique_bytes(model.buffers()), "optimizer_state": unique_bytes(state)}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main(argv: list[str]) -> int:
