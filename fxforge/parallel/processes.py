@@ -31,8 +31,9 @@ import torch
 
 from fxforge.runtime.link_measure import free_port
 
-PEER_HUNG_UP = "Connection closed by peer"
-"""What gloo says on a rank whose peer failed: the peer's own error is the one to report."""
+PEER_HUNG_UP = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo says on a rank whose peer failed (it depends on when the peer went): the peer's own error is the
+one to report."""
 
 
 def setup_name(worker_setup: Callable[[], Any] | None) -> list[str]:
@@ -67,28 +68,55 @@ def run_workers(module: str, payload: dict[str, Any], world: int, *, threads: in
         torch.save(payload, path)
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS=str(threads))
-        procs = [subprocess.Popen([sys.executable, "-m", module, str(path), str(rank), str(world), str(folder),
-                                   *setup_name(worker_setup)], env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for rank in range(world)]
-        deadline = time.monotonic() + timeout
-        errors = {}
-        for rank, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"the {what}s did not finish in {timeout:.0f} s") from None
-            if proc.returncode:
-                lines = [line for line in err.strip().splitlines() if line.strip()]
-                errors[rank] = lines[-1] if lines else f"exit code {proc.returncode}"
+        # Each rank's stderr goes to a file: a pipe read rank by rank blocks a later rank once it has written
+        # 64 KiB of warnings, and the earlier ranks then wait for it in a collective until the deadline.
+        logs = [open(folder / f"rank{rank}.stderr", "w+", encoding="utf-8") for rank in range(world)]  # noqa: SIM115
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(world):
+                procs.append(subprocess.Popen([sys.executable, "-m", module, str(path), str(rank), str(world),
+                                               str(folder), *setup_name(worker_setup)], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=logs[rank]))
+            failed = _wait(procs, timeout, what)
+            errors = {}
+            for rank in failed:
+                logs[rank].seek(0)
+                lines = [line for line in logs[rank].read().strip().splitlines() if line.strip()]
+                errors[rank] = lines[-1] if lines else f"exit code {procs[rank].returncode}"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
         if errors:
             own = {rank: (folder / f"rank{rank}.error").read_text() for rank in errors
                    if (folder / f"rank{rank}.error").is_file()}
-            first = [(r, line) for r, line in sorted(own.items()) if PEER_HUNG_UP not in line]
+            first = [(r, line) for r, line in sorted(own.items()) if not any(words in line for words in PEER_HUNG_UP)]
             rank, line = (first or sorted(own.items()) or sorted(errors.items()))[0]
             raise RuntimeError(f"{what} {rank} failed: {line}")
         return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, what: str) -> list[int]:
+    """Wait for every process; once one has failed, the others get a few seconds to write their own error
+    (a peer's failure ends their collectives) and are then ended. Returns the ranks that exited non-zero."""
+    deadline = time.monotonic() + timeout
+    grace_end = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if all(code is not None for code in codes):
+            return failed
+        now = time.monotonic()
+        if failed and grace_end is None:
+            grace_end = now + 10.0
+        if grace_end is not None and now > grace_end:
+            return [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+        if now > deadline:
+            raise RuntimeError(f"the {what}s did not finish in {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def error_line(error: BaseException) -> str:
