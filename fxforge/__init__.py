@@ -8,20 +8,42 @@ Example:
     1
 """
 
-from fxforge.api import optimize, parallelize
-from fxforge.capture import CaptureError, capture
-from fxforge.core.captured import Captured
-from fxforge.core.report import Report
-from fxforge.exporters import ExportError, OnnxRuntimeModule
-from fxforge.exporters.export import export_onnx
-from fxforge.exporters.pt2 import load
-from fxforge.lowering.build import rewrite
-from fxforge.parallel import Partition, partition
-from fxforge.rewrites.passes import Pass
-from fxforge.runtime.native import OptimizedModule
-from fxforge.runtime.profile import Profile
-from fxforge.runtime.profile.subjects import profile
-from fxforge.training import TrainingMemory, training_memory
+import importlib
+from typing import Any
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass", "Profile", "Report", "TrainingMemory",
-           "capture", "export_onnx", "load", "optimize", "parallelize", "partition", "profile", "rewrite", "training_memory"]
+# ``fxforge.capture`` is both a subpackage and its function: importing the subpackage (as any of fxforge's
+# modules may) would put the module where the function is, so the function is bound here, first.
+from fxforge.capture import CaptureError, capture
+
+# Each public name and the module that holds it. They are imported on first use (PEP 562): a process that
+# needs one part of fxforge (a distributed worker, ``fxforge --help``) does not pay for importing all of it.
+_HOMES = {
+    "optimize": "fxforge.api", "parallelize": "fxforge.api",
+    "CaptureError": "fxforge.capture", "capture": "fxforge.capture",  # bound above
+    "Captured": "fxforge.core.captured", "Report": "fxforge.core.report",
+    "ExportError": "fxforge.exporters", "OnnxRuntimeModule": "fxforge.exporters",
+    "export_onnx": "fxforge.exporters.export", "load": "fxforge.exporters.pt2",
+    "rewrite": "fxforge.lowering.build",
+    "Partition": "fxforge.parallel.partition", "partition": "fxforge.parallel.partition",
+    "Pass": "fxforge.rewrites.passes", "OptimizedModule": "fxforge.runtime.native",
+    "Profile": "fxforge.runtime.profile", "profile": "fxforge.runtime.profile.subjects",
+    "TrainingMemory": "fxforge.training", "training_memory": "fxforge.training",
+}
+
+__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass",
+           "Profile", "Report", "TrainingMemory", "capture", "export_onnx", "load", "optimize", "parallelize",
+           "partition", "profile", "rewrite", "training_memory"]
+assert set(__all__) == set(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'fxforge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -13,9 +13,8 @@ Example:
     ['dp2', 'fsdp2', 'tp2']
 """
 
+import importlib
 from typing import Any
-
-from fxforge.parallel.partition import Partition, partition
 
 
 def run(plan: Any, example_inputs: Any, steps: int = 1, **options: Any) -> Any:
@@ -33,3 +32,10 @@ def run(plan: Any, example_inputs: Any, steps: int = 1, **options: Any) -> Any:
 
 
 __all__ = ["Partition", "partition", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: a worker process importing fxforge.parallel.worker needs no partitioner.
+    if name in ("Partition", "partition"):
+        return getattr(importlib.import_module("fxforge.parallel.partition"), name)
+    raise AttributeError(f"module 'fxforge.parallel' has no attribute {name!r}")
