@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fxforge.parallel.stage_outputs import outputs_from_last_stage
 from fxforge.parallel.units import StageUnits
 
 MAX_REFUSALS = 16
@@ -62,6 +63,7 @@ def build_pipe(model: torch.nn.Module, microbatch: tuple[tuple[Any, ...], dict[s
         raise RuntimeError(f"torch.distributed.pipelining made {pipe.num_stages} stages of the split at "
                            f"{list(split_spec)}, not {stages}: torch.export traced the model differently from "
                            "fxforge's capture")
+    outputs_from_last_stage(pipe)  # a model output an earlier stage computes is returned by the last
     for stage in range(stages):
         _send_contiguous(pipe.get_stage_module(stage))
     return pipe
