@@ -7,7 +7,7 @@ activations of its slice of the batch, from the one-process training-memory mode
   keeps ``ceil(dim0 / fsdp)`` rows of each. Gradients follow the weights; the optimizer's state is
   :func:`fxforge.training.optimizer_memory.optimizer_memory` of the local shards.
 - **Activations**: the one-process step at the slice of the batch a replica sees (``batch / (dp x fsdp)``),
-  with the part tensor parallelism splits (:func:`fxforge.parallel.step_costs.saved_is_sharded`)
+  with the part tensor parallelism splits (:func:`fxforge.parallel.step_costs.split_forward_nodes`)
   divided by ``tp``.
 - the batch itself is not counted (a run measures above it).
 - **Gathered**: under ``fully_shard`` a block's whole parameters exist while it runs, with the buffers
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fxforge.parallel.step_costs import saved_is_sharded, sharded_regions
+from fxforge.parallel.step_costs import split_forward_nodes
 
 FSDP_BLOCKS_HELD = 3
 """Whole blocks' worth of bytes FSDP2 holds at its peak: while a block's parameters are all-gathered, the
@@ -101,13 +101,15 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def saved_share(training: Any, styles: dict[str, str]) -> float:
-    """The share of the step's saved activations tensor parallelism splits."""
-    by_module = training.simulation.saved_by_module
-    total = sum(by_module.values())
-    if not total or not styles:
+    """The share of the step's saved activations tensor parallelism splits: the saved values whose result the
+    split reaches (:func:`~fxforge.parallel.step_costs.split_forward_nodes`), by bytes."""
+    if not styles:
         return 0.0
-    regions = sharded_regions(styles)
-    return sum(b for m, b in by_module.items() if saved_is_sharded(m, styles, regions)) / total
+    saved = training.step.saved_nodes()
+    _, split = split_forward_nodes(training.step.forward.graph, styles)
+    nbytes = {node: node.meta["val"].numel() * node.meta["val"].element_size() for node in saved}
+    total = sum(nbytes.values())
+    return sum(b for node, b in nbytes.items() if node in split) / total if total else 0.0
 
 
 def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], styles: dict[str, str],

@@ -88,6 +88,8 @@ class _Planner:
         self.weights = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
         self._training: dict[int, Any] = {}
         self._ready: list[str] | None = None
+        self._replica_steps: dict[int, tuple[float, float]] = {}
+        self.notes: list[str] = []
         self.costs = self._step_costs()
 
     def training(self, replicas: int) -> Any:
@@ -105,12 +107,40 @@ class _Planner:
         from fxforge.runtime.roofline import measure_machine
 
         whole = self.training(1)
-        seconds, stacks = graph_shares(whole.step, measure_machine())
+        seconds, stacks, owners = graph_shares(whole.step, measure_machine())
+        forward = whole.step.forward.graph
         if is_meta(self.args, self.kwargs, self.model):
-            return StepCosts(sum(seconds), 0.0, False, self.threads, seconds, stacks)
-        fb, opt = time_step(self.model, self.args, self.kwargs, self.loss_fn, self.optimizer_factory,
-                            threads=self.threads)
-        return StepCosts(fb, opt, True, self.threads, seconds, stacks)
+            return StepCosts(sum(seconds), 0.0, False, self.threads, seconds, stacks, owners, forward)
+        self._replica_steps = self._time_replica_steps()
+        fb, opt = self._replica_steps[1]
+        return StepCosts(fb, opt, True, self.threads, seconds, stacks, owners, forward)
+
+    def _time_replica_steps(self) -> dict[int, tuple[float, float]]:
+        """Forward + backward and optimizer seconds of one replica's slice of the batch, for every replica
+        count the devices allow, each timed while the other ranks' twins run beside it on this machine's
+        cores (or alone, with a note, where the model cannot run in another process)."""
+        from fxforge.parallel.twins import Twins, TwinsUnavailable
+
+        counts = [r for r in range(1, self.devices + 1) if self.devices % r == 0 and self.rows % r == 0]
+        twin_args, twin_kwargs = _slice((self.args, self.kwargs), max(counts))
+        twins = Twins(self.model, twin_args, twin_kwargs, threads=self.threads, count=self.devices - 1)
+        try:
+            with twins:
+                return {r: self._time_slice(r) for r in counts}
+        except TwinsUnavailable as why:
+            self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
+            return {r: self._time_slice(r) for r in counts}
+
+    def _time_slice(self, replicas: int) -> tuple[float, float]:
+        args, kwargs = _slice((self.args, self.kwargs), replicas)
+        return time_step(self.model, args, kwargs, self.loss_fn, self.optimizer_factory, threads=self.threads)
+
+    def replica_step(self, replicas: int) -> tuple[float, float]:
+        """Forward + backward and optimizer seconds of one of ``replicas`` replicas (the roofline's share of
+        the whole step on meta tensors)."""
+        if not self.costs.measured:
+            return self.costs.forward_backward_s / replicas, self.costs.optimizer_s
+        return self._replica_steps[replicas]
 
     def ready_order(self) -> list[str]:
         if self._ready is None:
@@ -149,8 +179,9 @@ class _Planner:
         memory = device_memory(self.training(replicas), self.model, mesh, styles, dims, self.optimizer,
                                self.blocks)
         share = self.costs.sharded_share(styles) if tp > 1 else 0.0
-        compute = (self.costs.forward_backward_s * ((1 - share) + share / tp) / replicas
-                   + self.costs.optimizer_s * memory.weights / max(self.weights, 1))
+        forward_backward, optimizer = self.replica_step(replicas)
+        compute = (forward_backward * ((1 - share) + share / tp)
+                   + optimizer * memory.weights / max(self.weights, 1))
         collectives = self.collectives(mesh, tp_plan)
         comm = sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
         fits = self.cap is None or memory.peak <= self.cap
@@ -274,7 +305,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
     units_max = len(planner.blocks) + 1
     options = [forced] if mesh is not None else meshes(devices, tp_degrees=tp_plans, pipeline=pipeline,
                                                        max_stages=units_max)
-    candidates, notes = [], []
+    candidates, notes = [], planner.notes
     for option in options:
         replicas = option["dp"] * option["fsdp"]
         if planner.rows % replicas:

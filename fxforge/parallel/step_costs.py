@@ -80,6 +80,58 @@ def saved_is_sharded(module: str, styles: dict[str, str], regions: set[str]) -> 
                                                                               "replicate") for p in prefixes)
 
 
+_PRODUCTS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear")
+
+
+def _layer_style(stack: list[str], styles: dict[str, str]) -> str | None:
+    return next((styles[m] for m in reversed(stack) if styles.get(m) in SPLIT_STYLES), None)
+
+
+def split_forward_nodes(graph: torch.fx.Graph, styles: dict[str, str]) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+    """Follow tensor parallelism's split through a forward graph: the nodes whose work it divides, and those
+    whose result is split (on heads or features).
+
+    A column-split layer's nodes give split results; what consumes a split result gives one too (attention's
+    scores and softmax, the MLP's activation, wherever their modules sit), up to a row-split layer, whose
+    matrix product gives whole partial sums (all-reduced). A row-split layer's and a vocabulary layer's work
+    is divided, their results whole.
+
+    Example:
+        >>> class MLP(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.up, self.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+        ...     def forward(self, x):
+        ...         return x + self.down(torch.relu(self.up(x)))
+        >>> gm = torch.fx.symbolic_trace(MLP())
+        >>> for n in gm.graph.nodes:
+        ...     n.meta["nn_module_stack"] = {n.target: (n.target, None)} if n.op == "call_module" else {}
+        >>> work, split = split_forward_nodes(gm.graph, {"up": "colwise", "down": "rowwise"})
+        >>> sorted(n.name for n in work), sorted(n.name for n in split)
+        (['down', 'relu', 'up'], ['relu', 'up'])
+    """
+    work: set[torch.fx.Node] = set()
+    split: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_module", "call_method"):
+            continue
+        style = _layer_style(module_stack(node), styles)
+        fed = any(i in split for i in node.all_input_nodes)
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if style == "colwise":
+            work.add(node)
+            split.add(node)
+        elif style == "rowwise":
+            work.add(node)
+            if fed and node.op != "call_module" and name not in _PRODUCTS:  # not the product itself
+                split.add(node)
+        elif style == "vocab":
+            work.add(node)
+        elif fed:
+            work.add(node)
+            split.add(node)
+    return work, split
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
     """One process's training step, measured (or estimated on meta tensors).
@@ -91,6 +143,10 @@ class StepCosts:
         threads: the threads it ran on.
         node_seconds: the roofline seconds of each node of the step's graphs, for the shares.
         stacks: each node's module stack (backward nodes: their forward node's).
+        owners: each node's forward node (itself, or the one a backward node differentiates; None where
+            unknown), with ``forward``, the forward graph the split is followed through; without them a node
+            counts as split inside a split layer only.
+        forward: the step's forward graph.
     """
 
     forward_backward_s: float
@@ -99,6 +155,8 @@ class StepCosts:
     threads: int
     node_seconds: list[float]
     stacks: list[list[str]]
+    owners: tuple = ()
+    forward: Any = None
 
     def sharded_share(self, styles: dict[str, str]) -> float:
         """The share of the forward + backward time a tensor-parallel plan with ``styles`` divides.
@@ -111,31 +169,39 @@ class StepCosts:
         total = sum(self.node_seconds)
         if not total:
             return 0.0
-        regions = sharded_regions(styles)
-        split = sum(s for s, stack in zip(self.node_seconds, self.stacks) if node_is_sharded(stack, styles, regions))
+        if self.forward is None:
+            regions = sharded_regions(styles)
+            return sum(s for s, stack in zip(self.node_seconds, self.stacks)
+                       if node_is_sharded(stack, styles, regions)) / total
+        work, _ = split_forward_nodes(self.forward, styles)
+        split = sum(s for s, owner, stack in zip(self.node_seconds, self.owners, self.stacks)
+                    if (owner in work if owner is not None else _layer_style(stack, styles) is not None))
         return split / total
 
 
-def graph_shares(step: Any, machine: Any) -> tuple[list[float], list[list[str]]]:
-    """Each node's roofline seconds and module stack over the step's forward and backward graphs."""
+def graph_shares(step: Any, machine: Any) -> tuple[list[float], list[list[str]], tuple]:
+    """Each node's roofline seconds, module stack and forward node (:attr:`StepCosts.owners`) over the step's
+    forward and backward graphs."""
     from fxforge.core.costs import node_seconds
 
-    seconds, stacks = [], []
-    by_seq: dict[int, list[str]] = {}
+    seconds, stacks, owners = [], [], []
+    by_seq: dict[int, torch.fx.Node] = {}
     for node in step.forward.graph.nodes:
         if node.op != "call_function":
             continue
-        stack = module_stack(node)
         if (seq := node.meta.get("seq_nr")) is not None:
-            by_seq.setdefault(seq, stack)
+            by_seq.setdefault(seq, node)
         seconds.append(node_seconds(node, machine))
-        stacks.append(stack)
+        stacks.append(module_stack(node))
+        owners.append(node)
     for node in step.backward.graph.nodes:
         if node.op != "call_function":
             continue
+        owner = by_seq.get(node.meta.get("seq_nr"))
         seconds.append(node_seconds(node, machine))
-        stacks.append(by_seq.get(node.meta.get("seq_nr"), module_stack(node)))
-    return seconds, stacks
+        stacks.append(module_stack(owner) if owner is not None else module_stack(node))
+        owners.append(owner)
+    return seconds, stacks, tuple(owners)
 
 
 def time_step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, optimizer_factory: Any, *,

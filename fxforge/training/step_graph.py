@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -91,9 +92,11 @@ class StepModule(torch.nn.Module):
         for position, tensor in zip(self.tensor_positions, tensors):
             leaves[position] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self.input_spec)
-        if isinstance(self.model, torch.fx.GraphModule) and not kwargs:
-            # Through the Interpreter, each traced op inherits its graph node's meta (its module stack).
-            outputs = torch.fx.Interpreter(self.model).run(*args)
+        if isinstance(self.model, torch.fx.GraphModule):
+            # Through the Interpreter, each traced op inherits its graph node's meta (its module stack);
+            # keyword inputs are bound to the graph's placeholders by its forward's signature.
+            bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+            outputs = torch.fx.Interpreter(self.model).run(*bound.args, *bound.kwargs.values())
         else:
             outputs = self.model(*args, **kwargs)
         if self.loss is not None:

@@ -95,6 +95,9 @@ def test_per_module_table_adds_up_and_names_the_blocks():
     blocks = tm.by_module(depth=3)
     assert {"transformer.h.0", "transformer.h.1"} <= set(blocks.index)
     assert blocks.loc["transformer.h.0", "activations_MiB"] > 0
+    # Keyword inputs (a tokenizer's dict) name the same modules: the step's ops keep their module records.
+    by_keyword = fxforge.training_memory(model, {"input_ids": ids(5)}).by_module(depth=3)
+    assert by_keyword["activations_MiB"].to_dict() == pytest.approx(blocks["activations_MiB"].to_dict())
 
 
 def test_measuring_leaves_the_model_as_it_was():
