@@ -76,7 +76,7 @@ def _slice(value: Any, parts: int) -> Any:
 class _Planner:
     """The figures shared by every candidate, computed once."""
 
-    def __init__(self, model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads):
+    def __init__(self, model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans=None):
         from fxforge.training.optimizer_memory import resolve_optimizer
 
         self.model, self.args, self.kwargs, self.devices, self.cap = model, args, kwargs, devices, cap
@@ -89,6 +89,9 @@ class _Planner:
         self._training: dict[int, Any] = {}
         self._ready: list[str] | None = None
         self._replica_steps: dict[int, tuple[float, float]] = {}
+        self._tp_steps: dict[tuple[int, int], tuple[float, float]] = {}
+        self._tp_weights: dict[int, int] = {}
+        self.tp_plans = dict(tp_plans or {})
         self.notes: list[str] = []
         self.costs = self._step_costs()
 
@@ -126,10 +129,44 @@ class _Planner:
         twins = Twins(self.model, twin_args, twin_kwargs, threads=self.threads, count=self.devices - 1)
         try:
             with twins:
+                self._time_tp_steps()
                 return {r: self._time_slice(r) for r in counts}
         except TwinsUnavailable as why:
             self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
+            self._time_tp_steps()
             return {r: self._time_slice(r) for r in counts}
+
+    def _time_tp_steps(self) -> None:
+        """Rank 0's step under each tensor-parallel plan, for every replica count beside it, timed in this
+        process under a fake process group (its collectives do nothing; the link prices them): the sharded
+        compute with DTensor's own dispatch, which the divided share of the one-process step leaves out."""
+        import copy
+
+        import torch.distributed as dist
+
+        if not self.tp_plans:
+            return
+        if dist.is_initialized():
+            self.notes.append("tensor-parallel steps estimated from the one-process step (a process group is "
+                              "already initialised here, so none was built to time them)")
+            return
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from fxforge.parallel.tp_build import apply_tp, tp_mesh
+
+        for degree, tp_plan in self.tp_plans.items():
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
+            try:
+                local = apply_tp(copy.deepcopy(self.model), tp_plan, tp_mesh(degree))
+                shards = [getattr(p, "_local_tensor", p) for p in dict.fromkeys(local.parameters())]
+                self._tp_weights[degree] = sum(t.numel() * t.element_size() for t in shards)
+                for replicas in range(1, self.devices // degree + 1):
+                    if (self.devices // degree) % replicas == 0 and self.rows % replicas == 0:
+                        args, kwargs = _slice((self.args, self.kwargs), replicas)
+                        self._tp_steps[degree, replicas] = time_step(local, args, kwargs, self.loss_fn,
+                                                                     self.optimizer_factory, threads=self.threads)
+            finally:
+                dist.destroy_process_group()
 
     def _time_slice(self, replicas: int) -> tuple[float, float]:
         args, kwargs = _slice((self.args, self.kwargs), replicas)
@@ -178,10 +215,14 @@ class _Planner:
         dims = shard_dims(self.model, styles)
         memory = device_memory(self.training(replicas), self.model, mesh, styles, dims, self.optimizer,
                                self.blocks)
-        share = self.costs.sharded_share(styles) if tp > 1 else 0.0
-        forward_backward, optimizer = self.replica_step(replicas)
-        compute = (forward_backward * ((1 - share) + share / tp)
-                   + optimizer * memory.weights / max(self.weights, 1))
+        if (tp, replicas) in self._tp_steps:  # rank 0's step as built, timed
+            forward_backward, optimizer = self._tp_steps[tp, replicas]
+            compute = forward_backward + optimizer * memory.weights / max(self._tp_weights[tp], 1)
+        else:
+            share = self.costs.sharded_share(styles) if tp > 1 else 0.0
+            forward_backward, optimizer = self.replica_step(replicas)
+            compute = (forward_backward * ((1 - share) + share / tp)
+                       + optimizer * memory.weights / max(self.weights, 1))
         collectives = self.collectives(mesh, tp_plan)
         comm = sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
         fits = self.cap is None or memory.peak <= self.cap
@@ -301,7 +342,7 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
         link = measured_link("gloo", 2)
     inputs = as_inputs(args, kwargs)
     tp_plans = tp_degrees(model, inputs, devices)
-    planner = _Planner(model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads)
+    planner = _Planner(model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans)
     units_max = len(planner.blocks) + 1
     options = [forced] if mesh is not None else meshes(devices, tp_degrees=tp_plans, pipeline=pipeline,
                                                        max_stages=units_max)
