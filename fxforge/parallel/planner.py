@@ -26,6 +26,7 @@ Example (starts a link measurement the first time, cached after)::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -124,17 +125,20 @@ class _Planner:
         cores (or alone, with a note, where the model cannot run in another process)."""
         from fxforge.parallel.twins import Twins, TwinsUnavailable
 
-        counts = [r for r in range(1, self.devices + 1) if self.devices % r == 0 and self.rows % r == 0]
+        counts = self._replica_counts(self.devices)
         twin_args, twin_kwargs = _slice((self.args, self.kwargs), max(counts))
         twins = Twins(self.model, twin_args, twin_kwargs, threads=self.threads, count=self.devices - 1)
-        try:
-            with twins:
-                self._time_tp_steps()
-                return {r: self._time_slice(r) for r in counts}
-        except TwinsUnavailable as why:
-            self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
+        with contextlib.ExitStack() as beside:
+            try:
+                beside.enter_context(twins)
+            except TwinsUnavailable as why:
+                self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
             self._time_tp_steps()
             return {r: self._time_slice(r) for r in counts}
+
+    def _replica_counts(self, devices: int) -> list[int]:
+        """The replica counts ``devices`` can hold that split the batch's rows evenly."""
+        return [r for r in range(1, devices + 1) if devices % r == 0 and self.rows % r == 0]
 
     def _time_tp_steps(self) -> None:
         """Rank 0's step under each tensor-parallel plan, for every replica count beside it, timed in this
@@ -160,11 +164,10 @@ class _Planner:
                 local = apply_tp(copy.deepcopy(self.model), tp_plan, tp_mesh(degree))
                 shards = [getattr(p, "_local_tensor", p) for p in dict.fromkeys(local.parameters())]
                 self._tp_weights[degree] = sum(t.numel() * t.element_size() for t in shards)
-                for replicas in range(1, self.devices // degree + 1):
-                    if (self.devices // degree) % replicas == 0 and self.rows % replicas == 0:
-                        args, kwargs = _slice((self.args, self.kwargs), replicas)
-                        self._tp_steps[degree, replicas] = time_step(local, args, kwargs, self.loss_fn,
-                                                                     self.optimizer_factory, threads=self.threads)
+                for replicas in self._replica_counts(self.devices // degree):
+                    args, kwargs = _slice((self.args, self.kwargs), replicas)
+                    self._tp_steps[degree, replicas] = time_step(local, args, kwargs, self.loss_fn,
+                                                                 self.optimizer_factory, threads=self.threads)
             finally:
                 dist.destroy_process_group()
 

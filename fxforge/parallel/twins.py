@@ -110,15 +110,14 @@ def _twin(payload_path: str, ready_path: str) -> None:
     payload = torch.load(payload_path, weights_only=False)
     torch.set_num_threads(payload["threads"])
     model, args, kwargs = payload["model"], payload["args"], payload["kwargs"]
-    from fxforge.core.memory import tensor_leaves
+    from fxforge.parallel.launch import square_mean_loss
 
     end = time.monotonic() + LIFETIME_S
     ready = False
     while time.monotonic() < end:
         for p in model.parameters():
             p.grad = None
-        floating = [t for t in tensor_leaves(model(*args, **kwargs)) if t.is_floating_point()]
-        sum(t.float().pow(2).mean() for t in floating).backward()
+        square_mean_loss(model(*args, **kwargs)).backward()
         if not ready:
             Path(ready_path).touch()
             ready = True
