@@ -20,6 +20,7 @@ from benchmarks import (
     fusions,
     guard_overhead,
     int8,
+    interop,
     memory_reorder,
     onnx_forms,
     optimize_time,
@@ -54,5 +55,6 @@ SECTIONS: dict[str, Section] = {
         fusions.SECTION,
         precision.SECTION,
         int8.SECTION,
+        interop.SECTION,
     )
 }

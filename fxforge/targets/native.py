@@ -26,6 +26,7 @@ from fxforge.lowering import build
 from fxforge.lowering.build import Lowering, plan_builder
 from fxforge.lowering.precision_stage import precision_dtype
 from fxforge.runtime.dynamo import DynamoRunner, one_graph_needed
+from fxforge.runtime.interop_choice import inter_op_builder
 from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
 from fxforge.runtime.race import Entrant
@@ -44,7 +45,7 @@ class NativeTarget(Target):
     summary = "the rewritten graph run by PyTorch (fused oneDNN/cuDNN kernels chosen by autotune)"
     contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
                         artifact=".pt2")
-    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance")
+    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance", "inter_op")
     precisions = ("bf16", "bfloat16", "fp16", "float16", "int8", "auto")
     lowering: Lowering = build.NATIVE
     compiled_training = False
@@ -59,11 +60,12 @@ class NativeTarget(Target):
         method = plan_options.pop("method", "auto")
         if method != "dynamo":
             plan_options["method"] = method
+        plan_options["inter_op"] = inter_op_option(options.get("inter_op", True))
         dynamo = self.dynamo_factory(plan_options, policy)
         if model_kind(model) == "class":
-            return optimize_class(model, functools.partial(plan_builder, lowering=self.lowering, **plan_options),
+            return optimize_class(model, functools.partial(native_builder, lowering=self.lowering, **plan_options),
                                   policy, dynamo, method)
-        module = OptimizedModule(model, plan_builder(model, lowering=self.lowering, **plan_options), policy,
+        module = OptimizedModule(model, native_builder(model, lowering=self.lowering, **plan_options), policy,
                                  dynamo, method)
         module.__dict__["fxforge_options"] = dict(options)
         if example_inputs is not None:
@@ -113,8 +115,35 @@ def _dynamo_runner(lowering: Lowering, options: dict[str, Any], policy: ShapePol
                    why: str) -> DynamoRunner:
     """A :class:`~fxforge.runtime.dynamo.DynamoRunner` of ``forward``'s model whose graphs are built with
     ``lowering`` and ``options`` (module-level, so that an optimized module pickles)."""
-    return DynamoRunner(forward.__self__, forward, functools.partial(plan_builder, lowering=lowering, **options),
+    return DynamoRunner(forward.__self__, forward, functools.partial(native_builder, lowering=lowering, **options),
                         policy, why)
+
+
+def inter_op_option(value: Any) -> bool | str:
+    """``inter_op=`` checked: True (independent branches run at the same time where that measures faster, the
+    default), False (never), or ``"always"`` (every region, untimed; outputs still checked).
+
+    Example:
+        >>> inter_op_option("always"), inter_op_option(False)
+        ('always', False)
+    """
+    if value is True or value is False or value == "always":
+        return value
+    raise ValueError(f"inter_op must be True, False or 'always', not {value!r}")
+
+
+def native_builder(module: nn.Module, *, inter_op: bool | str = True, **options: Any) -> Any:
+    """The plan builder of ``module`` (:func:`~fxforge.lowering.build.plan_builder` with ``options``), its plans'
+    independent branches run at the same time where that measures faster (``inter_op``, see
+    :func:`inter_op_option` and :func:`~fxforge.runtime.interop_choice.inter_op_builder`).
+
+    Example:
+        >>> from fxforge.core.plan import CallConditions
+        >>> native_builder(torch.nn.ReLU(), inter_op=False)((torch.ones(1),), {}, CallConditions()).report.method
+        'fx'
+    """
+    build = plan_builder(module, **options)
+    return inter_op_builder(build, always=inter_op == "always") if inter_op else build
 
 
 NATIVE = NativeTarget()

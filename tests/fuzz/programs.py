@@ -498,3 +498,61 @@ def breaking_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
     net, shape = draw(conv_nets())
     kind = draw(st.sampled_from(["branch", "mask", "item"]))
     return Breaking(net, kind, draw(st.sampled_from([-0.5, 0.0, 0.5]))).eval(), shape
+
+
+# ---------------------------------------------------------------------------------------------- branchy
+
+
+class BranchyNet(nn.Module):
+    """A random DAG of convolutions, pooling and gates over one width: each node reads one or two earlier
+    values; the values no node read are concatenated and mixed by a 1x1 convolution. ``mutate``: one node
+    adds into a value other nodes read, in place (its order against them decides the result)."""
+
+    def __init__(self, width: int, nodes: list[tuple[str, tuple[int, ...]]], mutate: int | None):
+        super().__init__()
+        self.nodes, self.mutate = nodes, mutate
+        self.convs = nn.ModuleDict({str(i): nn.Sequential(nn.Conv2d(width, width, 3 if op == "conv3" else 1,
+                                                                    padding=1 if op == "conv3" else 0),
+                                                          nn.BatchNorm2d(width), nn.ReLU())
+                                    for i, (op, _) in enumerate(nodes) if op in ("conv3", "conv1")})
+        read = {j for _, sources in nodes for j in sources}
+        self.sinks = [i + 1 for i in range(len(nodes)) if i + 1 not in read] or [len(nodes)]
+        self.head = nn.Conv2d(width * len(self.sinks), width, 1)
+
+    def forward(self, x):
+        values = [x]
+        for i, (op, sources) in enumerate(self.nodes):
+            a = values[sources[0]]
+            if op in ("conv3", "conv1"):
+                y = self.convs[str(i)](a)
+            elif op == "pool":
+                y = F.avg_pool2d(a, 3, 1, 1)
+            elif op == "gate":
+                y = a * torch.sigmoid(values[sources[1]])
+            else:  # "add"
+                y = a + values[sources[1]]
+            if i == self.mutate:
+                values[sources[0]].add_(0.5)
+            values.append(y)
+        return self.head(torch.cat([values[i] for i in self.sinks], 1))
+
+
+@st.composite
+def branchy_nets(draw) -> tuple[nn.Module, tuple[int, ...]]:
+    """A random :class:`BranchyNet` (BatchNorm statistics set by train-mode passes) and its input shape."""
+    width, size, batch = draw(st.integers(1, 6)), draw(st.integers(3, 8)), draw(st.integers(1, 2))
+    nodes = []
+    for i in range(draw(st.integers(2, 9))):
+        op = draw(st.sampled_from(["conv3", "conv1", "conv3", "pool", "gate", "add"]))
+        first = draw(st.integers(0, i))
+        sources = (first, draw(st.integers(0, i))) if op in ("gate", "add") else (first,)
+        nodes.append((op, sources))
+    mutate = draw(st.sampled_from([None, None, None, draw(st.integers(1, len(nodes) - 1))]))
+    if mutate is not None and nodes[mutate][1][0] == 0:
+        mutate = None  # (not the caller's input: eager would write into it)
+    model = BranchyNet(width, nodes, mutate)
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    with torch.no_grad():
+        for _ in range(2):
+            model.train()(torch.randn(4, width, size, size))
+    return model.eval(), (batch, width, size, size)

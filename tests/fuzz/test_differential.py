@@ -30,6 +30,7 @@ from tests.fuzz.programs import (
     STATE_CHANGES,
     attention_inputs,
     attentions,
+    branchy_nets,
     breaking_nets,
     conv_nets,
     laid_out,
@@ -156,7 +157,7 @@ def _hook_all(model: nn.Module, log: list) -> list:
 # ---------------------------------------------------------------------------------------------- the property
 
 
-def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: bool = True) -> None:
+def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: bool = True, **options) -> None:
     """Optimize ``model``, then: a first call, a state change, a call under a condition, one more call.
     ``exact_gradients`` is False where the README says the gradients of the fresh inputs differ from eager's."""
     model, eager = twins(model)
@@ -167,7 +168,7 @@ def _check(data, model: nn.Module, make_inputs, fresh_inputs, exact_gradients: b
                           keep="fused")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a gradients plan or an eager fallback warns; results are what count
-        opt = fxforge.optimize(model, example, tuning=tuning)
+        opt = fxforge.optimize(model, example, tuning=tuning, **options)
         for a, b in zip(example, before):  # optimizing does not run the caller's inputs through the model
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
@@ -226,6 +227,18 @@ def test_random_conv_nets_answer_as_eager(data):
 
     note(repr(model))
     _check(data, model, make, fresh)
+
+
+@given(st.data())
+def test_random_branchy_nets_with_every_branch_concurrent_answer_as_eager(data):
+    """Issue 53: every region of independent branches run on threads of its own (inter_op="always")."""
+    model, shape = data.draw(branchy_nets(), label="branchy net")
+
+    def make(seed: int) -> tuple:
+        return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)),)
+
+    note(repr(model.nodes) + f" mutate={model.mutate}")
+    _check(data, model, make, make, inter_op="always")
 
 
 @given(st.data())
