@@ -26,27 +26,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import statistics
 from typing import Any
 
 import torch
 
-from fxforge.core.disk_cache import BUSY_LOAD, machine_load
+from fxforge.core.disk_cache import BUSY_LOAD, machine_key, machine_load
 from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.shapes import placeholder_values
 from fxforge.core.verify import compare_outputs, isolated
 from fxforge.lowering.lower import derived_values
 from fxforge.lowering.schedule import Region, grouped, independent_branches
-from fxforge.lowering.timing import time_in_blocks
+from fxforge.lowering.timing import DECISIVE, NOTE, autotune_cache, time_in_blocks
 from fxforge.runtime.interop import concurrent_module
 from fxforge.runtime.profile.runner import NodeRunner
 
 # A region whose second costliest group of branches takes less than this (ms, timed node by node) is left
 # sequential: handing work to another thread and waiting for it costs tens of microseconds.
 MIN_OVERLAP_MS = 0.05
-# The concurrent graph is kept when its median is below this share of the sequential one's.
-KEEP_BELOW = 0.97
+# The concurrent graph is kept when its median is below this share of the sequential one's (on a busy
+# machine, the second).
+KEEP_BELOW, KEEP_BELOW_BUSY = 0.97, 0.85
 # Seconds spent timing the two graphs against each other, about.
 BUDGET_S = 0.6
 RULE = "inter_op"
@@ -107,6 +109,11 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
     """``plan`` with its independent branches run at the same time where that measures faster on these inputs,
     else ``plan`` itself; either way the report's ``inter_op`` entry says what was found, measured and kept.
 
+    A clear choice measured on a quiet machine is remembered in the autotune cache (per graph, input shapes,
+    threads and machine) and read back the next time instead of timed. On a busy machine the concurrent
+    graph must be :data:`KEEP_BELOW_BUSY` of the sequential one's time to be kept (other work holds the cores
+    the branches need), and nothing is remembered.
+
     ``always``: every region concurrent, however small its branches, without timing (its outputs still checked
     against the plan's): for tests, and for callers who measured it themselves.
 
@@ -132,34 +139,59 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
         report.tuning.append(Tuning(RULE, "graph", "sequential", note=(
             f"{len(regions)} region(s) of independent branches; one intra-op thread: nothing to share"), kind="schedule"))
         return plan
+    cache = None if always else autotune_cache()
+    key = _cache_key(executable, values, workers, device)
+    stored = cache.get(key) if cache is not None else None
     # (the runs below leave the model's buffers and the inputs as they were: BatchNorm in training mode, in-place ops)
     with isolated(executable, inputs=(args, kwargs)), torch.no_grad():
-        node_ms = {} if always else _node_ms(executable, values, device)
-        kept, groups, lines = plan_regions(regions, node_ms, workers, min_overlap_ms=-1.0 if always else MIN_OVERLAP_MS)
+        if stored is not None:
+            chosen = {r.fork.name: r for r in regions}
+            kept = [chosen[name] for name in stored["groups"] if name in chosen]
+            groups, lines = list(stored["groups"].values()), stored["lines"]
+        else:
+            node_ms = {} if always else _node_ms(executable, values, device)
+            kept, groups, lines = plan_regions(regions, node_ms, workers,
+                                               min_overlap_ms=-1.0 if always else MIN_OVERLAP_MS)
         if not kept:
             report.tuning.append(Tuning(RULE, "graph", "sequential", note="; ".join(lines), kind="schedule"))
             return plan
         concurrent = concurrent_module(executable, kept, groups)
-        expected = executable(*args, **kwargs)
-        comparison = compare_outputs(expected, concurrent(*args, **kwargs))
+        comparison = compare_outputs(executable(*args, **kwargs), concurrent(*args, **kwargs))
         if not comparison.ok:
             report.tuning.append(Tuning(RULE, "graph", "sequential", note=(
-                f"the concurrent graph differs from the plan ({comparison.reason}): not used; " + "; ".join(lines))))
+                f"the concurrent graph differs from the plan ({comparison.reason}): not used; " + "; ".join(lines)),
+                kind="schedule"))
             return plan
-        timings = {} if always else time_in_blocks({"sequential": lambda: executable(*args, **kwargs),
-                                                    "concurrent": lambda: concurrent(*args, **kwargs)},
-                                                   budget_s=BUDGET_S)
+        if stored is not None or always:
+            timings = stored["timings"] if stored is not None else {}
+        else:
+            timings = time_in_blocks({"sequential": lambda: executable(*args, **kwargs),
+                                      "concurrent": lambda: concurrent(*args, **kwargs)}, budget_s=BUDGET_S)
     load = machine_load()
-    busy = f"; machine busy (load {load:.2f} per core)" if load > BUSY_LOAD else ""
-    faster = always or timings["concurrent"] < KEEP_BELOW * timings["sequential"]
+    busy = load > BUSY_LOAD and stored is None and not always
+    faster = always or timings["concurrent"] < (KEEP_BELOW_BUSY if busy else KEEP_BELOW) * timings["sequential"]
     how = f"{len(kept)} region(s) on {workers} {'threads' if device.type == 'cpu' else 'streams'}"
-    why = "inter_op='always', not timed; " if always else ""
+    if always:
+        how = "inter_op='always', not timed; " + how
+    elif stored is not None:
+        how += f" ({NOTE})"
+    elif busy:
+        how += f" (machine busy, load {load:.2f} per core: kept only {1 / KEEP_BELOW_BUSY:.2f}x faster; not remembered)"
+    elif cache is not None and abs(timings["sequential"] / timings["concurrent"] - 1) > DECISIVE:
+        cache.put(key, {"groups": {r.fork.name: g for r, g in zip(kept, groups)}, "lines": lines,
+                        "timings": timings, "load": round(load, 2)})
     report.tuning.append(Tuning(RULE, "graph", "concurrent" if faster else "sequential", timings,
-                                note=f"{why}{how}: " + "; ".join(lines) + busy, kind="schedule"))
+                                note=f"{how}: " + "; ".join(lines), kind="schedule"))
     if not faster:
         return plan
     return dataclasses.replace(plan, executable=concurrent,
                                derived=derived_values(plan.captured.graph_module, concurrent))
+
+
+def _cache_key(executable: torch.fx.GraphModule, values: list[Any], workers: int, device: torch.device) -> str:
+    inputs = [(tuple(t.shape), t.stride(), str(t.dtype)) for t in values if isinstance(t, torch.Tensor)]
+    digest = hashlib.sha256(f"{executable.code}\n{inputs}\n{workers}".encode()).hexdigest()
+    return f"{machine_key(device)} | inter_op {digest}"
 
 
 def inter_op_builder(build: Any, *, always: bool = False) -> Any:

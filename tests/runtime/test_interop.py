@@ -201,6 +201,32 @@ def test_the_choice_is_measured_and_reported(monkeypatch, two_threads):
     assert "inter_op schedule graph: concurrent" in str(kept.report)
 
 
+def test_a_clear_choice_on_a_quiet_machine_is_remembered(monkeypatch, tmp_path, two_threads):
+    monkeypatch.setenv("FXFORGE_AUTOTUNE_CACHE", "1")
+    monkeypatch.setenv("FXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(interop_choice, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(interop_choice, "MIN_OVERLAP_MS", 0.0)
+    monkeypatch.setattr(interop_choice, "time_in_blocks", lambda calls, **k: {"sequential": 1.0, "concurrent": 0.7})
+    model, x = towers(), torch.randn(1, 3, 12, 12)
+    first = with_inter_op(build_plan(model, (x,), {}), (x,), {})
+    assert first.report.tuning[-1].choice == "concurrent"
+
+    def untimed(calls, **k):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(interop_choice, "time_in_blocks", untimed)
+    again = with_inter_op(build_plan(model, (x,), {}), (x,), {})
+    entry = again.report.tuning[-1]
+    assert entry.choice == "concurrent" and "autotune cache" in entry.note
+    with torch.no_grad():
+        torch.testing.assert_close(again.executable(x), model(x), rtol=1e-4, atol=1e-5)
+    # a busy machine: a 1.1x gain is not enough, and nothing is remembered
+    monkeypatch.setattr(interop_choice, "machine_load", lambda: 3.0)
+    monkeypatch.setattr(interop_choice, "time_in_blocks", lambda calls, **k: {"sequential": 1.0, "concurrent": 0.9})
+    busy = with_inter_op(build_plan(model, (torch.randn(2, 3, 12, 12),), {}), (torch.randn(2, 3, 12, 12),), {})
+    assert busy.report.tuning[-1].choice == "sequential" and "busy" in busy.report.tuning[-1].note
+
+
 def test_small_branches_are_left_sequential_without_timing():
     gm = torch.fx.symbolic_trace(lambda x: x.sin() + x.cos())
     kept, _groups, lines = plan_regions(independent_branches(gm), {"sin": 0.01, "cos": 0.01}, 2)
