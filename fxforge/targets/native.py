@@ -25,6 +25,7 @@ from fxforge.exporters.pt2 import NativeExport, save_native
 from fxforge.lowering import build
 from fxforge.lowering.build import Lowering, plan_builder
 from fxforge.lowering.precision_stage import precision_dtype
+from fxforge.runtime.cuda_graphs import cuda_graph_builder
 from fxforge.runtime.dynamo import DynamoRunner, one_graph_needed
 from fxforge.runtime.interop_choice import inter_op_builder
 from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
@@ -45,7 +46,7 @@ class NativeTarget(Target):
     summary = "the rewritten graph run by PyTorch (fused oneDNN/cuDNN kernels chosen by autotune)"
     contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
                         artifact=".pt2")
-    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance", "inter_op")
+    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance", "inter_op", "cuda_graphs")
     precisions = ("bf16", "bfloat16", "fp16", "float16", "int8", "auto")
     lowering: Lowering = build.NATIVE
     compiled_training = False
@@ -61,6 +62,7 @@ class NativeTarget(Target):
         if method != "dynamo":
             plan_options["method"] = method
         plan_options["inter_op"] = inter_op_option(options.get("inter_op", True))
+        plan_options["cuda_graphs"] = inter_op_option(options.get("cuda_graphs", True), "cuda_graphs")
         dynamo = self.dynamo_factory(plan_options, policy)
         if model_kind(model) == "class":
             return optimize_class(model, functools.partial(native_builder, lowering=self.lowering, **plan_options),
@@ -119,23 +121,26 @@ def _dynamo_runner(lowering: Lowering, options: dict[str, Any], policy: ShapePol
                         policy, why)
 
 
-def inter_op_option(value: Any) -> bool | str:
-    """``inter_op=`` checked: True (independent branches run at the same time where that measures faster, the
-    default), False (never), or ``"always"`` (every region, untimed; outputs still checked).
+def inter_op_option(value: Any, name: str = "inter_op") -> bool | str:
+    """``inter_op=`` (or ``cuda_graphs=``) checked: True (used where it measures faster: the default), False
+    (never), or ``"always"`` (untimed; outputs still checked).
 
     Example:
         >>> inter_op_option("always"), inter_op_option(False)
         ('always', False)
     """
-    if value is True or value is False or value == "always":
+    if value is True or value is False or (isinstance(value, str) and value == "always"):
         return value
-    raise ValueError(f"inter_op must be True, False or 'always', not {value!r}")
+    raise ValueError(f"{name} must be True, False or 'always', not {value!r}")
 
 
-def native_builder(module: nn.Module, *, inter_op: bool | str = True, **options: Any) -> Any:
+def native_builder(module: nn.Module, *, inter_op: bool | str = True, cuda_graphs: bool | str = True,
+                   **options: Any) -> Any:
     """The plan builder of ``module`` (:func:`~fxforge.lowering.build.plan_builder` with ``options``), its plans'
-    independent branches run at the same time where that measures faster (``inter_op``, see
-    :func:`inter_op_option` and :func:`~fxforge.runtime.interop_choice.inter_op_builder`).
+    independent branches run at the same time (``inter_op``: :func:`~fxforge.runtime.interop_choice.inter_op_builder`)
+    and its plans on CUDA replayed as CUDA graphs (``cuda_graphs``:
+    :func:`~fxforge.runtime.cuda_graphs.cuda_graph_builder`), each where it measures faster (see
+    :func:`inter_op_option`).
 
     Example:
         >>> from fxforge.core.plan import CallConditions
@@ -143,7 +148,11 @@ def native_builder(module: nn.Module, *, inter_op: bool | str = True, **options:
         'fx'
     """
     build = plan_builder(module, **options)
-    return inter_op_builder(build, always=inter_op == "always") if inter_op else build
+    if inter_op:
+        build = inter_op_builder(build, always=inter_op == "always")
+    if cuda_graphs:
+        build = cuda_graph_builder(build, always=cuda_graphs == "always")
+    return build
 
 
 NATIVE = NativeTarget()
