@@ -98,11 +98,17 @@ def external_outputs(nodes: Sequence[Node]) -> list[Node]:
     return [n for n in nodes if any(user not in inside for user in n.users)]
 
 
-def _labels(order: Sequence[Node], start: int, fork: Node, barred: set[Node]) -> dict[Node, frozenset]:
+def _labels(order: Sequence[Node], position: dict[Node, int], start: int, fork: Node,
+            barred: set[Node]) -> dict[Node, frozenset]:
     """Each node after ``fork`` that descends from it -> the users of ``fork`` it descends from (a node in
     ``barred`` gets the poison label, and so does everything after it)."""
     labels: dict[Node, frozenset] = {}
+    # Only a reader of the fork or of a node with one label can get one label: past the last of those readers
+    # every label has two or more, and the scan stops.
+    horizon = max(position[user] for user in fork.users)
     for node in order[start + 1:]:
+        if position[node] > horizon:
+            break
         if node.op in _FREE:
             continue
         found: set = set()
@@ -112,6 +118,8 @@ def _labels(order: Sequence[Node], start: int, fork: Node, barred: set[Node]) ->
                 found.add(node)
         if found:
             labels[node] = frozenset(found | {_POISON}) if node in barred else frozenset(found)
+            if len(labels[node]) == 1 and node.users:
+                horizon = max(horizon, *(position[user] for user in node.users))
     return labels
 
 
@@ -140,7 +148,7 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
     for node in order:
         if node.op == "output" or len([u for u in node.users if u.op not in _FREE]) < 2 or node in barred:
             continue
-        branches = _branches_of(node, _labels(order, position[node], node, barred), order)
+        branches = _branches_of(node, _labels(order, position, position[node], node, barred), order)
         if len(branches) >= min_branches:
             overlap = sum(len(b) for b in branches) - max(len(b) for b in branches)
             candidates.append((-overlap, position[node], Region(node, branches)))
@@ -150,7 +158,9 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
         nodes = region.nodes()
         if nodes & taken or region.fork in taken:
             continue
-        if schedule([*chosen, region], graph_module.graph, barred) is None:
+        # (without effectful nodes every set of regions has an order: a path out of a branch and back into it
+        # would give the nodes after it two labels)
+        if barred and schedule([*chosen, region], graph_module.graph, barred) is None:
             continue  # it would have to run both before and after an effectful node
         chosen.append(region)
         taken |= nodes
