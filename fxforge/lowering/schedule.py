@@ -47,8 +47,13 @@ class Region:
         ('x', [['sin'], ['cos']], ['sin'])
     """
 
-    fork: Node
+    fork: Node | None
     branches: tuple[tuple[Node, ...], ...]
+
+    @property
+    def label(self) -> str:
+        """The fork's name, or ``"the inputs"`` for branches that each read their own inputs."""
+        return self.fork.name if self.fork is not None else "the inputs"
 
     def names(self) -> list[list[str]]:
         """The branches' node names."""
@@ -136,6 +141,9 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
     """Every fork of the graph with at least ``min_branches`` branches, no node in two regions, the forks with
     the most nodes in branches other than their largest first (where several forks claim the same nodes).
 
+    The graph's inputs count as one more fork (:func:`input_branches`): two towers that read inputs of their own
+    (an image and a text encoder, an encoder and a decoder's first layers) are branches too.
+
     Example:
         >>> gm = torch.fx.symbolic_trace(lambda x: x.relu_() + x.sin())   # an in-place op: never in a branch
         >>> independent_branches(gm)
@@ -152,11 +160,15 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
         if len(branches) >= min_branches:
             overlap = sum(len(b) for b in branches) - max(len(b) for b in branches)
             candidates.append((-overlap, position[node], Region(node, branches)))
+    inputs = input_branches(order, barred)
+    if inputs is not None and len(inputs.branches) >= min_branches:
+        overlap = sum(len(b) for b in inputs.branches) - max(len(b) for b in inputs.branches)
+        candidates.append((-overlap, -1, inputs))
     taken: set[Node] = set()
     chosen: list[Region] = []
     for _, _, region in sorted(candidates, key=lambda c: c[:2]):
         nodes = region.nodes()
-        if nodes & taken or region.fork in taken:
+        if nodes & taken or (region.fork is not None and region.fork in taken):
             continue
         # (without effectful nodes every set of regions has an order: a path out of a branch and back into it
         # would give the nodes after it two labels)
@@ -164,7 +176,51 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
             continue  # it would have to run both before and after an effectful node
         chosen.append(region)
         taken |= nodes
-    return sorted(chosen, key=lambda r: position[r.fork])
+    return sorted(chosen, key=lambda r: min(position[n] for n in r.nodes()))
+
+
+def input_branches(order: Sequence[Node], barred: set[Node]) -> Region | None:
+    """The branches that read different inputs of the graph: the inputs grouped so that no node reads two
+    groups (a node reading every input, where the towers meet, does not join them), each group's branch the
+    nodes that read that group's inputs alone (none after an effectful node). None for a graph of one input.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda image, ids, mask: image.sin().sum() + (ids * mask).cos().sum())
+        >>> region = input_branches(list(gm.graph.nodes), set())
+        >>> region.label, region.names()
+        ('the inputs', [['sin', 'sum_1'], ['mul', 'cos', 'sum_2']])
+    """
+    placeholders = [n for n in order if n.op == "placeholder"]
+    if len(placeholders) < 2:
+        return None
+    reads: dict[Node, frozenset] = {p: frozenset({p}) for p in placeholders}
+    spoiled: set[Node] = set()
+    for node in order:
+        if node.op in _FREE:
+            continue
+        reads[node] = frozenset().union(*(reads.get(source, frozenset()) for source in node.all_input_nodes))
+        if node in barred or any(source in spoiled for source in node.all_input_nodes):
+            spoiled.add(node)
+    group = {p: p for p in placeholders}
+
+    def root(p: Node) -> Node:
+        while group[p] is not p:
+            p = group[p]
+        return p
+
+    every = frozenset(placeholders)
+    for inputs in {v for v in reads.values() if 1 < len(v) < len(every)}:
+        first, *rest = inputs
+        for other in rest:
+            group[root(other)] = root(first)
+    branches: dict[Node, list[Node]] = {}
+    for node in order:
+        if node.op in _FREE or node in spoiled or not reads.get(node):
+            continue
+        roots = {root(p) for p in reads[node]}
+        if len(roots) == 1:
+            branches.setdefault(roots.pop(), []).append(node)
+    return Region(None, tuple(tuple(nodes) for nodes in branches.values())) if len(branches) > 1 else None
 
 
 Step = Node | tuple[Region, int]  # a node, or (region, its index): the step that runs the region's branches

@@ -72,7 +72,7 @@ def _describe(region: Region, groups: list[list[int]], costs: list[float]) -> st
     for members in groups:
         names = "+".join(region.branches[i][0].name for i in members)
         parts.append(f"{names} {sum(costs[i] for i in members):.2f} ms")
-    return f"after {region.fork.name}: " + " | ".join(parts)
+    return f"after {region.label}: " + " | ".join(parts)
 
 
 def plan_regions(regions: list[Region], node_ms: dict[str, float], workers: int, *,
@@ -145,7 +145,7 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
     # (the runs below leave the model's buffers and the inputs as they were: BatchNorm in training mode, in-place ops)
     with isolated(executable, inputs=(args, kwargs)), torch.no_grad():
         if stored is not None:
-            chosen = {r.fork.name: r for r in regions}
+            chosen = {r.label: r for r in regions}
             kept = [chosen[name] for name in stored["groups"] if name in chosen]
             groups, lines = list(stored["groups"].values()), stored["lines"]
         else:
@@ -178,7 +178,7 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
     elif busy:
         how += f" (machine busy, load {load:.2f} per core: kept only {1 / KEEP_BELOW_BUSY:.2f}x faster; not remembered)"
     elif cache is not None and abs(timings["sequential"] / timings["concurrent"] - 1) > DECISIVE:
-        cache.put(key, {"groups": {r.fork.name: g for r, g in zip(kept, groups)}, "lines": lines,
+        cache.put(key, {"groups": {r.label: g for r, g in zip(kept, groups)}, "lines": lines,
                         "timings": timings, "load": round(load, 2)})
     report.tuning.append(Tuning(RULE, "graph", "concurrent" if faster else "sequential", timings,
                                 note=f"{how}: " + "; ".join(lines), kind="schedule"))

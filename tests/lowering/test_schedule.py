@@ -150,3 +150,28 @@ def test_a_graph_of_two_thousand_nodes_is_scheduled_in_a_fraction_of_its_capture
     seconds = time.perf_counter() - start
     assert len(regions) > 10 and _valid(schedule(regions, gm.graph), gm.graph)
     assert seconds < 5.0, seconds  # 0.26 s here; the scan stops where the fork's branches all met
+
+
+class TwoTowerRetrieval(nn.Module):
+    """CLIP-style: an image tower and a text tower that meet only in the similarity."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 16))
+        self.embed = nn.Embedding(50, 16)
+        self.text = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+
+    def forward(self, pixels, ids, mask):
+        text = (self.text(self.embed(ids)) * mask.unsqueeze(-1)).sum(1)
+        return self.image(pixels) @ text.t()
+
+
+def test_towers_that_read_inputs_of_their_own_are_one_region():
+    gm = torch.fx.symbolic_trace(TwoTowerRetrieval().eval())
+    regions = independent_branches(gm)
+    inputs = [r for r in regions if r.fork is None]
+    assert len(inputs) == 1 and inputs[0].label == "the inputs"
+    image, text = sorted(inputs[0].names(), key=len)
+    assert image[0] == "image_0" and "matmul" not in image + text
+    assert "embed" in text and "mul" in text  # the mask joins the text tower (ids and mask are read together)
+    assert _valid(schedule(regions, gm.graph), gm.graph)

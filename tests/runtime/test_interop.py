@@ -248,3 +248,20 @@ def test_branches_on_cuda_streams_answer_as_eager():
     x = torch.randn(2, 3, 12, 12, device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(opt(x), model(x), rtol=1e-3, atol=1e-4)
+
+
+def test_towers_reading_their_own_inputs_run_concurrently_and_answer_as_eager(two_threads):
+    from tests.lowering.test_schedule import TwoTowerRetrieval
+
+    torch.manual_seed(0)
+    model = TwoTowerRetrieval().eval()
+    def inputs(batch):
+        return (torch.randn(batch, 3, 16, 16), torch.randint(0, 50, (batch, 7)), torch.ones(batch, 7))
+
+    opt = fxforge.optimize(model, inputs(2), inter_op="always")
+    assert concurrent_count(opt) >= 1
+    assert any("after the inputs" in t.note for t in opt.report.tuning if t.rule == "inter_op")
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = inputs(batch)
+            torch.testing.assert_close(opt(*x), model(*x), rtol=1e-4, atol=1e-5)
