@@ -1,0 +1,152 @@
+"""``lint``: capture a model in eval mode, run the rules over its graph, drop what ``# fxforge: ignore[rule]``
+silences.
+
+Example:
+    >>> findings = lint(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.ones(2, 4),))
+    >>> len(findings.above("info"))
+    0
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fxforge.capture import CaptureError, capture
+from fxforge.lint.finding import Finding, Findings
+from fxforge.lint.graph import LintGraph, source_line
+from fxforge.lint.rule import Rule, resolve_rules
+
+IGNORE = re.compile(r"#\s*fxforge:\s*ignore(?:\[(?P<rules>[^\]]*)\])?")
+"""``# fxforge: ignore`` (every rule) or ``# fxforge: ignore[rule-a, rule-b]`` on the finding's source line."""
+
+
+def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[Rule | str] | None = None,
+         mode: str = "eval") -> Findings:
+    """The silent tensor bugs and costs a model's graph shows: broadcasts that grow a tensor, dtype drift, copies
+    the layout forces, work redone every call, unused parameters, host syncs, mode hazards (see
+    :mod:`fxforge.lint.rules`).
+
+    The model is captured with torch.export (a symbolic trace where export fails) on the example inputs, in eval
+    mode (``mode="train"``: as it is in training; the mode is put back after); each rule reads the graph's nodes,
+    their shapes and dtypes, and the user's source line each came from. A model no single graph can hold is linted
+    where TorchDynamo breaks it (host syncs, branches on tensor values), with a note.
+
+    Args:
+        model: the ``nn.Module``.
+        example_inputs: a tuple of positional inputs, one tensor, or a dict of keyword inputs.
+        rules: rule names and :class:`~fxforge.lint.rule.Rule` objects to run; default every registered rule
+            (the built-in ones and those :func:`~fxforge.lint.rule.register` added).
+        mode: ``"eval"`` (default) or ``"train"``: the mode the model is captured in.
+
+    Returns:
+        :class:`~fxforge.lint.finding.Findings`, worst first; ``.table`` is a DataFrame.
+
+    Raises:
+        CaptureError: neither export, a trace nor TorchDynamo could read the model.
+
+    Example:
+        >>> class Head(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(8, 1)
+        ...     def forward(self, x, target):
+        ...         return ((self.fc(x) - target) ** 2).mean()
+        >>> findings = fxforge.lint(Head(), (torch.randn(4, 8), torch.randn(4)))
+        >>> findings[0].rule, findings[0].severity, findings.has_errors
+        ('broadcast-blowup', 'error', True)
+    """
+    if mode not in ("eval", "train"):
+        raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
+    chosen = resolve_rules(rules)
+    modes = {m: m.training for m in model.modules()}
+    notes: list[str] = []
+    try:
+        model.train(mode == "train")
+        graph = _graph(model, example_inputs, notes)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if graph.graph_module is None:
+        skipped = [r.name for r in chosen if r.needs_graph]
+        if skipped:
+            notes.append(f"no graph, so only the breaks were linted (not run: {', '.join(skipped)})")
+        chosen = [r for r in chosen if not r.needs_graph]
+    found: list[Finding] = []
+    seen = set()
+    ignored = 0
+    # (the model's mode as captured: rules read graph.model.training)
+    with _mode(model, mode == "train"):
+        for rule in chosen:
+            for finding in rule.run(graph):
+                key = (finding.rule, finding.file, finding.line, finding.message)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if silenced(finding):
+                    ignored += 1
+                    continue
+                found.append(finding)
+    if ignored:
+        notes.append(f"{ignored} finding{'s' * (ignored != 1)} silenced by # fxforge: ignore")
+    return Findings(found, notes, type(model).__name__)
+
+
+def silenced(finding: Finding) -> bool:
+    """Whether the finding's source line carries ``# fxforge: ignore`` for its rule (or for every rule).
+
+    Example:
+        >>> silenced(Finding("dead-code", "warning", "", 0, "", "m", "f"))
+        False
+    """
+    match = IGNORE.search(source_line(finding.file, finding.line))
+    if match is None:
+        return False
+    names = match["rules"]
+    return names is None or finding.rule in {n.strip() for n in names.split(",")}
+
+
+class _mode:
+    """The model's modules in one mode for the block, each put back after."""
+
+    def __init__(self, model: torch.nn.Module, training: bool):
+        self.model, self.training = model, training
+
+    def __enter__(self) -> None:
+        self.modes = {m: m.training for m in self.model.modules()}
+        self.model.train(self.training)
+
+    def __exit__(self, *exc: object) -> None:
+        for module, training in self.modes.items():
+            module.training = training
+
+
+def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> LintGraph:
+    """The lint view of the model: export's graph, else a symbolic trace's (with its breaks where it kept
+    submodules opaque), else only where TorchDynamo breaks it."""
+    reasons = {}
+    for method in ("export", "fx"):
+        try:
+            captured = capture(model, example_inputs, method=method, check=False)
+        except CaptureError as error:
+            reasons[method] = error
+            continue
+        breaks = []
+        if captured.opaque:
+            from fxforge.capture.model import breaks_of, normalize_inputs
+
+            args, kwargs = normalize_inputs(example_inputs)
+            breaks = breaks_of(model, args, kwargs)
+            notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))
+        if method != "export":
+            notes.append(f"captured by symbolic trace (torch.export failed: {reasons['export'].message_without_breaks()})")
+        return LintGraph.of(captured, model, breaks)
+    error = reasons["fx"]
+    if not error.breaks:
+        raise error
+    tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    notes.append(f"one graph cannot hold {type(model).__name__}: {error.message_without_breaks()}")
+    return LintGraph(None, model, "", tuple(tensors), list(error.breaks))
