@@ -174,6 +174,20 @@ def source_line(file: str, line: int) -> str:
     return linecache.getline(file if os.path.isabs(file) else os.path.abspath(file), line) or linecache.getline(file, line)
 
 
+def short_path(file: str) -> str:
+    """``file`` relative to the current directory where it is below it (as the graph's source lines are).
+
+    Example:
+        >>> short_path(os.path.join(os.getcwd(), "net.py"))
+        'net.py'
+    """
+    try:
+        relative = os.path.relpath(file)
+    except ValueError:
+        return file
+    return file if relative.startswith("..") else relative
+
+
 def format_bytes(size: float) -> str:
     """``1.5 MiB``.
 

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from fxforge.capture import CaptureError, capture
-from fxforge.lint.finding import Finding, Findings
+from fxforge.lint.finding import Finding, Findings, rank
 from fxforge.lint.graph import LintGraph, source_line
 from fxforge.lint.rule import Rule, resolve_rules
 
@@ -76,16 +77,10 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
             notes.append(f"no graph, so only the breaks were linted (not run: {', '.join(skipped)})")
         chosen = [r for r in chosen if not r.needs_graph]
     found: list[Finding] = []
-    seen = set()
     ignored = 0
-    # (the model's mode as captured: rules read graph.model.training)
-    with _mode(model, mode == "train"):
+    with _mode(model, mode == "train"):  # the mode as captured: rules read graph.model.training
         for rule in chosen:
-            for finding in rule.run(graph):
-                key = (finding.rule, finding.file, finding.line, finding.message)
-                if key in seen:
-                    continue
-                seen.add(key)
+            for finding in merged(rule.run(graph)):
                 if silenced(finding):
                     ignored += 1
                     continue
@@ -93,6 +88,30 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     if ignored:
         notes.append(f"{ignored} finding{'s' * (ignored != 1)} silenced by # fxforge: ignore")
     return Findings(found, notes, type(model).__name__)
+
+
+def merged(findings: list[Finding]) -> list[Finding]:
+    """One finding per rule and source line: a line that runs several times in the graph (a layer of a loop, each
+    block of a stack) is reported once, the worst of its findings, with how many times and the bytes of all.
+
+    Example:
+        >>> f = Finding("layout-copy", "info", "m.py", 3, "x", "copies 2 KiB", "fix", bytes=2048)
+        >>> [(g.message, g.bytes) for g in merged([f, f])]
+        [('copies 2 KiB (x2: the line runs 2 times)', 4096)]
+    """
+    groups: dict[tuple, list[Finding]] = {}
+    for finding in findings:
+        key = (finding.rule, finding.file, finding.line) if finding.file else (finding.rule, id(finding))
+        groups.setdefault(key, []).append(finding)
+    result = []
+    for group in groups.values():
+        first = min(group, key=lambda f: rank(f.severity))
+        if len(group) > 1:
+            sizes = [f.bytes for f in group if f.bytes is not None]
+            first = dataclasses.replace(first, message=f"{first.message} (x{len(group)}: the line runs {len(group)} times)",
+                                        bytes=sum(sizes) if sizes else None)
+        result.append(first)
+    return result
 
 
 def silenced(finding: Finding) -> bool:
@@ -142,11 +161,11 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
             breaks = breaks_of(model, args, kwargs)
             notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))
         if method != "export":
-            notes.append(f"captured by symbolic trace (torch.export failed: {reasons['export'].message_without_breaks()})")
+            notes.append(f"captured by symbolic trace (torch.export failed: {reasons['export'].message_without_breaks})")
         return LintGraph.of(captured, model, breaks)
     error = reasons["fx"]
     if not error.breaks:
         raise error
     tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    notes.append(f"one graph cannot hold {type(model).__name__}: {error.message_without_breaks()}")
+    notes.append(f"one graph cannot hold {type(model).__name__}: {error.message_without_breaks}")
     return LintGraph(None, model, "", tuple(tensors), list(error.breaks))

@@ -24,7 +24,7 @@ from fxforge.lint.rule import Rule
 ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "rsub", "maximum", "minimum", "eq", "ne", "lt", "gt", "le", "ge",
                "atan2", "where", "add_", "sub_", "mul_", "div_", "remainder", "fmod", "floor_divide", "true_divide"}
 # Losses that broadcast their input against their target before reducing (torch only warns).
-LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+LOSSES = {"broadcast_tensors", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
           "binary_cross_entropy_with_logits"}
 # Ops that make a size-1 dim on purpose: an unsqueeze, a view or reshape, x[:, None], an expand.
 SHAPING = {"unsqueeze", "view", "reshape", "_unsafe_view", "expand", "expand_as", "view_as", "broadcast_to",
@@ -60,7 +60,7 @@ def _designed(graph: LintGraph, node: object, rank: int, depth: int = 6) -> bool
 
 def _operands(graph: LintGraph, node: torch.fx.Node) -> list[torch.fx.Node]:
     args = graph.tensor_args(node)
-    return args[:3] if graph.op(node) == "where" else args[:2]
+    return args[:3] if graph.op(node) in ("where", "broadcast_tensors") else args[:2]
 
 
 def check(graph: LintGraph):
@@ -82,7 +82,7 @@ def check(graph: LintGraph):
         itemsize = value.element_size() if value is not None else 4
         grown = math.prod(out) * itemsize
         parts = " and ".join(f"{a.name} {list(s)}" for a, s in zip(operands, shapes))
-        kind = "the loss's target and input" if graph.op(node) in LOSSES else "the operands"
+        kind = "the loss's input and target" if graph.op(node) in LOSSES else "the operands"
         yield graph.finding(
             node, f"{graph.op(node)} broadcasts {parts} to {list(out)}, larger than both "
                   f"({math.prod(out):,} elements from {' and '.join(f'{s:,}' for s in sizes)}); neither side's size-1 or "

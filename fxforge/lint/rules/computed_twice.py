@@ -7,12 +7,12 @@ Example:
     >>> class Net(torch.nn.Module):
     ...     def __init__(self):
     ...         super().__init__()
-    ...         self.enc = torch.nn.Linear(8, 8)
+    ...         self.enc = torch.nn.Linear(64, 64)
     ...     def forward(self, x):
     ...         a = self.enc(x).relu()
     ...         b = self.enc(x).relu()
     ...         return a + b
-    >>> [f.rule for f in fxforge.lint(Net(), (torch.randn(4, 8),), rules=[RULE])]
+    >>> [f.rule for f in fxforge.lint(Net(), (torch.randn(8, 64),), rules=[RULE])]
     ['computed-twice']
 """
 
@@ -25,8 +25,12 @@ from fxforge.lint.graph import LintGraph
 from fxforge.lint.rule import Rule
 from fxforge.lint.rules.hoistable import FREE
 
+MIN_BYTES = 1024
+"""Repeated work that makes less than this is not reported (index arithmetic, masks of a few bytes)."""
+
 
 def check(graph: LintGraph):
+    varying = graph.depends_on_inputs()
     original: dict[torch.fx.Node, torch.fx.Node] = {}  # repeat -> the first computation of it
     seen: dict[str, torch.fx.Node] = {}
     for node in graph.calls():
@@ -48,8 +52,8 @@ def check(graph: LintGraph):
                 chain.add(current)
                 stack.extend(current.all_input_nodes)
         work = [n for n in chain if graph.op(n) not in FREE]
-        if not work:
-            continue
+        if not work or node not in varying or sum(graph.nbytes(n) for n in work) < MIN_BYTES:
+            continue  # nothing but views, constants (hoistable-constant's), or a few bytes
         file, line, _ = graph.source(first)
         yield graph.finding(
             node, f"{node.name} {graph.describe(node)} repeats {first.name}, computed from the same values "

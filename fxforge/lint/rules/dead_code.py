@@ -1,4 +1,4 @@
-"""``dead-code``: computation whose result nothing uses: a value computed in forward and dropped (a leftover of
+"""``dead-code``: computation whose result nothing uses: a floating-point value computed in forward and dropped (a leftover of
 an edit, a loss term never added). It still runs every call (eagerly), and it usually means a bug: the value
 was meant to be used.
 
@@ -28,13 +28,14 @@ def check(graph: LintGraph):
         users = set(node.users)
         if users and not users <= dead:
             continue
-        if graph.op(node) in QUIET or graph.value(node) is None or is_effectful(node, graph.graph_module):
+        value = graph.value(node)
+        if graph.op(node) in QUIET or value is None or is_effectful(node, graph.graph_module):
             continue
         dead.add(node)
     reported = set()
     for node in graph.calls():
-        if node not in dead or any(u in dead for u in node.users):
-            continue  # report the last dead node of each chain
+        if node not in dead or any(u in dead for u in node.users) or not graph.value(node).is_floating_point():
+            continue  # report the last dead node of each chain, where it is a real value (not index arithmetic)
         chain, stack = [], [node]
         while stack:
             current = stack.pop()

@@ -20,6 +20,7 @@ import torch
 
 from fxforge.lint.graph import LintGraph, format_bytes
 from fxforge.lint.rule import Rule
+from fxforge.lint.rules.upcast import CASTS
 
 
 def check(graph: LintGraph):
@@ -29,6 +30,8 @@ def check(graph: LintGraph):
         value = graph.value(node)
         if value is None or value.dtype != torch.float64:
             continue
+        if graph.op(node) in CASTS:
+            continue  # asked for float64 by name: large-upcast's
         args = graph.tensor_args(node)
         lower = [a for a in args if graph.value(a).dtype in (torch.float32, torch.float16, torch.bfloat16)]
         if not lower:

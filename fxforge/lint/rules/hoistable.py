@@ -2,8 +2,8 @@
 call: a mask, a table of frequencies, a float64 conversion of a buffer, built in forward from constants. Compute it
 once in ``__init__`` (``register_buffer``) or cache it.
 
-Reported where the constant work meets the inputs, with the bytes it makes. Small tables (under
-``LARGE_BYTES``) are info; larger ones a warning.
+Reported where the constant work meets the inputs, with the bytes it makes: from ``MIN_BYTES`` as info, from
+``LARGE_BYTES`` as a warning.
 
 Example:
     >>> class Net(torch.nn.Module):
@@ -22,6 +22,8 @@ from fxforge.lint.graph import LintGraph, format_bytes
 from fxforge.lint.rule import Rule
 
 LARGE_BYTES = 256 << 10
+MIN_BYTES = 1024
+"""Constant work that makes less than this is not reported (an arange of positions costs less than its call)."""
 # Ops that make no new values: reading them is free, so a chain of only these is nothing to hoist.
 FREE = {"view", "reshape", "unsqueeze", "squeeze", "expand", "permute", "transpose", "t", "getitem", "slice",
         "select", "detach", "alias", "_assert_tensor_metadata", "lift_fresh_copy", "to", "contiguous", "flatten",
@@ -61,10 +63,12 @@ def check(graph: LintGraph):
         if not work:
             continue
         made = sum(graph.nbytes(n) for n in work)
+        if made < MIN_BYTES:
+            continue
         ops = sorted({graph.op(n) for n in work})
         yield graph.finding(
             node, f"{len(work)} op{'s' * (len(work) != 1)} ({', '.join(ops[:5])}{', ...' if len(ops) > 5 else ''}) "
-                  f"compute {node.name} {graph.describe(node)} from constants only, again every call "
+                  f"{'computes' if len(work) == 1 else 'compute'} {node.name} {graph.describe(node)} from constants only, again every call "
                   f"({format_bytes(made)} made per call)",
             "compute it once: in __init__ with self.register_buffer(name, value, persistent=False), or cache it per "
             "size (functools.lru_cache on a function of the shape)",

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from fxforge.lint.graph import LintGraph, parse_source
@@ -27,11 +29,18 @@ READS = {"item": ".item()", "_local_scalar_dense": ".item()", "tolist": ".tolist
 BREAK_MARKERS = ("item()", "tolist", "tensor's value", "values (boolean", "numpy")
 
 
+HOST_CODE = re.compile(r"\.cpu\(\)|\.numpy\(\)|[\"']cpu[\"']")
+
+
 def _to_cpu(graph: LintGraph, node: torch.fx.Node) -> bool:
+    """A copy to the CPU that the line asks for by name (``.cpu()``, ``.to("cpu")``): the example runs on the CPU,
+    so ``.to(x.device)`` records the CPU too, and only the line tells them apart."""
     device = node.kwargs.get("device")
     if device is None:
         device = next((a for a in node.args[1:] if isinstance(a, (torch.device, str))), None)
-    return device is not None and torch.device(device).type == "cpu"
+    if device is None or torch.device(device).type != "cpu":
+        return False
+    return bool(HOST_CODE.search(graph.source(node)[2]))
 
 
 def check(graph: LintGraph):

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from fxforge.lint.graph import LintGraph, format_bytes
+from fxforge.lint.graph import LintGraph, format_bytes, short_path
 from fxforge.lint.rule import Rule
 
 
@@ -68,7 +68,7 @@ def defined_at(model: torch.nn.Module, path: str) -> tuple[str, int, str]:
                 continue
             for offset, text in enumerate(lines):
                 if pattern.search(text):
-                    return file, start + offset, text.strip()
+                    return short_path(file), start + offset, text.strip()
         path = parent_path
     return "", 0, ""
 
