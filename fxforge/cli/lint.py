@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rich.text import Text
+
 from fxforge.cli.args import check_output, format_input
 from fxforge.cli.commands import _console, _model_and_inputs, collected_warnings
 from fxforge.cli.output import Outputs
@@ -84,8 +86,8 @@ def run_lint(args: argparse.Namespace) -> int:
     shapes = " ".join(format_input(*spec) for spec in args.input)
     console.print(f"{type(model).__name__} ({shapes}): {findings.summary()}", markup=False, highlight=False)
     for finding in findings:
-        console.print(f"{finding.where}: [{_STYLE[finding.severity]}]{finding.severity}[/] [{finding.rule}] "
-                      f"{_escape(finding.message)}", soft_wrap=True, highlight=False)
+        console.print(Text.assemble(f"{finding.where}: ", (finding.severity, _STYLE[finding.severity]),
+                                    f" [{finding.rule}] {finding.message}"), soft_wrap=True, highlight=False)
         if finding.code:
             console.print(f"    {finding.code}", markup=False, highlight=False, soft_wrap=True)
         if finding.involved:
@@ -96,9 +98,3 @@ def run_lint(args: argparse.Namespace) -> int:
     if args.csv:
         console.print(f"table: {args.csv}", markup=False)
     return 1 if findings.has_errors else 0
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fxforge.capture import CaptureError, capture
+from fxforge.capture.model import breaks_of, describe_failure, normalize_inputs
 from fxforge.lint.finding import Finding, Findings, rank
 from fxforge.lint.graph import LintGraph, source_line
 from fxforge.lint.rule import Rule, resolve_rules
@@ -153,10 +154,11 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
         except CaptureError as error:
             reasons[method] = error
             continue
+        except Exception as error:  # unchecked: a trace's shape propagation is the first to run the model
+            why = {m: e.message_without_breaks for m, e in reasons.items()}
+            raise CaptureError(type(model).__name__, {**why, method: describe_failure(error)}, breaks=[]) from error
         breaks = []
         if captured.opaque:
-            from fxforge.capture.model import breaks_of, normalize_inputs
-
             args, kwargs = normalize_inputs(example_inputs)
             breaks = breaks_of(model, args, kwargs)
             notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))

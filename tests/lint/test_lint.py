@@ -1,0 +1,120 @@
+"""``fxforge.lint``'s face: the Findings table, text and HTML, ``# fxforge: ignore[rule]``, a user's own rule,
+``rules=``, the model's modes left as they were, and lint's time against one capture."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fxforge
+from fxforge.lint import RULES, Finding, Rule, UnknownRuleError, register, unregister
+from tests.lint import seeded
+
+
+class Silenced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        a = ((self.out(x) - y) ** 2).mean()  # fxforge: ignore[broadcast-blowup]
+        b = ((self.out(x) - y) ** 2).sum()  # fxforge: ignore[dead-code]
+        c = (self.out(x) - y).abs().max()  # fxforge: ignore
+        return a + b + c
+
+
+def test_ignore_comment_silences_its_rule_on_its_line_only():
+    findings = fxforge.lint(Silenced(), (torch.randn(4, 8), torch.randn(4)), rules=["broadcast-blowup"])
+    assert [f.code for f in findings] == ["b = ((self.out(x) - y) ** 2).sum()  # fxforge: ignore[dead-code]"]
+    assert "2 findings silenced by # fxforge: ignore" in findings.notes
+
+
+def test_findings_table_text_and_html():
+    model, inputs = seeded.SEEDED["regression_head"][0]()
+    findings = fxforge.lint(model, inputs)
+    table = findings.table
+    assert list(table.columns[:6]) == ["rule", "severity", "file", "line", "message", "fix"][:2] + ["file", "line",
+                                                                                                      "code", "message"]
+    assert {"rule", "severity", "file", "line", "message", "fix"} <= set(table.columns)
+    row = table.iloc[0]
+    assert (row["rule"], row["severity"], row["bytes"]) == ("broadcast-blowup", "error", 8 * 8 * 4)
+    assert row["file"].endswith("seeded.py") and row["line"] > 0
+    text = str(findings)
+    assert "error [broadcast-blowup]" in text and "[8, 1]" in text and "fix:" in text
+    html = findings._repr_html_()
+    assert html.startswith("<div>") and "broadcast-blowup" in html and "&lt;" not in findings.summary()
+    assert findings.has_errors and len(findings) >= 1
+
+
+def test_a_user_rule_runs_by_name_once_registered_and_as_an_object():
+    def big_matmuls(graph):
+        for node in graph.calls("linear", "matmul", "mm"):
+            if graph.nbytes(node) >= 1024:
+                yield graph.finding(node, f"{graph.describe(node)} from a matrix product", "make it smaller")
+
+    rule = Rule("big-matmul", "warning", big_matmuls, "large matrix products")
+    model, inputs = seeded.SEEDED["two_heads"][0]()
+    model, inputs = torch.nn.Linear(64, 64), (torch.randn(8, 64),)
+    assert [f.rule for f in fxforge.lint(model, inputs, rules=[rule])] == ["big-matmul"]
+    register(rule)
+    try:
+        assert "big-matmul" in RULES
+        findings = fxforge.lint(model, inputs)
+        assert [(f.rule, f.severity) for f in findings] == [("big-matmul", "warning")]
+    finally:
+        unregister("big-matmul")
+    assert fxforge.lint(model, inputs).rules() == []
+
+
+def test_rule_names_are_checked():
+    with pytest.raises(UnknownRuleError, match="no-such-rule"):
+        fxforge.lint(torch.nn.Linear(2, 2), (torch.randn(1, 2),), rules=["no-such-rule"])
+    with pytest.raises(ValueError, match="severity"):
+        Rule("x", "fatal", lambda graph: [], "")
+
+
+def test_a_rule_may_set_its_own_severity():
+    rule = Rule("always", "info", lambda graph: [Finding("", "error", "", 0, "", "m", "f")], "")
+    assert [f.severity for f in fxforge.lint(torch.nn.Linear(2, 2), (torch.randn(1, 2),), rules=[rule])] == ["error"]
+
+
+def test_the_model_keeps_its_modes():
+    model = seeded.ListOfNorms()
+    model.train()
+    model.layers[0].eval()
+    findings = fxforge.lint(model, (torch.randn(4, 16),))
+    assert "mode-unreached" in findings.rules()
+    assert model.training and not model.layers[0].training and model.layers[1].training
+    assert all(norm.training for norm in model.norms)
+
+
+def test_a_model_no_method_can_read_raises_capture_error():
+    class Broken(nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(3, 3)  # a shape error on these inputs
+
+    with pytest.raises(fxforge.CaptureError):
+        fxforge.lint(Broken(), (torch.randn(2, 4),))
+
+
+def test_lint_takes_no_longer_than_one_capture():
+    from tests.corpus.models import TRANSFORMERS
+
+    model, inputs = TRANSFORMERS["t5"]()
+    fxforge.lint(model, inputs)
+    fxforge.capture(model, inputs)  # both warm
+
+    def best(function):
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    lint_s = best(lambda: fxforge.lint(model, inputs))
+    capture_s = best(lambda: fxforge.capture(model, inputs))
+    assert lint_s <= 1.5 * capture_s, (lint_s, capture_s)
