@@ -64,22 +64,16 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     if mode not in ("eval", "train"):
         raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
     chosen = resolve_rules(rules)
-    modes = {m: m.training for m in model.modules()}
     notes: list[str] = []
-    try:
-        model.train(mode == "train")
-        graph = _graph(model, example_inputs, notes)
-    finally:
-        for module, training in modes.items():
-            module.training = training
-    if graph.graph_module is None:
-        skipped = [r.name for r in chosen if r.needs_graph]
-        if skipped:
-            notes.append(f"no graph, so only the breaks were linted (not run: {', '.join(skipped)})")
-        chosen = [r for r in chosen if not r.needs_graph]
     found: list[Finding] = []
     ignored = 0
-    with _mode(model, mode == "train"):  # the mode as captured: rules read graph.model.training
+    with _mode(model, mode == "train"):  # captured in this mode, and the rules read graph.model.training
+        graph = _graph(model, example_inputs, notes)
+        if graph.graph_module is None:
+            skipped = [r.name for r in chosen if r.needs_graph]
+            if skipped:
+                notes.append(f"no graph, so only the breaks were linted (not run: {', '.join(skipped)})")
+            chosen = [r for r in chosen if not r.needs_graph]
         for rule in chosen:
             for finding in merged(rule.run(graph)):
                 if silenced(finding):

@@ -38,7 +38,10 @@ def _to_cpu(graph: LintGraph, node: torch.fx.Node) -> bool:
     device = node.kwargs.get("device")
     if device is None:
         device = next((a for a in node.args[1:] if isinstance(a, (torch.device, str))), None)
-    if device is None or torch.device(device).type != "cpu":
+    try:
+        if device is None or torch.device(device).type != "cpu":
+            return False
+    except (RuntimeError, TypeError):  # a string that is no device (x.to("float") is a user error of its own)
         return False
     return bool(HOST_CODE.search(graph.source(node)[2]))
 

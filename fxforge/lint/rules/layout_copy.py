@@ -36,7 +36,8 @@ def _copies_on_reshape(before: torch.Tensor, after: torch.Tensor) -> bool:
 
 
 def _format_of(graph: LintGraph, node: torch.fx.Node) -> object:
-    return node.kwargs.get("memory_format", graph.arg(node, 1, "memory_format"))
+    fmt = node.kwargs.get("memory_format", graph.arg(node, 1, "memory_format"))
+    return fmt if isinstance(fmt, torch.memory_format) else None
 
 
 def check(graph: LintGraph):

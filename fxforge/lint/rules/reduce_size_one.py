@@ -17,8 +17,7 @@ from __future__ import annotations
 from fxforge.lint.graph import LintGraph
 from fxforge.lint.rule import Rule
 
-REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "logsumexp", "argmax", "argmin",
-              "norm", "linalg_vector_norm", "any", "all", "softmax", "log_softmax", "_softmax", "_log_softmax",
+REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "std", "var", "logsumexp", "argmax", "argmin", "any", "all", "softmax", "log_softmax", "_softmax", "_log_softmax",
               "cumsum", "nansum", "count_nonzero"}
 ALWAYS_CONSTANT = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
 

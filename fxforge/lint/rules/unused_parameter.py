@@ -85,6 +85,8 @@ def is_library(cls: type) -> bool:
 
 def _uses_training_flag(model: torch.nn.Module) -> bool:
     for module in model.modules():
+        if is_library(type(module)):
+            continue  # torch's own (BatchNorm reads self.training): the user's branches are the question
         try:
             if "self.training" in inspect.getsource(type(module).forward):
                 return True

@@ -1,0 +1,113 @@
+"""``python -m benchmarks.lint_corpus``: ``fxforge.lint`` on the seeded-bug corpus (tests/lint/seeded.py: is each
+seeded bug found by its rule at its marked line?) and on the clean models (tests/lint/clean.py, the example
+models, the transformers corpus: findings above info per model), with lint's time beside one ``fxforge.capture``.
+Writes the ``lint`` block of ``benchmarks/RESULTS.md`` (``--no-markdown``: print only).
+
+Example:
+    >>> row = clean_row("mlp", lambda: (torch.nn.Linear(4, 4), (torch.ones(2, 4),)))
+    >>> row["above_info"], row["rules"]
+    (0, '')
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+
+import torch
+
+import fxforge
+from benchmarks.report import DEFAULT_MARKDOWN, write_block
+
+SECTION = "lint"
+COMMAND = "python -m benchmarks.lint_corpus"
+REPEAT = 3
+
+
+def seeded_rows() -> list[dict]:
+    """One row per seeded bug: found by its rule, and at its marked line."""
+    from tests.lint import seeded
+
+    source = inspect.getsourcefile(seeded)
+    with open(source) as file:
+        lines = file.read().splitlines()
+    rows = []
+    for name, (factory, rule) in sorted(seeded.SEEDED.items()):
+        model, inputs = factory()
+        marked = {i for i, text in enumerate(lines, 1) if text.rstrip().endswith(f"# BUG: {rule}")}
+        hits = [f for f in fxforge.lint(model, inputs) if f.rule == rule]
+        at_line = any(os.path.abspath(f.file) == source and f.line in marked for f in hits)
+        rows.append({"model": name, "rule": rule, "found": bool(hits), "at_line": at_line,
+                     "where": ", ".join(f.where for f in hits) or "-"})
+    return rows
+
+
+def clean_row(name: str, factory) -> dict:
+    """Findings above info (and their rules) on one clean model, lint's time and one capture's (best of ``REPEAT``)."""
+    model, inputs = factory()
+    fxforge.lint(model, inputs)  # warm
+    fxforge.capture(model, inputs)
+    lint_s = capture_s = float("inf")
+    for _ in range(REPEAT):  # the best of REPEAT each, interleaved: the machine is shared
+        start = time.perf_counter()
+        findings = fxforge.lint(model, inputs)
+        lint_s = min(lint_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        fxforge.capture(model, inputs)
+        capture_s = min(capture_s, time.perf_counter() - start)
+    above = findings.above("info")
+    return {"model": name, "above_info": len(above), "rules": ", ".join(f.rule for f in above),
+            "info": len(findings) - len(above), "lint_s": lint_s, "capture_s": capture_s}
+
+
+def clean_models() -> dict:
+    from tests.corpus.models import TRANSFORMERS
+    from tests.lint.clean import CLEAN
+
+    return {**CLEAN, **{f"transformers/{name}": factory for name, factory in TRANSFORMERS.items()}}
+
+
+def markdown(seeded: list[dict], clean: list[dict]) -> str:
+    found = sum(r["found"] and r["at_line"] for r in seeded)
+    over = [r for r in clean if r["above_info"] > 1]
+    slower = [r for r in clean if r["lint_s"] > r["capture_s"]]
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    slow = ", ".join(f"{r['model']} ({r['lint_s'] / r['capture_s']:.2f}x)" for r in slower) or "none"
+    lines = [(f"## lint (issue 54, {when}): seeded bugs found {found}/{len(seeded)}; clean models: findings above info "
+             "per model"), "",
+             (f"`{COMMAND}` (CPU, torch {torch.__version__}). A seeded bug counts when its rule finds it at the line "
+             "marked `# BUG: rule` in tests/lint/seeded.py. Clean models: tests/lint/clean.py, the example models and "
+             f"the transformers corpus (tiny configs, random weights); {len(over)} of {len(clean)} with more than one "
+             f"finding above info. Lint slower than one `fxforge.capture` (auto method, checked; best of {REPEAT} "
+             f"each, interleaved) on {len(slower)}: {slow}."),
+             "", "| seeded bug | rule | found at its line | where |", "|---|---|---|---|"]
+    lines += [f"| {r['model']} | `{r['rule']}` | {'yes' if r['found'] and r['at_line'] else 'NO'} | {r['where']} |"
+              for r in seeded]
+    lines += ["", "| clean model | above info | their rules | info | lint s | capture s |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['above_info']} | {r['rules'] or '-'} | {r['info']} | {r['lint_s']:.2f} | "
+              f"{r['capture_s']:.2f} |" for r in clean]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="the markdown file whose lint block is replaced")
+    parser.add_argument("--no-markdown", action="store_true", help="print the block only")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    seeded = seeded_rows()
+    clean = [clean_row(name, factory) for name, factory in clean_models().items()]
+    block = markdown(seeded, clean)
+    print(block)
+    if not args.no_markdown:
+        write_block(args.markdown, block, SECTION)
+    return 0 if all(r["found"] and r["at_line"] for r in seeded) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
