@@ -116,3 +116,31 @@ def test_lint_takes_no_longer_than_one_capture():
         fxforge.capture(model, inputs)
         capture_s = min(capture_s, time.perf_counter() - start)
     assert lint_s <= 1.5 * capture_s, (lint_s, capture_s)
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # the branch
+            return x * 2
+        return x
+
+
+class GatedRegression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.fc = Gate(), nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return ((self.fc(self.gate(x)) - y) ** 2).mean()  # the broadcast
+
+
+def test_a_submodule_export_cannot_hold_is_linted_around_and_its_branch_found():
+    import inspect
+
+    lines, start = inspect.getsourcelines(Gate)
+    branch = start + next(i for i, text in enumerate(lines) if "# the branch" in text)
+    lines, start = inspect.getsourcelines(GatedRegression)
+    broadcast = start + next(i for i, text in enumerate(lines) if "# the broadcast" in text)
+    findings = fxforge.lint(GatedRegression(), (torch.randn(4, 8), torch.randn(4)))
+    assert [(f.rule, f.line) for f in findings] == [("broadcast-blowup", broadcast), ("host-sync", branch)]
+    assert any(n.startswith("captured by symbolic trace") for n in findings.notes)
