@@ -104,3 +104,12 @@ def test_every_rule_has_a_near_miss():
     from fxforge.lint import BUILTIN
 
     assert set(BUILTIN) == set(NEAR_MISSES)
+
+
+def test_a_size_one_dim_an_input_may_have_made_is_only_info():
+    class Decoder(nn.Module):  # one step of decoding: the keys are one token long in this example
+        def forward(self, q, k):
+            return (q @ k.transpose(-2, -1)).softmax(dim=-1)
+
+    findings = fxforge.lint(Decoder(), (torch.randn(2, 1, 8), torch.randn(2, 1, 8)), rules=["reduce-size-one"])
+    assert [f.severity for f in findings] == ["info"]

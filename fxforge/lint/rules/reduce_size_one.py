@@ -26,6 +26,11 @@ def _batch_one(graph: LintGraph) -> bool:
     return any(t.dim() > 0 and t.shape[0] == 1 for t in graph.inputs)
 
 
+def _inputs_have_ones(graph: LintGraph) -> bool:
+    """Whether an example input has a dim of size 1 (a sequence of one token): the size-1 dim may be the example's."""
+    return any(1 in t.shape for t in graph.inputs)
+
+
 def check(graph: LintGraph):
     for node in graph.calls(*REDUCTIONS):
         source = graph.tensor_args(node)[:1]
@@ -43,15 +48,18 @@ def check(graph: LintGraph):
             continue  # the example's batch of one, not the model's dim
         op = graph.op(node).lstrip("_")
         constant = op in ALWAYS_CONSTANT
+        example = _inputs_have_ones(graph)
         result = {"softmax": "all ones", "log_softmax": "all zeros"}.get(op, "its input unchanged")
         yield graph.finding(
             node, f"{op} over dim {dims[0] if len(dims) == 1 else dims} of {source[0].name} {list(shape)}, which has "
                   f"size 1: the result is {result}"
                   + (", whatever the input (a one-logit head needs sigmoid, not softmax)" if constant else
-                     "; the reduction meant is likely over another dim"),
+                     "; the reduction meant is likely over another dim")
+                  + (" (an example input has a dim of size 1, so this may be the example's size, not the "
+                     "model's: info)" if example else ""),
             "reduce over the dim that holds the values (dim=0 or the feature dim), or drop the reduction; "
             + ("for one logit use torch.sigmoid" if constant else "squeeze the size-1 dim first if it is a leftover"),
-            severity="error" if constant else "", involved=graph.describe(source[0]))
+            severity="info" if example else "error" if constant else "", involved=graph.describe(source[0]))
 
 
 RULE = Rule("reduce-size-one", "warning", check,
