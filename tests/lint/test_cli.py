@@ -49,3 +49,17 @@ def test_a_model_that_fails_exits_1_with_one_line(capsys):
     assert main(["lint", f"{SEEDED}:RegressionHead", "--input", "8x3", "--input", "8"]) in (1, 2)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(("fxforge: error:", "fxforge lint: error:"))
+
+
+def test_the_process_exit_status_is_what_ci_sees(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "fxforge.cli", "lint", f"{SEEDED}:MLPWithFunctionalDropout",
+                             "--input", "4x16"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
+                            check=False)
+    assert result.returncode == 1, result.stderr
+    assert "error [functional-dropout]" in result.stdout and result.stderr == ""
