@@ -39,12 +39,15 @@ class LintGraph:
     """A captured graph as the rules read it.
 
     Attributes:
-        graph_module: the captured ``GraphModule`` (torch.export's ATen graph, or a symbolic trace).
+        graph_module: the captured ``GraphModule`` (torch.export's ATen graph, or a symbolic trace); None where no
+            single graph holds the model.
         model: the user's model (in the mode it was captured in).
         method: how it was captured: ``"export"`` or ``"fx"``; ``""`` where no graph could be captured.
         inputs: the example inputs' tensors, flattened.
         breaks: where TorchDynamo cuts the model (:class:`~fxforge.core.breaks.Break`), where it was asked.
         opaque: the submodules a symbolic trace kept whole (their insides are not linted).
+        graphs: where TorchDynamo cuts the model, the graphs between its breaks (``method`` is ``"dynamo"``); the
+            rules read their nodes as one graph's.
     """
 
     graph_module: torch.fx.GraphModule | None
@@ -53,6 +56,7 @@ class LintGraph:
     inputs: tuple = ()
     breaks: list = dataclasses.field(default_factory=list)
     opaque: list = dataclasses.field(default_factory=list)
+    graphs: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, captured: Any, model: torch.nn.Module, breaks: list | None = None) -> LintGraph:
@@ -64,8 +68,13 @@ class LintGraph:
 
     # -- nodes -------------------------------------------------------------------------------------------------
     def nodes(self) -> list[torch.fx.Node]:
-        """Every node of the graph, in order ([] without a graph)."""
-        return list(self.graph_module.graph.nodes) if self.graph_module is not None else []
+        """Every node of the graph (of each graph between breaks, in turn), in order ([] without a graph)."""
+        modules = [self.graph_module] if self.graph_module is not None else self.graphs
+        return [node for module in modules for node in module.graph.nodes]
+
+    def owner(self, node: torch.fx.Node) -> torch.fx.GraphModule:
+        """The ``GraphModule`` the node belongs to."""
+        return node.graph.owning_module
 
     def calls(self, *names: str) -> list[torch.fx.Node]:
         """The nodes that compute, in order; with ``names``, those whose :meth:`op` is one of them."""
@@ -78,7 +87,7 @@ class LintGraph:
         """
         target = node.target
         if node.op == "call_module":
-            return type(self.graph_module.get_submodule(str(target))).__name__
+            return type(self.owner(node).get_submodule(str(target))).__name__
         if node.op == "call_method":
             return str(target)
         if isinstance(target, torch._ops.OpOverload):

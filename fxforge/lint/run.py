@@ -18,6 +18,7 @@ import torch
 
 from fxforge.capture import CaptureError, capture
 from fxforge.capture.model import breaks_of, describe_failure, normalize_inputs
+from fxforge.core.shapes import annotate
 from fxforge.lint.finding import Finding, Findings, rank
 from fxforge.lint.graph import LintGraph, source_line
 from fxforge.lint.rule import Rule, resolve_rules
@@ -35,7 +36,8 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     The model is captured with torch.export (a symbolic trace where export fails) on the example inputs, in eval
     mode (``mode="train"``: as it is in training; the mode is put back after); each rule reads the graph's nodes,
     their shapes and dtypes, and the user's source line each came from. A model no single graph can hold is linted
-    where TorchDynamo breaks it (host syncs, branches on tensor values), with a note.
+    graph by graph between the places TorchDynamo breaks it (each break a host sync: a branch on a tensor's value,
+    ``.item()``), with a note.
 
     Args:
         model: the ``nn.Module``.
@@ -69,7 +71,7 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     ignored = 0
     with _mode(model, mode == "train"):  # captured in this mode, and the rules read graph.model.training
         graph = _graph(model, example_inputs, notes)
-        if graph.graph_module is None:
+        if graph.graph_module is None and not graph.graphs:
             skipped = [r.name for r in chosen if r.needs_graph]
             if skipped:
                 notes.append(f"no graph, so only the breaks were linted (not run: {', '.join(skipped)})")
@@ -140,7 +142,7 @@ class _mode:
 
 def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> LintGraph:
     """The lint view of the model: export's graph, else a symbolic trace's (with its breaks where it kept
-    submodules opaque), else only where TorchDynamo breaks it."""
+    submodules opaque), else TorchDynamo's graphs and the breaks between them."""
     reasons = {}
     for method in ("export", "fx"):
         try:
@@ -160,8 +162,23 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
             notes.append(f"captured by symbolic trace (torch.export failed: {reasons['export'].message_without_breaks})")
         return LintGraph.of(captured, model, breaks)
     error = reasons["fx"]
-    if not error.breaks:
+    try:
+        cut = capture(model, example_inputs, method="dynamo")
+    except Exception:  # noqa: BLE001 - dynamo fails too: the capture's own error says why
+        raise error from None
+    if not cut.breaks:
         raise error
+    graphs = []
+    for _, host, host_inputs in cut.graphs:
+        try:
+            annotate(host, tuple(host_inputs), {})
+        except Exception:  # noqa: BLE001 - a graph whose shapes cannot be propagated is left out, with a note
+            notes.append(f"a graph between breaks left out: its shapes could not be propagated ({len(host.graph.nodes)} "
+                         "nodes)")
+            continue
+        graphs.append(host)
     tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    notes.append(f"one graph cannot hold {type(model).__name__}: {error.message_without_breaks}")
-    return LintGraph(None, model, "", tuple(tensors), list(error.breaks))
+    notes.append(f"one graph cannot hold {type(model).__name__}: linted as {len(graphs)} graph"
+                 f"{'s' * (len(graphs) != 1)} between TorchDynamo's {len(cut.breaks)} break"
+                 f"{'s' * (len(cut.breaks) != 1)} ({error.message_without_breaks})")
+    return LintGraph(None, model, "dynamo", tuple(tensors), list(cut.breaks), graphs=graphs)

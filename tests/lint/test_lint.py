@@ -141,3 +141,28 @@ def test_a_submodule_export_cannot_hold_is_linted_around_and_its_branch_found():
     findings = fxforge.lint(GatedRegression(), (torch.randn(4, 8), torch.randn(4)))
     assert [(f.rule, f.line) for f in findings] == [("broadcast-blowup", broadcast), ("host-sync", branch)]
     assert any(n.startswith("captured by symbolic trace") for n in findings.notes)
+
+
+class BranchyHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.spare = nn.Linear(16, 16), nn.Linear(16, 1), nn.Linear(3, 3)  # the spare
+
+    def forward(self, x, y):
+        h = torch.nn.functional.dropout(self.body(x), 0.1)  # the dropout
+        if h.norm() > 10:  # the branch
+            h = h / h.norm()
+        return ((self.head(h) - y) ** 2).mean()  # the broadcast
+
+
+def test_a_model_no_graph_holds_is_linted_graph_by_graph_between_its_breaks():
+    import inspect
+
+    lines, start = inspect.getsourcelines(BranchyHead)
+    at = {tag: start + next(i for i, text in enumerate(lines) if f"# the {tag}" in text)
+          for tag in ("spare", "dropout", "branch", "broadcast")}
+    findings = fxforge.lint(BranchyHead(), (torch.randn(4, 16), torch.randn(4)))
+    assert sorted((f.rule, f.line) for f in findings) == sorted([
+        ("unused-parameter", at["spare"]), ("functional-dropout", at["dropout"]), ("host-sync", at["branch"]),
+        ("broadcast-blowup", at["broadcast"])])
+    assert any("graphs between TorchDynamo's 1 break" in n for n in findings.notes)

@@ -34,10 +34,10 @@ def check(graph: LintGraph):
     original: dict[torch.fx.Node, torch.fx.Node] = {}  # repeat -> the first computation of it
     seen: dict[str, torch.fx.Node] = {}
     for node in graph.calls():
-        if is_effectful(node, graph.graph_module) or is_random(node) or graph.value(node) is None:
+        if is_effectful(node, graph.owner(node)) or is_random(node) or graph.value(node) is None:
             continue
         args = torch.fx.map_arg((node.args, node.kwargs), lambda n: original.get(n, n))
-        key = f"{node.op}|{node.target}|{args}"
+        key = f"{id(node.graph)}|{node.op}|{node.target}|{args}"  # names are per graph (graphs between breaks)
         if key in seen:
             original[node] = seen[key]
         else:

@@ -29,7 +29,7 @@ def check(graph: LintGraph):
         if users and not users <= dead:
             continue
         value = graph.value(node)
-        if graph.op(node) in QUIET or value is None or is_effectful(node, graph.graph_module):
+        if graph.op(node) in QUIET or value is None or is_effectful(node, graph.owner(node)):
             continue
         dead.add(node)
     reported = set()

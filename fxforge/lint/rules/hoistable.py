@@ -38,7 +38,7 @@ def trainable(graph: LintGraph) -> set[torch.fx.Node]:
     for node in graph.nodes():
         reads = node.op == "get_attr" and str(node.target) in names
         if node.op == "call_module":
-            reads = any(p.requires_grad for p in graph.graph_module.get_submodule(str(node.target)).parameters())
+            reads = any(p.requires_grad for p in graph.owner(node).get_submodule(str(node.target)).parameters())
         if reads or any(a in found for a in node.all_input_nodes):
             found.add(node)
     return found
