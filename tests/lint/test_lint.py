@@ -166,3 +166,13 @@ def test_a_model_no_graph_holds_is_linted_graph_by_graph_between_its_breaks():
         ("unused-parameter", at["spare"]), ("functional-dropout", at["dropout"]), ("host-sync", at["branch"]),
         ("broadcast-blowup", at["broadcast"])])
     assert any("graphs between TorchDynamo's 1 break" in n for n in findings.notes)
+
+
+def test_train_mode_lints_the_model_as_it_trains():
+    model, inputs = seeded.SEEDED["functional_dropout"][0]()
+    assert "functional-dropout" in fxforge.lint(model, inputs).rules()
+    assert "functional-dropout" not in fxforge.lint(model, inputs, mode="train").rules()  # it drops, as it should
+    model, inputs = seeded.SEEDED["gated_inplace"][0]()
+    assert fxforge.lint(model, inputs, mode="train").rules() == ["inplace-on-saved"]
+    with pytest.raises(ValueError, match="mode"):
+        fxforge.lint(model, inputs, mode="inference")
