@@ -27,8 +27,8 @@ IGNORE = re.compile(r"#\s*fxforge:\s*ignore(?:\[(?P<rules>[^\]]*)\])?")
 """``# fxforge: ignore`` (every rule) or ``# fxforge: ignore[rule-a, rule-b]`` on the finding's source line."""
 
 
-def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[Rule | str] | None = None,
-         mode: str = "eval") -> Findings:
+def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
+         rules: Iterable[Rule | str] | None = None, mode: str = "eval") -> Findings:
     """The silent tensor bugs and costs a model's graph shows: broadcasts that grow a tensor, dtype drift, copies
     the layout forces, work redone every call, unused parameters, host syncs, mode hazards (see
     :mod:`fxforge.lint.rules`).
@@ -42,6 +42,7 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     Args:
         model: the ``nn.Module``.
         example_inputs: a tuple of positional inputs, one tensor, or a dict of keyword inputs.
+        example_kwargs: keyword inputs in addition to positional ``example_inputs``.
         rules: rule names and :class:`~fxforge.lint.rule.Rule` objects to run; default every registered rule
             (the built-in ones and those :func:`~fxforge.lint.rule.register` added).
         mode: ``"eval"`` (default) or ``"train"``: the mode the model is captured in.
@@ -70,7 +71,8 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, rules: Iterable[
     found: list[Finding] = []
     ignored = 0
     with _mode(model, mode == "train"):  # captured in this mode, and the rules read graph.model.training
-        graph = _graph(model, example_inputs, notes)
+        args, kwargs = normalize_inputs(example_inputs)
+        graph = _graph(model, args, {**kwargs, **(example_kwargs or {})}, notes)
         if graph.graph_module is None and not graph.graphs:
             skipped = [r.name for r in chosen if r.needs_graph]
             if skipped:
@@ -140,13 +142,13 @@ class _mode:
             module.training = training
 
 
-def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> LintGraph:
+def _graph(model: torch.nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> LintGraph:
     """The lint view of the model: export's graph, else a symbolic trace's (with its breaks where it kept
     submodules opaque), else TorchDynamo's graphs and the breaks between them."""
     reasons = {}
     for method in ("export", "fx"):
         try:
-            captured = capture(model, example_inputs, method=method, check=False)
+            captured = capture(model, args, method=method, example_kwargs=kwargs, check=False)
         except CaptureError as error:
             reasons[method] = error
             continue
@@ -155,7 +157,6 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
             raise CaptureError(type(model).__name__, {**why, method: describe_failure(error)}, breaks=[]) from error
         breaks = []
         if captured.opaque:
-            args, kwargs = normalize_inputs(example_inputs)
             breaks = breaks_of(model, args, kwargs)
             notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))
         if method != "export":
@@ -163,10 +164,10 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
         return LintGraph.of(captured, model, breaks)
     error = reasons["fx"]
     try:
-        cut = capture(model, example_inputs, method="dynamo")
+        cut = capture(model, args, method="dynamo", example_kwargs=kwargs)
     except Exception:  # noqa: BLE001 - dynamo fails too: the capture's own error says why
         raise error from None
-    if not cut.breaks:
+    if not cut.graphs and not cut.breaks:
         raise error
     graphs = []
     for _, host, host_inputs in cut.graphs:
@@ -177,8 +178,9 @@ def _graph(model: torch.nn.Module, example_inputs: Any, notes: list[str]) -> Lin
                          "nodes)")
             continue
         graphs.append(host)
-    tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    notes.append(f"one graph cannot hold {type(model).__name__}: linted as {len(graphs)} graph"
-                 f"{'s' * (len(graphs) != 1)} between TorchDynamo's {len(cut.breaks)} break"
-                 f"{'s' * (len(cut.breaks) != 1)} ({error.message_without_breaks})")
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    where = (f"between TorchDynamo's {len(cut.breaks)} break{'s' * (len(cut.breaks) != 1)}" if cut.breaks else
+             "as TorchDynamo traced it (numpy as torch)")
+    notes.append(f"export and a trace cannot hold {type(model).__name__}: linted as {len(graphs)} graph"
+                 f"{'s' * (len(graphs) != 1)} {where} ({error.message_without_breaks})")
     return LintGraph(None, model, "dynamo", tuple(tensors), list(cut.breaks), graphs=graphs)

@@ -38,6 +38,11 @@ def _read_names(graph: LintGraph) -> set[str]:
     return names
 
 
+def _held(graph: LintGraph) -> set[int]:
+    """The tensors the graphs between breaks hold (TorchDynamo passes a graph the parameters it reads)."""
+    return {id(t) for module in graph.graphs for t in (*module.parameters(), *module.buffers())}
+
+
 def _is_read(name: str, read: set[str]) -> bool:
     return name in read or any(name.startswith(prefix) for prefix in read if prefix.endswith("."))
 
@@ -96,16 +101,18 @@ def _uses_training_flag(model: torch.nn.Module) -> bool:
 
 
 def check(graph: LintGraph):
-    read = _read_names(graph)
+    read, held = _read_names(graph), _held(graph)
     groups: dict[int, list[str]] = {}
     for name, parameter in graph.model.named_parameters(remove_duplicate=False):
         if parameter.requires_grad:
             groups.setdefault(id(parameter), []).append(name)
     unused: dict[str, list[str]] = {}  # owning module -> parameter names
-    for names in groups.values():
-        if not any(_is_read(n, read) for n in names):
+    for key, names in groups.items():
+        if key not in held and not any(_is_read(n, read) for n in names):
             unused.setdefault(names[0].rpartition(".")[0], []).append(names[0])
     flag = _uses_training_flag(graph.model) if unused else False
+    # Between graph breaks, only the path these inputs took was traced: another may read them.
+    untaken = graph.method == "dynamo"
     for owner, names in unused.items():
         count = sum(graph.model.get_parameter(n).numel() for n in names)
         size = sum(graph.model.get_parameter(n).numel() * graph.model.get_parameter(n).element_size() for n in names)
@@ -114,10 +121,12 @@ def check(graph: LintGraph):
             None, f"{what} has trainable parameters the forward never reads ({', '.join(names)}: {count:,} values): "
                   "DistributedDataParallel's default (find_unused_parameters=False) fails on them, the optimizer "
                   "keeps state for them; a layer meant to be called?"
-                  + (" (the model branches on self.training: they may be read only in training mode)" if flag else ""),
+                  + (" (the model branches on self.training: they may be read only in training mode)" if flag else "")
+                  + (" (linted graph by graph between breaks: a path these inputs did not take may read them)"
+                     if untaken else ""),
             "call the layer in forward, delete it, or freeze it (requires_grad_(False)); with DDP, "
             "find_unused_parameters=True only as a last resort (it costs a graph walk every step)",
-            severity="info" if flag else "", involved=f"{count:,} parameters ({format_bytes(size)})", bytes=size,
+            severity="info" if flag or untaken else "", involved=f"{count:,} parameters ({format_bytes(size)})", bytes=size,
             where=defined_at(graph.model, names[0]))
 
 
