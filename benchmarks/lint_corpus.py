@@ -48,28 +48,56 @@ def seeded_rows() -> list[dict]:
 
 
 def clean_row(name: str, factory) -> dict:
-    """Findings above info (and their rules) on one clean model, lint's time and one capture's (best of ``REPEAT``)."""
-    model, inputs = factory()
-    fxforge.lint(model, inputs)  # warm
-    fxforge.capture(model, inputs)
+    """Findings above info (and their rules) on one clean model, lint's time and one capture's (best of ``REPEAT``).
+    ``factory`` returns ``(model, inputs)``, or a user model case (``.model``, ``.inputs``, ``.kwargs``)."""
+    made = factory()
+    model, inputs = (made.model, (made.inputs, made.kwargs)) if hasattr(made, "model") else made
+    _lint(model, inputs)  # warm
+    _capture(model, inputs)
     lint_s = capture_s = float("inf")
     for _ in range(REPEAT):  # the best of REPEAT each, interleaved: the machine is shared
         start = time.perf_counter()
-        findings = fxforge.lint(model, inputs)
+        findings = _lint(model, inputs)
         lint_s = min(lint_s, time.perf_counter() - start)
         start = time.perf_counter()
-        fxforge.capture(model, inputs)
+        _capture(model, inputs)
         capture_s = min(capture_s, time.perf_counter() - start)
     above = findings.above("info")
     return {"model": name, "above_info": len(above), "rules": ", ".join(f.rule for f in above),
             "info": len(findings) - len(above), "lint_s": lint_s, "capture_s": capture_s}
 
 
+def _split(inputs) -> tuple:
+    """``(inputs, kwargs)`` of a user model case, or plain example inputs with no keyword ones."""
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) and isinstance(inputs[0], tuple):
+        return inputs
+    return inputs, {}
+
+
+def _lint(model, inputs):
+    args, kwargs = _split(inputs)
+    return fxforge.lint(model, args, example_kwargs=kwargs)
+
+
+def _capture(model, inputs) -> None:
+    args, kwargs = _split(inputs)
+    try:
+        fxforge.capture(model, args, example_kwargs=kwargs)
+    except fxforge.CaptureError:
+        pass  # no single graph (a model with breaks): lint's time beside the failed capture's
+
+
 def clean_models() -> dict:
     from tests.corpus.models import TRANSFORMERS
     from tests.lint.clean import CLEAN
 
-    return {**CLEAN, **{f"transformers/{name}": factory for name, factory in TRANSFORMERS.items()}}
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "user_models"))
+    from hand_written import USER_MODELS
+    from with_breaks import BREAK_MODELS
+
+    return {**CLEAN, **{f"transformers/{name}": factory for name, factory in TRANSFORMERS.items()},
+            **{f"user/{name}": factory for name, factory in USER_MODELS.items()},
+            **{f"breaks/{name}": factory for name, factory in BREAK_MODELS.items()}}
 
 
 def markdown(seeded: list[dict], clean: list[dict]) -> str:
@@ -82,8 +110,9 @@ def markdown(seeded: list[dict], clean: list[dict]) -> str:
              "per model"), "",
              (f"`{COMMAND}` (CPU, torch {torch.__version__}). A seeded bug counts when its rule finds it at the line "
              "marked `# BUG: rule` in tests/lint/seeded.py. Clean models: tests/lint/clean.py, the example models and "
-             f"the transformers corpus (tiny configs, random weights); {len(over)} of {len(clean)} with more than one "
-             f"finding above info. Lint slower than one `fxforge.capture` (auto method, checked; best of {REPEAT} "
+             f"the transformers corpus (tiny configs, random weights), tests/user_models (`user/`; `breaks/`: models "
+             "TorchDynamo breaks, whose finding above info is their break where it reads a value); "
+             f"{len(over)} of {len(clean)} with more than one finding above info. Lint slower than one `fxforge.capture` (auto method, checked; best of {REPEAT} "
              f"each, interleaved) on {len(slower)}: {slow}."),
              "", "| seeded bug | rule | found at its line | where |", "|---|---|---|---|"]
     lines += [f"| {r['model']} | `{r['rule']}` | {'yes' if r['found'] and r['at_line'] else 'NO'} | {r['where']} |"
