@@ -21,6 +21,11 @@ def _module(forward, **layers):
     return model
 
 
+def _scaled_then_shifted(self, x):
+    h = self.fc(x)
+    return h * 2 + h.add_(1)
+
+
 NEAR_MISSES = {
     "broadcast-blowup": [
         (lambda self, a, b: (a[:, None] - b[None, :]).abs(), (torch.randn(4), torch.randn(5))),  # outer by design
@@ -80,6 +85,7 @@ NEAR_MISSES = {
     "inplace-on-saved": [
         (lambda self, x: F.relu(self.conv(x), inplace=True), (torch.randn(1, 3, 8, 8),)),  # conv saves its input
         (lambda self, x: self.fc(x).add_(1).sigmoid(), (torch.randn(4, 64),)),  # linear saves its input, not output
+        (_scaled_then_shifted, (torch.randn(4, 64),)),  # h * 2 saves no h
     ],
 }
 

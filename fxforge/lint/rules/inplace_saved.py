@@ -26,14 +26,25 @@ from fxforge.lint.rules.hoistable import trainable
 
 SAVES_OUTPUT = {"sigmoid", "tanh", "exp", "relu", "softmax", "log_softmax", "_softmax", "_log_softmax", "sqrt",
                 "rsqrt", "exp2", "expm1", "reciprocal", "elu", "sigmoid_", "tanh_", "exp_", "relu_"}
-SAVES_INPUTS = {"mul", "div", "matmul", "mm", "bmm", "linear", "addmm", "conv1d", "conv2d", "conv3d", "convolution",
-                "einsum", "pow", "log", "sin", "cos", "abs", "layer_norm", "batch_norm", "prelu", "atan2", "maximum",
-                "minimum", "baddbmm", "scaled_dot_product_attention", "gelu", "silu", "log1p", "erf", "tan"}
+# Ops that save an input for the gradient of another operand (x of x * w, the input of a linear layer): saved
+# where another tensor operand needs a gradient.
+SAVES_FOR_OTHERS = {"mul", "div", "matmul", "mm", "bmm", "linear", "addmm", "conv1d", "conv2d", "conv3d", "convolution",
+                    "einsum", "atan2", "maximum", "minimum", "baddbmm", "scaled_dot_product_attention", "prelu"}
+# Ops that save their input for its own gradient: saved where it needs one.
+SAVES_INPUT = {"pow", "log", "sin", "cos", "abs", "layer_norm", "batch_norm", "gelu", "silu", "log1p", "erf", "tan"}
 
 
 def _inplace(graph: LintGraph, node: torch.fx.Node) -> bool:
     op = graph.op(node)
     return op.endswith("_") and not op.startswith("_") and op not in ("_", "copy_") or op in ("add_", "mul_")
+
+
+def _saves(graph: LintGraph, user: torch.fx.Node, target: torch.fx.Node, grad: set) -> bool:
+    """Whether ``user`` saves ``target`` for its backward: for another operand's gradient, or for its own."""
+    op = graph.op(user)
+    if op in SAVES_FOR_OTHERS:
+        return any(a is not target and a in grad for a in graph.tensor_args(user))
+    return op in SAVES_INPUT and target in grad
 
 
 def check(graph: LintGraph):
@@ -50,8 +61,8 @@ def check(graph: LintGraph):
         if graph.op(target) in SAVES_OUTPUT and target in grad:
             saver = target
         else:
-            saver = next((u for u in target.users if u is not node and order[u] < order[node] and u in grad
-                          and graph.op(u) in SAVES_INPUTS), None)
+            saver = next((u for u in target.users if u is not node and order[u] < order[node]
+                          and _saves(graph, u, target, grad)), None)
         if saver is None:
             continue
         file, line, _ = graph.source(saver)
