@@ -25,7 +25,12 @@ import torch
 
 from fxforge.core.source import node_source
 from fxforge.lint.finding import Finding
+from fxforge.lint.modules import as_op
 
+_AUGMENTED = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_AUGMENTED_RE = re.compile(r"^[\w.\[\]]+\s*(?P<op>[-+*/])=[^=]")
+SHAPE_READS = {"size", "sym_size", "dim", "numel", "sym_numel", "getattr", "sym_stride", "stride"}
+"""Ops that read a tensor's size, not its values."""
 _SOURCE_RE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?:: (?P<code>.*))?$")
 # Python operators as a symbolic trace records them -> the ATen op name.
 _OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
@@ -83,21 +88,35 @@ class LintGraph:
 
     def op(self, node: torch.fx.Node) -> str:
         """The op's name: ``softmax`` for ``aten.softmax.int``, ``torch.softmax``, ``F.softmax`` and
-        ``x.softmax``; ``mul_`` for ``aten.mul_.Tensor`` and ``x *= y`` in a trace; a module call's class name.
+        ``x.softmax``; ``mul_`` for ``aten.mul_.Tensor`` and ``x *= y`` in a trace; ``dropout`` for a call of an
+        ``nn.Dropout`` (:func:`~fxforge.lint.modules.as_op`), another module call's class name.
         """
         target = node.target
         if node.op == "call_module":
-            return type(self.owner(node).get_submodule(str(target))).__name__
+            module = self.owner(node).get_submodule(str(target))
+            read = as_op(module, node.args[0] if node.args else None)
+            return read[0] if read is not None else type(module).__name__
         if node.op == "call_method":
             return str(target)
         if isinstance(target, torch._ops.OpOverload):
             return target._opname
         if target in _OPERATORS:
-            return _OPERATORS[target]
+            name = _OPERATORS[target]
+            if name in _AUGMENTED and node.op == "call_function" and self.method != "export":
+                # A trace records ``x *= y`` as ``x * y``; the line says it ran in place.
+                match = _AUGMENTED_RE.match(self.source(node)[2])
+                if match and match["op"] == _AUGMENTED[name]:
+                    return name + "_"
+            return name
         return getattr(target, "__name__", str(target))
 
     def arg(self, node: torch.fx.Node, index: int, *names: str, default: Any = None) -> Any:
-        """The node's argument at position ``index`` or given by one of ``names``, else ``default``."""
+        """The node's argument at position ``index`` or given by one of ``names``, else ``default`` (a module
+        call's as the ATen op it runs takes them)."""
+        if node.op == "call_module":
+            read = as_op(self.owner(node).get_submodule(str(node.target)), node.args[0] if node.args else None)
+            if read is not None:
+                return read[1][index] if index < len(read[1]) else default
         if index < len(node.args):
             return node.args[index]
         for name in names:
@@ -138,11 +157,12 @@ class LintGraph:
         return text + (f" ({format_bytes(size)})" if size >= 1024 else "")
 
     def depends_on_inputs(self) -> set[torch.fx.Node]:
-        """The nodes whose value depends on the example inputs (the placeholders), in a symbolic trace or an
-        export."""
+        """The nodes whose value depends on the example inputs' values (the placeholders): a trace's reads of their
+        sizes (``x.shape``, ``x.size(1)``) do not count, as they are constants in an export."""
         found: set[torch.fx.Node] = set()
         for node in self.nodes():
-            if node.op == "placeholder" or any(a in found for a in node.all_input_nodes):
+            if node.op == "placeholder" or (self.op(node) not in SHAPE_READS
+                                            and any(a in found for a in node.all_input_nodes)):
                 found.add(node)
         return found
 

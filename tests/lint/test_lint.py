@@ -176,3 +176,31 @@ def test_train_mode_lints_the_model_as_it_trains():
     assert fxforge.lint(model, inputs, mode="train").rules() == ["inplace-on-saved"]
     with pytest.raises(ValueError, match="mode"):
         fxforge.lint(model, inputs, mode="inference")
+
+
+class TracedOnly(nn.Module):
+    """Export fails on the gate's branch, so lint reads a symbolic trace: module calls and `*=` as what they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.score, self.softmax = Gate(), nn.Linear(8, 1), nn.Softmax(dim=-1)
+        self.drop, self.proj = nn.Dropout(0.1), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        weights = self.softmax(self.score(self.gate(x)))  # the softmax
+        g = torch.sigmoid(self.drop(self.proj(x)))
+        g *= mask  # the in-place
+        return weights * g
+
+
+def test_a_symbolic_trace_reads_module_calls_and_augmented_assignments_as_the_ops_they_run():
+    import inspect
+
+    lines, start = inspect.getsourcelines(TracedOnly)
+    at = {tag: start + next(i for i, text in enumerate(lines) if f"# the {tag}" in text) for tag in ("softmax", "in-place")}
+    model = TracedOnly()
+    findings = fxforge.lint(model, (torch.randn(4, 8), torch.ones(4, 8)))
+    assert any(n.startswith("captured by symbolic trace") for n in findings.notes)
+    found = {(f.rule, f.line) for f in findings}
+    assert ("reduce-size-one", at["softmax"]) in found and ("inplace-on-saved", at["in-place"]) in found, str(findings)
+    assert not {"mode-unreached", "functional-dropout"} & set(findings.rules())  # its Dropout is in the module tree

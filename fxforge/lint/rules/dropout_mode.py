@@ -25,9 +25,9 @@ _MODULES = os.sep + os.path.join("torch", "nn", "modules") + os.sep
 
 
 def from_module(node) -> bool:
-    """Whether the node was recorded inside a torch.nn module's forward (``nn.Dropout``), not called as a
-    function by the user's code (the recorded stack says which)."""
-    return _MODULES in (node.meta.get("stack_trace") or "")
+    """Whether the node is a torch.nn module's (``nn.Dropout``): a module call of a trace, or recorded inside the
+    module's forward (the recorded stack says so), not a function the user's code called."""
+    return node.op == "call_module" or _MODULES in (node.meta.get("stack_trace") or "")
 
 
 def active_dropouts(graph: LintGraph):

@@ -42,6 +42,8 @@ def _inplace(graph: LintGraph, node: torch.fx.Node) -> bool:
 def _saves(graph: LintGraph, user: torch.fx.Node, target: torch.fx.Node, grad: set) -> bool:
     """Whether ``user`` saves ``target`` for its backward: for another operand's gradient, or for its own."""
     op = graph.op(user)
+    if op in SAVES_FOR_OTHERS and user.op == "call_module":  # a layer of a trace: its weights are the operands
+        return any(p.requires_grad for p in graph.owner(user).get_submodule(str(user.target)).parameters())
     if op in SAVES_FOR_OTHERS:
         return any(a is not target and a in grad for a in graph.tensor_args(user))
     return op in SAVES_INPUT and target in grad
