@@ -80,7 +80,8 @@ def rank(severity: str) -> int:
 
 
 class Findings:
-    """Every finding of :func:`fxforge.lint` for one model, worst first, and notes on how it was linted.
+    """Every finding of :func:`fxforge.lint` for one model, worst first, notes on how it was linted, and ``method``:
+    the graph the rules read (``"export"``; ``"fx"``, a symbolic trace; ``"dynamo"``, the graphs between breaks).
 
     ``table`` is a pandas DataFrame (one row per finding, columns ``rule, severity, file, line, code, message,
     fix, involved, bytes``); ``print(findings)`` lists them; in Jupyter they show as an HTML table.
@@ -91,10 +92,12 @@ class Findings:
         (1, True, [3])
     """
 
-    def __init__(self, findings: list[Finding], notes: list[str] | None = None, model_name: str = ""):
+    def __init__(self, findings: list[Finding], notes: list[str] | None = None, model_name: str = "",
+                 method: str = ""):
         self.findings = sorted(findings, key=lambda f: (rank(f.severity), f.file, f.line, f.rule))
         self.notes = list(notes or [])
         self.model_name = model_name
+        self.method = method  # the graph the rules read: "export", "fx" (a symbolic trace) or "dynamo"
 
     def __len__(self) -> int:
         return len(self.findings)

@@ -18,6 +18,8 @@ from torch import nn
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_LOSSES = {nn.MSELoss: "mse_loss", nn.L1Loss: "l1_loss", nn.SmoothL1Loss: "smooth_l1_loss", nn.HuberLoss: "huber_loss",
+           nn.BCELoss: "binary_cross_entropy", nn.BCEWithLogitsLoss: "binary_cross_entropy_with_logits"}
 _SIMPLE = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d", nn.GELU: "gelu",
            nn.SiLU: "silu", nn.LayerNorm: "layer_norm", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.PReLU: "prelu"}
 
@@ -35,6 +37,8 @@ def as_op(module: nn.Module, x: Any) -> tuple[str, tuple] | None:
         return ("softmax" if isinstance(module, nn.Softmax) else "log_softmax"), (x, module.dim)
     if isinstance(module, nn.ReLU):
         return ("relu_" if module.inplace else "relu"), (x,)
+    if type(module) in _LOSSES:  # called as loss(input, target): the rule reads both from the call
+        return _LOSSES[type(module)], (x,)
     for cls, name in _SIMPLE.items():
         if type(module) is cls:
             return name, (x,)

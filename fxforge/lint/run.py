@@ -28,7 +28,7 @@ IGNORE = re.compile(r"#\s*fxforge:\s*ignore(?:\[(?P<rules>[^\]]*)\])?")
 
 
 def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: dict | None = None,
-         rules: Iterable[Rule | str] | None = None, mode: str = "eval") -> Findings:
+         rules: Iterable[Rule | str] | None = None, mode: str = "eval", method: str = "auto") -> Findings:
     """The silent tensor bugs and costs a model's graph shows: broadcasts that grow a tensor, dtype drift, copies
     the layout forces, work redone every call, unused parameters, host syncs, mode hazards (see
     :mod:`fxforge.lint.rules`).
@@ -46,6 +46,8 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
         rules: rule names and :class:`~fxforge.lint.rule.Rule` objects to run; default every registered rule
             (the built-in ones and those :func:`~fxforge.lint.rule.register` added).
         mode: ``"eval"`` (default) or ``"train"``: the mode the model is captured in.
+        method: ``"auto"`` (default: :func:`fxforge.capture`'s own graph where it shows all of forward, a symbolic
+            trace on small models, far cheaper than export) or ``"export"`` (torch.export's ATen graph first).
 
     Returns:
         :class:`~fxforge.lint.finding.Findings`, worst first; ``.table`` is a DataFrame.
@@ -66,13 +68,15 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
     """
     if mode not in ("eval", "train"):
         raise ValueError(f"mode must be 'eval' or 'train', not {mode!r}")
+    if method not in ("auto", "export"):
+        raise ValueError(f"method must be 'auto' or 'export', not {method!r}")
     chosen = resolve_rules(rules)
     notes: list[str] = []
     found: list[Finding] = []
     ignored = 0
     with _mode(model, mode == "train"):  # captured in this mode, and the rules read graph.model.training
         args, kwargs = normalize_inputs(example_inputs)
-        graph = _graph(model, args, {**kwargs, **(example_kwargs or {})}, notes)
+        graph = _graph(model, args, {**kwargs, **(example_kwargs or {})}, notes, method)
         if graph.graph_module is None and not graph.graphs:
             skipped = [r.name for r in chosen if r.needs_graph]
             if skipped:
@@ -86,7 +90,7 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
                 found.append(finding)
     if ignored:
         notes.append(f"{ignored} finding{'s' * (ignored != 1)} silenced by # fxforge: ignore")
-    return Findings(found, notes, type(model).__name__)
+    return Findings(found, notes, type(model).__name__, graph.method)
 
 
 def merged(findings: list[Finding]) -> list[Finding]:
@@ -142,26 +146,62 @@ class _mode:
             module.training = training
 
 
-def _graph(model: torch.nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> LintGraph:
-    """The lint view of the model: export's graph, else a symbolic trace's (with its breaks where it kept
-    submodules opaque), else TorchDynamo's graphs and the breaks between them."""
-    reasons = {}
-    for method in ("export", "fx"):
-        try:
-            captured = capture(model, args, method=method, example_kwargs=kwargs, check=False)
+def faithful(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether a symbolic trace shows everything forward computes: no tensor it made while tracing from constants
+    alone (``torch.ones(512, 512)``, ``torch.from_numpy(table)``: kept as a constant, the work that made it and
+    its line gone from the graph), so the rules read it as they read an export.
+
+    Example:
+        >>> class Masked(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x.masked_fill(torch.ones(2, 2).bool(), 0.0)
+        >>> faithful(torch.fx.symbolic_trace(Masked())), faithful(torch.fx.symbolic_trace(torch.nn.ReLU()))
+        (False, True)
+    """
+    return not any(node.op == "get_attr" and str(node.target).startswith("_tensor_constant")
+                   for node in graph_module.graph.nodes)
+
+
+def _with_opaque(captured: Any, model: torch.nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> LintGraph:
+    """The lint view of a capture; where a trace kept submodules opaque, with where TorchDynamo breaks them (their
+    branches on tensor values are host syncs) and a note that their insides are not linted."""
+    breaks = []
+    if captured.opaque:
+        breaks = breaks_of(model, args, kwargs)
+        notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))
+    return LintGraph.of(captured, model, breaks)
+
+
+def _graph(model: torch.nn.Module, args: tuple, kwargs: dict, notes: list[str], method: str = "auto") -> LintGraph:
+    """The lint view of the model: fxforge's capture where it shows all of forward (a symbolic trace that hides
+    nothing, or export), else export's graph, else a symbolic trace's (with its breaks where it kept submodules
+    opaque), else TorchDynamo's graphs and the breaks between them."""
+    reasons: dict[str, CaptureError] = {}
+    if method == "auto":
+        try:  # fxforge's own choice, its shapes recorded in the checking run: on small models far cheaper than export
+            captured = capture(model, args, example_kwargs=kwargs)
         except CaptureError as error:
-            reasons[method] = error
+            reasons["export"] = error  # auto tried export too
+        else:
+            if captured.method == "export" or (not captured.opaque and faithful(captured.graph_module)):
+                return LintGraph.of(captured, model)
+            if captured.opaque:  # auto tried export and it failed: the trace with its opaque leaves is what there is
+                notes.append("captured by symbolic trace (" + "; ".join(captured.report.notes) + ")")
+                return _with_opaque(captured, model, args, kwargs, notes)
+    for kind in ("export", "fx"):
+        if kind in reasons:
+            continue
+        try:
+            captured = capture(model, args, method=kind, example_kwargs=kwargs, check=False)
+        except CaptureError as error:
+            reasons[kind] = error
             continue
         except Exception as error:  # unchecked: a trace's shape propagation is the first to run the model
             why = {m: e.message_without_breaks for m, e in reasons.items()}
-            raise CaptureError(type(model).__name__, {**why, method: describe_failure(error)}, breaks=[]) from error
-        breaks = []
-        if captured.opaque:
-            breaks = breaks_of(model, args, kwargs)
-            notes.append("not linted inside " + ", ".join(map(str, captured.opaque)))
-        if method != "export":
+            raise CaptureError(type(model).__name__, {**why, kind: describe_failure(error)}, breaks=[]) from error
+        if kind != "export":
             notes.append(f"captured by symbolic trace (torch.export failed: {reasons['export'].message_without_breaks})")
-        return LintGraph.of(captured, model, breaks)
+        return _with_opaque(captured, model, args, kwargs, notes)
     error = reasons["fx"]
     try:
         cut = capture(model, args, method="dynamo", example_kwargs=kwargs)

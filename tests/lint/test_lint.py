@@ -71,6 +71,8 @@ def test_rule_names_are_checked():
         fxforge.lint(torch.nn.Linear(2, 2), (torch.randn(1, 2),), rules=["no-such-rule"])
     with pytest.raises(ValueError, match="severity"):
         Rule("x", "fatal", lambda graph: [], "")
+    with pytest.raises(ValueError, match="method"):
+        fxforge.lint(torch.nn.Linear(2, 2), (torch.randn(1, 2),), method="fx")
 
 
 def test_a_rule_may_set_its_own_severity():

@@ -18,11 +18,12 @@ def marked_lines(rule: str) -> set[int]:
         return {i for i, text in enumerate(file, 1) if text.rstrip().endswith(f"# BUG: {rule}")}
 
 
+@pytest.mark.parametrize("method", ["auto", "export"])  # the graph fxforge.capture chooses (a trace, mostly), ATen's
 @pytest.mark.parametrize("name", sorted(seeded.SEEDED))
-def test_the_seeded_bug_is_found_at_its_line(name):
+def test_the_seeded_bug_is_found_at_its_line(name, method):
     factory, rule = seeded.SEEDED[name]
     model, inputs = factory()
-    findings = fxforge.lint(model, inputs)
+    findings = fxforge.lint(model, inputs, method=method)
     hits = [f for f in findings if f.rule == rule]
     assert hits, f"{name}: {rule} not found; found:\n{findings}"
     lines = {f.line for f in hits if os.path.abspath(f.file) == SOURCE}
