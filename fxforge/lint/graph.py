@@ -47,7 +47,7 @@ class LintGraph:
         graph_module: the captured ``GraphModule`` (torch.export's ATen graph, or a symbolic trace); None where no
             single graph holds the model.
         model: the user's model (in the mode it was captured in).
-        method: how it was captured: ``"export"`` or ``"fx"``; ``""`` where no graph could be captured.
+        method: how it was captured: ``"export"``, ``"fx"`` (a symbolic trace) or ``"dynamo"`` (``graphs``).
         inputs: the example inputs' tensors, flattened.
         breaks: where TorchDynamo cuts the model (:class:`~fxforge.core.breaks.Break`), where it was asked.
         opaque: the submodules a symbolic trace kept whole (their insides are not linted).

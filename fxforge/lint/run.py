@@ -33,9 +33,10 @@ def lint(model: torch.nn.Module, example_inputs: Any = None, *, example_kwargs: 
     the layout forces, work redone every call, unused parameters, host syncs, mode hazards (see
     :mod:`fxforge.lint.rules`).
 
-    The model is captured with torch.export (a symbolic trace where export fails) on the example inputs, in eval
-    mode (``mode="train"``: as it is in training; the mode is put back after); each rule reads the graph's nodes,
-    their shapes and dtypes, and the user's source line each came from. A model no single graph can hold is linted
+    The model is captured once on the example inputs, in eval mode (``mode="train"``: as it is in training; the
+    modes are put back after): :func:`fxforge.capture`'s own graph where it shows all of forward, else torch.export's
+    (a symbolic trace where export fails). Each rule reads the graph's nodes, their shapes and dtypes, and the
+    user's source line each came from. A model no single graph can hold is linted
     graph by graph between the places TorchDynamo breaks it (each break a host sync: a branch on a tensor's value,
     ``.item()``), with a note.
 
