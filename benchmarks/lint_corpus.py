@@ -26,7 +26,7 @@ from benchmarks.report import DEFAULT_MARKDOWN, write_block
 
 SECTION = "lint"
 COMMAND = "python -m benchmarks.lint_corpus"
-REPEAT = 3
+REPEAT = 5
 SLOWER = 1.5
 """Lint taking more than this times one capture's time is named in the summary."""
 
