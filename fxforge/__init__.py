@@ -14,12 +14,17 @@ from typing import Any
 # ``fxforge.capture`` is both a subpackage and its function: importing the subpackage (as any of fxforge's
 # modules may) would put the module where the function is, so the function is bound here, first.
 from fxforge.capture import CaptureError, capture
+from fxforge.lint import (  # a subpackage and its function too (bound here, before any import of it)
+    Findings,
+    lint,
+)
 
 # Each public name and the module that holds it. They are imported on first use (PEP 562): a process that
 # needs one part of fxforge (a distributed worker, ``fxforge --help``) does not pay for importing all of it.
 _HOMES = {
     "optimize": "fxforge.api", "parallelize": "fxforge.api",
     "CaptureError": "fxforge.capture", "capture": "fxforge.capture",  # bound above
+    "Findings": "fxforge.lint", "lint": "fxforge.lint",  # bound above
     "Captured": "fxforge.core.captured", "Report": "fxforge.core.report",
     "ExportError": "fxforge.exporters", "OnnxRuntimeModule": "fxforge.exporters",
     "export_onnx": "fxforge.exporters.export", "load": "fxforge.exporters.pt2",
@@ -30,9 +35,9 @@ _HOMES = {
     "TrainingMemory": "fxforge.training", "training_memory": "fxforge.training",
 }
 
-__all__ = ["CaptureError", "Captured", "ExportError", "OnnxRuntimeModule", "OptimizedModule", "Partition", "Pass",
-           "Profile", "Report", "TrainingMemory", "capture", "export_onnx", "load", "optimize", "parallelize",
-           "partition", "profile", "rewrite", "training_memory"]
+__all__ = ["CaptureError", "Captured", "ExportError", "Findings", "OnnxRuntimeModule", "OptimizedModule", "Partition",
+           "Pass", "Profile", "Report", "TrainingMemory", "capture", "export_onnx", "lint", "load", "optimize",
+           "parallelize", "partition", "profile", "rewrite", "training_memory"]
 assert set(__all__) == set(_HOMES)
 
 

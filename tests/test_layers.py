@@ -1,7 +1,7 @@
 """The package's layers, read from its own imports: every stage imports only the stages below it.
 
 Layers, bottom to top (DESIGN.md): core -> capture -> rewrites -> lowering -> runtime, exporters -> training,
-parallel -> targets (one module per target behind one protocol) -> api, cli. A module may import its own layer or lower ones; packages form no cycle
+parallel, lint -> targets (one module per target behind one protocol) -> api, cli. A module may import its own layer or lower ones; packages form no cycle
 (runtime and exporters share a layer, so only one of them may import the other); no module imports a
 ``_private`` name of another package; and no two modules import each other, even inside one package.
 Every import counts, including those inside functions: a deferred import is still a dependency.
@@ -30,6 +30,7 @@ LAYERS = {
     "exporters": 4,
     "training": 5,  # a stage over runtime: traces, simulates and runs training steps
     "parallel": 5,  # a stage over training: pipeline stages (and the parallel plans to come) over the traced step
+    "lint": 5,  # rules over a captured graph: reads capture and core only
     "targets": 6,  # one module per target: builds on every stage below
     "api": 7,
     "cli": 7,

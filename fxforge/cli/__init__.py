@@ -14,6 +14,7 @@
                                                              (pipeline stages; --run: run and check them)
     fxforge parallelize MODEL --input ... --devices N [--memory-per-device 16GiB] [--mesh tp=2] [--run]
                                                              (data / sharded / tensor / pipeline plans)
+    fxforge lint     MODEL --input ... [--rules a,b]        (silent tensor bugs; exit 1 on an error finding)
     fxforge rewrites                                         (the built-in rewrites)
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
@@ -54,6 +55,7 @@ from fxforge.cli.commands import check_target, run_export, run_optimize, run_rew
 from fxforge.cli.dynamic import check_dynamic
 from fxforge.cli.failures import capture_failure
 from fxforge.cli.inputs import InputError
+from fxforge.cli.lint import add_lint_command
 from fxforge.cli.memory import AUTOCAST, add_memory_options, run_memory
 from fxforge.cli.parallelize import add_parallelize_command
 from fxforge.cli.partition import add_partition_command
@@ -73,6 +75,7 @@ examples:
   fxforge show examples/models/resnet_cnn.py:ResNetCNN --input 1x3x32x32 -o graph.html
   fxforge memory examples/models/transformer_encoder.py:example --input 8x64:int64 --measure --budget 60%
   fxforge partition examples/models/transformer_encoder.py:example --input 8x64:int64 --stages 2 --run
+  fxforge lint examples/models/resnet_cnn.py:ResNetCNN --input 2x3x32x32
 """
 
 
@@ -206,10 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     part = add_partition_command(commands, _model_arguments)
     par = add_parallelize_command(commands, _model_arguments)
+    lin = add_lint_command(commands, _model_arguments)
 
     commands.add_parser("rewrites", help="list the built-in rewrites",
                         description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
-    for sub in (opt, exp, prof, show, mem, part, par):  # --debug also after the command's name
+    for sub in (opt, exp, prof, show, mem, part, par, lin):  # --debug also after the command's name
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
     return parser
 
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_output_suffix(args.report, (".html", ".htm"), "--report")
         elif args.command == "show" and args.output:
             check_output_suffix(args.output, (".svg", ".html", ".htm"), "-o")
-        elif args.command in ("profile", "memory") and args.csv:
+        elif args.command in ("profile", "memory", "lint") and args.csv:
             check_output_suffix(args.csv, (".csv",), "--csv")
         if args.command == "memory" and args.depth < 0:
             raise argparse.ArgumentTypeError("--depth must be 0 or more")
