@@ -162,7 +162,8 @@ def serve_throughput(module: nn.Module, example_inputs: Any, *, budget_s: float 
                      cores_used: int | None = None) -> ThroughputModule:
     """``module`` (an optimized module, prepared for ``example_inputs``) served for throughput: batching proven or
     refused on the example, every configuration measured, the fastest kept (a few seconds on a small model:
-    ``budget_s`` of timed slices, and one plan built per batch size).
+    ``budget_s`` of timed slices, and one plan built per batch size). The model's buffers (batch norm's running
+    statistics) are as they were before the measuring calls.
 
     Args:
         module: the optimized module.
@@ -176,14 +177,20 @@ def serve_throughput(module: nn.Module, example_inputs: Any, *, budget_s: float 
         np.int64(1)
     """
     example = normalize_inputs(example_inputs)
-    with torch.no_grad():
-        outputs = module(*example[0], **example[1])
-    refusal = batching_refusal(module, example, module)
-    requests = [random_like(example, seed=seed) for seed in range(1, max(BATCHES) + 1)]
-    samples = request_size(example) if not refusal else 1
-    with torch.no_grad():
-        table = search(module, requests, cores_used or cores(), batchable=not refusal,
-                       request_bytes=_request_bytes(module, example, outputs), budget_s=budget_s,
-                       samples_per_request=samples)
+    saved = [b.detach().clone() for b in module.buffers()]  # a model in training mode updates its statistics
+    try:
+        with torch.no_grad():
+            outputs = module(*example[0], **example[1])
+        refusal = batching_refusal(module, example, module)
+        requests = [random_like(example, seed=seed) for seed in range(1, max(BATCHES) + 1)]
+        samples = request_size(example) if not refusal else 1
+        with torch.no_grad():
+            table = search(module, requests, cores_used or cores(), batchable=not refusal,
+                           request_bytes=_request_bytes(module, example, outputs), budget_s=budget_s,
+                           samples_per_request=samples)
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), saved):
+                buffer.copy_(value)
     table.batching = refusal
     return ThroughputModule(module, table)
