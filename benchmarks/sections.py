@@ -27,6 +27,7 @@ from benchmarks import (
     parallel_scale,
     pipeline,
     precision,
+    throughput,
     timed,
     training,
     zoo,
@@ -54,5 +55,6 @@ SECTIONS: dict[str, Section] = {
         fusions.SECTION,
         precision.SECTION,
         int8.SECTION,
+        throughput.SECTION,
     )
 }
