@@ -156,6 +156,14 @@ def _check_objective(objective: str, target: str, model: Any, example_inputs: An
                          "measures the model on its example inputs")
     if example_inputs is None:
         raise ValueError("objective='throughput' needs example_inputs (one request): it measures on them")
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [*tree_flatten(example_inputs)[0], *getattr(model, "parameters", list)()]
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
+    if device is not None:
+        raise ValueError(f"objective='throughput' chooses CPU streams x threads; the model or example_inputs are on "
+                         f"{device.type}: use objective='latency' there")
 
 
 def parallelize(model: Any, example_inputs: Any, devices: int = 4, memory_per_device: Any = None, loss: Any = None,
