@@ -38,7 +38,12 @@ CONTENDERS = ("eager", "native", "onnxruntime", "inductor")
 
 
 def parse_targets(text: str) -> list[str]:
-    """``--targets``: a comma-separated subset of :data:`CONTENDERS`, in that order (eager always first)."""
+    """``--targets``: a comma-separated subset of :data:`CONTENDERS`, in that order (eager always first).
+
+    Example:
+        >>> parse_targets("onnxruntime,native")
+        ['eager', 'native', 'onnxruntime']
+    """
     names = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown or not names:
@@ -47,7 +52,12 @@ def parse_targets(text: str) -> list[str]:
 
 
 def parse_cores(text: str) -> list[int]:
-    """``--cores``: comma-separated core counts, each at least 1 and at most the cores this process may use."""
+    """``--cores``: comma-separated core counts, each at least 1 and at most the cores this process may use.
+
+    Example:
+        >>> parse_cores("1, 1")
+        [1]
+    """
     try:
         counts = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
@@ -59,7 +69,12 @@ def parse_cores(text: str) -> list[int]:
 
 
 def default_cores() -> list[int]:
-    """1, 2, 4... and every core."""
+    """1, 2, 4... and every core.
+
+    Example:
+        >>> default_cores()[0], default_cores()[-1] == cores()
+        (1, True)
+    """
     n = cores()
     return sorted({2 ** k for k in range(n.bit_length()) if 2 ** k <= n} | {n})
 

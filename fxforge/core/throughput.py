@@ -102,14 +102,24 @@ class ThroughputTable:
         return None if base is None or base.samples_per_s <= 0 else self.best.samples_per_s / base.samples_per_s
 
     def frame(self) -> Any:
-        """The table as a pandas ``DataFrame`` (columns :data:`COLUMNS`)."""
+        """The table as a pandas ``DataFrame`` (columns :data:`COLUMNS`).
+
+        Example:
+            >>> ThroughputTable([Configuration(1, 1, 1, 5.0, 1, 1, 1, 1)], 0).frame().columns[-1]
+            'chosen'
+        """
         import pandas as pd
 
         return pd.DataFrame([{**dataclasses.asdict(r), "chosen": i == self.chosen} for i, r in enumerate(self.rows)],
                             columns=list(COLUMNS))
 
     def lines(self) -> list[str]:
-        """The notes of the table: batching's refusal, then the others."""
+        """The notes of the table: batching's refusal, then the others.
+
+        Example:
+            >>> ThroughputTable([], 0, batching="mixes samples", notes=["busy"]).lines()
+            ['batching refused: mixes samples', 'busy']
+        """
         return ([f"batching refused: {self.batching}"] if self.batching else []) + list(self.notes)
 
     def __str__(self) -> str:
@@ -124,7 +134,12 @@ class ThroughputTable:
         return "\n".join(out)
 
     def html(self) -> str:
-        """The table for :meth:`fxforge.core.report.Report._repr_html_`."""
+        """The table for :meth:`fxforge.core.report.Report._repr_html_`.
+
+        Example:
+            >>> ThroughputTable([Configuration(2, 1, 1, 5.0, 1, 1, 1, 1)], 0).html()[:40]
+            '<h4>Throughput: 2 x 1 threads, batch 1 c'
+        """
         head = "".join(f"<th>{c}</th>" for c in ("", "streams", "threads", "batch", "samples/s", "p50 ms", "p90 ms",
                                                   "p99 ms", "utilization"))
         body = "".join(

@@ -62,7 +62,13 @@ def request_size(request: Request) -> int:
 
 def concatenated(requests: list[Request]) -> tuple[tuple, dict, list[int]]:
     """One call's ``(args, kwargs)`` from requests of one signature (tensors concatenated along dim 0, other
-    values taken from the first), and each request's size."""
+    values taken from the first), and each request's size.
+
+    Example:
+        >>> args, kwargs, sizes = concatenated([((torch.ones(2, 3),), {"scale": 2}), ((torch.ones(1, 3),), {"scale": 2})])
+        >>> args[0].shape, kwargs, sizes
+        (torch.Size([3, 3]), {'scale': 2}, [2, 1])
+    """
     flats = [tree_flatten(r)[0] for r in requests]
     spec = tree_flatten(requests[0])[1]
     leaves = [torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0] for column in zip(*flats)]
@@ -71,7 +77,12 @@ def concatenated(requests: list[Request]) -> tuple[tuple, dict, list[int]]:
 
 
 def split_outputs(outputs: Any, sizes: list[int]) -> list[Any]:
-    """A batch's outputs split back into each request's (tensors split along dim 0; other values shared)."""
+    """A batch's outputs split back into each request's (tensors split along dim 0; other values shared).
+
+    Example:
+        >>> [(o["y"].shape[0], o["n"]) for o in split_outputs({"y": torch.ones(3, 2), "n": 7}, [2, 1])]
+        [(2, 7), (1, 7)]
+    """
     leaves, spec = tree_flatten(outputs)
     parts = [torch.split(x, sizes) if isinstance(x, torch.Tensor) else [x] * len(sizes) for x in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(len(sizes))]

@@ -82,7 +82,13 @@ def largest_batch(request_bytes: int | None, streams: int, available: int | None
 
 def serve_call(call: Callable[..., Any], requests: list[Request]) -> tuple[list[Any], list[float]]:
     """Serve ``requests`` (of one signature) with one call: concatenated when more than one, outputs split
-    back; returns each request's output and the call's start and end (``perf_counter``)."""
+    back; returns each request's output and the call's start and end (``perf_counter``).
+
+    Example:
+        >>> outputs, (start, end) = serve_call(torch.nn.ReLU(), [((-torch.ones(1, 2),), {}), ((torch.ones(1, 2),), {})])
+        >>> [o.tolist() for o in outputs], end >= start
+        ([[[0.0, 0.0]], [[1.0, 1.0]]], True)
+    """
     start = time.perf_counter()
     if len(requests) == 1:
         args, kwargs = requests[0]
