@@ -6,6 +6,8 @@ contender (the order rotated), the wall time of the whole list giving samples/s;
 each contender's ratio against eager's in the same run:
 
 - ``eager``: the model, calls back to back (every core: the latency configuration);
+- ``eager, 1 thread``: the same with ``torch.set_num_threads(1)`` (put back after): how much of a gain is one
+  thread per call rather than several copies of the model at once;
 - ``fxforge latency``: ``fxforge.optimize(model, x)``, calls back to back;
 - ``fxforge throughput``: ``fxforge.optimize(model, x, objective="throughput")``, ``opt.map(requests)``;
 - ONNX Runtime on the file :func:`fxforge.export_onnx` writes, one session per setting: ``ORT_SEQUENTIAL`` with
@@ -98,8 +100,17 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
         began = time.perf_counter()
         served = fxforge.optimize(model, (x,), objective="throughput")
         choose_s = time.perf_counter() - began
+    def one_thread(rs: list) -> list:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return [model(r) for r in rs]
+        finally:
+            torch.set_num_threads(threads)
+
     servers: dict[str, Callable[[list], list]] = {
         "eager": lambda rs: [model(r) for r in rs],
+        "eager, 1 thread": one_thread,
         "fxforge latency": lambda rs: [latency(r) for r in rs],
         "fxforge throughput": served.map,
     }
@@ -127,7 +138,7 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
     served.close()
     return {"model": name, "samples_per_s": medians, "errors": errors, "choice": table.best.label,
             "choose_s": choose_s, "configurations": len(table.rows), "batching": table.batching,
-            "notes": table.notes}
+            "notes": table.notes, "rows": [dict(vars(r), chosen=i == table.chosen) for i, r in enumerate(table.rows)]}
 
 
 def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]) -> str:
@@ -155,6 +166,15 @@ def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]
         extra = f"; batching refused: {row['batching']}" if row["batching"] else ""
         lines.append(f"- {row['model']}: throughput mode {gain:.2f}x fxforge's latency configuration (target "
                      f"{TARGET}x: {met}){extra}" + "".join(f"; {note}" for note in row["notes"]) + ".")
+    for row in rows:
+        if not row.get("rows"):
+            continue
+        lines += ["", f"{row['model']}: the configurations `objective=\"throughput\"` tried (`opt.report.throughput`)",
+                  "", "| streams x threads | batch | samples/s | p50 ms | p90 ms | p99 ms | utilization |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {'**' if c['chosen'] else ''}{c['streams']} x {c['threads']}{'** (chosen)' if c['chosen'] else ''} "
+                  f"| {c['batch']} | {c['samples_per_s']:.1f} | {c['p50_ms']:.1f} | {c['p90_ms']:.1f} | "
+                  f"{c['p99_ms']:.1f} | {c['utilization']:.0%} |" for c in row["rows"]]
     return "\n".join(lines)
 
 

@@ -49,6 +49,11 @@ class ThroughputModule(nn.Module):
         module: the optimized module (thread-safe: its plan cache is).
         table: the configurations measured; ``table.best`` is served.
 
+    Attributes:
+        served: the optimized module the streams call.
+        original: the model.
+        table: the :class:`~fxforge.core.throughput.ThroughputTable` (also ``report.throughput``).
+
     Example:
         >>> from fxforge.core.throughput import Configuration
         >>> table = ThroughputTable([Configuration(2, 1, 1, 1.0, 1.0, 1.0, 1.0, 1.0)], 0)
