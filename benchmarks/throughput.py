@@ -92,6 +92,7 @@ def _leaves(output: Any) -> list[torch.Tensor]:
 
 def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
     """Samples/s of every contender on one model (medians of ``rounds``), its errors and the throughput choice."""
+    load = [os.getloadavg()[0]]
     model, (x,) = MODELS[name]()
     requests = [random_like(x, seed) for seed in range(1, count + 1)]  # fresh values (token ids in the example's range)
     with torch.no_grad():
@@ -134,11 +135,12 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
                     servers[label](requests)
                     rates[label].append(count / (time.perf_counter() - start))
     medians = {label: statistics.median(values) for label, values in rates.items()}
+    load.append(os.getloadavg()[0])
     table = served.report.throughput
     served.close()
     return {"model": name, "samples_per_s": medians, "errors": errors, "choice": table.best.label,
             "choose_s": choose_s, "configurations": len(table.rows), "batching": table.batching,
-            "notes": table.notes, "rows": [dict(vars(r), chosen=i == table.chosen) for i, r in enumerate(table.rows)]}
+            "notes": table.notes, "load": load, "rows": [dict(vars(r), chosen=i == table.chosen) for i, r in enumerate(table.rows)]}
 
 
 def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]) -> str:
@@ -149,16 +151,18 @@ def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]
     lines = [title, "",
              (f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or 'CPU'}, "
               f"{_cores()} cores, torch {torch.__version__}; load average {load[0]:.2f} before, {load[1]:.2f} after "
-              "(other work shares the cores). Each round serves the same fresh batch-1 requests once per contender "
+              "(other work shares the cores; each row's load column: the 1-minute load average when its model began "
+              "and ended). Each round serves the same fresh batch-1 requests once per contender "
               "(order rotated); samples/s are medians over the rounds; ratios against eager in the same run."), "",
              "| model | eager samples/s | " + " | ".join(f"{label} (x eager)" for label in labels[1:])
-             + " | throughput choice | max abs error |",
-             "|---|---:|" + "---:|" * (len(labels) - 1) + "---|---:|"]
+             + " | throughput choice | max abs error | load |",
+             "|---|---:|" + "---:|" * (len(labels) - 1) + "---|---:|---|"]
     for row in rows:
         eager = row["samples_per_s"]["eager"]
         ratios = " | ".join(f"{row['samples_per_s'][label] / eager:.2f}" for label in labels[1:])
         lines.append(f"| {row['model']} | {eager:.1f} | {ratios} | {row['choice']} (of {row['configurations']}, "
-                     f"chosen in {row['choose_s']:.0f} s) | {max(row['errors'].values()):.1e} |")
+                     f"chosen in {row['choose_s']:.0f} s) | {max(row['errors'].values()):.1e} | "
+                     + " -> ".join(f"{v:.1f}" for v in row.get("load", [])) + " |")
     lines.append("")
     for row in rows:
         gain = row["samples_per_s"]["fxforge throughput"] / row["samples_per_s"]["fxforge latency"]

@@ -28,11 +28,11 @@ def test_markdown_reads_ratios_and_the_target():
     row = {"model": "m", "samples_per_s": {"eager": 10.0, "fxforge latency": 12.0, "fxforge throughput": 18.0},
            "errors": {"eager": 0.0, "fxforge latency": 1e-6, "fxforge throughput": 2e-6},
            "choice": "2 x 1 threads, batch 4", "choose_s": 3.0, "configurations": 6, "batching": "", "notes": [],
-           "rows": [{"streams": 2, "threads": 1, "batch": 4, "samples_per_s": 18.0, "p50_ms": 200.0, "p90_ms": 210.0,
+           "load": [0.5, 1.25], "rows": [{"streams": 2, "threads": 1, "batch": 4, "samples_per_s": 18.0, "p50_ms": 200.0, "p90_ms": 210.0,
                      "p99_ms": 220.0, "utilization": 0.95, "chosen": True}]}
     slow = {**row, "model": "n", "samples_per_s": {**row["samples_per_s"], "fxforge throughput": 13.0}}
     block = throughput.markdown([row, slow], "python -m benchmarks --suite throughput", (1.0, 1.5))
-    assert "| m | 10.0 | 1.20 | 1.80 | 2 x 1 threads, batch 4 (of 6, chosen in 3 s) | 2.0e-06 |" in block
+    assert "| m | 10.0 | 1.20 | 1.80 | 2 x 1 threads, batch 4 (of 6, chosen in 3 s) | 2.0e-06 | 0.5 -> 1.2 |" in block
     assert "m: throughput mode 1.50x fxforge's latency configuration (target 1.3x: met)" in block
     assert "n: throughput mode 1.08x fxforge's latency configuration (target 1.3x: **not met**)" in block
     assert "load average 1.00 before, 1.50 after" in block
