@@ -143,7 +143,7 @@ def run_bench(args: argparse.Namespace) -> int:
     table = Table(title=f"{type(model).__name__} ({' '.join(format_input(*s) for s in args.input)}; {samples} "
                         f"sample{'s' if samples > 1 else ''} per call)", title_justify="left")
     for column in ("", "latency ms", "samples/s", "throughput as", *(f"{k} core{'s' if k > 1 else ''}" for k in counts),
-                   f"x{counts[-1]}/x{counts[0]}", "max abs error"):
+                   f"scaling {counts[-1]}/{counts[0]}", "max abs error"):
         table.add_column(column, justify="left" if column in ("", "throughput as") else "right")
     for name in built:
         if name == "native" and served is not None:

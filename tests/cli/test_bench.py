@@ -39,7 +39,7 @@ def test_bench_prints_a_row_per_contender(model_file, capsys):
                  "--reps", "2"]) == 0
     assert torch.get_num_threads() == before
     out = capsys.readouterr().out
-    assert "latency ms" in out and "samples/s" in out and "1 core" in out
+    assert "latency ms" in out and "samples/s" in out and "1 core" in out and "scaling" in out
     for name in ("eager", "native"):
         cells = _row(out, name)
         latency, rate = float(cells[1]), float(cells[2])
@@ -57,10 +57,14 @@ def test_optimize_with_objective_throughput_prints_the_configurations(model_file
     assert "target" in out and "native" in out
 
 
-def test_a_missing_model_is_one_line_and_exit_1(capsys):
-    assert main(["bench", "missing.py:Small", "--input", "2x16", "--cores", "1"]) == 1
+@pytest.mark.parametrize("model, shape, message", [
+    ("missing.py:Small", "2x16", "missing.py"),
+    ("{model}:Small", "2x17", "raised on example inputs of shape 2x17"),
+])
+def test_failures_are_one_line_and_exit_1(model_file, capsys, model, shape, message):
+    assert main(["bench", model.format(model=model_file), "--input", shape, "--cores", "1", "--targets", "native"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("fxforge: error: ") and "missing.py" in err[0], err
+    assert len(err) == 1 and err[0].startswith("fxforge: error: ") and message in err[0], err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -69,6 +73,7 @@ def test_a_missing_model_is_one_line_and_exit_1(capsys):
     (["--cores", "1,9999"], "each must be between 1 and"),
     (["--cores", "one"], "expected comma-separated numbers"),
     (["--reps", "0"], "expected a whole number of 1 or more"),
+    (["--input", "2xq"], "malformed shape"),
 ])
 def test_bench_usage_errors_exit_2(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
