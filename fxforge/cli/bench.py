@@ -10,7 +10,8 @@ interleaved with the other contenders' in blocks, :func:`~fxforge.lowering.timin
 throughput in samples/s (native: ``fxforge.optimize(..., objective="throughput")``, its chosen streams x threads
 x batch; the others: back-to-back calls), and the scalability: samples/s of back-to-back calls with 1, 2, ...
 cores (``torch.set_num_threads`` of this thread, put back after; ONNX Runtime: a session per core count). The
-largest output difference from eager is shown beside. Samples are dim 0 of the first input.
+largest output difference from eager is shown beside. Samples are dim 0 of the first input. A target that cannot
+run the model (its capture or export fails) gets a row saying why, and the others run (``--debug`` raises it).
 
 Example:
     >>> parse_cores("1,2"), parse_targets("native, eager")
@@ -115,11 +116,20 @@ def run_bench(args: argparse.Namespace) -> int:
         samples = _samples(inputs)
         built: dict[str, Any] = {}
         errors: dict[str, float] = {}
+        failed: dict[str, str] = {}
         for name in args.targets:
             with steps.step(f"build {name}") as step:
-                built[name] = _built(name, model, inputs)
-                with torch.no_grad():
-                    errors[name] = compare_outputs(reference, call_model(built[name], inputs)).max_abs_err
+                try:
+                    built[name] = _built(name, model, inputs)
+                    with torch.no_grad():
+                        errors[name] = compare_outputs(reference, call_model(built[name], inputs)).max_abs_err
+                except Exception as error:
+                    if name == "eager" or args.debug:
+                        raise
+                    built.pop(name, None)  # a target that cannot run this model: its row says why, the rest run
+                    failed[name] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+                    step.note(f"failed: {failed[name]}")
+                    continue
                 step.note(f"max abs error {errors[name]:.3g}")
         with steps.step(f"latency ({args.reps} interleaved rounds)"):
             latency = _timed({n: (lambda m=m: call_model(m, inputs)) for n, m in built.items()}, args.reps)
@@ -153,6 +163,8 @@ def run_bench(args: argparse.Namespace) -> int:
         ratio = scaling[name][counts[-1]] / scaling[name][counts[0]]
         table.add_row(name, f"{latency[name]:.3g}", f"{rate:.3g}", how,
                       *(f"{scaling[name][k]:.3g}" for k in counts), f"{ratio:.2f}", f"{errors[name]:.2g}")
+    for name, why in failed.items():
+        table.add_row(name, "failed", "", why, *("" for _ in counts), "", "")
     console.print(table)
     if served is not None:
         console.print(throughput_table(served.table, "native, objective=throughput: every configuration tried"))

@@ -18,6 +18,9 @@ BENCH_MODEL = textwrap.dedent('''
             self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
         def forward(self, x):
             return self.b(torch.relu(self.a(x)))
+    class Singular(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.svd(x)[1]
 ''')
 
 
@@ -47,6 +50,15 @@ def test_bench_prints_a_row_per_contender(model_file, capsys):
     assert "back-to-back calls" in " ".join(_row(out, "eager"))
     assert "throughput objective" in " ".join(_row(out, "native"))
     assert "every configuration tried" in out and "*" in out
+
+
+def test_a_target_that_cannot_run_the_model_gets_a_row_saying_why(model_file, capsys):
+    assert main(["bench", f"{model_file}:Singular", "--input", "2x4x4", "--targets", "onnxruntime", "--cores", "1",
+                 "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert float(_row(out, "eager")[1]) > 0
+    cells = _row(out, "onnxruntime")
+    assert cells[1] == "failed" and "ExportError" in cells[2]
 
 
 def test_optimize_with_objective_throughput_prints_the_configurations(model_file, capsys):
