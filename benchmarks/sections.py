@@ -28,6 +28,7 @@ from benchmarks import (
     parallel_scale,
     pipeline,
     precision,
+    throughput,
     timed,
     training,
     zoo,
@@ -56,5 +57,6 @@ SECTIONS: dict[str, Section] = {
         precision.SECTION,
         int8.SECTION,
         interop.SECTION,
+        throughput.SECTION,
     )
 }

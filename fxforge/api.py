@@ -17,7 +17,7 @@ from fxforge.targets import lookup
 
 def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "native", rewrites: Any = "default",
              verify: bool = True, method: str = "auto", dynamic: bool | None = None, memory_budget: Any = None,
-             **target_options: Any) -> Any:
+             objective: str = "latency", **target_options: Any) -> Any:
     """Capture, rewrite and run a model through fxforge.
 
     Three forms:
@@ -65,6 +65,15 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     compiles the plan's forward and backward graphs with Inductor (fused kernels, the plan's saved values;
     outputs and gradients eager's to float rounding).
 
+    With ``objective="throughput"`` (``target="native"``, a model instance and example inputs: one request)
+    the result serves a stream of independent requests: streams (worker threads) x intra-op threads per stream
+    x batch size are chosen by measurement (a few seconds on a small model; ``throughput_budget_s=`` seconds of
+    timing, default 3), batching only where the example proves the model batch-separable;
+    ``opt.map(requests)`` returns each request's outputs, and ``opt(x)`` is safe from many threads at once.
+    ``opt.report.throughput`` lists every configuration tried (samples/s, p50/p90/p99 latency, utilization;
+    ``.frame()``), the choice marked (:mod:`fxforge.runtime.throughput`, ``docs/throughput.md``). The default,
+    ``"latency"``, is one call at a time with every core.
+
     Args:
         model: an ``nn.Module`` instance or class (or None for the decorator-with-options form).
         example_inputs: a tuple of inputs, one tensor, or a dict of keyword inputs.
@@ -73,6 +82,7 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         rewrites: ``"default"``, a list of built-in names, or pass objects.
         verify: check every rewrite numerically and roll back one that changes results.
         method: capture method, ``"auto"``, ``"fx"`` or ``"export"``.
+        objective: ``"latency"`` (one call at a time) or ``"throughput"`` (many independent requests; see above).
         dynamic: how plans meet other sizes (``"native"``/``"inductor"``; ``"onnxruntime"``: see above). None:
             the first plan is for the example's sizes, and the dims a later call changes become dynamic in
             one new plan (as ``torch.compile``), except that a model taking token inputs (integer or bool
@@ -92,7 +102,8 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     the target.
 
     Raises:
-        ValueError: an unknown target or rewrite name (checked before anything runs).
+        ValueError: an unknown target, rewrite name or objective, or ``objective="throughput"`` with what it does
+            not serve (checked before anything runs).
         TypeError: an option the target does not take.
 
     Example:
@@ -108,6 +119,9 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
         (torch.Size([4, 3]), 'CPUExecutionProvider')
     """
     chosen = lookup(target)
+    _check_objective(objective, target, model, example_inputs, memory_budget)
+    if objective == "throughput":
+        target_options["objective"] = objective
     if memory_budget is not None:
         return chosen.checkpointed(model, example_inputs, memory_budget, **target_options)
     options = chosen.check({"rewrites": rewrites, "verify": verify, "method": method, "dynamic": dynamic,
@@ -116,6 +130,40 @@ def optimize(model: Any = None, example_inputs: Any = None, *, target: str = "na
     if model is None:
         return functools.partial(optimize, example_inputs=example_inputs, target=target, **options)
     return chosen.build(model, example_inputs, options)
+
+
+def _check_objective(objective: str, target: str, model: Any, example_inputs: Any, memory_budget: Any) -> None:
+    """``objective`` is one optimize serves with the other arguments given (raises ValueError naming the one
+    that is not).
+
+    Example:
+        >>> _check_objective("throughput", "onnxruntime", torch.nn.ReLU(), torch.ones(1), None)
+        Traceback (most recent call last):
+        ...
+        ValueError: objective='throughput' runs with target='native', not target='onnxruntime'
+    """
+    if objective not in ("latency", "throughput"):
+        raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
+    if objective == "latency":
+        return
+    if target != "native":
+        raise ValueError(f"objective='throughput' runs with target='native', not target={target!r}")
+    if memory_budget is not None:
+        raise ValueError("objective='throughput' serves inference requests; memory_budget plans a training step: "
+                         "give one or the other")
+    if model is None or isinstance(model, type):
+        raise ValueError("objective='throughput' needs a model instance, not a class or the decorator form: it "
+                         "measures the model on its example inputs")
+    if example_inputs is None:
+        raise ValueError("objective='throughput' needs example_inputs (one request): it measures on them")
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [*tree_flatten(example_inputs)[0], *getattr(model, "parameters", list)()]
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
+    if device is not None:
+        raise ValueError(f"objective='throughput' chooses CPU streams x threads; the model or example_inputs are on "
+                         f"{device.type}: use objective='latency' there")
 
 
 def parallelize(model: Any, example_inputs: Any, devices: int = 4, memory_per_device: Any = None, loss: Any = None,

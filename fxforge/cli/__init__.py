@@ -5,6 +5,7 @@
     fxforge optimize MODEL --input [NAME=]SHAPE[:DTYPE] [--input ...] [--inputs FILE.py:FACTORY]
                      [--target auto|native|inductor|onnxruntime] [--rewrites a,b] [--no-verify]
                      [--dynamic auto|none|batch|batch,length|0,1] [-o OUT.pt2|OUT.onnx] [--report r.html]
+                     [--objective latency|throughput]
     fxforge export   MODEL --input ... -o OUT.onnx          (no rewrites)
     fxforge profile  MODEL --input ... [--csv table.csv]    (time, FLOPs, bytes per node)
     fxforge show     MODEL --input ... [-o graph.svg|graph.html]
@@ -15,6 +16,8 @@
     fxforge parallelize MODEL --input ... --devices N [--memory-per-device 16GiB] [--mesh tp=2] [--run]
                                                              (data / sharded / tensor / pipeline plans)
     fxforge lint     MODEL --input ... [--rules a,b]        (silent tensor bugs; exit 1 on an error finding)
+    fxforge bench    MODEL --input ... [--targets eager,native,onnxruntime,inductor] [--cores 1,2] [--reps N]
+                                                             (latency, throughput, scalability per target)
     fxforge rewrites                                         (the built-in rewrites)
 
 MODEL is ``path/to/file.py:Name`` or ``package.module:Name``: an ``nn.Module`` class or a factory,
@@ -50,6 +53,7 @@ from fxforge.cli.args import (
     parse_model_args,
     parse_rewrites,
 )
+from fxforge.cli.bench import add_bench_command
 from fxforge.cli.breaks import WHOLE_GRAPH
 from fxforge.cli.commands import check_target, run_export, run_optimize, run_rewrites, run_show
 from fxforge.cli.dynamic import check_dynamic
@@ -149,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "where -o writes the int8 ONNX file)")
     opt.add_argument("--tolerance", type=float, default=None, metavar="R",
                      help="the largest relative error against float32 accepted with --precision (default 0.05)")
+    opt.add_argument("--objective", choices=("latency", "throughput"), default="latency",
+                     help="latency (the default: one call at a time) or throughput (many independent requests: "
+                          "streams x threads x batch chosen by measurement, with --target native; its table is "
+                          "printed)")
     opt.add_argument("--no-bench", action="store_true", help="do not time eager against optimized")
     opt.add_argument("--bench-reps", type=int, default=10, metavar="N", help="timed repetitions of each (default 10)")
     opt.set_defaults(run=run_optimize, parser=opt)
@@ -210,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     part = add_partition_command(commands, _model_arguments)
     par = add_parallelize_command(commands, _model_arguments)
     lin = add_lint_command(commands, _model_arguments)
+    bench = add_bench_command(commands, _model_arguments)
 
     commands.add_parser("rewrites", help="list the built-in rewrites",
                         description="List the built-in rewrites, one line each.").set_defaults(run=run_rewrites)
-    for sub in (opt, exp, prof, show, mem, part, par, lin):  # --debug also after the command's name
+    for sub in (opt, exp, prof, show, mem, part, par, lin, bench):  # --debug also after the command's name
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and warnings")
     return parser
 
@@ -255,6 +264,29 @@ def check_precision(args: argparse.Namespace) -> None:
                                          "model.onnx)")
 
 
+def check_objective(args: argparse.Namespace) -> None:
+    """``--objective throughput`` of ``fxforge optimize`` runs with ``--target native`` (``auto``, the default, is
+    taken as native) and float32.
+
+    Raises:
+        argparse.ArgumentTypeError: (a usage error) the combination is not served.
+
+    Example:
+        >>> check_objective(argparse.Namespace(objective="throughput", target="onnxruntime", precision="float32"))
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: --objective throughput runs with --target native, not onnxruntime
+    """
+    if args.objective != "throughput":
+        return
+    if args.target == "auto":
+        args.target = "native"
+    if args.target != "native":
+        raise argparse.ArgumentTypeError(f"--objective throughput runs with --target native, not {args.target}")
+    if args.precision != "float32":
+        raise argparse.ArgumentTypeError("--objective throughput runs in float32; leave out --precision")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
@@ -270,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "or --inputs FILE.py:FACTORY")
         if args.command == "optimize":
             check_precision(args)
+            check_objective(args)
         if args.command in ("optimize", "export"):
             check_target(args)
             check_dynamic(args)

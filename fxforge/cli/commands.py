@@ -52,6 +52,7 @@ from fxforge.cli.inputs import build_inputs, described, factory_inputs, reshaped
 from fxforge.cli.output import Outputs
 from fxforge.cli.steps import Steps
 from fxforge.cli.summary import Summary, measure_latency, race_latency, simulated_peak
+from fxforge.cli.throughput_table import throughput_table
 from fxforge.core.nodes import count_calls
 from fxforge.core.source import first_line
 from fxforge.targets import TARGETS, Target, by_artifact, lookup
@@ -235,6 +236,9 @@ def _pipeline(args: argparse.Namespace, rewrites: Any, *, bench: bool) -> int:
                 return 0
     summary.notes = notes
     summary.print(console)
+    table = getattr(summary.report, "throughput", None)
+    if table is not None:
+        console.print(throughput_table(table, f"objective=throughput: {table.best.label} chosen"))
     print()
     print(summary.report)
     return 0
@@ -300,6 +304,8 @@ def _built(model: Any, inputs: tuple | dict, target: Target, rewrites: Any, args
     options: dict[str, Any] = {"rewrites": rewrites, "verify": not args.no_verify, "dynamic": False}
     if getattr(args, "precision", "float32") != "float32":
         options.update(precision=args.precision, tolerance=args.tolerance)
+    if getattr(args, "objective", "latency") == "throughput":
+        options["objective"] = "throughput"
     if args.output and target.contract.artifact == ".onnx":
         options.update(dynamic_options(args.dynamic, ".onnx", inputs))
     raced = getattr(target, "raced", None)

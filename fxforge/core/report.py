@@ -345,6 +345,7 @@ class Report:
     graphs: list = dataclasses.field(default_factory=list)
     flop_share: float | None = None
     time_share: float | None = None
+    throughput: Any = None  # a ThroughputTable (fxforge.core.throughput) where objective="throughput" chose
 
     @property
     def counts(self) -> dict[str, int]:
@@ -422,6 +423,8 @@ class Report:
             if self.race.busy:
                 lines.append(f"  the race's timings are not results ({self.race.busy}): its ratios are marks, not "
                              "measurements")
+        if self.throughput is not None:
+            lines.extend(f"  {line}" for line in str(self.throughput).splitlines())
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -466,6 +469,7 @@ class Report:
             "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in self.race.notes) + "</ul>",
             table("Opaque modules", ["modules", "type", "reason", "source"],
                   [[_names(names), o.type, o.reason, o.source or ""] for o, names in grouped_opaque(self.opaque)]),
+            "" if self.throughput is None else self.throughput.html(),
             "</div>",
         ]
         return "".join(parts)

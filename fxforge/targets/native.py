@@ -31,6 +31,8 @@ from fxforge.runtime.interop_choice import inter_op_builder
 from fxforge.runtime.native import DynamoFactory, OptimizedModule, optimize_class
 from fxforge.runtime.plans import MAX_PLANS, ShapePolicy
 from fxforge.runtime.race import Entrant
+from fxforge.runtime.throughput import serve_throughput
+from fxforge.runtime.throughput_search import SEARCH_BUDGET_S
 from fxforge.targets.base import Contract, Target, model_kind, prepared
 from fxforge.training.module import checkpointed
 
@@ -46,7 +48,8 @@ class NativeTarget(Target):
     summary = "the rewritten graph run by PyTorch (fused oneDNN/cuDNN kernels chosen by autotune)"
     contract = Contract(dynamic="every size: one plan per signature, or one with the dims that change dynamic",
                         artifact=".pt2")
-    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance", "inter_op", "cuda_graphs")
+    options = ("tuning", "dynamic_shapes", "max_plans", "precision", "tolerance", "inter_op", "cuda_graphs",
+               "objective", "throughput_budget_s")
     precisions = ("bf16", "bfloat16", "fp16", "float16", "int8", "auto")
     lowering: Lowering = build.NATIVE
     compiled_training = False
@@ -73,6 +76,9 @@ class NativeTarget(Target):
         if example_inputs is not None:
             args, kwargs = normalize_inputs(example_inputs)
             module.prepare(*args, **kwargs)
+        if options.get("objective") == "throughput":  # served by the streams x threads x batch measured fastest
+            return serve_throughput(module, example_inputs, budget_s=options.get("throughput_budget_s",
+                                                                                 SEARCH_BUDGET_S))
         return module
 
     def dynamo_factory(self, plan_options: dict[str, Any], policy: ShapePolicy) -> DynamoFactory:
