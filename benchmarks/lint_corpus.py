@@ -49,15 +49,15 @@ def seeded_rows() -> list[dict]:
     return rows
 
 
-def clean_row(name: str, factory) -> dict:
-    """Findings above info (and their rules) on one clean model, lint's time and one capture's (best of ``REPEAT``).
+def clean_row(name: str, factory, repeat: int = REPEAT) -> dict:
+    """Findings above info (and their rules) on one clean model, lint's time and one capture's (best of ``repeat``).
     ``factory`` returns ``(model, inputs)``, or a user model case (``.model``, ``.inputs``, ``.kwargs``)."""
     made = factory()
     model, inputs = (made.model, (made.inputs, made.kwargs)) if hasattr(made, "model") else made
     _lint(model, inputs)  # warm
     _capture(model, inputs)
     lint_s = capture_s = float("inf")
-    for _ in range(REPEAT):  # the best of REPEAT each, interleaved: the machine is shared
+    for _ in range(repeat):  # the best of ``repeat`` each, interleaved: the machine is shared
         start = time.perf_counter()
         findings = _lint(model, inputs)
         lint_s = min(lint_s, time.perf_counter() - start)
@@ -128,12 +128,56 @@ def markdown(seeded: list[dict], clean: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def zoo_markdown(rows: list[dict], command: str) -> str:
+    """The ``lint-zoo`` block: findings above info per zoo model (torchvision and timm, random weights)."""
+    over = [r for r in rows if r.get("above_info", 0) > 1]
+    failed = [r for r in rows if "error" in r]
+    ratios = sorted(r["lint_s"] / r["capture_s"] for r in rows if "error" not in r)
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"## lint on the model zoo (issue 54, {when})", "",
+             (f"`{command}` (torch {torch.__version__}; torchvision and timm with random weights, 1x3x224x224). "
+              f"{len(over)} of {len(rows) - len(failed)} models with more than one finding above info"
+              + (f"; {len(failed)} failed" if failed else "") + (f"; lint's time over one capture's: median "
+              f"{ratios[len(ratios) // 2]:.2f}x, largest {ratios[-1]:.2f}x" if ratios else "") + "."),
+             "", "| model | above info | their rules | info | lint s | capture s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error'][:150]} | | | | |")
+        else:
+            lines.append(f"| {r['model']} | {r['above_info']} | {r['rules'] or '-'} | {r['info']} | {r['lint_s']:.2f} | "
+                         f"{r['capture_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def zoo_rows(repeat: int) -> list[dict]:
+    """One row per zoo model (needs torchvision and timm: ``benchmarks.zoo``)."""
+    from benchmarks import zoo
+
+    rows = []
+    for name in zoo.ZOO:
+        try:
+            rows.append(clean_row(name, lambda name=name: zoo.build(name), repeat))
+        except Exception as error:  # noqa: BLE001 - one model's failure is its row
+            rows.append({"model": name, "error": f"{type(error).__name__}: {error}".splitlines()[0]})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="the markdown file whose lint block is replaced")
     parser.add_argument("--no-markdown", action="store_true", help="print the block only")
+    parser.add_argument("--zoo", action="store_true", help="lint the model zoo instead (torchvision and timm "
+                        "installed: its block is lint-zoo)")
+    parser.add_argument("--repeat", type=int, default=REPEAT, help=f"timings per model, the best kept (default {REPEAT})")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.zoo:
+        block = zoo_markdown(zoo_rows(args.repeat), f"{COMMAND} --zoo --repeat {args.repeat}")
+        print(block)
+        if not args.no_markdown:
+            write_block(args.markdown, block, "lint-zoo")
+        return 0
     seeded = seeded_rows()
     clean = [clean_row(name, factory) for name, factory in clean_models().items()]
     block = markdown(seeded, clean)

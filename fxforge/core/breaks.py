@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from fxforge.core.source import format_location
 
@@ -105,8 +106,15 @@ def distinct(breaks: list[Break]) -> list[Break]:
     """
     seen: dict[tuple[str, str], Break] = {}
     for item in breaks:
-        seen.setdefault((item.line, item.reason), item)
+        seen.setdefault((_same_file(item.line), item.reason), item)
     return list(seen.values())
+
+
+def _same_file(line: str) -> str:
+    """``file:line`` with the file made absolute: one module imported by two paths (``tests/m.py`` and
+    ``/repo/tests/m.py``, as two entries of ``sys.path`` give) names one line."""
+    file, sep, number = line.rpartition(":")
+    return f"{os.path.abspath(file)}:{number}" if sep and file else line
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from benchmarks.sections import SECTIONS
 
 EXPECTED = {"default", "conv", "attention", "onnx", "targets", "dynamic", "training", "pipeline", "zoo",
             "onnx-forms", "optimize-time", "against", "guard-overhead", "memory-reorder", "first-calls", "auto-prepare", "breaks",
-            "fusions", "precision", "int8", "parallel", "parallel-scale", "throughput"}
+            "fusions", "precision", "int8", "parallel", "parallel-scale", "throughput", "interop"}
 
 
 def test_every_benchmark_is_a_section_of_the_one_registry():
