@@ -9,6 +9,8 @@ over all rounds):
 - ``fxforge``: ``fxforge.optimize(model, x)``: regions of independent branches concurrent where that measured
   faster when the plan was built (its choice and schedule read from the report);
 - ``forced``: ``inter_op="always"``: every region concurrent, untimed (what the choice protects against);
+- ``sequential_1t``: the sequential plan on one intra-op thread (what each of two branches gets on two cores:
+  ``1 thread / 2 threads`` is how well the plan's own kernels use the second core);
 - ORT: the model exported once (``fxforge.export_onnx``), run by ONNX Runtime with ``ORT_SEQUENTIAL``
   (intra-op threads = the cores) and with ``ORT_PARALLEL`` (inter-op threads = the cores, one intra-op
   thread each).
@@ -103,6 +105,15 @@ def measure(name: str, rounds: int, reps: int, ort: bool) -> dict[str, Any]:
     row["choice"] = entry.choice if entry else "no region"
     row["schedule"] = entry.note if entry else ""
     calls = {"eager": lambda: model(*args), **{k: (lambda m=m: m(*args)) for k, m in built.items()}}
+
+    def one_thread() -> Any:  # the sequential plan on one intra-op thread: what each branch gets when two share 2 cores
+        torch.set_num_threads(1)
+        try:
+            return built["sequential"](*args)
+        finally:
+            torch.set_num_threads(threads)
+
+    calls["sequential_1t"] = one_thread
     if ort:
         try:
             calls.update(_ort_sessions(model, args, threads))
@@ -117,6 +128,7 @@ def measure(name: str, rounds: int, reps: int, ort: bool) -> dict[str, Any]:
     row["spread"] = {k: statistics.pstdev(v) / statistics.median(v) for k, v in samples.items()}
     row["ratio"] = medians["sequential"] / medians["fxforge"]
     row["forced_ratio"] = medians["sequential"] / medians["forced"]
+    row["intra_scaling"] = medians["sequential_1t"] / medians["sequential"]
     if "ort_parallel" in medians:
         row["ort_ratio"] = medians["ort_sequential"] / medians["ort_parallel"]
     return row
@@ -131,14 +143,15 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
               "in rotated order, medians. `seq / fxforge` > 1 is faster than running the plan's nodes one after "
               "another."), "",
              ("| model | eager ms | sequential ms | fxforge ms | choice | seq / fxforge | seq / forced | "
-             "ORT seq / ORT_PARALLEL | load |"), "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+              "1 thread / 2 threads | ORT seq / ORT_PARALLEL | load |"), "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['model']} | failed: {report.md_cell(row['error'])} | | | | | | | |")
+            lines.append(f"| {row['model']} | failed: {report.md_cell(row['error'])} | | | | | | | | |")
             continue
         ort = f"{row['ort_ratio']:.2f}" if "ort_ratio" in row else ("failed" if "ort_error" in row else "")
         lines.append(f"| {row['model']} | {row['eager_ms']:.2f} | {row['sequential_ms']:.2f} | {row['fxforge_ms']:.2f} "
-                     f"| {row['choice']} | {row['ratio']:.2f} | {row['forced_ratio']:.2f} | {ort} | {row['load']:.2f} |")
+                     f"| {row['choice']} | {row['ratio']:.2f} | {row['forced_ratio']:.2f} | {row['intra_scaling']:.2f} "
+                     f"| {ort} | {row['load']:.2f} |")
     ok = [r for r in rows if "error" not in r]
     if ok:
         slowest = min(ok, key=lambda r: r["ratio"])
