@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fxforge.core.source import node_source
+from fxforge.core.units import format_bytes
 from fxforge.lint.finding import Finding
 from fxforge.lint.modules import as_op
 
@@ -215,17 +216,3 @@ def short_path(file: str) -> str:
     except ValueError:
         return file
     return file if relative.startswith("..") else relative
-
-
-def format_bytes(size: float) -> str:
-    """``1.5 MiB``.
-
-    Example:
-        >>> format_bytes(512), format_bytes(3 * 2**20)
-        ('512 B', '3.0 MiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"

@@ -172,7 +172,10 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
             continue
         # (without effectful nodes every set of regions has an order: a path out of a branch and back into it
         # would give the nodes after it two labels)
-        if barred and schedule([*chosen, region], graph_module.graph, barred) is None:
+        # (the inputs' region labels by other means: a fork inside one of its branches can enclose another of its
+        # nodes, so with it the order is checked too)
+        mixed = region.fork is None or any(r.fork is None for r in chosen)
+        if (barred or mixed) and schedule([*chosen, region], graph_module.graph, barred) is None:
             continue  # it would have to run both before and after an effectful node
         chosen.append(region)
         taken |= nodes

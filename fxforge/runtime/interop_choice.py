@@ -33,12 +33,13 @@ from typing import Any
 import torch
 
 from fxforge.core.disk_cache import BUSY_LOAD, machine_key, machine_load
+from fxforge.core.nodes import is_effectful
 from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.shapes import placeholder_values
 from fxforge.core.verify import compare_outputs, isolated
 from fxforge.lowering.lower import derived_values
-from fxforge.lowering.schedule import Region, grouped, independent_branches
+from fxforge.lowering.schedule import Region, grouped, independent_branches, schedule
 from fxforge.lowering.timing import DECISIVE, NOTE, autotune_cache, time_in_blocks
 from fxforge.runtime.interop import concurrent_module
 from fxforge.runtime.profile.runner import NodeRunner
@@ -155,6 +156,11 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
         if not kept:
             report.tuning.append(Tuning(RULE, "graph", "sequential", note="; ".join(lines), kind="schedule"))
             return plan
+        kept, groups, dropped = orderable(executable, kept, groups)
+        lines += dropped
+        if not kept:
+            report.tuning.append(Tuning(RULE, "graph", "sequential", note="; ".join(lines), kind="schedule"))
+            return plan
         concurrent = concurrent_module(executable, kept, groups)
         comparison = compare_outputs(executable(*args, **kwargs), concurrent(*args, **kwargs))
         if not comparison.ok:
@@ -186,6 +192,26 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
         return plan
     return dataclasses.replace(plan, executable=concurrent,
                                derived=derived_values(plan.captured.graph_module, concurrent))
+
+
+def orderable(executable: torch.fx.GraphModule, regions: list[Region], groups: list) -> tuple[list, list, list[str]]:
+    """The regions (and their groups) that one order of the graph runs together, the last ones left out until it
+    does, each left out with a line saying so (:func:`~fxforge.lowering.schedule.independent_branches` only
+    proposes such sets; this holds the promise where the graph changed under it).
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.sin() + x.cos())
+        >>> orderable(gm, independent_branches(gm), [[[0], [1]]])[2]
+        []
+    """
+    barred = {n for n in executable.graph.nodes
+              if n.op not in ("placeholder", "get_attr", "output") and is_effectful(n, executable)}
+    regions, groups, dropped = list(regions), list(groups), []
+    while regions and schedule(regions, executable.graph, barred) is None:
+        left = regions.pop()
+        groups.pop()
+        dropped.append(f"after {left.label}: left sequential (no order of the graph runs it with the other regions)")
+    return regions, groups, dropped
 
 
 def _cache_key(executable: torch.fx.GraphModule, values: list[Any], workers: int, device: torch.device) -> str:

@@ -266,3 +266,20 @@ def test_towers_reading_their_own_inputs_run_concurrently_and_answer_as_eager(tw
         for batch in (2, 3):
             x = inputs(batch)
             torch.testing.assert_close(opt(*x), model(*x), rtol=1e-4, atol=1e-5)
+
+
+def test_regions_no_order_can_serve_are_left_sequential_with_a_line():
+    from fxforge.lowering.schedule import Region
+    from fxforge.runtime.interop_choice import orderable
+
+    def straddled(x):
+        a = x.sin()
+        y = x.clone()
+        y.add_(1)  # an effect between the two branches' nodes: no order runs them as one step
+        b = x.cos()
+        return a + b + y
+
+    gm = torch.fx.symbolic_trace(straddled)
+    node = {n.name: n for n in gm.graph.nodes}
+    kept, groups, dropped = orderable(gm, [Region(node["x"], ((node["sin"],), (node["cos"],)))], [[[0], [1]]])
+    assert kept == [] and groups == [] and "left sequential" in dropped[0]
