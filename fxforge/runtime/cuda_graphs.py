@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +43,7 @@ from fxforge.core.report import Tuning
 from fxforge.core.verify import compare_outputs, isolated
 from fxforge.lowering.timing import time_in_blocks
 from fxforge.runtime.interop import run_branches
+from fxforge.runtime.interop_choice import stage_builder
 
 RULE = "cuda_graph"
 KEEP_BELOW = 0.97  # the replay is kept when its median is below this share of the plan's
@@ -199,12 +199,4 @@ def cuda_graph_builder(build: Any, *, always: bool = False) -> Any:
         >>> cuda_graph_builder(plan_builder(torch.nn.ReLU()))((torch.ones(2),), {}, CallConditions()).report.method
         'fx'
     """
-    return functools.partial(_built_with_cuda_graph, build, always)
-
-
-def _built_with_cuda_graph(build: Any, always: bool, args: tuple, kwargs: dict, conditions: Any = None,
-                           dynamic: Any = None) -> Plan:
-    plan = build(args, kwargs, conditions, *(() if dynamic is None else (dynamic,)))
-    if conditions is not None and (conditions.gradients or conditions.autocast):
-        return plan
-    return with_cuda_graph(plan, args, kwargs, always=always)
+    return stage_builder(build, with_cuda_graph, always=always)

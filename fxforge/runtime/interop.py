@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import operator
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -39,22 +38,10 @@ from torch.utils import _pytree as pytree
 
 from fxforge.core.nodes import is_effectful
 from fxforge.lowering.schedule import Region, external_inputs, external_outputs, schedule
+from fxforge.runtime.streams import cores
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
-
-
-def cores() -> int:
-    """The cores this process may run on.
-
-    Example:
-        >>> cores() >= 1
-        True
-    """
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:

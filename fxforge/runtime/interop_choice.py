@@ -232,12 +232,24 @@ def inter_op_builder(build: Any, *, always: bool = False) -> Any:
         >>> build((torch.ones(2),), {}, CallConditions()).report.method
         'fx'
     """
-    return functools.partial(_built_with_inter_op, build, always)
+    return stage_builder(build, with_inter_op, always=always)
 
 
-def _built_with_inter_op(build: Any, always: bool, args: tuple, kwargs: dict, conditions: Any = None,
-                         dynamic: Any = None) -> Plan:
+def stage_builder(build: Any, stage: Any, *, always: bool = False) -> Any:
+    """``build`` followed by ``stage(plan, args, kwargs, always=always)`` for plans of calls that record no
+    gradients and run without autocast (a picklable partial: an optimized module's copies keep their builder).
+
+    Example:
+        >>> from fxforge.lowering.build import plan_builder
+        >>> stage_builder(plan_builder(torch.nn.ReLU()), lambda plan, *a, always: plan)((torch.ones(1),), {}).report.method
+        'fx'
+    """
+    return functools.partial(_built_then, build, stage, always)
+
+
+def _built_then(build: Any, stage: Any, always: bool, args: tuple, kwargs: dict, conditions: Any = None,
+                dynamic: Any = None) -> Plan:
     plan = build(args, kwargs, conditions, *(() if dynamic is None else (dynamic,)))
     if conditions is not None and (conditions.gradients or conditions.autocast):
         return plan
-    return with_inter_op(plan, args, kwargs, always=always)
+    return stage(plan, args, kwargs, always=always)
