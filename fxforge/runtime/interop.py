@@ -229,7 +229,21 @@ def concurrent_module(graph_module: torch.fx.GraphModule, regions: Sequence[Regi
     graph.set_codegen(graph_module.graph._codegen)  # (export's pytree in and out specs)
     module = torch.fx.GraphModule(attributes, graph, type(graph_module).__name__)
     module.meta = {k: dict(v) if isinstance(v, dict) else v for k, v in getattr(graph_module, "meta", {}).items()}
+    module.meta["fxforge_sequential"] = graph_module  # (what a node-by-node profile measures)
     return module
+
+
+def sequential_of(executable: Any) -> Any:
+    """The graph a concurrent plan was made from (its nodes one after another), else ``executable`` itself: what
+    a node-by-node profile measures, as a ``run_branches`` node would hide the nodes it runs.
+
+    Example:
+        >>> from fxforge.lowering.schedule import independent_branches
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.sin() + x.cos())
+        >>> sequential_of(concurrent_module(gm, independent_branches(gm), [[[0], [1]]])) is gm, sequential_of(gm) is gm
+        (True, True)
+    """
+    return getattr(executable, "meta", {}).get("fxforge_sequential", executable)
 
 
 def _runner(graph_module: torch.fx.GraphModule, region: Region,

@@ -283,3 +283,12 @@ def test_regions_no_order_can_serve_are_left_sequential_with_a_line():
     node = {n.name: n for n in gm.graph.nodes}
     kept, groups, dropped = orderable(gm, [Region(node["x"], ((node["sin"],), (node["cos"],)))], [[[0], [1]]])
     assert kept == [] and groups == [] and "left sequential" in dropped[0]
+
+
+def test_a_profile_of_a_concurrent_plan_measures_its_nodes_one_by_one(two_threads):
+    model = towers()
+    x = torch.randn(1, 3, 12, 12)
+    opt = fxforge.optimize(model, (x,), inter_op="always")
+    assert concurrent_count(opt) == 1
+    table = fxforge.profile(opt, (x,), warmup=0, repeat=1).table
+    assert "run_branches" not in set(table["op"]) and (table["op"] == "conv2d").sum() == 6  # stem, 2 x 2 towers, head

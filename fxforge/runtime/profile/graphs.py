@@ -34,6 +34,7 @@ from torch import nn
 from fxforge.capture import CaptureError, capture, normalize_inputs
 from fxforge.core.breaks import Break, distinct
 from fxforge.core.verify import isolated
+from fxforge.runtime.interop import sequential_of
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile.measure import profile_graph
 from fxforge.runtime.profile.table import Profile
@@ -193,7 +194,7 @@ def profile_optimized_graphs(module: OptimizedModule, example_inputs: Any, **opt
         if plan is None:
             raise ValueError(f"profile: a graph of {type(module.original).__name__} ({graph.lines}) runs eagerly, so "
                              "there is no plan to profile; profile the model itself")
-        pieces.append((plan.executable, captured.example_args, captured.example_kwargs, graph.lines,
+        pieces.append((sequential_of(plan.executable), captured.example_args, captured.example_kwargs, graph.lines,
                        runner.ran.count(graph.index) or 1))
     return _combined(module.original, pieces, list(runner.breaks), "lowered graphs between breaks", **options)
 

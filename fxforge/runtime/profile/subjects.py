@@ -16,6 +16,7 @@ from torch import nn
 
 from fxforge.capture import CaptureError, capture, normalize_inputs
 from fxforge.core.captured import Captured
+from fxforge.runtime.interop import sequential_of
 from fxforge.runtime.native import OptimizedModule
 from fxforge.runtime.profile.graphs import profile_between_breaks, profile_optimized_graphs
 from fxforge.runtime.profile.measure import profile_graph
@@ -88,7 +89,7 @@ def _profiled(subject: Any, example_inputs: Any) -> tuple[torch.fx.GraphModule, 
         if plan is None:
             raise ValueError(f"profile: {type(subject.original).__name__} runs eagerly for these inputs (fxforge "
                              "could not capture it), so there is no graph to profile")
-        return plan.executable, args, kwargs, "lowered graph", subject.original
+        return sequential_of(plan.executable), args, kwargs, "lowered graph", subject.original
     if isinstance(subject, Captured):
         if example_inputs is None:
             args, kwargs = subject.example_args, subject.example_kwargs
