@@ -137,6 +137,18 @@ def _branches_of(fork: Node, labels: dict[Node, frozenset], order: Sequence[Node
     return tuple(tuple(nodes) for nodes in by_origin.values())
 
 
+def effectful_nodes(graph_module: torch.fx.GraphModule) -> set[Node]:
+    """The nodes no branch may hold and no order may move across (:func:`~fxforge.core.nodes.is_effectful`:
+    in-place ops, random numbers, modules in training mode, opaque modules).
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda x: x.relu_() + x.sin())
+        >>> sorted(n.name for n in effectful_nodes(gm))
+        ['relu_']
+    """
+    return {n for n in graph_module.graph.nodes if n.op not in _FREE and is_effectful(n, graph_module)}
+
+
 def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: int = 2) -> list[Region]:
     """Every fork of the graph with at least ``min_branches`` branches, no node in two regions, the forks with
     the most nodes in branches other than their largest first (where several forks claim the same nodes).
@@ -151,7 +163,7 @@ def independent_branches(graph_module: torch.fx.GraphModule, *, min_branches: in
     """
     order = list(graph_module.graph.nodes)
     position = {node: i for i, node in enumerate(order)}
-    barred = {n for n in order if n.op not in _FREE and is_effectful(n, graph_module)}
+    barred = effectful_nodes(graph_module)
     candidates: list[tuple[int, int, Region]] = []
     for node in order:
         if node.op == "output" or len([u for u in node.users if u.op not in _FREE]) < 2 or node in barred:

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxforge.core.nodes import is_effectful
 from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.verify import compare_outputs, isolated
+from fxforge.lowering.schedule import effectful_nodes
 from fxforge.lowering.timing import time_in_blocks
 from fxforge.runtime.interop import run_branches
 from fxforge.runtime.interop_choice import stage_builder
@@ -131,11 +131,12 @@ def graph_refusal(executable: torch.nn.Module) -> str | None:
     """
     if not isinstance(executable, torch.fx.GraphModule):
         return "the plan is not a graph (a compiled plan manages its own launches)"
+    effects = effectful_nodes(executable)
     for node in executable.graph.nodes:
         if node.target is run_branches:
             return ("its independent branches run on side streams (inter-op): not captured together yet "
                     "(no device was lent to check a capture across streams)")
-        if node.op not in ("placeholder", "get_attr", "output") and is_effectful(node, executable):
+        if node in effects:
             return (f"{node.name} has effects (in-place, random or a module in training mode): a replay would "
                     "repeat them on static copies")
     return None

@@ -36,8 +36,8 @@ import torch
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 
-from fxforge.core.nodes import is_effectful
-from fxforge.lowering.schedule import Region, external_inputs, external_outputs, schedule
+from fxforge.core.target_cache import device_of
+from fxforge.lowering.schedule import Region, effectful_nodes, external_inputs, external_outputs, schedule
 from fxforge.runtime.streams import cores
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -93,8 +93,8 @@ class BranchRunner:
 
     def __call__(self, inputs: Sequence[Any]) -> tuple:
         per_group = [tuple(inputs[i] for i in take) for take in self.takes]
-        device = _device_of(inputs)
-        if device is not None and device.type == "cuda":
+        device = device_of(tuple(inputs), {})
+        if device.type == "cuda":
             results = self._on_streams(per_group, device)
         else:
             results = self._on_threads(per_group)
@@ -140,13 +140,6 @@ class BranchRunner:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-
-
-def _device_of(inputs: Sequence[Any]) -> torch.device | None:
-    for value in inputs:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
 
 
 def run_branches(runner: BranchRunner, *inputs: Any) -> tuple:
@@ -204,9 +197,7 @@ def concurrent_module(graph_module: torch.fx.GraphModule, regions: Sequence[Regi
         >>> concurrent_module(gm, independent_branches(gm), []).graph is not gm.graph
         True
     """
-    barred = {n for n in graph_module.graph.nodes
-              if n.op not in ("placeholder", "get_attr", "output") and is_effectful(n, graph_module)}
-    steps = schedule(list(regions), graph_module.graph, barred)
+    steps = schedule(list(regions), graph_module.graph, effectful_nodes(graph_module))
     if steps is None:
         raise ValueError("no order of the graph runs these regions' branches together")
     graph = torch.fx.Graph()

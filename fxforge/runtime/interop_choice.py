@@ -33,15 +33,15 @@ from typing import Any
 import torch
 
 from fxforge.core.disk_cache import BUSY_LOAD, machine_key, machine_load
-from fxforge.core.nodes import is_effectful
 from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.shapes import placeholder_values
 from fxforge.core.verify import compare_outputs, isolated
 from fxforge.lowering.lower import derived_values
-from fxforge.lowering.schedule import Region, grouped, independent_branches, schedule
+from fxforge.lowering.schedule import Region, effectful_nodes, grouped, independent_branches, schedule
 from fxforge.lowering.timing import DECISIVE, NOTE, autotune_cache, time_in_blocks
 from fxforge.runtime.interop import concurrent_module
+from fxforge.runtime.memory import device_of
 from fxforge.runtime.profile.runner import NodeRunner
 
 # A region whose second costliest group of branches takes less than this (ms, timed node by node) is left
@@ -53,13 +53,6 @@ KEEP_BELOW, KEEP_BELOW_BUSY = 0.97, 0.85
 # Seconds spent timing the two graphs against each other, about.
 BUDGET_S = 0.6
 RULE = "inter_op"
-
-
-def _device(values: list[Any]) -> torch.device:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
 
 
 def _node_ms(graph_module: torch.fx.GraphModule, values: list[Any], device: torch.device) -> dict[str, float]:
@@ -132,7 +125,7 @@ def with_inter_op(plan: Plan, args: tuple, kwargs: dict, *, always: bool = False
         return plan
     report = plan.report
     values = placeholder_values(executable, args, kwargs)
-    device = _device(values)
+    device = device_of(executable, values)
     workers = torch.get_num_threads() if device.type == "cpu" else max(len(r.branches) for r in regions)
     if always:
         workers = max(workers, 2)  # (a caller with one thread runs the groups in turn)
@@ -204,8 +197,7 @@ def orderable(executable: torch.fx.GraphModule, regions: list[Region], groups: l
         >>> orderable(gm, independent_branches(gm), [[[0], [1]]])[2]
         []
     """
-    barred = {n for n in executable.graph.nodes
-              if n.op not in ("placeholder", "get_attr", "output") and is_effectful(n, executable)}
+    barred = effectful_nodes(executable)
     regions, groups, dropped = list(regions), list(groups), []
     while regions and schedule(regions, executable.graph, barred) is None:
         left = regions.pop()
