@@ -2,7 +2,8 @@
 
 ::
 
-    fxforge lint MODEL --input SHAPE[:DTYPE] ... [--rules a,b] [--csv findings.csv]
+    fxforge lint MODEL --input SHAPE[:DTYPE] ... [--rules a,b] [--mode eval|train] [--method auto|export]
+                 [--csv findings.csv]
 
 Prints each finding (its line, what and why, the fix), worst first. Exit 0 when no finding is an error (warnings
 and info are printed), 1 when one is (or lint failed: one line saying why), 2 for a usage error.
@@ -62,6 +63,12 @@ def add_lint_command(commands: Any, model_arguments: Any) -> argparse.ArgumentPa
     model_arguments(lint)
     lint.add_argument("--rules", type=parse_rules, default=None, metavar="A,B",
                       help="run only these rules (default: all)")
+    lint.add_argument("--mode", choices=("eval", "train"), default="eval",
+                      help="the mode the model is captured in (default eval; train: as it trains, where "
+                           "inplace-on-saved applies and a functional dropout drops as it should)")
+    lint.add_argument("--method", choices=("auto", "export"), default="auto",
+                      help="the graph read: auto (fxforge's capture where it shows all of forward, else export, "
+                           "a symbolic trace or TorchDynamo's graphs) or export (torch.export's ATen graph first)")
     lint.add_argument("--csv", metavar="TABLE.csv", help="save the findings as a table")
     lint.set_defaults(run=run_lint, parser=lint)
     return lint
@@ -79,12 +86,13 @@ def run_lint(args: argparse.Namespace) -> int:
     with Outputs() as outputs, collected_warnings(notes):
         model, inputs, _ = _model_and_inputs(args, steps)
         with steps.step("lint") as step:
-            findings = fxforge.lint(model, inputs, rules=args.rules)
+            findings = fxforge.lint(model, inputs, rules=args.rules, mode=args.mode, method=args.method)
             step.note(findings.summary())
         if args.csv:
             outputs.write_with(args.csv, lambda path: findings.table.to_csv(path, index=False))
     shapes = " ".join(format_input(*spec) for spec in args.input)
-    console.print(f"{type(model).__name__} ({shapes}): {findings.summary()}", markup=False, highlight=False)
+    mode = "" if args.mode == "eval" else ", train mode"
+    console.print(f"{type(model).__name__} ({shapes}{mode}): {findings.summary()}", markup=False, highlight=False)
     for finding in findings:
         console.print(Text.assemble(f"{finding.where}: ", (finding.severity, _STYLE[finding.severity]),
                                     f" [{finding.rule}] {finding.message}"), soft_wrap=True, highlight=False)

@@ -58,6 +58,7 @@ from fxforge.exporters.program import (
     validate,
     validation_inputs,
 )
+from fxforge.exporters.torch_onnx import export_to_onnx
 from fxforge.exporters.torchscript_export import requested_axes, resized_inputs, torchscript_export
 from fxforge.exporters.translations import DEFAULT_OPSET, MIN_OPSET, Translations
 
@@ -227,8 +228,7 @@ def _export(captured: Captured, path: str, opset: int, dynamic_batch: bool, dyna
     log = io.StringIO()
     try:
         with tracing(), quiet(log):
-            onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset, optimize=True,
-                                             custom_translation_table=translations.table())
+            onnx_program = export_to_onnx(program, opset, translations.table())
     except Exception as error:
         failure = translation_error(error, type(captured.module).__name__, log.getvalue())
         if raised_in_fxforge(error):  # fxforge's own translation failed: a bug to fix, not to export around

@@ -36,9 +36,19 @@ def test_rules_selects_rules(capsys):
     assert "no findings" in capsys.readouterr().out
 
 
+def test_train_mode_lints_the_model_as_it_trains(capsys):
+    argv = ["lint", f"{SEEDED}:MLPWithFunctionalDropout", "--input", "4x16"]
+    main(argv)
+    assert "[functional-dropout]" in capsys.readouterr().out  # in eval mode F.dropout still drops
+    assert main([*argv, "--mode", "train", "--method", "export"]) == 0
+    out = capsys.readouterr().out
+    assert "MLPWithFunctionalDropout (4x16, train mode): no findings" in out  # in training it drops, as it should
+
+
 def test_usage_errors_exit_2(capsys):
     for argv in (["lint", f"{SEEDED}:RegressionHead"],  # no inputs
-                 ["lint", f"{SEEDED}:RegressionHead", "--input", "8x16", "--rules", "nope"]):
+                 ["lint", f"{SEEDED}:RegressionHead", "--input", "8x16", "--rules", "nope"],
+                 ["lint", f"{SEEDED}:RegressionHead", "--input", "8x16", "--mode", "inference"]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2
