@@ -20,7 +20,7 @@ BEGIN, END = report.markers("attention")
 CONV_BLOCK = "<!-- harness:conv:begin -->\nconv table | keep | me |\n<!-- harness:conv:end -->"
 PROSE = "# Results\n\nHand-written text.\n\n"
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "vocab": 128}
-SEQS = (64, 128, 256)
+SEQS = (128, 256)  # two lengths are enough to see eager's peak grow ~4x when S doubles
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_section_runs_tagged_models_with_memory(section_run):
     rc, data, _ = section_run
     assert rc == 0 and data["meta"]["complete"] is True
     assert data["meta"]["suite"] == "attention" and data["meta"]["memory"] is True
-    assert data["meta"]["models"] == ["bert_s64", "bert_s128", "bert_s256", "llama_s128"]
+    assert data["meta"]["models"] == ["bert_s128", "bert_s256", "llama_s128"]
     assert list(data["meta"]["contenders"]) == ["eager", "fxforge", "fxforge-attention"]
     assert data["summary"] == report.attention_summary(data["rows"])
 
