@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,9 @@ BEGIN, END = report.markers("attention")
 CONV_BLOCK = "<!-- harness:conv:begin -->\nconv table | keep | me |\n<!-- harness:conv:end -->"
 PROSE = "# Results\n\nHand-written text.\n\n"
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "vocab": 128}
+# The section's 2 threads; under pytest-xdist the worker's one (conftest.py): two threads beside the other
+# worker's fight it for the two cores.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 SEQS = (128, 256)  # two lengths are enough to see eager's peak grow ~4x when S doubles
 
 
@@ -44,7 +48,8 @@ def section_run(tmp_path_factory):
         patch.setitem(TIMED, "attention", dataclasses.replace(
             section, contenders=tuple(c for c in section.contenders if c != "torch.compile")))
         patch.setattr(suite, "SUITE", test_suite)
-        rc = main(["--suite", "attention", "--quick", "--out", str(tmp / "out"), "--markdown", str(md)])
+        rc = main(["--suite", "attention", "--quick", "--threads", str(THREADS), "--out", str(tmp / "out"),
+                   "--markdown", str(md)])
     data = json.loads((tmp / "out" / "results-attention.json").read_text(encoding="utf-8"))
     return rc, data, md.read_text(encoding="utf-8")
 
