@@ -356,7 +356,15 @@ def run(opts: argparse.Namespace) -> int:
         from benchmarks.zoo import define_torchvision_op_schemas
 
         define_torchvision_op_schemas()
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(2)
+    try:
+        return _run(opts, specs, here, elsewhere)
+    finally:
+        torch.set_num_threads(threads_before)  # an in-process run (the tests) leaves the caller's threads
+
+
+def _run(opts: argparse.Namespace, specs: dict[str, models_mod.Spec], here: list[str], elsewhere: list[str]) -> int:
     result: dict[str, Any] = {"meta": {
         "suite": NAME, "title": "Pipeline stages: fxforge's split against the even-by-layer and parameter-size "
         "splits (issue 23)", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

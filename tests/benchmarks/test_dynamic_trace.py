@@ -9,6 +9,8 @@ stand-in session.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ TINY = dynamic.ModelSize(hidden=32, layers=2, heads=2, kv_heads=1, vocab=1000)
 CALLS = 6
 FIGURES = ("setup_s", "trace_s", "trace_vs_eager", "p50_ms", "p99_ms", "warm_p99_over_p50", "per_call_vs_eager",
            "mismatches", "calls")
+# The section's 2 threads; under pytest-xdist the worker's one (conftest.py): two threads beside the other
+# worker's fight it for the two cores.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 def _trace(calls: int = CALLS) -> list[dynamic.Request]:
@@ -29,7 +34,7 @@ def _trace(calls: int = CALLS) -> list[dynamic.Request]:
 @pytest.fixture(scope="module")
 def rows():
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     try:
         model = dynamic.build_model("bert", TINY)
         return dynamic.run_model(model, _trace(), ["eager", "fxforge"], warmup_calls=2, log=lambda _: None)

@@ -168,7 +168,7 @@ def test_the_command_line_writes_its_json(tmp_path):
     assert zoo_passthrough(["--suite", "training", "--models", "a", "--quick", "--out=x", "--fractions", "0.6",
                             "--no-markdown"]) == ["--quick", "--fractions", "0.6"]
     status = main(["--suite", "training", "--quick", "--models", "gpt2", "--contenders", "eager,checkpoint",
-                   "--no-markdown", "--out", str(tmp_path)])
+                   "--threads", str(THREADS), "--no-markdown", "--out", str(tmp_path)])
     assert status == 0
     saved = json.loads((tmp_path / "results-training.json").read_text(encoding="utf-8"))
     assert saved["meta"]["complete"] and [r["contender"] for r in saved["rows"]] == ["eager", "per-block checkpoint"]
