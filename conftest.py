@@ -22,6 +22,19 @@ def _doctest_names(doctest_namespace):
 # waiting for a busy core makes every op slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _threads_left_as_found(request):
+    """A test that leaves torch on another number of threads fails by name, and the count is put back: every
+    later test on its worker would otherwise compute on that many threads beside the other worker (a benchmark
+    section that set two and kept them slowed the rest of its worker's files)."""
+    yield
+    left = torch.get_num_threads()
+    if left != _THREADS:
+        torch.set_num_threads(_THREADS)
+        pytest.fail(f"{request.node.nodeid} left torch on {left} threads (it found {_THREADS})")
 
 
 @pytest.fixture(autouse=True)

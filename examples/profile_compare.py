@@ -22,19 +22,28 @@ from examples.models import EXAMPLES
 
 
 def main(names: list[str]) -> None:
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    for name in names or ["resnet_cnn", "inception", "transformer_encoder"]:
-        model, inputs = EXAMPLES[name]()
-        before = fxforge.profile(model, inputs)
-        after = fxforge.profile(fxforge.optimize(model, inputs), inputs)
-        machine = before.machine
-        print(f"== {name}: {len(before.table)} -> {len(after.table)} nodes; roofline {machine.peak_gflops:.0f} "
-              f"GFLOP/s, {machine.bandwidth_gbs:.1f} GB/s, ridge {machine.ridge:.2f} FLOP/byte")
-        comparison = before.compare(after)
-        print(comparison.attrs["summary"])
-        print(comparison.to_string(float_format=lambda v: f"{v:.3f}"))
-        print("verdicts:", before.table["bound"].value_counts().to_dict(), "->",
-              after.table["bound"].value_counts().to_dict(), "\n")
+    try:
+        for name in names or ["resnet_cnn", "inception", "transformer_encoder"]:
+            compare(name)
+    finally:
+        torch.set_num_threads(threads)  # a caller in this process (the tests) keeps its own count
+
+
+def compare(name: str) -> None:
+    """Print the example model ``name``'s profile before and after ``fxforge.optimize``, side by side."""
+    model, inputs = EXAMPLES[name]()
+    before = fxforge.profile(model, inputs)
+    after = fxforge.profile(fxforge.optimize(model, inputs), inputs)
+    machine = before.machine
+    print(f"== {name}: {len(before.table)} -> {len(after.table)} nodes; roofline {machine.peak_gflops:.0f} "
+          f"GFLOP/s, {machine.bandwidth_gbs:.1f} GB/s, ridge {machine.ridge:.2f} FLOP/byte")
+    comparison = before.compare(after)
+    print(comparison.attrs["summary"])
+    print(comparison.to_string(float_format=lambda v: f"{v:.3f}"))
+    print("verdicts:", before.table["bound"].value_counts().to_dict(), "->",
+          after.table["bound"].value_counts().to_dict(), "\n")
 
 
 if __name__ == "__main__":
