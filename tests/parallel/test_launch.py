@@ -1,7 +1,9 @@
 """Partitioned models run on torch.distributed.pipelining with gloo, one local process per stage, and
 give the single process's outputs and gradients (fxforge/parallel/launch.py, worker.py).
 
-Each run starts k Python processes (about 10-25 s on two cores)."""
+Each run starts k Python processes (about 10-25 s on two cores), so each case runs distinct code: GPT-2 over 2
+stages with 1F1B and a loss of the user's, over 4 with GPipe and the default loss; ResNet in train mode (batch-norm
+statistics per microbatch, a residual's skip sent between stages); a loss failing on the last stage."""
 
 from __future__ import annotations
 
@@ -13,25 +15,25 @@ from fxforge.parallel.launch import microbatches_of, reference_step, run_pipelin
 from tests.training import models
 
 
-@pytest.mark.parametrize("stages,schedule", [(2, "1F1B"), (4, "GPipe")])
-def test_gpt2_through_gloo_equals_one_process(stages, schedule):
+@pytest.mark.parametrize("stages,schedule,loss_fn", [(2, "1F1B", "cube_loss"), (4, "GPipe", None)])
+def test_gpt2_through_gloo_equals_one_process(stages, schedule, loss_fn):
     model = models.gpt2(dropout=0.0, layers=4).eval()
     batch = {"input_ids": models.ids(seed=7, batch=8)}              # fresh inputs, not the planning ones
     part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, stages, microbatches=4,
                              schedule=schedule)
-    run = run_pipeline(part, batch, steps=2)
+    # a custom loss runs on the workers and the reference alike (the default is square_mean_loss)
+    run = run_pipeline(part, batch, steps=2, loss_fn=globals()[loss_fn] if loss_fn else None)
     assert run.backend == "gloo" and run.stages == stages and run.schedule == schedule
     assert run.outputs_match and run.gradients_match, str(run)
     assert run.output_error < 1e-4 and run.gradient_error < 1e-4
     assert len(run.step_seconds) == 2 and "match the single process" in str(run)
 
 
-@pytest.mark.parametrize("stages,train", [(2, True), (4, False)])
-def test_resnet_through_gloo_equals_one_process(stages, train):
-    model = models.resnet().train(train)         # train: batch-norm statistics per microbatch, as eager's
-    size = 64 if train else 32
-    part = fxforge.partition(model, (models.images(batch=16, size=size),), stages, microbatches=stages)
-    run = run_pipeline(part, (models.images(seed=3, batch=16, size=size),))
+def test_resnet_through_gloo_equals_one_process():
+    model = models.resnet().train()              # batch-norm statistics per microbatch, as eager's
+    part = fxforge.partition(model, (models.images(batch=16, size=64),), 2, microbatches=2)
+    assert ".layers.0.layer." in part.split_points[0]               # inside a residual block: the skip is sent
+    run = run_pipeline(part, (models.images(seed=3, batch=16, size=64),))
     assert run.ok, str(run)
 
 
@@ -57,11 +59,10 @@ def test_the_check_fails_when_gradients_or_outputs_differ():
     assert not compare([o + 1e-2 for o in out], one_copy).outputs_match
 
 
-def test_a_custom_loss_runs_on_the_workers_and_the_reference():
+def test_a_custom_loss_that_cannot_be_sent_or_fails_on_a_worker_is_reported():
     model = models.gpt2(dropout=0.0, layers=2).eval()
     batch = {"input_ids": models.ids(batch=4)}
-    part = fxforge.partition(model, batch, 2, microbatches=2)
-    assert run_pipeline(part, batch, loss_fn=cube_loss).ok
+    part = fxforge.partition(model, batch, 2, microbatches=2)       # a custom loss that runs: GPT-2 [2-1F1B]
     with pytest.raises(ValueError, match="loss_fn cannot be sent to the workers"):
         run_pipeline(part, batch, loss_fn=lambda out, target: out.sum())
     with pytest.raises(RuntimeError, match=r"pipeline stage 1 failed: ValueError: no loss here"):
