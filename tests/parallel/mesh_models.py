@@ -1,4 +1,6 @@
-"""Models written as users write them, for the parallel-plan tests (importable: the workers unpickle them)."""
+"""Models written as users write them, for the parallel-plan tests (importable: the workers unpickle them, and
+each worker imports the module a model's class is in: this one imports torch only, where a test module would
+bring transformers into every rank)."""
 
 from __future__ import annotations
 
@@ -36,3 +38,20 @@ class ResidualMLP(nn.Module):
 def residual_mlp(seed: int = 0, **sizes: int) -> ResidualMLP:
     torch.manual_seed(seed)
     return ResidualMLP(**sizes)
+
+
+class Features(torch.nn.Module):
+    """A user's multi-output network: the head's answer and two earlier blocks' features."""
+
+    def __init__(self, width: int = 48):
+        super().__init__()
+        self.stem = torch.nn.Linear(8, width)
+        self.block1 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+        self.block2 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+        self.block3 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        f1 = self.block1(self.stem(x))
+        f2 = self.block2(f1)
+        return {"logits": self.head(self.block3(f2)), "f1": f1, "f2": f2}

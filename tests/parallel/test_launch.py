@@ -1,7 +1,10 @@
 """Partitioned models run on torch.distributed.pipelining with gloo, one local process per stage, and
 give the single process's outputs and gradients (fxforge/parallel/launch.py, worker.py).
 
-Each run starts k Python processes (about 10-25 s on two cores)."""
+Each run starts k Python processes (about 10-25 s on two cores), so each runs distinct code: GPT-2 over 4 stages
+with GPipe and the default loss (its tied embedding on the first and the last stage); LLaMA over 2 with 1F1B and a
+loss of the user's (its rotary embedding as GradFree); ResNet in train mode (batch-norm statistics per microbatch, a
+residual's skip sent between stages); a loss failing on the last stage."""
 
 from __future__ import annotations
 
@@ -10,37 +13,59 @@ import torch
 
 import fxforge
 from fxforge.parallel.launch import microbatches_of, reference_step, run_pipeline, square_mean_loss
+from fxforge.parallel.restructure import GradFree, no_grad_forward
+from fxforge.runtime.roofline import Machine
 from tests.training import models
 
 
-@pytest.mark.parametrize("stages,schedule", [(2, "1F1B"), (4, "GPipe")])
-def test_gpt2_through_gloo_equals_one_process(stages, schedule):
+@pytest.fixture(scope="module")
+def small_gpt2():
+    """Two-layer GPT-2, a batch of 4 and its 2-stage partition (2 microbatches), for the tests that check errors."""
+    model = models.gpt2(dropout=0.0, layers=2).eval()
+    batch = {"input_ids": models.ids(batch=4)}
+    return model, batch, fxforge.partition(model, batch, 2, microbatches=2)
+
+
+def test_gpt2_through_gloo_equals_one_process():
     model = models.gpt2(dropout=0.0, layers=4).eval()
     batch = {"input_ids": models.ids(seed=7, batch=8)}              # fresh inputs, not the planning ones
-    part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, stages, microbatches=4,
-                             schedule=schedule)
-    run = run_pipeline(part, batch, steps=2)
-    assert run.backend == "gloo" and run.stages == stages and run.schedule == schedule
+    part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, 4, microbatches=4, schedule="GPipe")
+    run = run_pipeline(part, batch, steps=2)                        # the tied embedding on the first and last stage
+    assert run.backend == "gloo" and run.stages == 4 and run.schedule == "GPipe"
     assert run.outputs_match and run.gradients_match, str(run)
     assert run.output_error < 1e-4 and run.gradient_error < 1e-4
     assert len(run.step_seconds) == 2 and "match the single process" in str(run)
 
 
-@pytest.mark.parametrize("stages,train", [(2, True), (4, False)])
-def test_resnet_through_gloo_equals_one_process(stages, train):
-    model = models.resnet().train(train)         # train: batch-norm statistics per microbatch, as eager's
-    size = 64 if train else 32
-    part = fxforge.partition(model, (models.images(batch=16, size=size),), stages, microbatches=stages)
-    run = run_pipeline(part, (models.images(seed=3, batch=16, size=size),))
+def test_llama_through_gloo_with_the_users_loss_equals_one_process():
+    """LLaMA, whose rotary embedding runs under no_grad in transformers <= 5.23, split as GradFree
+    (fxforge/parallel/restructure.py); the user's loss runs on the last stage and in the reference alike."""
+    model = models.llama().eval()
+    part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, 2, microbatches=4, schedule="1F1B")
+    if no_grad_forward(model.model.rotary_emb) is not None:
+        assert isinstance(part.pipeline_model.model.rotary_emb, GradFree)
+    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"   # the model is left as it was
+    run = run_pipeline(part, {"input_ids": models.ids(seed=4, batch=8)}, steps=2, loss_fn=cube_loss)
+    assert run.backend == "gloo" and run.stages == 2 and run.schedule == "1F1B"
+    assert run.outputs_match and run.gradients_match, str(run)
+    assert run.output_error < 1e-4 and run.gradient_error < 1e-4
+    assert len(run.step_seconds) == 2
+
+
+def test_resnet_through_gloo_equals_one_process():
+    model = models.resnet().train()              # batch-norm statistics per microbatch, as eager's
+    # A fixed machine: the roofline costs, and so the split, do not move with the load.
+    part = fxforge.partition(model, (models.images(batch=16, size=64),), 2, microbatches=2,
+                             machine=Machine("cpu", 150.0, 25.0, "fixed"))
+    assert ".layers.0.layer." in part.split_points[0]               # inside a residual block: the skip is sent
+    run = run_pipeline(part, (models.images(seed=3, batch=16, size=64),))
     assert run.ok, str(run)
 
 
-def test_the_check_fails_when_gradients_or_outputs_differ():
+def test_the_check_fails_when_gradients_or_outputs_differ(small_gpt2):
     from fxforge.parallel import launch
 
-    model = models.gpt2(dropout=0.0, layers=2).eval()
-    batch = {"input_ids": models.ids(batch=4)}
-    part = fxforge.partition(model, batch, 2, microbatches=2)
+    model, batch, part = small_gpt2
     out, grads, _ = reference_step(model, (), batch, 2, square_mean_loss)
 
     def compare(output, gradients):
@@ -57,11 +82,8 @@ def test_the_check_fails_when_gradients_or_outputs_differ():
     assert not compare([o + 1e-2 for o in out], one_copy).outputs_match
 
 
-def test_a_custom_loss_runs_on_the_workers_and_the_reference():
-    model = models.gpt2(dropout=0.0, layers=2).eval()
-    batch = {"input_ids": models.ids(batch=4)}
-    part = fxforge.partition(model, batch, 2, microbatches=2)
-    assert run_pipeline(part, batch, loss_fn=cube_loss).ok
+def test_a_custom_loss_that_cannot_be_sent_or_fails_on_a_worker_is_reported(small_gpt2):
+    _, batch, part = small_gpt2                                     # a custom loss that runs: GPT-2 [2-1F1B]
     with pytest.raises(ValueError, match="loss_fn cannot be sent to the workers"):
         run_pipeline(part, batch, loss_fn=lambda out, target: out.sum())
     with pytest.raises(RuntimeError, match=r"pipeline stage 1 failed: ValueError: no loss here"):

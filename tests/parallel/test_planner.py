@@ -48,15 +48,14 @@ def test_the_figures_follow_the_mesh(plan):
     assert rows.loc["tp2", "comm_bytes"] < rows.loc["dp2", "comm_bytes"]
 
 
-def test_a_mesh_over_the_memory_is_refused_with_the_figure():
+def test_a_mesh_over_the_memory_is_refused_with_the_figure(plan):
     model, batch = residual_mlp(), (torch.randn(8, 64),)
-    roomy = fxforge.parallelize(model, batch, devices=2, link=LINK, pipeline=False)
-    need = roomy.candidates.set_index("strategy").memory_per_device
+    need = plan.candidates.set_index("strategy").memory_per_device       # the same model, no cap
     cap = int((need["dp2"] + need["fsdp2"]) / 2)                        # fsdp fits, dp does not
-    plan = fxforge.parallelize(model, batch, devices=2, memory_per_device=cap, link=LINK, pipeline=False)
-    rows = plan.candidates.set_index("strategy")
+    capped = fxforge.parallelize(model, batch, devices=2, memory_per_device=cap, link=LINK, pipeline=False)
+    rows = capped.candidates.set_index("strategy")
     assert not rows.loc["dp2", "fits"] and "per device, over the" in rows.loc["dp2", "reason"]
-    assert plan.chosen.fits and plan.chosen.memory_per_device <= cap
+    assert capped.chosen.fits and capped.chosen.memory_per_device <= cap
     with pytest.raises(ValueError, match=r"nothing fits in 1.0 KiB per device; the smallest need is"):
         fxforge.parallelize(model, batch, devices=2, memory_per_device=1024, link=LINK, pipeline=False)
 

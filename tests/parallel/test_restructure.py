@@ -1,6 +1,6 @@
 """The model as torch.distributed.pipelining runs it (fxforge/parallel/restructure.py): torch.no_grad()
-submodules as GradFree, shared parameters, the model left as it was; and LLaMA, whose rotary embedding
-runs under no_grad, split and run on gloo like the single process."""
+submodules as GradFree, shared parameters, the model left as it was. LLaMA, whose rotary embedding runs under
+no_grad, split and run on gloo like the single process: test_launch.py (one launch for it and the user's loss)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import pytest
 import torch
 from torch.distributed.pipelining import SplitPoint
 
-import fxforge
 from fxforge.parallel.engine import build_pipe
-from fxforge.parallel.launch import run_pipeline
 from fxforge.parallel.restructure import (
     GradFree,
     no_grad_forward,
@@ -18,7 +16,6 @@ from fxforge.parallel.restructure import (
     pipeline_ready,
     replace_submodules,
 )
-from tests.training import models
 
 
 class Positions(torch.nn.Module):
@@ -91,13 +88,3 @@ def test_a_stage_sends_contiguous_tensors():
     assert sent.is_contiguous() and sent.shape == (2, 6, 4)
     received = next(iter(pipe.get_stage_module(1).graph.find_nodes(op="placeholder")))
     assert received.meta["val"].is_contiguous()
-
-
-def test_llama_is_split_and_runs_on_gloo_like_one_process():
-    model = models.llama().eval()
-    part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, 2, microbatches=4)
-    if no_grad_forward(model.model.rotary_emb) is not None:   # transformers <= 5.23 runs it under no_grad
-        assert isinstance(part.pipeline_model.model.rotary_emb, GradFree)
-    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
-    run = run_pipeline(part, {"input_ids": models.ids(seed=4, batch=8)})
-    assert run.ok, str(run)

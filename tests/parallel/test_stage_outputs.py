@@ -14,23 +14,7 @@ import fxforge
 from fxforge.parallel.engine import first_failing_stage
 from fxforge.parallel.launch import run_pipeline
 from fxforge.parallel.stage_outputs import outputs_from_last_stage
-
-
-class Features(torch.nn.Module):
-    """A user's multi-output network: the head's answer and two earlier blocks' features."""
-
-    def __init__(self, width: int = 48):
-        super().__init__()
-        self.stem = torch.nn.Linear(8, width)
-        self.block1 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-        self.block2 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-        self.block3 = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-        self.head = torch.nn.Linear(width, 3)
-
-    def forward(self, x):
-        f1 = self.block1(self.stem(x))
-        f2 = self.block2(f1)
-        return {"logits": self.head(self.block3(f2)), "f1": f1, "f2": f2}
+from tests.parallel.mesh_models import Features
 
 
 def test_values_from_earlier_stages_are_handed_on_in_the_output_order():

@@ -2,7 +2,9 @@
 (float64, every rank simulated in one process by ``LocalTensorMode``), and the collectives counted equal those
 predicted from the graph, byte for byte.
 
-LLaMA and GPT-2 here, BERT, T5 and ViT in ``test_tp_build_hf.py``; user-written models too.
+LLaMA and GPT-2 here, BERT, T5 and ViT in ``test_tp_build_hf.py``; user-written models too. LLaMA runs at degrees 2
+and 4 (its key/value heads follow the degree); GPT-2 and the user models at 4 only: the same derivation and build as
+at 2, with one head per rank and four shards whose offsets a rank-indexing slip at 2 would not show.
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ def test_llama_without_sequence_parallel(fake_world):
     assert {c.kind for c in counted} == {"all_reduce", "all_gather"}
 
 
-@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_gpt2_tied_embeddings(fake_world):
     model, inputs = transformers_model("gpt2")
     plan, _ = check(model, inputs, fake_world)
     assert plan.styles["lm_head"] == plan.styles["transformer.wte"] == "vocab"
 
 
-@pytest.mark.parametrize("fake_world", [2, 4], indirect=True)
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_user_models(fake_world):
     check(MLP(), (torch.randn(4, 16),), fake_world)
     plan, _ = check(nn.Sequential(Attention(), Attention(), nn.LayerNorm(32)), (torch.randn(2, 8, 32),), fake_world)
