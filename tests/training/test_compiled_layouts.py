@@ -120,7 +120,7 @@ def test_a_fresh_process_plans_a_model_with_max_pooling():
     import sys
 
     # 100 % of the model's own activations: the decomposed step holds more and recomputes to fit. Unchecked:
-    # the trace is what failed, and a measured step would compile its plan twice more.
+    # the trace is what failed, and the check would measure the plan and may plan and compile it again.
     program = (
         "import torch, fxforge\n"
         "m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),\n"
