@@ -212,7 +212,7 @@ class CheckpointedModule(torch.nn.Module):
         self._unplannable: set[tuple] = set()
         self._references: dict[tuple, int] = {}
         self._captures: dict[tuple, torch.fx.GraphModule] = {}
-        self._tried: dict[tuple, dict] = {}  # per capture: the partitions the plans simulated (plan_step's tried)
+        self._tried: dict[tuple, dict] = {}  # per capture: the partitions simulated (plan_step's tried), offered
         self.plans = 0
         self.plan: CheckpointPlan | None = None
         args, kwargs = normalize_inputs(example_inputs)
@@ -369,12 +369,18 @@ class CheckpointedModule(torch.nn.Module):
         persistent = (unique_bytes(self.model.parameters()) + unique_bytes(self.model.buffers())
                       + unique_bytes(tensor_leaves((args, kwargs))) + opt.state_bytes)
         chosen: dict[str, CheckpointPlan] = {}
+        offers = self._tried.setdefault((key, "offers"), {})
+
+        def offered(step):  # Inductor's partitions of this joint graph: made once per build, not once per plan
+            from fxforge.training.inductor_partitions import mincut_candidates
+
+            if "sets" not in offers:
+                offers["sets"] = mincut_candidates(step)
+            return offers["sets"]
 
         def choose(step):
             loss_bytes = loss_peak_bytes(self.loss, step) if self.loss is not None else None
-            candidates = None
-            if self.compiled:
-                from fxforge.training.inductor_partitions import mincut_candidates as candidates
+            candidates = offered if self.compiled else None
             chosen["plan"] = plan_step(step, self.memory_budget, persistent_bytes=persistent,
                                        optimizer_step_bytes=opt.step_peak_bytes, loss_bytes=loss_bytes,
                                        fused=self.compiled, candidates=candidates,

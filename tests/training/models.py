@@ -58,10 +58,10 @@ def conv_bn(layers: int = 4, width: int = 16, activation: type = torch.nn.ReLU) 
     return torch.nn.Sequential(*blocks).train()
 
 
-def vit() -> torch.nn.Module:
+def vit(layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     return transformers.ViTModel(transformers.ViTConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+        hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, image_size=32,
         patch_size=8)).train()
 
 

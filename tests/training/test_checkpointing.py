@@ -35,7 +35,8 @@ def test_a_malformed_budget_is_refused_with_the_value(bad):
 
 def test_the_peak_falls_with_the_budget_and_always_fits():
     model, x = gpt2(dropout=0.0, layers=4), ids(0, seq=128)
-    plans = [plan_checkpointing(model, (x,), f"{f}%") for f in (100, 80, 60, 45)]
+    # By simulation, unchecked: a measured step's re-plans are test_module.py's.
+    plans = [plan_checkpointing(model, (x,), f"{f}%", check=False) for f in (100, 80, 60, 45)]
     assert plans[0].recomputed == [] and plans[0].overhead == 0
     for plan in plans:
         assert plan.predicted_activation_peak_bytes <= plan.budget_bytes, str(plan)
@@ -60,7 +61,7 @@ def test_the_descent_on_the_simulation_fits_where_the_bisection_and_the_patterns
     monkeypatch.setattr(checkpointing, "_search", stalled)
     monkeypatch.setattr(checkpointing, "_greedy", lambda *args: None)
     model, x = gpt2(dropout=0.0, layers=4), ids(0, seq=128)
-    plan = plan_checkpointing(model, (x,), "97%")  # nothing recomputed is 3 % over: within the margin
+    plan = plan_checkpointing(model, (x,), "97%", check=False)  # nothing recomputed is 3 % over: within the margin
     assert plan.solver.startswith("descent on the simulation")
     assert plan.recomputed and plan.predicted_activation_peak_bytes <= plan.budget_bytes
     fits = [f for _, _, f in plan.rounds]
@@ -68,14 +69,14 @@ def test_the_descent_on_the_simulation_fits_where_the_bisection_and_the_patterns
     assert not any(fits[:first]) and all(fits[first:]) and len(fits) - first <= 2
     # A budget far from the closest choice is refused without a descent.
     with pytest.raises(BudgetError, match="below what recomputation reached"):
-        plan_checkpointing(model, (x,), "70%")
+        plan_checkpointing(model, (x,), "70%", check=False)
 
 
 def test_a_budget_in_bytes_caps_the_whole_step():
     model, x = resnet(), images(0, batch=8)
-    free = plan_checkpointing(model, (x,), "100%")
+    free = plan_checkpointing(model, (x,), "100%", check=False)
     cap = int(free.unconstrained_peak_bytes * 0.85)
-    plan = plan_checkpointing(model, (x,), cap)
+    plan = plan_checkpointing(model, (x,), cap, check=False)
     assert plan.budget_kind == "bytes" and plan.predicted_peak_bytes <= cap < plan.unconstrained_peak_bytes
     assert plan.recomputed
 

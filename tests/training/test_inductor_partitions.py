@@ -8,7 +8,7 @@ import torch
 
 from fxforge.core.costs import node_seconds
 from fxforge.runtime.roofline import measure_machine
-from fxforge.training import checkpointing
+from fxforge.training import checkpointing, inductor_partitions
 from fxforge.training.checkpointing import plan_step
 from fxforge.training.compiled import inductor_decompositions
 from fxforge.training.eager_graph import eager_like_graph
@@ -27,11 +27,22 @@ def _traced(model: torch.nn.Module, x: torch.Tensor):
 
 @pytest.fixture(scope="module")
 def gpt2_step():
-    return _traced(gpt2(dropout=0.1), ids(0))
+    return _traced(gpt2(dropout=0.1, layers=1), ids(0))
 
 
-def test_the_default_min_cut_recomputes_elementwise_ops_never_a_random_one(gpt2_step):
-    sets = mincut_recomputations(gpt2_step)
+@pytest.fixture(scope="module")
+def gpt2_sets(gpt2_step):
+    """Inductor's partitions of the GPT-2 step at the default budgets (a min cut each, seconds)."""
+    return mincut_recomputations(gpt2_step)
+
+
+def _offering(monkeypatch, sets):
+    """:func:`mincut_candidates` labels ``sets`` (computed once by the test) rather than partitioning again."""
+    monkeypatch.setattr(inductor_partitions, "mincut_recomputations", lambda step, budgets=None: sets)
+
+
+def test_the_default_min_cut_recomputes_elementwise_ops_never_a_random_one(gpt2_step, gpt2_sets):
+    sets = gpt2_sets
     by_name = {n.name: n for n in gpt2_step.joint.graph.nodes}
     forward = {n.name for n in gpt2_step.forward_nodes()}
     assert sets.get(1.0)
@@ -44,8 +55,10 @@ def test_the_default_min_cut_recomputes_elementwise_ops_never_a_random_one(gpt2_
     assert len({frozenset(s) for s in sets.values()}) == len(sets)
 
 
-def test_the_offers_are_labelled_with_their_budget(gpt2_step):
+def test_the_offers_are_labelled_with_their_budget(monkeypatch, gpt2_step, gpt2_sets):
+    _offering(monkeypatch, gpt2_sets)
     labels = list(mincut_candidates(gpt2_step))
+    assert len(labels) == len(gpt2_sets)
     assert labels[0] == "Inductor's min-cut partition (activation_memory_budget 1), simulated"
     assert all(label.startswith("Inductor's min-cut partition (activation_memory_budget ") for label in labels)
 
@@ -53,12 +66,13 @@ def test_the_offers_are_labelled_with_their_budget(gpt2_step):
 def test_an_offer_that_fits_is_taken_when_the_search_finds_nothing(monkeypatch):
     """With the MILP's search stalled, a budget that one of the offers meets by simulation is met by it (and
     the plan says which); the budget is set at the lowest simulated activation peak among the offers."""
-    step = _traced(vit(), images(0, batch=8))
+    step = _traced(vit(layers=1), images(0, batch=8))
     base = simulate_step(step).activation_peak_bytes
-    peaks = {budget: simulate_step(step.repartition(names)).activation_peak_bytes
-             for budget, names in mincut_recomputations(step).items()}
+    sets = mincut_recomputations(step)
+    peaks = {budget: simulate_step(step.repartition(names)).activation_peak_bytes for budget, names in sets.items()}
     lowest = min(peaks.values())
     assert lowest < base
+    _offering(monkeypatch, sets)
     monkeypatch.setattr(checkpointing, "_search", lambda *args, **kwargs: None)
     plan = plan_step(step, min(1.0, (lowest + 1) / base), fused=True, candidates=mincut_candidates)
     assert plan.solver.startswith("Inductor's min-cut partition (activation_memory_budget ")
