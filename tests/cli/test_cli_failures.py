@@ -128,7 +128,7 @@ def test_a_model_file_that_calls_sys_exit_on_import_is_one_line_and_exit_1(tmp_p
 INTERRUPTED_STAGES = {
     "capture": ("fxforge.capture.model", "trace_with_leaves"),
     "torch.export": ("torch.export", "export"),
-    "torch.onnx": ("torch.onnx", "export"),
+    "torch.onnx": ("torch.onnx._internal.exporter._core", "export"),  # what fxforge.exporters.torch_onnx calls
     "onnx checker": ("onnx.checker", "check_model"),
     "ONNX Runtime session": ("onnxruntime", "InferenceSession"),
 }
