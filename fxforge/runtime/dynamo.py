@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -68,6 +69,13 @@ def one_graph_needed(model_name: str, what: str, breaks: list[Break]) -> str:
     return f"{what} holds one graph, and {model_name} runs as graphs between breaks: {cuts}"
 
 
+# One call through TorchDynamo at a time, in this process: a guard that failed in several threads at once (a
+# BatchNorm eps changed) had them compile together, which TorchDynamo does not support, and one thread ran a
+# graph with the old eps (the fuzz suite's threaded calls of a model with a break). Its kernels still use the
+# intra-op threads; only callers of models with breaks wait for each other.
+_DYNAMO_CALLS = threading.RLock()
+
+
 class DynamoRunner:
     """Runs ``forward`` (the model's) under TorchDynamo, each graph through an optimized module of its own.
 
@@ -103,6 +111,10 @@ class DynamoRunner:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         if self.failed:
             return self.forward(*args, **kwargs)
+        with _DYNAMO_CALLS:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         mark, skipped = break_mark(), dynamo_config.skip_nnmodule_hook_guards
         self.ran = []
         dynamo_config.skip_nnmodule_hook_guards = False  # a hook added later is the model's: guard on hooks
