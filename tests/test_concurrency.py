@@ -1,10 +1,11 @@
-"""Threads: concurrent first calls, concurrent optimizations with their own tuning policies, and optimized
+"""Threads: concurrent first calls, concurrent optimizations with their own tuning policies, optimized
 modules that keep running while another thread captures a model (torch.fx patches nn.Module process-wide
-while it traces)."""
+while it traces), and models with graph breaks built in two threads at once (no lock taken in two orders)."""
 
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 
 import torch
@@ -37,8 +38,9 @@ def inference(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module(x)
 
 
-def run_together(*jobs) -> list:
-    """Run the jobs in threads released at once; re-raise the first error with its traceback."""
+def run_together(*jobs, timeout: float = 300) -> list:
+    """Run the jobs in threads released at once; re-raise the first error with its traceback. A job still
+    running after ``timeout`` seconds fails the test (a deadlock; its daemon thread is left behind)."""
     barrier, results, errors = threading.Barrier(len(jobs)), [None] * len(jobs), []
 
     def run(i, job):
@@ -48,11 +50,13 @@ def run_together(*jobs) -> list:
         except BaseException:  # noqa: BLE001 - reported below
             errors.append(traceback.format_exc())
 
-    threads = [threading.Thread(target=run, args=(i, job)) for i, job in enumerate(jobs)]
+    threads = [threading.Thread(target=run, args=(i, job), daemon=True) for i, job in enumerate(jobs)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + timeout
     for thread in threads:
-        thread.join(timeout=300)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), f"a job still runs after {timeout} s: a deadlock"
     assert not errors, errors[0]
     return results
 
@@ -141,3 +145,38 @@ def _copy_relu(gm, ctx):
                 copy = gm.graph.call_method("clone", (node.args[0],))
             node.replace_input_with(node.args[0], copy)
             ctx.matched("relu of a copy", [node])
+
+
+class Breaking(nn.Module):
+    """A data-dependent ``if``: TorchDynamo runs it as two graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        if y.sum() > 0:
+            y = y * 2
+        return self.b(y)
+
+
+def test_models_with_breaks_build_in_two_threads_at_once_without_waiting_for_each_other():
+    """optimize's prepare runs a model with breaks inside isolated() (RNG lock, then TorchDynamo's), while a
+    call of another one builds a graph's plan, which verifies inside isolated() (TorchDynamo's, then RNG): with
+    two locks each thread held one and waited for the other forever (a CI run hung)."""
+    torch.manual_seed(0)
+    nets = [Breaking().eval(), Breaking().eval()]
+    opts = [fxforge.optimize(net, (torch.randn(2, 8),), target="native") for net in nets]
+    sizes = range(3, 7)
+
+    def prepare_new_sizes() -> None:
+        for size in sizes:
+            opts[0].prepare(torch.randn(size, 8))
+
+    def call_new_sizes() -> list:
+        return [(x, inference(opts[1], x)) for x in (torch.randn(size + 10, 8) for size in sizes)]
+
+    _, calls = run_together(prepare_new_sizes, call_new_sizes, timeout=120)
+    for x, out in calls:
+        torch.testing.assert_close(out, inference(nets[1], x), rtol=1e-4, atol=1e-5)

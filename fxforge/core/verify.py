@@ -142,8 +142,10 @@ def compare_outputs(reference: Any, actual: Any, *, rtol_scale: float = 1.0) -> 
 
 _SNAPSHOTS = Snapshots()
 # The RNG is one per process: a thread inside isolated() owns it until it leaves (reentrant, so isolated
-# blocks nest), so two threads verifying at once each draw the numbers of their own seed.
-_RNG_LOCK = threading.RLock()
+# blocks nest), so two threads verifying at once each draw the numbers of their own seed. Calls through
+# TorchDynamo take the same lock (fxforge.runtime.dynamo): a graph's first call builds a plan, which verifies
+# inside isolated(), and isolated() blocks run models with breaks, so two locks would be taken in both orders.
+RNG_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -166,7 +168,7 @@ def isolated(*modules: torch.nn.Module, seed: int = 0, inputs: Any = None) -> It
     """
     saved = _SNAPSHOTS.take(modules) + (_SNAPSHOTS.take_inputs(inputs) if inputs is not None else [])
     devices = [t.device for t, _, _ in saved if t.device.type == "cuda"]
-    with _RNG_LOCK, torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
+    with RNG_LOCK, torch.random.fork_rng(devices=sorted({d.index or 0 for d in devices}) or None):
         torch.manual_seed(seed)
         try:
             yield

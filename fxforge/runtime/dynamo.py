@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -51,7 +50,7 @@ from fxforge.capture.dynamo import (
 from fxforge.capture.model import describe_failure
 from fxforge.core.breaks import Break, distinct
 from fxforge.core.report import Report
-from fxforge.core.verify import isolated
+from fxforge.core.verify import RNG_LOCK, isolated
 from fxforge.core.vocabulary import has_hooks
 from fxforge.runtime.fallbacks import FallbackWarning, caller_stacklevel
 from fxforge.runtime.native import OptimizedModule
@@ -72,8 +71,10 @@ def one_graph_needed(model_name: str, what: str, breaks: list[Break]) -> str:
 # One call through TorchDynamo at a time, in this process: a guard that failed in several threads at once (a
 # BatchNorm eps changed) had them compile together, which TorchDynamo does not support, and one thread ran a
 # graph with the old eps (the fuzz suite's threaded calls of a model with a break). Its kernels still use the
-# intra-op threads; only callers of models with breaks wait for each other.
-_DYNAMO_CALLS = threading.RLock()
+# intra-op threads. The lock is isolated()'s (RNG_LOCK): a call here may build a graph's plan, which verifies
+# inside isolated(), and an isolated() block may call a model with breaks (optimize's prepare, a check against
+# eager): with a lock of its own, two threads taking the two in opposite orders waited for each other forever.
+_DYNAMO_CALLS = RNG_LOCK
 
 
 class DynamoRunner:
