@@ -40,9 +40,10 @@ notebooks: $(VENV)/.installed-notebooks
 	$(PY) examples/notebooks/execute.py
 
 # Two workers, one per core (each computes on one thread: conftest.py); a file's tests stay on one worker,
-# so its module-scoped fixtures are built once.
+# so its module-scoped fixtures are built once. A worker that dies (a test past its timeout) ends the run with
+# that test named: pytest-xdist 3.8's loadfile scheduling can wait forever for a replacement worker.
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
 
 # The differential fuzz suite at its long profile (250 programs per property; `make test` runs 12).
 fuzz: $(VENV)/.installed-dev
