@@ -61,6 +61,8 @@ class Break:
         fix: the usual way to remove it.
         code: that line's code.
         detail: dynamo's own first line about it.
+        origin: ``file:line`` as the code object names it, whatever the current directory (``line`` is shortened
+            to the directory current when the break was seen): what tells two records of one break apart.
 
     Example:
         >>> print(Break("m.py:7", "calls print()", "remove the print", "print(x)"))
@@ -72,6 +74,7 @@ class Break:
     fix: str
     code: str = ""
     detail: str = ""
+    origin: str = dataclasses.field(default="", compare=False)
 
     def __str__(self) -> str:
         return f"{self.line}" + (f" ({self.code})" if self.code else "") + f": {self.reason}; fix: {self.fix}"
@@ -93,20 +96,24 @@ def explain_break(dynamo_reason: str, filename: str, lineno: int, code: str = ""
             break
     else:
         reason, fix = f"dynamo cannot trace it ({detail})", _OTHER_FIX
-    return Break(format_location(filename, lineno), reason, fix, (code or "").strip(), detail)
+    return Break(format_location(filename, lineno), reason, fix, (code or "").strip(), detail,
+                 origin=f"{os.path.abspath(filename)}:{lineno}")
 
 
 def distinct(breaks: list[Break]) -> list[Break]:
-    """``breaks`` without repeats (a loop breaks at the same line on every iteration), in order.
+    """``breaks`` without repeats (a loop breaks at the same line on every iteration; a break seen again after
+    the current directory changed, its ``line`` shortened otherwise), in order.
 
     Example:
         >>> b = Break("m.py:2", "r", "f")
         >>> distinct([b, b, Break("m.py:3", "r", "f")]) == [b, Break("m.py:3", "r", "f")]
         True
+        >>> len(distinct([Break("m.py:2", "r", "f", origin="/a/m.py:2"), Break("/a/m.py:2", "r", "f", origin="/a/m.py:2")]))
+        1
     """
     seen: dict[tuple[str, str], Break] = {}
     for item in breaks:
-        seen.setdefault((_same_file(item.line), item.reason), item)
+        seen.setdefault((item.origin or _same_file(item.line), item.reason), item)
     return list(seen.values())
 
 

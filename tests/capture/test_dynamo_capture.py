@@ -137,3 +137,14 @@ def test_a_break_in_a_loop_is_named_from_dynamos_compilation_metrics():
     found = capture_dynamo(Loop().eval(), (torch.randn(2, 4),))
     assert [b.code for b in found.breaks] == ["if x.sum() > 100:"]
     assert "dynamo runs forward() in Python (a break inside a loop)" in found.breaks[0].reason
+
+
+def test_a_break_seen_again_from_another_directory_is_one_break(tmp_path, monkeypatch):
+    """A break's line is shortened to the directory current when it was seen: the same break met again after a
+    chdir (the CLI's tests write into a temporary directory) is still one break, not one per spelling."""
+    first = capture_dynamo(Branchy().eval(), (torch.randn(3, 4),))
+    monkeypatch.chdir(tmp_path)
+    torch._dynamo.reset()  # (dynamo meets the break anew, and names it from the new directory)
+    again = capture_dynamo(Branchy().eval(), (torch.randn(3, 4),))
+    assert [b.code for b in again.breaks] == ["if h.sum() > 0:"], [b.line for b in again.breaks]
+    assert again.breaks[0].line == first.breaks[0].line  # (the first record kept)
