@@ -53,7 +53,8 @@ class CheckpointPlan:
             optimization (convolutions in channels-last); None for the op-by-op runner.
         compile_record: for ``target="inductor"``, what the compilers chose, counted as AOTAutograd compiles
             each graph (the backward at the step's first backward): ``"onednn_matmuls"``, the matrix products
-            run on oneDNN (:func:`~fxforge.lowering.gemm.route_matmuls`); None for the op-by-op runner.
+            run on oneDNN (:func:`~fxforge.lowering.gemm.route_matmuls`), and ``"convolutions"``; None for the
+            op-by-op runner.
 
     Example:
         >>> from fxforge.training import plan_checkpointing

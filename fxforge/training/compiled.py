@@ -100,6 +100,9 @@ def _inductor(is_backward: bool, layout_optimization: bool, record: dict[str, in
         routed = route_matmuls(gm)
         if record is not None:
             record["onednn_matmuls"] = record.get("onednn_matmuls", 0) + routed
+            # (what Inductor's layout optimization looks for: a graph without one compiles the same either way)
+            record["convolutions"] = record.get("convolutions", 0) + len(gm.graph.find_nodes(
+                op="call_function", target=torch.ops.aten.convolution.default))
         gm.graph.output_node().meta["user_visible_output_idxs"] = _visible_outputs(gm, is_backward)
         with config.patch({**INDUCTOR_CONFIG, "layout_optimization": layout_optimization}):
             return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
@@ -133,7 +136,8 @@ def inductor_compilers(layout_optimization: bool = False, record: dict[str, int]
 
     Args:
         layout_optimization: Inductor's ``layout_optimization`` setting.
-        record: where given, ``record["onednn_matmuls"]`` counts the products the two graphs run on oneDNN.
+        record: where given, ``record["onednn_matmuls"]`` counts the products the two graphs run on oneDNN, and
+            ``record["convolutions"]`` their convolutions.
 
     Example:
         >>> forward, backward = inductor_compilers(layout_optimization=True)

@@ -8,12 +8,12 @@ run in the boxed calling convention, so each input (a saved activation) is freed
 plan's simulation assumes. With ``target="inductor"`` Inductor compiles the same two graphs instead
 (:mod:`fxforge.training.compiled`): the plan's saved values, fused kernels.
 
-It is the model, not a snapshot: the parameters are the model's own (an optimizer stepping them is seen
-by the next call; a parameter replaced by another tensor re-plans), buffers (batch-norm statistics) are
-updated as in eager, and in eval mode or without grad the model runs eagerly (there is no backward to plan
-for). Inputs of another signature (shapes, dtypes, which require grad) get a plan of their own; where no
-plan fits the budget for them, they run eagerly after one warning that says why. Outputs come back in the model's structure. Random ops are never recomputed, so dropout's masks are
-drawn once, in the forward.
+It is the model, not a snapshot: the parameters are the model's own (an optimizer stepping them is seen by the next
+call; a parameter replaced by another tensor re-plans), buffers (batch-norm statistics) are updated as in eager, and
+in eval mode or without grad the model runs eagerly (there is no backward to plan for). Inputs of another signature
+(shapes, dtypes, which require grad) get a plan of their own; where no plan fits the budget for them, they run
+eagerly after one warning that says why. Outputs come back in the model's structure. Random ops are never
+recomputed, so dropout's masks are drawn once, in the forward.
 
 Example:
     >>> layers = [m for _ in range(8) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())]
@@ -177,19 +177,19 @@ class CheckpointedModule(torch.nn.Module):
     ``check`` (on by default): on CPU, each plan is measured on one real step of the example inputs (forward,
     that loss or the sum of the outputs, backward; through the CPU allocator's records,
     :mod:`fxforge.runtime.allocator`), with the parameters, buffers, gradients (the inputs' too) and random
-    state restored after it. Where the step holds more than the
-    budget (Inductor's kernels hold buffers the plan's ATen graphs do not; a convolution's backward has
-    scratch the simulation does not model), the plan is made again with what it held beyond its simulation
-    kept back from the budget (:func:`next_margin`: more again where that grew from one plan to the next), up to
-    :data:`CHECK_REPLANS` times; where none fits, the one measured least over is kept, with a warning that
-    says by how much. Where the first plan's step holds less than its simulation (by :data:`GIVE_BACK_MIN` of
-    the budget or more), it is planned once more with that difference added to the budget, and the new plan
-    is kept where it recomputes less and its own measured step fits. Compiled (``target="inductor"``), the checked plan compiles with Inductor's
-    layout optimization (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate);
-    where no plan fits with it, the step is planned and checked again without it (as without the check), and
-    where neither fits, the closer of the two is kept.
-    The plan's ``measured_bytes`` is the measured figure. Not on CUDA yet, nor while ``torch.profiler`` records.
-    Its ``training`` flag is the model's: ``model.eval()`` makes calls plain forwards here too.
+    state restored after it. Where the step holds more than the budget (Inductor's kernels hold buffers the plan's
+    ATen graphs do not; a convolution's backward has scratch the simulation does not model), the plan is made again
+    with what it held beyond its simulation kept back from the budget (:func:`next_margin`: more again where that grew
+    from one plan to the next), up to :data:`CHECK_REPLANS` times; where none fits, the one measured least over is
+    kept, with a warning that says by how much. Where the first plan's step holds less than its simulation (by
+    :data:`GIVE_BACK_MIN` of the budget or more), it is planned once more with that difference added to the budget,
+    and the new plan is kept where it recomputes less and its own measured step fits. Compiled
+    (``target="inductor"``), the checked plan compiles with Inductor's layout optimization
+    (:attr:`layout_optimization`: faster convolutions, copies the plan does not simulate); where no plan fits with it
+    and the step has a convolution (what it lays out), the step is planned and checked again without it (as without
+    the check), and where neither fits, the closer of the two is kept. The plan's ``measured_bytes`` is the measured
+    figure. Not on CUDA yet, nor while ``torch.profiler`` records. Its ``training`` flag is the model's:
+    ``model.eval()`` makes calls plain forwards here too.
     """
 
     training = FollowsTraining(lambda self: self._modules.get("model"))
@@ -235,8 +235,9 @@ class CheckpointedModule(torch.nn.Module):
             if over <= 0:
                 return entry
             closest = (entry, over, self.plan)
-        # Without layout optimization: what its channels-last copies hold left no plan that fits.
-        entry, over = self._checked(args, kwargs, layout_optimization=False)
+        # Without layout optimization (its channels-last copies left no plan that fits), where it lays out a conv.
+        if closest is None or self.plan.compile_record.get("convolutions"):
+            entry, over = self._checked(args, kwargs, layout_optimization=False)
         if closest is not None and 0 < closest[1] < over:  # neither fits: the closer one is kept
             entry, over, plan = closest
             self._keep(entry, plan, args, kwargs)

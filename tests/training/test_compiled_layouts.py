@@ -204,5 +204,28 @@ def test_where_neither_layout_fits_the_closer_plan_is_kept(monkeypatch):
                                     target="inductor")
     assert compiled.layout_optimization and compiled.plan.layout_optimization
     assert True in seen and False in seen
+    assert compiled.plan.compile_record["convolutions"] > 0
     eager = conv_bn(activation=torch.nn.SiLU)
     _close_step(compiled, eager, images(3, batch=8), 0)
+
+
+def test_a_step_without_convolutions_is_not_planned_again_without_layout_optimization(monkeypatch):
+    """Inductor's layout optimization lays out convolutions only: where a conv-free step measures over its budget
+    with it, the same graphs without it would measure the same, so nothing is compiled a second time (the first
+    build of a GPT-2 step took twice as long)."""
+    seen = _layouts_compiled_with(monkeypatch)
+    monkeypatch.setattr(training_module, "CHECK_REPLANS", 0)
+    measure = CheckpointedModule._measure
+    monkeypatch.setattr(CheckpointedModule, "_measure", lambda self, *args: max(measure(self, *args), 0) + 1024)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(64, 64), torch.nn.GELU()))).train()
+    eager = copy.deepcopy(mlp)
+    x = torch.randn(32, 64)
+    with pytest.warns(UserWarning, match="over its budget"):
+        compiled = fxforge.optimize(mlp, (x,), memory_budget="85%", target="inductor")
+    assert compiled.plan.compile_record["convolutions"] == 0
+    assert seen and set(seen) == {True} and compiled.layout_optimization
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    for (name, p), q in zip(mlp.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
