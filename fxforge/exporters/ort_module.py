@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from fxforge.core.follows import FollowsTraining
 from fxforge.exporters.io_spec import InputShapeError, IOSpec, thawed  # noqa: F401 - importable from here as before
+from fxforge.exporters.ort_binding import _ORT_DTYPES, run_bound
 from fxforge.exporters.ort_calls import as_exported, other_structure, varied_inputs
 from fxforge.exporters.ort_session import (  # noqa: F401 - importable from here as before
     _provider_options,
@@ -38,18 +40,6 @@ from fxforge.exporters.ort_session import (  # noqa: F401 - importable from here
     ort_refusal,
     session_options,
 )
-
-# ONNX element type names (as ORT reports them) -> torch dtypes.
-_ORT_DTYPES = {
-    "tensor(float)": torch.float32, "tensor(double)": torch.float64, "tensor(float16)": torch.float16,
-    "tensor(bfloat16)": torch.bfloat16, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
-    "tensor(int16)": torch.int16, "tensor(int8)": torch.int8, "tensor(uint8)": torch.uint8,
-    "tensor(bool)": torch.bool,
-}
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-                 torch.uint8: np.uint8, torch.bool: np.bool_}
-
 
 # How many times ``dynamic=None`` exports again for calls the file does not take; each export adds the dims that
 # changed to those already dynamic, so a model whose image height, then width, then batch change exports four
@@ -71,7 +61,10 @@ class OnnxRuntimeModule(nn.Module):
     The ONNX model holds the weights as they were at export; the module has no parameters of its own
     (re-optimize after changing the model's weights). The session is created with
     :func:`session_options` unless ``session_options`` is given; setting :attr:`intra_op_num_threads`,
-    :attr:`session_options` or :attr:`providers` creates a new session.
+    :attr:`session_options` or :attr:`providers` creates a new session. With ``follow_threads`` set (as
+    ``objective="throughput"`` does, for its streams) and the default options, a CPU call runs on a session of
+    as many intra-op threads as torch has in the calling thread: one per count, made from the same file on first
+    use, dropped with the session they copy.
 
     Inputs on the session's device are bound in place (IO binding); on CUDA, outputs are written
     straight into torch tensors on the device when their shapes follow from the inputs'. Outputs come back
@@ -129,6 +122,9 @@ class OnnxRuntimeModule(nn.Module):
         self._owned_dir: str | None = None
         self._grown = 0  # how many times dynamic=None exported again (at most MAX_GROWTH)
         self._serve: Any = None  # inputs (as meta tensors) the first export must take too
+        self.follow_threads = False  # CPU calls on a session of the calling thread's torch thread count
+        self._by_threads: dict[int, Any] = {}  # thread count -> its session (follow_threads)
+        self._lock = threading.Lock()
         if owned_dir is not None:
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned_dir, True)
         self.io = io
@@ -241,7 +237,7 @@ class OnnxRuntimeModule(nn.Module):
         if owned is not None:
             self._owned_dir = owned
             self._cleanup = weakref.finalize(self, shutil.rmtree, owned, True)
-        self._session = None  # the old session goes now (the new one is open)
+        self._session, self._by_threads = None, {}  # the old sessions go now (the new one is open)
         for name in ("path", "io", "report", "_session", "_input_meta", "_output_meta", "_on_cuda"):
             setattr(self, name, getattr(validated, name))
         validated._session = None
@@ -268,6 +264,7 @@ class OnnxRuntimeModule(nn.Module):
                                                  dynamic=None)
             variant.prepare(*args, **kwargs)
             variants[key] = variant
+        variants[key].follow_threads = self.follow_threads
         return variants[key]
 
     def _as_exported(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -301,11 +298,26 @@ class OnnxRuntimeModule(nn.Module):
         self._input_meta = {i.name: i for i in self._session.get_inputs()}
         self._output_meta = list(self._session.get_outputs())
         self._on_cuda = self._session.get_providers()[0] == "CUDAExecutionProvider"
+        self._by_threads = {}
 
     def _require_session(self) -> Any:
         if self._session is None:
             raise RuntimeError("the model is exported on the first call (or prepare()); no session yet")
         return self._session
+
+    def _cpu_session(self) -> Any:
+        """The session a CPU call runs on: the module's own, or with :attr:`follow_threads` (a throughput module's
+        streams set it) one of as many intra-op threads as torch has in the calling thread, made on first use."""
+        threads = torch.get_num_threads()
+        if not self.follow_threads or self._options is not None or threads == self.intra_op_num_threads:
+            return self._session
+        with self._lock:
+            if threads not in self._by_threads:
+                import onnxruntime as ort
+
+                self._by_threads[threads] = ort.InferenceSession(
+                    self.path, sess_options=session_options(threads), providers=_provider_options(self._providers))
+            return self._by_threads[threads]
 
     @property
     def session(self) -> Any:
@@ -422,48 +434,11 @@ class OnnxRuntimeModule(nn.Module):
         devices = [t.device for _, t in feeds]
         out_device = devices[0] if devices else (self.device if self._on_cuda else torch.device("cpu"))
         if self._on_cuda:
-            outputs = self._run_bound(feeds, symbols, out_device)
+            outputs = run_bound(self._session, self._output_meta, self.device, feeds, symbols, out_device)
         else:
             numpy_feeds = {name: _as_numpy(t) for name, t in feeds}
-            outputs = [torch.from_numpy(np.asarray(o)).to(out_device) for o in self._session.run(None, numpy_feeds)]
+            outputs = [torch.from_numpy(np.asarray(o)).to(out_device) for o in self._cpu_session().run(None, numpy_feeds)]
         return self.io.outputs_from(outputs)
-
-    def _run_bound(self, feeds: Sequence[tuple[str, torch.Tensor]], symbols: dict[str, int],
-                   out_device: torch.device) -> list[torch.Tensor]:
-        """Run with IO binding: inputs in place on the device, outputs into torch tensors where possible."""
-        device = self.device
-        binding = self._session.io_binding()
-        keep = []  # tensors bound by pointer must outlive the run
-        for name, tensor in feeds:
-            tensor = tensor.detach()
-            if tensor.device != device:
-                tensor = tensor.to(device)
-            tensor = tensor.contiguous()
-            keep.append(tensor)
-            if tensor.dtype not in _NUMPY_DTYPES:
-                raise InputShapeError(f"input {name!r}: {tensor.dtype} cannot be bound to ONNX Runtime from Python")
-            binding.bind_input(name, "cuda", device.index or 0, _NUMPY_DTYPES[tensor.dtype], list(tensor.shape),
-                               tensor.data_ptr())
-        preallocated: list[torch.Tensor | None] = []
-        for meta in self._output_meta:
-            shape = [d if isinstance(d, int) else symbols.get(d) for d in meta.shape]
-            dtype = _ORT_DTYPES.get(meta.type)
-            if dtype in _NUMPY_DTYPES and all(isinstance(d, int) for d in shape):
-                out = torch.empty(shape, dtype=dtype, device=device)
-                binding.bind_output(meta.name, "cuda", device.index or 0, _NUMPY_DTYPES[dtype], shape, out.data_ptr())
-                preallocated.append(out)
-            else:
-                binding.bind_output(meta.name, "cuda", device.index or 0)
-                preallocated.append(None)
-        torch.cuda.current_stream(device).synchronize()  # inputs written by torch's stream are complete
-        self._session.run_with_iobinding(binding)
-        host = binding.copy_outputs_to_cpu() if any(out is None for out in preallocated) else None
-        outputs = []
-        for i, out in enumerate(preallocated):
-            if out is None:  # a shape that depends on values: ONNX Runtime allocated it; copy through the host
-                out = torch.from_numpy(np.asarray(host[i])).to(device)
-            outputs.append(out.to(out_device))
-        return outputs
 
     def extra_repr(self) -> str:
         if self._session is None:
