@@ -10,6 +10,7 @@ each contender's ratio against eager's in the same run:
   thread per call rather than several copies of the model at once;
 - ``fxforge latency``: ``fxforge.optimize(model, x)``, calls back to back;
 - ``fxforge throughput``: ``fxforge.optimize(model, x, objective="throughput")``, ``opt.map(requests)``;
+- ``fxforge ORT throughput``: the same with ``target="onnxruntime"`` (each stream on a session of its threads);
 - ONNX Runtime on the file :func:`fxforge.export_onnx` writes, one session per setting: ``ORT_SEQUENTIAL`` with
   ``intra_op_num_threads`` = cores; ``ORT_PARALLEL`` with ``inter_op_num_threads`` = cores and 1 intra-op
   thread (and, from 4 cores, 2 inter-op x cores/2 intra-op), calls back to back; and ``ORT streams``:
@@ -101,6 +102,7 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
         began = time.perf_counter()
         served = fxforge.optimize(model, (x,), objective="throughput")
         choose_s = time.perf_counter() - began
+        ort_served = fxforge.optimize(model, (x,), target="onnxruntime", objective="throughput")
     def one_thread(rs: list) -> list:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -114,6 +116,7 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
         "eager, 1 thread": one_thread,
         "fxforge latency": lambda rs: [latency(r) for r in rs],
         "fxforge throughput": served.map,
+        "fxforge ORT throughput": ort_served.map,
     }
     with tempfile.TemporaryDirectory() as folder:
         try:
@@ -137,10 +140,18 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
     medians = {label: statistics.median(values) for label, values in rates.items()}
     load.append(os.getloadavg()[0])
     table = served.report.throughput
+    ort_choice = ort_served.report.throughput.best.label
     served.close()
+    ort_served.close()
     return {"model": name, "samples_per_s": medians, "errors": errors, "choice": table.best.label,
+            "ort_choice": ort_choice,
             "choose_s": choose_s, "configurations": len(table.rows), "batching": table.batching,
             "notes": table.notes, "load": load, "rows": [dict(vars(r), chosen=i == table.chosen) for i, r in enumerate(table.rows)]}
+
+
+def eager_of(row: dict[str, Any]) -> float:
+    """Eager's samples/s in a row."""
+    return row["samples_per_s"]["eager"]
 
 
 def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]) -> str:
@@ -168,8 +179,10 @@ def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]
         gain = row["samples_per_s"]["fxforge throughput"] / row["samples_per_s"]["fxforge latency"]
         met = "met" if gain >= TARGET else "**not met**"
         extra = f"; batching refused: {row['batching']}" if row["batching"] else ""
+        ort = (f"; with target=\"onnxruntime\" {row['samples_per_s']['fxforge ORT throughput'] / eager_of(row):.2f}x "
+               f"eager ({row['ort_choice']})") if "fxforge ORT throughput" in row["samples_per_s"] else ""
         lines.append(f"- {row['model']}: throughput mode {gain:.2f}x fxforge's latency configuration (target "
-                     f"{TARGET}x: {met}){extra}" + "".join(f"; {note}" for note in row["notes"]) + ".")
+                     f"{TARGET}x: {met}){ort}{extra}" + "".join(f"; {note}" for note in row["notes"]) + ".")
     for row in rows:
         if not row.get("rows"):
             continue

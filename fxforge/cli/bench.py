@@ -7,8 +7,8 @@
 
 For eager and each target, one row: the median latency of one call at the inputs' batch (every core; calls
 interleaved with the other contenders' in blocks, :func:`~fxforge.lowering.timing.time_in_blocks`), the
-throughput in samples/s (native: ``fxforge.optimize(..., objective="throughput")``, its chosen streams x threads
-x batch; the others: back-to-back calls), and the scalability: samples/s of back-to-back calls with 1, 2, ...
+throughput in samples/s (native and onnxruntime: ``fxforge.optimize(..., objective="throughput")``, its chosen
+streams x threads x batch; the others: back-to-back calls), and the scalability: samples/s of back-to-back calls with 1, 2, ...
 cores (``torch.set_num_threads`` of this thread, put back after; ONNX Runtime: a session per core count). The
 largest output difference from eager is shown beside. Samples are dim 0 of the first input. A target that cannot
 run the model (its capture or export fails) gets a row saying why, and the others run (``--debug`` raises it).
@@ -145,19 +145,19 @@ def run_bench(args: argparse.Namespace) -> int:
                         scaling[n][k] = samples * 1e3 / ms
         finally:
             torch.set_num_threads(main_threads)
-        served = None
-        if "native" in built:
-            with steps.step("native, objective=throughput (streams x threads x batch, measured)") as step:
-                served = fxforge.optimize(model, inputs, target="native", objective="throughput")
-                step.note(served.table.best.label)
+        served: dict[str, Any] = {}
+        for name in [n for n in ("native", "onnxruntime") if n in built]:  # (the targets the objective serves)
+            with steps.step(f"{name}, objective=throughput (streams x threads x batch, measured)") as step:
+                served[name] = fxforge.optimize(model, inputs, target=name, objective="throughput")
+                step.note(served[name].table.best.label)
     table = Table(title=f"{type(model).__name__} ({' '.join(format_input(*s) for s in args.input)}; {samples} "
                         f"sample{'s' if samples > 1 else ''} per call)", title_justify="left")
     for column in ("", "latency ms", "samples/s", "throughput as", *(f"{k} core{'s' if k > 1 else ''}" for k in counts),
                    f"scaling {counts[-1]}/{counts[0]}", "max abs error"):
         table.add_column(column, justify="left" if column in ("", "throughput as") else "right")
     for name in built:
-        if name == "native" and served is not None:
-            rate, how = served.table.best.samples_per_s, f"throughput objective: {served.table.best.label}"
+        if name in served:
+            rate, how = served[name].table.best.samples_per_s, f"throughput objective: {served[name].table.best.label}"
         else:
             rate, how = samples * 1e3 / latency[name], "back-to-back calls"
         ratio = scaling[name][counts[-1]] / scaling[name][counts[0]]
@@ -166,8 +166,9 @@ def run_bench(args: argparse.Namespace) -> int:
     for name, why in failed.items():
         table.add_row(name, "failed", "", why, *("" for _ in counts), "", "")
     console.print(table)
-    if served is not None:
-        console.print(throughput_table(served.table, "native, objective=throughput: every configuration tried"))
+    for name, module in served.items():
+        console.print(throughput_table(module.table, f"{name}, objective=throughput: every configuration tried"))
+        module.close()
     for note in notes:
         console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     return 0
@@ -178,8 +179,8 @@ def add_bench_command(commands: Any, model_arguments: Any) -> argparse.ArgumentP
     sub = commands.add_parser(
         "bench", help="latency, throughput and scalability (1, 2, ... cores), eagerly and per target",
         description="Time a model eagerly and through each target: latency (median ms at the inputs' batch), "
-                    "throughput (samples/s: native's objective=throughput choice, back-to-back calls for the "
-                    "others) and scalability (samples/s with 1, 2, ... cores), interleaved repetitions, medians.")
+                    "throughput (samples/s: native's and onnxruntime's objective=throughput choice, back-to-back "
+                    "calls for the others) and scalability (samples/s with 1, 2, ... cores), interleaved repetitions, medians.")
     model_arguments(sub)
     sub.add_argument("--targets", type=parse_targets, default=["eager", "native", "onnxruntime"], metavar="A,B",
                      help=f"among {', '.join(CONTENDERS)} (default eager,native,onnxruntime; eager always runs)")

@@ -116,12 +116,11 @@ class ThroughputModule(nn.Module):
         return results
 
     @property
-    def report(self) -> Report | None:
-        """The optimized module's report, with the throughput table (``report.throughput``)."""
+    def report(self) -> Report:
+        """The optimized module's report (an empty one where it has none), with the throughput table
+        (``report.throughput``)."""
         report = self.served.report
-        if report is None:
-            return None
-        report = report.copy()
+        report = report.copy() if report is not None else Report()
         report.throughput = self.table
         return report
 

@@ -32,6 +32,8 @@ from fxforge.exporters.onnx_precision import check_precision
 from fxforge.exporters.ort_decorator import onnxruntime_class
 from fxforge.exporters.ort_module import OnnxRuntimeModule, ort_refusal
 from fxforge.runtime.race import Entrant, Narrows
+from fxforge.runtime.throughput import serve_throughput
+from fxforge.runtime.throughput_search import SEARCH_BUDGET_S
 from fxforge.targets.base import COMMON_OPTIONS, Contract, Target, model_kind, prepared
 
 # The session's options, besides the export's.
@@ -46,13 +48,21 @@ class OnnxRuntimeTarget(Target):
     contract = Contract(dynamic="other sizes: exported again with the dims that changed dynamic (dynamic=None)",
                         live_weights=False, hooks=False, gradients=False, training=False, artifact=".onnx",
                         devices="CPU, and CUDA where onnxruntime-gpu sees a GPU")
-    options = tuple(o for o in EXPORT_OPTIONS if o not in COMMON_OPTIONS) + SESSION_OPTIONS
+    options = (tuple(o for o in EXPORT_OPTIONS if o not in COMMON_OPTIONS) + SESSION_OPTIONS
+               + ("objective", "throughput_budget_s"))
     precisions = ("int8",)
 
     def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
+        options = dict(options)
+        objective = options.pop("objective", "latency")
+        budget_s = options.pop("throughput_budget_s", SEARCH_BUDGET_S)
         if model_kind(model) == "class":
             return onnxruntime_class(model, functools.partial(onnxruntime_module, **options))
-        return onnxruntime_module(model, example_inputs, **options)
+        module = onnxruntime_module(model, example_inputs, **options)
+        if objective == "throughput":  # each stream's calls on a session of its own thread count
+            module.follow_threads = True
+            return serve_throughput(module, example_inputs, budget_s=budget_s)
+        return module
 
     def graph(self, built: nn.Module) -> Any:
         return built.onnx_export.captured if built.onnx_export is not None else None

@@ -36,4 +36,9 @@ def test_markdown_reads_ratios_and_the_target():
     assert "m: throughput mode 1.50x fxforge's latency configuration (target 1.3x: met)" in block
     assert "n: throughput mode 1.08x fxforge's latency configuration (target 1.3x: **not met**)" in block
     assert "load average 1.00 before, 1.50 after" in block
+    with_ort = {**row, "samples_per_s": {**row["samples_per_s"], "fxforge ORT throughput": 25.0},
+                "errors": {**row["errors"], "fxforge ORT throughput": 3e-6}, "ort_choice": "1 x 2 threads, batch 8"}
+    block_ort = throughput.markdown([with_ort], "python -m benchmarks --suite throughput", (1.0, 1.5))
+    assert "| m | 10.0 | 1.20 | 1.80 | 2.50 |" in block_ort
+    assert 'with target="onnxruntime" 2.50x eager (1 x 2 threads, batch 8)' in block_ort
     assert "| **2 x 1** (chosen) | 4 | 18.0 | 200.0 | 210.0 | 220.0 | 95% |" in block

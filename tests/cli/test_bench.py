@@ -38,18 +38,20 @@ def _row(out: str, name: str) -> list[str]:
 
 def test_bench_prints_a_row_per_contender(model_file, capsys):
     before = torch.get_num_threads()
-    assert main(["bench", f"{model_file}:Small", "--input", "2x16", "--targets", "native", "--cores", "1",
-                 "--reps", "2"]) == 0
+    assert main(["bench", f"{model_file}:Small", "--input", "2x16", "--targets", "native,onnxruntime", "--cores",
+                 "1", "--reps", "2"]) == 0
     assert torch.get_num_threads() == before
     out = capsys.readouterr().out
     assert "latency ms" in out and "samples/s" in out and "1 core" in out and "scaling" in out
-    for name in ("eager", "native"):
+    for name in ("eager", "native", "onnxruntime"):
         cells = _row(out, name)
         latency, rate = float(cells[1]), float(cells[2])
         assert latency > 0 and rate > 0
     assert "back-to-back calls" in " ".join(_row(out, "eager"))
     assert "throughput objective" in " ".join(_row(out, "native"))
-    assert "every configuration tried" in out and "*" in out
+    assert "throughput objective" in " ".join(_row(out, "onnxruntime"))
+    assert "native, objective=throughput: every configuration tried" in out and "*" in out
+    assert "onnxruntime, objective=throughput: every configuration tried" in out
 
 
 def test_a_target_that_cannot_run_the_model_gets_a_row_saying_why(model_file, capsys):
@@ -67,6 +69,10 @@ def test_optimize_with_objective_throughput_prints_the_configurations(model_file
     out = capsys.readouterr().out
     assert "objective=throughput:" in out and "streams" in out and "utilization" in out
     assert "target" in out and "native" in out
+    assert main(["optimize", f"{model_file}:Small", "--input", "1x16", "--objective", "throughput", "--target",
+                 "onnxruntime", "--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "objective=throughput:" in out and "onnxruntime" in out
 
 
 @pytest.mark.parametrize("model, shape, message", [
@@ -97,6 +103,6 @@ def test_bench_usage_errors_exit_2(capsys, args, message):
 
 def test_objective_throughput_with_another_target_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["optimize", "m.py:Small", "--input", "2x16", "--objective", "throughput", "--target", "onnxruntime"])
+        main(["optimize", "m.py:Small", "--input", "2x16", "--objective", "throughput", "--target", "inductor"])
     assert exit_info.value.code == 2
-    assert "--objective throughput runs with --target native" in capsys.readouterr().err
+    assert "--objective throughput runs with --target native or onnxruntime, not inductor" in capsys.readouterr().err

@@ -229,6 +229,29 @@ def test_random_conv_nets_answer_as_eager(data):
     _check(data, model, make, fresh)
 
 
+@settings(max_examples=max(3, settings().max_examples // 4))  # (an ONNX export and a search per program)
+@given(st.data())
+def test_random_conv_nets_served_for_throughput_by_onnxruntime_answer_as_eager(data):
+    """Issue 53: ``objective="throughput"`` with ``target="onnxruntime"``: fresh requests through ``opt.map`` (in
+    batches where proven) and calls from several threads at once, each stream on a session of its thread count."""
+    pytest.importorskip("onnxruntime")
+    model, shape = data.draw(conv_nets(), label="conv net")
+    assume(not model.mutate_input)  # (the ONNX file does not write into the caller's tensors: documented)
+    note(repr(model))
+    requests = [torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) for seed in range(6)]
+    opt = fxforge.optimize(model, (requests[0],), target="onnxruntime", objective="throughput",
+                           throughput_budget_s=0.05)
+    try:
+        with torch.no_grad():
+            expected = [model(r) for r in requests[1:]]
+            for i, (out, want) in enumerate(zip(opt.map(requests[1:]), expected, strict=True)):
+                _close(out, want, f"request {i}")
+        for i, (out, want) in enumerate(zip(_threaded(opt, [(r,) for r in requests[1:4]]), expected, strict=False)):
+            _close(out, want, f"threaded call {i}")
+    finally:
+        opt.close()
+
+
 @settings(max_examples=max(6, settings().max_examples // 2))  # (each optimize times its kernels: half the budget)
 @given(st.data())
 def test_random_branchy_nets_with_every_branch_concurrent_answer_as_eager(data):
