@@ -13,6 +13,7 @@ from fxforge.core.verify import compare_outputs
 from fxforge.runtime.throughput import ThroughputModule
 from fxforge.targets.onnxruntime import onnxruntime_module
 from tests.runtime.test_throughput import BUDGET, pooled
+from tests.test_concurrency import inference, run_together
 
 pytest.importorskip("onnxruntime")
 
@@ -45,21 +46,7 @@ def test_the_onnxruntime_target_serves_requests_and_concurrent_calls_as_eager():
         outs = opt.map(requests)
         expected = [model(x) for x in requests]
     assert all(compare_outputs(e, o).ok for e, o in zip(expected, outs, strict=True))
-    results, errors = {}, []
-
-    def job(i):
-        try:
-            with torch.no_grad():
-                results[i] = opt(requests[i])
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = run_together(*(lambda x=x: inference(opt, x) for x in requests[:3]), timeout=120)
     assert all(compare_outputs(expected[i], results[i]).ok for i in range(3))
     opt.close()
 
