@@ -42,6 +42,7 @@ import sys
 import textwrap
 import warnings
 
+from fxforge.api import THROUGHPUT_TARGETS
 from fxforge.capture import CaptureError
 from fxforge.cli.args import (
     CommandError,
@@ -281,9 +282,9 @@ def check_objective(args: argparse.Namespace) -> None:
         return
     if args.target == "auto":
         args.target = "native"
-    if args.target not in ("native", "onnxruntime"):
-        raise argparse.ArgumentTypeError(f"--objective throughput runs with --target native or onnxruntime, not "
-                                         f"{args.target}")
+    if args.target not in THROUGHPUT_TARGETS:
+        raise argparse.ArgumentTypeError(f"--objective throughput runs with --target {' or '.join(THROUGHPUT_TARGETS)}, "
+                                         f"not {args.target}")
     if args.precision != "float32":
         raise argparse.ArgumentTypeError("--objective throughput runs in float32; leave out --precision")
 

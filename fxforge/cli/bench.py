@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from fxforge.api import THROUGHPUT_TARGETS
 from fxforge.cli.args import call_model, format_input
 from fxforge.cli.commands import _console, _model_and_inputs, collected_warnings
 from fxforge.cli.steps import Steps
@@ -146,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
         finally:
             torch.set_num_threads(main_threads)
         served: dict[str, Any] = {}
-        for name in [n for n in ("native", "onnxruntime") if n in built]:  # (the targets the objective serves)
+        for name in [n for n in THROUGHPUT_TARGETS if n in built]:
             with steps.step(f"{name}, objective=throughput (streams x threads x batch, measured)") as step:
                 served[name] = fxforge.optimize(model, inputs, target=name, objective="throughput")
                 step.note(served[name].table.best.label)
