@@ -149,11 +149,6 @@ def measure(name: str, rounds: int, count: int) -> dict[str, Any]:
             "notes": table.notes, "load": load, "rows": [dict(vars(r), chosen=i == table.chosen) for i, r in enumerate(table.rows)]}
 
 
-def eager_of(row: dict[str, Any]) -> float:
-    """Eager's samples/s in a row."""
-    return row["samples_per_s"]["eager"]
-
-
 def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]) -> str:
     """The block: samples/s of eager, ratios of every contender against it, the choice, the verdict."""
     labels = list(rows[0]["samples_per_s"]) if rows else []
@@ -179,8 +174,9 @@ def markdown(rows: list[dict[str, Any]], command: str, load: tuple[float, float]
         gain = row["samples_per_s"]["fxforge throughput"] / row["samples_per_s"]["fxforge latency"]
         met = "met" if gain >= TARGET else "**not met**"
         extra = f"; batching refused: {row['batching']}" if row["batching"] else ""
-        ort = (f"; with target=\"onnxruntime\" {row['samples_per_s']['fxforge ORT throughput'] / eager_of(row):.2f}x "
-               f"eager ({row['ort_choice']})") if "fxforge ORT throughput" in row["samples_per_s"] else ""
+        rates = row["samples_per_s"]
+        ort = (f"; with target=\"onnxruntime\" {rates['fxforge ORT throughput'] / rates['eager']:.2f}x eager "
+               f"({row['ort_choice']})") if "fxforge ORT throughput" in rates else ""
         lines.append(f"- {row['model']}: throughput mode {gain:.2f}x fxforge's latency configuration (target "
                      f"{TARGET}x: {met}){ort}{extra}" + "".join(f"; {note}" for note in row["notes"]) + ".")
     for row in rows:
