@@ -11,8 +11,11 @@ interleaved rounds under ``torch.no_grad()``:
   0.05);
 - ``fxforge-ort-int8``: ``target="onnxruntime", precision="int8"``: fxforge's file quantized by ONNX Runtime's
   quantizer, kept only where it keeps the tolerance and runs faster (else the float32 file);
+- ``fxforge-inductor-int8``: ``target="inductor", precision="int8"``: fxforge's calibrated quantize/dequantize
+  pairs around the layers that keep the tolerance, compiled by Inductor with freezing (oneDNN's int8 kernels),
+  kept only where faster than the float32 compiled graph;
 - ``fxforge-auto-target``: ``target="auto", precision="auto"``: the targets raced in the precision each serves
-  (native bf16/int8, ONNX Runtime int8, Inductor float32), each held to the tolerance against eager;
+  (native bf16/int8, ONNX Runtime int8, Inductor int8), each held to the tolerance against eager;
 - ``ort-int8``: the plain ``torch.onnx.export(dynamo=True)`` model through ONNX Runtime's quantizer —
   ``quantize_dynamic`` (per channel, int8 weights) for models without convolutions, ``quantize_static`` in the
   QDQ format (per channel, calibrated on the example and two random draws) for the ones with;
@@ -55,8 +58,9 @@ HERE = Path(__file__).resolve().parents[1]
 OUT = HERE / "benchmarks" / "out" / "results-int8.json"
 BLOCK = "int8"
 CONTENDERS = ("eager", "fxforge-fp32", "fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8",
-              "fxforge-auto-target", "ort-int8", "ao-dynamic", "pt2e-int8")
-REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "fxforge-auto-target")
+              "fxforge-inductor-int8", "fxforge-auto-target", "ort-int8", "ao-dynamic", "pt2e-int8")
+REDUCED = ("fxforge-bf16", "fxforge-int8", "fxforge-auto", "fxforge-ort-int8", "fxforge-inductor-int8",
+           "fxforge-auto-target")
 MODELS = ("mlp_b8", "resnet_block_b8", "bert_small_b1", "bert_small_b8", "vit_small_b8", "vit_classifier_b8",
           "llama_small_b1", "resnet50_b1", "convnext_tiny_b1")
 TOP1_CALLS = 8
@@ -213,6 +217,8 @@ def measure(name: str, rounds: int, reps: int) -> dict[str, Any]:
                                                                    tolerance=0.05)) for p in ("bf16", "int8", "auto")},
                     "fxforge-ort-int8": lambda: fxforge.optimize(model, example, target="onnxruntime",
                                                                  precision="int8", tolerance=0.05),
+                    "fxforge-inductor-int8": lambda: fxforge.optimize(model, example, target="inductor",
+                                                                      precision="int8", tolerance=0.05),
                     "fxforge-auto-target": lambda: fxforge.optimize(model, example, target="auto", precision="auto",
                                                                     tolerance=0.05),
                     **peers}
@@ -268,16 +274,18 @@ def summary(rows: list[dict]) -> list[str]:
         ...                         "fxforge-ort-int8": {"ms": 1.0}}}]
         >>> summary(rows)[2]
         '| fxforge-int8 (native) | 2.00x | 1 |'
+        >>> summary(rows)[4]
+        '| the fastest of those three | 4.00x | 1 |'
     """
     def ms(name: str):
         return lambda entries: entries.get(name, {}).get("ms")
 
     def best(entries: dict) -> float | None:
-        times = [entries.get(n, {}).get("ms") for n in ("fxforge-int8", "fxforge-ort-int8")]
+        times = [entries.get(n, {}).get("ms") for n in ("fxforge-int8", "fxforge-ort-int8", "fxforge-inductor-int8")]
         return min((t for t in times if t), default=None)
 
     ways = [("fxforge-int8 (native)", ms("fxforge-int8")), ("fxforge-ort-int8", ms("fxforge-ort-int8")),
-            ("the faster of those two", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
+            ("fxforge-inductor-int8", ms("fxforge-inductor-int8")), ("the fastest of those three", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
             ("fxforge-auto-target (targets raced, precision auto)", ms("fxforge-auto-target")),
             ("ort-int8 (ONNX Runtime's quantizer, unchecked)", ms("ort-int8")),
             ("ao-dynamic (unchecked)", ms("ao-dynamic")),

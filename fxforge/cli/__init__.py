@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run matrix products and convolutions in this precision where the outputs keep "
                           "--tolerance and the plan measures faster (with --target native or auto; auto: the "
                           "fastest of bf16 and int8, bf16 and fp16 on CUDA; int8 also with --target onnxruntime, "
-                          "where -o writes the int8 ONNX file)")
+                          "where -o writes the int8 ONNX file, and with --target inductor)")
     opt.add_argument("--tolerance", type=float, default=None, metavar="R",
                      help="the largest relative error against float32 accepted with --precision (default 0.05)")
     opt.add_argument("--objective", choices=("latency", "throughput"), default="latency",
@@ -238,8 +238,8 @@ def _quiet_libraries() -> None:
 
 def check_precision(args: argparse.Namespace) -> None:
     """``--precision`` and ``--tolerance`` of ``fxforge optimize``: a reduced precision runs with ``--target native``
-    or ``auto`` (not written to a file yet), or for int8 with ``--target onnxruntime`` (the file quantized by ONNX
-    Runtime).
+    or ``auto`` (not written to a file yet), for int8 with ``--target onnxruntime`` (the file quantized by ONNX
+    Runtime), and for int8 and auto with ``--target inductor`` (not written to a file).
 
     Raises:
         argparse.ArgumentTypeError: (a usage error) the combination is not served.
@@ -248,7 +248,7 @@ def check_precision(args: argparse.Namespace) -> None:
         >>> check_precision(argparse.Namespace(precision="bf16", target="inductor", output=None, tolerance=None))
         Traceback (most recent call last):
         ...
-        argparse.ArgumentTypeError: --precision bf16 runs with --target native or auto (int8 also with --target onnxruntime)
+        argparse.ArgumentTypeError: --precision bf16 runs with --target native or auto (int8 also with --target onnxruntime or inductor)
     """
     if args.tolerance is not None and not args.tolerance > 0:
         raise argparse.ArgumentTypeError(f"--tolerance {args.tolerance}: expected a positive relative error")
@@ -256,9 +256,9 @@ def check_precision(args: argparse.Namespace) -> None:
         return
     if args.precision == "int8" and args.target == "onnxruntime":
         return
-    if args.target not in ("native", "auto"):
+    if args.target not in ("native", "auto") and not (args.target == "inductor" and args.precision in ("int8", "auto")):
         raise argparse.ArgumentTypeError(f"--precision {args.precision} runs with --target native or auto (int8 "
-                                         "also with --target onnxruntime)")
+                                         "also with --target onnxruntime or inductor)")
     if args.output:
         raise argparse.ArgumentTypeError(f"--precision {args.precision} plans of --target {args.target} are not "
                                          "written to files yet; leave out -o (int8: --target onnxruntime -o "

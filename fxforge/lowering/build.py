@@ -32,7 +32,7 @@ from fxforge.core.plan import CallConditions, Plan
 from fxforge.core.symbolic import ShapeGuard
 from fxforge.lowering.autotune import MEASURE_ALL, TuningPolicy, autotune
 from fxforge.lowering.lower import make_plan, plain_plan
-from fxforge.lowering.precision_stage import with_precision
+from fxforge.lowering.precision_stage import precision_dtype, with_precision
 from fxforge.rewrites import pipeline
 from fxforge.rewrites.registry import resolve
 
@@ -72,15 +72,19 @@ class Lowering:
         tuned: whether autotune times PyTorch's kernels for the rewrites (False: the rewrites are kept
             unmeasured, the compiler choosing its own kernels).
         left_out: rewrites the target's compiler does better itself (left out of its plans).
+        reduced: ``(rewritten, dynamic, precision, tolerance) -> Plan`` for a target whose compiler reduces the
+            precision itself (Inductor's int8); None: the precision stage reduces the rewritten graph
+            (:func:`~fxforge.lowering.precision_stage.with_precision`) and ``lower`` lowers it.
 
     Example:
-        >>> NATIVE.tuned, NATIVE.left_out
-        (True, ())
+        >>> NATIVE.tuned, NATIVE.left_out, NATIVE.reduced
+        (True, (), None)
     """
 
     lower: Callable[[Captured, bool], Plan]
     tuned: bool = True
     left_out: tuple[str, ...] = ()
+    reduced: Callable[[Captured, bool, str, Any], Plan] | None = None
 
 
 def _native_lower(captured: Captured, dynamic: bool) -> Plan:
@@ -140,8 +144,11 @@ def build_plan(module: nn.Module, args: tuple, kwargs: dict, conditions: CallCon
             kept = [p for p in resolve(rewrites) if p.name not in lowering.left_out] if lowering.left_out else rewrites
             rewritten = rewrite(captured, kept, verify=verify, tuning=tuning if lowering.tuned else None,
                                 conditions=conditions)
-            rewritten = with_precision(rewritten, precision, tolerance)
-            plan = lowering.lower(rewritten, dynamic is not None and dynamic != "fx")
+            symbolic = dynamic is not None and dynamic != "fx"
+            if lowering.reduced is not None and precision_dtype(precision) is not None:
+                plan = lowering.reduced(rewritten, symbolic, precision, tolerance)
+            else:
+                plan = lowering.lower(with_precision(rewritten, precision, tolerance), symbolic)
     if guard is not None and guard.symbols:
         plan.shapes = guard
         assumed = guard.take_assumptions()

@@ -209,7 +209,7 @@ class AutoTarget(Target):
 
 def _precision_options(target: Target, precision: str, tolerance: Tolerance | None) -> dict[str, Any]:
     """What a raced target gets of ``precision`` (:meth:`~fxforge.targets.base.Target.precision_for`: the native
-    target every precision, ONNX Runtime int8 for ``"int8"`` and ``"auto"``, Inductor none).
+    target every precision, ONNX Runtime int8 for ``"int8"`` and ``"auto"``, Inductor int8 for both).
 
     Example:
         >>> from fxforge.targets import TARGETS

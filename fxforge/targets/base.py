@@ -107,7 +107,9 @@ class Target(abc.ABC):
         Example:
             >>> from fxforge.targets import TARGETS
             >>> [TARGETS[t].precision_for("auto") for t in ("native", "onnxruntime", "inductor")]
-            ['auto', 'int8', None]
+            ['auto', 'int8', 'auto']
+            >>> TARGETS["inductor"].precision_for("bf16") is None
+            True
         """
         if precision in self.precisions:
             return precision

@@ -13,7 +13,7 @@ from benchmarks.int8 import CONTENDERS, MODELS, PT2E_MISSING, markdown, summary
 
 def _row(name: str, classifier: bool) -> dict:
     ms = {"eager": 10.0, "fxforge-fp32": 8.0, "fxforge-bf16": 5.0, "fxforge-int8": 4.0, "fxforge-auto": 4.0,
-          "fxforge-ort-int8": 3.2, "fxforge-auto-target": 3.2, "ort-int8": 3.0, "ao-dynamic": 6.0,
+          "fxforge-ort-int8": 3.2, "fxforge-inductor-int8": 2.5, "fxforge-auto-target": 3.2, "ort-int8": 3.0, "ao-dynamic": 6.0,
           "pt2e-int8": 2.0}
     contenders = {c: {"ms": ms[c], "prepare_s": 1.0, "error": 0.004} for c in CONTENDERS}
     if classifier:
@@ -34,6 +34,8 @@ def test_the_block_has_a_line_per_contender_with_ratios_accuracy_and_the_plans()
     assert "| mlp_b8 (8x3x96x96) | ao-dynamic | failed: RuntimeError: no Linear | | | | | |" in text
     assert "| resnet50_b1 | failed: child failed | | | | | | | |" in text
     assert "| mlp_b8 | fxforge-int8 | int8 | 3 of 4 | precision int8: 3 of 4 layers in int8 |" in text
+    assert "| mlp_b8 (8x3x96x96) | fxforge-inductor-int8 | 2.50 | 4.00x | 3.20x | 1.0 | 4.0e-03 | | 0.8 |" in text
+    assert "| the fastest of those three | 3.20x | 1 |" in summary([_row("m", False)])
     assert {"mlp_b8", "bert_small_b1", "resnet50_b1"} <= set(MODELS)
 
 

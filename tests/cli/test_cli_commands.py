@@ -160,6 +160,20 @@ def test_optimize_in_reduced_precision_reports_each_layers_precision(tmp_path, p
     assert "tolerance: relative error 0.03" in result.stdout or "no layer is faster in int8" in result.stdout
 
 
+def test_optimize_for_inductor_in_int8_reports_each_layer_and_the_race(tmp_path):
+    model = tmp_path / "mlp.py"
+    model.write_text("import torch\n\nclass MLP(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                     "        self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)\n\n"
+                     "    def forward(self, x):\n        return self.b(torch.relu(self.a(x)))\n")
+    result = run_cli("optimize", f"{model}:MLP", "--input", "4x8x64", "--target", "inductor", "--precision", "int8",
+                     "--tolerance", "0.03", "--no-bench", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "precision accuracy" in result.stdout, result.stdout
+    # Kept where it timed faster than the float32 compiled graph, else float32 with both timings.
+    note = re.search(r"note: precision int8: (\d+ of 2 layers in int8|float32 kept: not faster)", result.stdout)
+    assert note, result.stdout
+
+
 def test_optimize_for_onnxruntime_in_int8_writes_the_file_it_judged(tmp_path):
     model = tmp_path / "cnn.py"
     model.write_text("import torch\n\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"

@@ -1,0 +1,211 @@
+"""Int8 plans for the inductor target: fxforge's quantize/dequantize graph, its layer choice, and
+``target="inductor", precision="int8"`` end to end against eager (fresh inputs, changed weights, NaN, inference
+mode, channels-last images, a tolerance nothing keeps, a plan not faster).
+
+The race against float32 is timed in ``inductor_int8_plan``; tests that check what an int8 plan computes make
+int8 the faster (``int8_wins``), so that a loaded machine cannot turn them into float32 plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxforge
+from fxforge.core.accuracy import agreement
+from fxforge.lowering import inductor_int8
+from fxforge.lowering.inductor_int8 import FrozenInt8, QdqReduction, qdq_copy, qdq_layers
+from fxforge.lowering.int8 import observe_inputs
+
+QD = torch.ops.quantized_decomposed
+
+
+class Mlp(nn.Module):
+    """A transformer's feed-forward block, as users write it."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class ConvNet(nn.Module):
+    """Conv + BatchNorm + ReLU with a residual connection, then a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 1))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = F.relu(x + self.body(x))
+        return self.head(x.mean((2, 3)))
+
+
+def _relative(got, want) -> float:
+    return agreement([want], [got]).relative_error
+
+
+@pytest.fixture
+def int8_wins(monkeypatch):
+    def timed(calls, budget_s, **_):
+        return {name: 1.0 if name == "int8" else 2.0 for name in calls}
+
+    monkeypatch.setattr(inductor_int8, "time_interleaved", timed)
+
+
+def _settled(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    return model.eval()
+
+
+def test_qdq_copy_quantizes_each_chosen_layer_and_leaves_the_others_in_float32():
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Mlp().eval())
+    x = torch.randn(4, 64)
+    ranges = observe_inputs(gm, [(x,)], [n.name for n in qdq_layers(gm)])
+    assert sorted(ranges) == ["down", "up"]
+    both, one = qdq_copy(gm, {"up", "down"}, ranges), qdq_copy(gm, {"down"}, ranges)
+    count = lambda g, op: sum(n.target is op for n in g.graph.nodes)
+    assert count(both, QD.quantize_per_tensor.default) == 2 and count(both, QD.dequantize_per_channel.default) == 2
+    assert count(one, QD.quantize_per_tensor.default) == 1 and count(one, QD.dequantize_per_channel.default) == 1
+    with torch.no_grad():
+        assert 0 < _relative(both(x), gm(x)) < 0.03
+        assert 0 < _relative(one(x), gm(x)) < _relative(both(x), gm(x))  # (fewer layers quantized: closer)
+    assert not any(n.target is QD.quantize_per_tensor.default for n in gm.graph.nodes)  # (the graph is intact)
+
+
+def test_a_residual_reads_the_quantized_input_only_with_residuals():
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Mlp().eval())
+    x = torch.randn(4, 64)
+    ranges = observe_inputs(gm, [(x,)], ["up", "down"])
+
+    def residual_input(g):
+        add = next(n for n in g.graph.nodes if n.op == "call_function" and n.target.__name__ == "add")
+        return add.args[0].target
+
+    assert residual_input(qdq_copy(gm, {"up"}, ranges)) is QD.dequantize_per_tensor.default
+    assert residual_input(qdq_copy(gm, {"up"}, ranges, residuals=False)) == "x"
+
+
+def test_the_layers_chosen_follow_the_tolerance():
+    from fxforge.core.accuracy import Tolerance
+    from fxforge.lowering.precision_choice import choose_layers
+
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Mlp().eval())
+    calls = [(torch.randn(8, 64),), (torch.randn(8, 64),)]
+    ranges = observe_inputs(gm, calls, ["up", "down"])
+    loose = choose_layers(gm, calls, QdqReduction(ranges), Tolerance(relative_error=0.1))
+    tight = choose_layers(gm, calls, QdqReduction(ranges), Tolerance(relative_error=1e-6))
+    assert loose.reduced == ["up", "down"]
+    assert tight.reduced == [] and "no layer keeps the tolerance in int8" in tight.refusal
+
+
+def test_an_mlp_in_int8_on_inductor_answers_as_eager_within_the_tolerance(int8_wins):
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(8, 16, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8", tolerance=0.05)
+    note = next(n for n in opt.report.notes if n.startswith("precision int8"))
+    assert note.startswith("precision int8: 2 of 2 layers in int8"), note
+    assert "a changed weight is quantized and compiled again" in note
+    executable = opt._fxforge_cache.last.executable
+    assert isinstance(executable, FrozenInt8) and executable.compiles == 1
+    with torch.no_grad():
+        for seed in range(3):  # fresh inputs of the example's statistics
+            torch.manual_seed(100 + seed)
+            fresh = torch.randn(8, 16, 64)
+            got, want = opt(fresh), model(fresh)
+            assert 0 < _relative(got, want) < 0.05
+    with torch.inference_mode():  # one compile serves inference mode and inference tensors
+        fresh = torch.randn(8, 16, 64)
+        got, want = opt(fresh), model(fresh)
+    assert 0 < _relative(got, want) < 0.05
+    assert executable.compiles == 1
+
+
+def test_a_changed_weight_is_quantized_and_compiled_again(int8_wins):
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(8, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8", tolerance=0.05)
+    executable = opt._fxforge_cache.last.executable
+    with torch.no_grad():
+        before = opt(x)
+        model.up.weight.mul_(3)  # (its output's range triples: the next layer's input range is observed again)
+        got, want = opt(x), model(x)
+    assert executable.compiles == 2
+    assert _relative(got, want) < 0.05 and _relative(before, want) > 0.2
+    with torch.no_grad():
+        opt(x)
+    assert executable.compiles == 2  # (nothing changed since)
+
+
+def test_inputs_with_nan_answer_as_eager_through_the_float32_graph(int8_wins):
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(4, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8")
+    x[1, 3] = float("nan")
+    with torch.no_grad():
+        got, want = opt(x), model(x)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    torch.testing.assert_close(got[0], want[0])  # (the float32 graph: eager's answer)
+
+
+def test_a_conv_net_in_int8_keeps_its_classes_on_fresh_and_channels_last_images(int8_wins):
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16)
+    model = _settled(ConvNet(), x)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8", tolerance=0.05)
+    note = next(n for n in opt.report.notes if n.startswith("precision int8"))
+    assert "layers in int8" in note and "float32 kept" not in note, note
+    with torch.no_grad():
+        fresh = torch.randn(4, 3, 16, 16)
+        for images in (fresh, fresh.contiguous(memory_format=torch.channels_last)):
+            got, want = opt(images), model(images)
+            assert _relative(got, want) < 0.05
+            assert torch.equal(got.argmax(1), want.argmax(1))
+
+
+def test_a_tolerance_no_layer_keeps_leaves_float32_with_each_layer_named():
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(4, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8", tolerance=1e-7)
+    assert any(n.startswith("precision int8: float32 kept: no layer keeps the tolerance") for n in opt.report.notes)
+    layers = [t for t in opt.report.tuning if t.rule == "precision" and t.kind == "accuracy"]
+    assert sorted(t.subject.split(" ")[0] for t in layers) == ["down", "up"]
+    assert all(t.choice == "float32" and "kept in float32" in t.note for t in layers)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), model(x))
+
+
+def test_an_int8_plan_not_faster_than_float32_is_refused_with_both_timings(monkeypatch):
+    monkeypatch.setattr(inductor_int8, "time_interleaved", lambda calls, budget_s, **_: {"float32": 1.0, "int8": 1.0})
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(4, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8")
+    assert any(n.startswith("precision int8: float32 kept: not faster (1 ms against float32's 1 ms)")
+               for n in opt.report.notes)
+    assert not isinstance(opt._fxforge_cache.last.executable, FrozenInt8)
+
+
+def test_inductor_takes_int8_and_refuses_the_precisions_it_does_not_run():
+    with pytest.raises(ValueError, match="target='inductor' takes precision='int8'.*not 'bf16'"):
+        fxforge.optimize(Mlp().eval(), (torch.randn(2, 64),), target="inductor", precision="bf16")
+    from fxforge.targets import TARGETS
+
+    assert TARGETS["inductor"].precision_for("int8") == "int8"
