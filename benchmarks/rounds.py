@@ -106,8 +106,11 @@ def time_interleaved(
     rounds: int,
     reps: int,
     sync: Callable[[], None] = lambda: None,
+    copies: Callable[[tuple], tuple] | None = None,
 ) -> tuple[dict[str, list[list[float]]], dict[str, BaseException]]:
     """Time ``fns`` on ``args``: warm-up, then ``rounds`` rounds in a rotating order, ``reps`` calls each.
+    ``copies``: each contender is called on its own ``copies(args)`` (made once), so that one that writes into
+    its inputs does not change the others'.
 
     Returns:
         ``(times, failures)``: ``times[name][round]`` is the list of per-call milliseconds of that
@@ -115,13 +118,14 @@ def time_interleaved(
         left out of the remaining rounds).
     """
     names = list(fns)
+    given = {n: copies(args) if copies is not None else args for n in names}
     times: dict[str, list[list[float]]] = {n: [] for n in names}
     failures: dict[str, BaseException] = {}
     with torch.no_grad():
         for name in names:
             try:
                 for _ in range(warmup):
-                    fns[name](*args)
+                    fns[name](*given[name])
                 sync()
             except Exception as exc:  # noqa: BLE001 - any error fails this contender, not the run
                 failures[name] = exc
@@ -135,12 +139,12 @@ def time_interleaved(
                 for name in alive[k:] + alive[:k]:
                     if name in failures:
                         continue
-                    fn = fns[name]
+                    fn, inputs = fns[name], given[name]
                     per_call: list[float] = []
                     try:
                         for _ in range(reps):
                             t0 = time.perf_counter_ns()
-                            fn(*args)
+                            fn(*inputs)
                             sync()
                             per_call.append((time.perf_counter_ns() - t0) / 1e6)
                     except Exception as exc:  # noqa: BLE001 - any error fails this contender

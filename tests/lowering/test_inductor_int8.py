@@ -84,18 +84,46 @@ def test_qdq_copy_quantizes_each_chosen_layer_and_leaves_the_others_in_float32()
     assert not any(n.target is QD.quantize_per_tensor.default for n in gm.graph.nodes)  # (the graph is intact)
 
 
-def test_a_residual_reads_the_quantized_input_only_with_residuals():
+class Block(nn.Module):
+    """A residual conv block reading the model's input directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(x + self.conv(x))
+
+
+def test_a_convolutions_residual_reads_the_quantized_input_only_with_residuals():
     torch.manual_seed(0)
-    gm = torch.fx.symbolic_trace(Mlp().eval())
-    x = torch.randn(4, 64)
-    ranges = observe_inputs(gm, [(x,)], ["up", "down"])
+    gm = torch.fx.symbolic_trace(Block().eval())
+    x = torch.randn(2, 8, 6, 6)
+    ranges = observe_inputs(gm, [(x,)], ["conv"])
 
     def residual_input(g):
         add = next(n for n in g.graph.nodes if n.op == "call_function" and n.target.__name__ == "add")
         return add.args[0].target
 
-    assert residual_input(qdq_copy(gm, {"up"}, ranges)) is QD.dequantize_per_tensor.default
-    assert residual_input(qdq_copy(gm, {"up"}, ranges, residuals=False)) == "x"
+    assert residual_input(qdq_copy(gm, {"conv"}, ranges)) is QD.dequantize_per_tensor.default
+    assert residual_input(qdq_copy(gm, {"conv"}, ranges, residuals=False)) == "x"
+    # A linear layer's residual stays float32 either way (PT2E's X86 quantizer quantizes a convolution's only).
+    mlp = torch.fx.symbolic_trace(Mlp().eval())
+    assert residual_input(qdq_copy(mlp, {"up"}, observe_inputs(mlp, [(torch.randn(4, 64),)], ["up"]))) == "x"
+
+
+def test_an_input_read_after_a_folded_constant_is_quantized_after_it_is_defined():
+    torch.manual_seed(0)
+    gm = torch.fx.symbolic_trace(Block().eval())
+    gm.register_buffer("folded", torch.ones(1))
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):  # (export and folds put get_attr nodes first)
+        gm.graph.get_attr("folded")
+    gm.recompile()
+    x = torch.randn(2, 8, 6, 6)
+    qdq = qdq_copy(gm, {"conv"}, observe_inputs(gm, [(x,)], ["conv"]))
+    qdq.graph.lint()
+    with torch.no_grad():
+        assert _relative(qdq(x), gm(x)) < 0.05
 
 
 def test_the_layers_chosen_follow_the_tolerance():
@@ -128,6 +156,11 @@ def test_an_mlp_in_int8_on_inductor_answers_as_eager_within_the_tolerance(int8_w
             fresh = torch.randn(8, 16, 64)
             got, want = opt(fresh), model(fresh)
             assert 0 < _relative(got, want) < 0.05
+    given = fresh.clone()
+    with torch.no_grad():
+        opt(given)
+    assert torch.equal(given, fresh)  # (Inductor's int8 kernel adds the residual into x: the plan gives it a copy)
+    assert executable.copies_inputs and "its inputs are copied on each call" in note
     with torch.inference_mode():  # one compile serves inference mode and inference tensors
         fresh = torch.randn(8, 16, 64)
         got, want = opt(fresh), model(fresh)
@@ -209,3 +242,24 @@ def test_inductor_takes_int8_and_refuses_the_precisions_it_does_not_run():
     from fxforge.targets import TARGETS
 
     assert TARGETS["inductor"].precision_for("int8") == "int8"
+
+
+def test_a_compiled_graph_that_breaks_the_tolerance_is_compiled_again_with_fewer_layers(int8_wins, monkeypatch):
+    from fxforge.core.accuracy import Agreement
+
+    checks = []
+
+    def first_breaks(reference, candidate, metric=None):
+        checks.append(1)
+        return Agreement(0.5, 0.9) if len(checks) == 1 else agreement(reference, candidate, metric)
+
+    monkeypatch.setattr(inductor_int8, "agreement", first_breaks)
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    x = torch.randn(8, 64)
+    opt = fxforge.optimize(model, (x,), target="inductor", precision="int8", tolerance=0.05)
+    notes = [n for n in opt.report.notes if n.startswith("precision int8")]
+    assert notes[0].startswith("precision int8: compiled again: 2 of 2 layers in int8") and "keeping 80%" in notes[0]
+    assert "breaks it: relative error 0.5 above the tolerance 0.05" in notes[0]
+    assert "keeping 40% of the tolerance" in notes[1] and "float32 kept" not in notes[1], notes
+    assert len(checks) == 2 and isinstance(opt._fxforge_cache.last.executable, FrozenInt8)
