@@ -11,17 +11,19 @@ and checked as every reduced-precision plan is:
   calibration calls: static) and its weight through ``dequantize_per_channel`` of the int8 weight (symmetric, per
   output channel, folded from the live float weight);
 - **the layers** (:class:`QdqReduction`): chosen by sensitivity on that graph run eagerly (the decomposed ops
-  compute what the fused kernels compute), as for the native target's int8
-  (:func:`~fxforge.lowering.precision_choice.choose_layers`), the agreement measured on one call more that the
-  observers did not see;
+  compute what the fused kernels compute, up to their rounding), as for the native target's int8
+  (:func:`~fxforge.lowering.precision_choice.choose_layers`), keeping a margin of the tolerance, the agreement
+  measured on one call more that the observers did not see;
 - **the plan** (:func:`inductor_int8_plan`): the int8 graph compiled with ``freezing`` (the weights become
   constants of the compiled code, which is what lets Inductor prepack them), checked against float32 within
-  the tolerance on every calibration call, and timed against the float32 compiled graph: kept only where
-  faster, else the float32 plan with the reason.
+  the tolerance on every calibration call (chosen again with a smaller margin and compiled again where it
+  breaks it), and timed against the float32 compiled graph: kept only where faster, else the float32 plan
+  with the reason.
 
 What freezing changes for the user: a changed weight (or BatchNorm statistic) is quantized and compiled again
 on the next call (seconds), not read live (:class:`FrozenInt8`). A call whose inputs hold NaN or an infinity
-runs the float32 compiled graph (int8 has no such values; eager's answer has them). As with PT2E, an
+runs the float32 compiled graph (int8 has no such values; eager's answer has them). Where the compiled graph
+writes into its inputs (Inductor adds a residual in place), every call hands it copies. As with PT2E, an
 activation beyond its calibrated range is clamped to it: the tolerance was measured on inputs of the example's
 statistics, and the report says so.
 
