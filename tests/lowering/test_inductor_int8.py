@@ -263,3 +263,20 @@ def test_a_compiled_graph_that_breaks_the_tolerance_is_compiled_again_with_fewer
     assert "breaks it: relative error 0.5 above the tolerance 0.05" in notes[0]
     assert "keeping 40% of the tolerance" in notes[1] and "float32 kept" not in notes[1], notes
     assert len(checks) == 2 and isinstance(opt._fxforge_cache.last.executable, FrozenInt8)
+
+
+def test_a_plan_for_dynamic_sizes_serves_new_batch_sizes_in_int8(int8_wins):
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    opt = fxforge.optimize(model, (torch.randn(4, 8, 64),), target="inductor", precision="int8", dynamic=True)
+    executable = opt._fxforge_cache.last.executable
+    assert isinstance(executable, FrozenInt8) and executable.dynamic
+    assert any(n.startswith("dynamic sizes: ") for n in opt.report.notes)
+    with torch.no_grad():
+        for batch in (7, 16, 2):
+            x = torch.randn(batch, 8, 64)
+            got = opt(x)
+            assert opt._fxforge_cache.last.executable is executable  # (one plan, one compile, every batch)
+            torch.testing.assert_close(got, executable.qdq(x), rtol=0.02, atol=0.02 * float(got.abs().max()))
+            assert _relative(got, model(x)) < 0.1
+    assert executable.compiles == 1
