@@ -215,7 +215,7 @@ def test_bad_precision_options_are_refused_before_anything_runs():
         fxforge.optimize(model, (x,), precision="int4")
     with pytest.raises(ValueError, match="tolerance=-1: expected a positive number"):
         fxforge.optimize(model, (x,), precision="bf16", tolerance=-1)
-    with pytest.raises(TypeError, match="target 'inductor' does not take precision"):
+    with pytest.raises(ValueError, match="target='inductor' takes precision='int8'.*not 'bf16'"):
         fxforge.optimize(model, (x,), target="inductor", precision="bf16")
 
 
