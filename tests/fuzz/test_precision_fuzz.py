@@ -40,6 +40,17 @@ def _within(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert found.relative_error <= 2 * TOLERANCE or error <= FLOOR, f"{what}: {found.describe()}, error {error:.3g}"
 
 
+def _answers_as_eager(opt, model, eager, make, change: str) -> None:
+    """``opt`` against ``eager`` on a fresh input, after ``change`` to both models' state, and on a NaN input."""
+    note(f"{opt.report.notes}")
+    with torch.no_grad():
+        _within(opt(make(1)), eager(make(1)), "a fresh input")
+        STATE_CHANGES[change](model, 7)
+        STATE_CHANGES[change](eager, 7)
+        _within(opt(make(2)), eager(make(2)), f"after {change}")
+        _within(opt(make(3, nan=True)), eager(make(3, nan=True)), "an input with a NaN")
+
+
 @given(st.data())
 def test_random_conv_nets_in_reduced_precision_answer_within_the_tolerance(data):
     model, shape = data.draw(conv_nets(), label="conv net")
@@ -60,13 +71,7 @@ def test_random_conv_nets_in_reduced_precision_answer_within_the_tolerance(data)
         patch.setattr(precision_stage, "time_interleaved", _faster)
         patch.setattr(int8_speed, "time_interleaved", _faster)
         opt = fxforge.optimize(model, (make(0),), precision=precision, tolerance=TOLERANCE)
-        note(f"{opt.report.notes}")
-        with torch.no_grad():
-            _within(opt(make(1)), eager(make(1)), "a fresh input")
-            STATE_CHANGES[change](model, 7)
-            STATE_CHANGES[change](eager, 7)
-            _within(opt(make(2)), eager(make(2)), f"after {change}")
-            _within(opt(make(3, nan=True)), eager(make(3, nan=True)), "an input with a NaN")
+        _answers_as_eager(opt, model, eager, make, change)
 
 
 @settings(max_examples=max(3, settings().max_examples // 4))  # (each program compiles twice, and again on a change)
@@ -89,10 +94,4 @@ def test_random_conv_nets_in_int8_on_inductor_answer_within_the_tolerance(data):
         warnings.simplefilter("ignore")
         patch.setattr(inductor_int8, "time_interleaved", _faster)
         opt = fxforge.optimize(model, (make(0),), target="inductor", precision="int8", tolerance=TOLERANCE)
-        note(f"{opt.report.notes}")
-        with torch.no_grad():
-            _within(opt(make(1)), eager(make(1)), "a fresh input")
-            STATE_CHANGES[change](model, 7)
-            STATE_CHANGES[change](eager, 7)
-            _within(opt(make(2)), eager(make(2)), f"after {change}")
-            _within(opt(make(3, nan=True)), eager(make(3, nan=True)), "an input with a NaN")
+        _answers_as_eager(opt, model, eager, make, change)
