@@ -281,11 +281,13 @@ def summary(rows: list[dict]) -> list[str]:
         return lambda entries: entries.get(name, {}).get("ms")
 
     def best(entries: dict) -> float | None:
-        times = [entries.get(n, {}).get("ms") for n in ("fxforge-int8", "fxforge-ort-int8", "fxforge-inductor-int8")]
+        times = [entries.get(n, {}).get("ms")
+                 for n in ("fxforge-int8", "fxforge-ort-int8", "fxforge-inductor-int8")]
         return min((t for t in times if t), default=None)
 
     ways = [("fxforge-int8 (native)", ms("fxforge-int8")), ("fxforge-ort-int8", ms("fxforge-ort-int8")),
-            ("fxforge-inductor-int8", ms("fxforge-inductor-int8")), ("the fastest of those three", best), ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
+            ("fxforge-inductor-int8", ms("fxforge-inductor-int8")), ("the fastest of those three", best),
+            ("fxforge-auto (native: bf16 or int8)", ms("fxforge-auto")),
             ("fxforge-auto-target (targets raced, precision auto)", ms("fxforge-auto-target")),
             ("ort-int8 (ONNX Runtime's quantizer, unchecked)", ms("ort-int8")),
             ("ao-dynamic (unchecked)", ms("ao-dynamic")),

@@ -86,7 +86,7 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
     if not result.ok:
         raise CompileRefused(f"the compiled graph differs from the rewritten one: {result.reason}")
     if getattr(captured.module, "fxforge_inference_mode", True):  # (a graph dynamo guards to no_grad calls: never)
-        compile_for_inference_mode(compiled, gm, args, kwargs, unbacked=unbacked)
+        _compile_for_inference_mode(compiled, gm, args, kwargs, unbacked=unbacked)
     captured.report.notes.append(
         f"inductor: the rewritten graph compiled by torch.compile in {time.perf_counter() - start:.1f} s "
         f"(max abs error {result.max_abs_err:.3g} against it on the example inputs; freezing off, so "
@@ -94,7 +94,7 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
     return Plan(captured, compiled, derived_values(gm, gm))
 
 
-def compile_for_inference_mode(compiled: Any, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *,
+def _compile_for_inference_mode(compiled: Any, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *,
                                 unbacked: bool) -> None:
     """Compile ``compiled`` for calls under ``torch.inference_mode`` too, now rather than on a user's call.
 

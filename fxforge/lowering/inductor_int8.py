@@ -60,15 +60,16 @@ from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.source import first_line
 from fxforge.core.verify import isolated, random_like
-from fxforge.lowering.int8 import _CONVS, _LINEARS, _parts, int8_layers, observe_inputs
+from fxforge.lowering.int8 import _CONVS, _LINEARS, _is_conv, _parts, int8_layers, observe_inputs
 from fxforge.lowering.int8_ops import QMAX, input_qparams, weight_int8, weight_scale
+from fxforge.lowering.int8_ops import _finite as finite
 from fxforge.lowering.precision import _module_call_as_function
 from fxforge.lowering.precision_choice import choose_layers
+from fxforge.lowering.precision_stage import CALIBRATION_DRAWS, KEYWORD_ONLY, calibration_calls
 from fxforge.lowering.timing import DECISIVE, time_interleaved
 from fxforge.rewrites.folding import attribute_tensor, fold_constants
 
 _QD = torch.ops.quantized_decomposed
-CALIBRATION_DRAWS = 2  # random calls besides the example, as for the native target's int8
 TIMING_BUDGET_S = 1.0
 OBSERVED_VALUES = 1 << 16  # values of each input the ranges are observed on, at least (see observed_calls)
 OBSERVED_CALLS = 32
@@ -186,9 +187,9 @@ class QdqReduction:
 
 
 def _finite(args: tuple, kwargs: dict) -> bool:
-    # One pass each (a sum: a tenth of isfinite(t).all()'s time); a sum that overflows reads as not finite, and
-    # that call runs in float32.
-    return all(bool(torch.isfinite(t.sum())) for t in pytree.tree_leaves((args, kwargs))
+    # (int8_ops' one-pass check on each floating-point input: a sum that overflows reads as not finite, and that
+    # call runs in float32)
+    return all(finite(t) for t in pytree.tree_leaves((args, kwargs))
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
@@ -212,9 +213,10 @@ class FrozenInt8:
     or an infinity in their inputs. Calls run without recording gradients (the plan serves only such calls;
     freezing applies only to them).
 
-    :meth:`build` observes the named layers' input ranges on the calibration ``calls``, makes the int8 graph
-    (:func:`qdq_copy`) and compiles it; :meth:`refreezing` is the plan's derived value that builds it all again
-    when a tensor the graph reads changed (new weights: new int8 weights, new activation ranges).
+    :meth:`build` observes the named layers' input ranges on the calibration ``calls`` (the first is the one it
+    compiles for; the plan's are :func:`observed_calls`), makes the int8 graph (:func:`qdq_copy`) and compiles it;
+    :meth:`refreezing` is the plan's derived value that builds it all again when a tensor the graph reads changed
+    (new weights: new int8 weights, new activation ranges).
 
     Example:
         >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8)))
@@ -232,12 +234,13 @@ class FrozenInt8:
         self.compiles = 0
         self.copies_inputs = False
 
-    def build(self) -> None:
-        """Observe, quantize and compile (for the first calibration call, under ``no_grad``), now rather than on a
-        user's call."""
+    def build(self, ranges: dict[str, tuple[float, float]] | None = None) -> None:
+        """Observe (unless given the ``ranges`` observed on ``calls`` already), quantize and compile (for the first
+        calibration call, under ``no_grad``), now rather than on a user's call."""
         example = self.calls[0]
-        with isolated(self.gm, inputs=(example, {})):
-            ranges = observe_inputs(self.gm, observed_calls(self.calls), self.names)
+        if ranges is None:
+            with isolated(self.gm, inputs=(example, {})):
+                ranges = observe_inputs(self.gm, self.calls, self.names)
         self.qdq = qdq_copy(self.gm, set(self.names), ranges, residuals=self.residuals)
         self.compiled = _freeze(self.qdq, self.dynamic)
         self.compiles += 1
@@ -290,15 +293,6 @@ class FrozenInt8:
         return Derived(torch.empty(0), tuple(sources.values()), build_again, replace=lambda value: None)
 
 
-def _calls(captured: Captured) -> list[tuple] | None:
-    from fxforge.lowering.precision_stage import _positional  # (that module imports this one's users)
-
-    example = _positional(captured.graph_module, captured.example_args, captured.example_kwargs)
-    if example is None:
-        return None
-    return [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
-
-
 def observed_calls(calls: list[tuple]) -> list[tuple]:
     """The calls the ranges are observed on: ``calls``, and for small inputs more random draws of the example's
     statistics, until each input has given about OBSERVED_VALUES values (at most OBSERVED_CALLS calls). A range is
@@ -331,10 +325,9 @@ def inductor_int8_plan(captured: Captured, float32_plan: Plan, tolerance: Any, *
     layer's precision."""
     tolerance = Tolerance.of(tolerance)
     gm, report = captured.graph_module, captured.report
-    calls = _calls(captured)
+    calls = calibration_calls(captured)
     if calls is None:
-        report.notes.append("precision int8: float32 kept: the graph takes keyword-only inputs, which the "
-                            "calibration calls do not vary yet")
+        report.notes.append(f"precision int8: float32 kept: {KEYWORD_ONLY}")
         return float32_plan
     if any(t.device.type != "cpu" for t in pytree.tree_leaves(calls[0]) if isinstance(t, torch.Tensor)):
         report.notes.append("precision int8: float32 kept: Inductor's int8 kernels are oneDNN's, for the CPU (on a "
@@ -345,13 +338,13 @@ def inductor_int8_plan(captured: Captured, float32_plan: Plan, tolerance: Any, *
                             "can be calibrated on them")
         return float32_plan
     start = time.perf_counter()
+    observing = observed_calls(calls)
     with isolated(gm, inputs=(calls[0], {})):
-        ranges = observe_inputs(gm, observed_calls(calls), [n.name for n in qdq_layers(gm)])
+        ranges = observe_inputs(gm, observing, [n.name for n in qdq_layers(gm)])
         held_out = calls + [random_like(calls[0], CALIBRATION_DRAWS + 1)]
         with torch.no_grad():
             reference = [gm(*args) for args in held_out]
-    convolutions = any(n.target in _CONVS or n.op == "call_module" and isinstance(
-        gm.get_submodule(str(n.target)), torch.nn.Conv2d) for n in qdq_layers(gm) if n.name in ranges)
+    convolutions = any(_is_conv(gm, n) for n in qdq_layers(gm) if n.name in ranges)
     # The layers are chosen on the graph run eagerly, keeping a share of the tolerance (MARGINS) for the compiled
     # kernels, which round a little differently (their requantized outputs drift from the decomposed ops' through
     # a deep network: ResNet-50's cosine 0.99936 eagerly, 0.99894 compiled). Convolutions' residual connections
@@ -373,9 +366,9 @@ def inductor_int8_plan(captured: Captured, float32_plan: Plan, tolerance: Any, *
         if not choice.reduced:
             break
         try:
-            frozen = FrozenInt8(gm, choice.reduced, calls, float32_plan.executable, dynamic=dynamic,
+            frozen = FrozenInt8(gm, choice.reduced, observing, float32_plan.executable, dynamic=dynamic,
                                 residuals=residuals)
-            frozen.build()
+            frozen.build(ranges)
             with isolated(gm, inputs=(calls[0], {})), torch.no_grad():
                 found = agreement(reference, [frozen(*args) for args in held_out], tolerance.metric)
         except Exception as error:  # noqa: BLE001 - a compile failure refuses the int8 plan with its reason
@@ -386,18 +379,14 @@ def inductor_int8_plan(captured: Captured, float32_plan: Plan, tolerance: Any, *
         how = ("the convolutions' residual connections read them quantized too" if residuals else
                "only the layers read them quantized")
         summary = (f"{len(choice.reduced)} of {len(choice.layers)} layers in int8 (static: inputs in the ranges "
-                   f"calibrated on {len(observed_calls(calls))} calls, clamped beyond them; {how}; chosen keeping "
+                   f"calibrated on {len(observing)} calls, clamped beyond them; {how}; chosen keeping "
                    f"{margin:.0%} of the tolerance); the compiled graph against float32 on {len(held_out)} calls: "
                    f"{found.describe()} (tolerance: {tolerance.describe()})")
         if refusal is None:
             break
         if attempt + 1 < len(attempts):
             report.notes.append(f"precision int8: compiled again: {summary} breaks it: {refusal}")
-    for layer in chosen.layers:
-        where = f" ({layer.source})" if layer.source else ""
-        measured = f"reduced alone: {layer.alone.describe()}" if layer.alone is not None else ""
-        note = "; ".join(x for x in (layer.reason, measured) if x)
-        report.tuning.append(Tuning("precision", f"{layer.name}{where}", layer.dtype, note=note, kind="accuracy"))
+    report.tuning.extend(layer.tuning() for layer in chosen.layers)
     if not chosen.reduced:
         report.notes.append(f"precision int8: float32 kept: {chosen.refusal}")
         return float32_plan

@@ -36,6 +36,7 @@ from torch.fx import Node
 
 from fxforge.core.accuracy import Agreement, Tolerance, agreement
 from fxforge.core.nodes import copy_graph_module
+from fxforge.core.report import Tuning
 from fxforge.core.source import node_source
 from fxforge.lowering.precision import reduce_layers, reducible
 
@@ -50,6 +51,18 @@ class LayerPrecision:
     dtype: str
     alone: Agreement | None = None
     reason: str = ""
+
+    def tuning(self, speed: str = "") -> Tuning:
+        """The report's line for this layer: its precision, why, its agreement reduced alone and ``speed``.
+
+        Example:
+            >>> LayerPrecision("fc", "m.py:3", "int8").tuning().subject
+            'fc (m.py:3)'
+        """
+        where = f" ({self.source})" if self.source else ""
+        measured = f"reduced alone: {self.alone.describe()}" if self.alone is not None else ""
+        note = "; ".join(x for x in (self.reason, measured, speed) if x)
+        return Tuning("precision", f"{self.name}{where}", self.dtype, note=note, kind="accuracy")
 
 
 @dataclasses.dataclass

@@ -80,6 +80,25 @@ def _positional(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple | 
     return None if bound.kwargs else tuple(bound.args)  # (a ``**kwargs`` left empty is not an argument)
 
 
+# Why a graph that takes keyword-only inputs keeps float32.
+KEYWORD_ONLY = "the graph takes keyword-only inputs, which the calibration calls do not vary yet"
+
+
+def calibration_calls(rewritten: Captured) -> list[tuple] | None:
+    """The calls a precision is chosen on: the example as positional arguments of the graph, then
+    ``CALIBRATION_DRAWS`` random draws of its statistics (:func:`~fxforge.core.verify.random_like`); None where
+    the graph takes keyword-only inputs.
+
+    Example:
+        >>> len(calibration_calls(fxforge.capture(torch.nn.ReLU(), (torch.ones(2),))))
+        3
+    """
+    example = _positional(rewritten.graph_module, rewritten.example_args, rewritten.example_kwargs)
+    if example is None:
+        return None
+    return [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
+
+
 def _raced(precision: str, example: tuple) -> list[str]:
     """The precisions ``precision`` tries: itself, or for ``"auto"`` those with fast kernels on the inputs' device
     (bf16 and int8 on CPU; bf16 and fp16 on CUDA)."""
@@ -118,11 +137,7 @@ def _candidate(gm: torch.fx.GraphModule, precision: str, calls: list, tolerance:
                                         note=f"kept in float32: not faster in {precision} at its size "
                                              f"({speed.describe()})"))
     for layer in choice.layers:
-        where = f" ({layer.source})" if layer.source else ""
-        measured = f"reduced alone: {layer.alone.describe()}" if layer.alone is not None else ""
-        speed = speeds[layer.name].describe() if layer.name in speeds else ""
-        note = "; ".join(x for x in (layer.reason, measured, speed) if x)
-        report.tuning.append(Tuning("precision", f"{layer.name}{where}", layer.dtype, note=note, kind="accuracy"))
+        report.tuning.append(layer.tuning(speeds[layer.name].describe() if layer.name in speeds else ""))
     if not choice.reduced:
         if speeds and not any(speed.faster for speed in speeds.values()):
             return None, f"no layer is faster in {precision} at its size"
@@ -141,14 +156,12 @@ def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captu
         return rewritten
     tolerance = Tolerance.of(tolerance)
     gm, report = rewritten.graph_module, rewritten.report
-    example = _positional(gm, rewritten.example_args, rewritten.example_kwargs)
-    if example is None:
-        report.notes.append(f"precision {precision}: float32 kept: the graph takes keyword-only inputs, which the "
-                            "calibration calls do not vary yet")
+    calls = calibration_calls(rewritten)
+    if calls is None:
+        report.notes.append(f"precision {precision}: float32 kept: {KEYWORD_ONLY}")
         return rewritten
-    calls = [example] + [random_like(example, seed) for seed in range(1, CALIBRATION_DRAWS + 1)]
     candidates, summaries = {}, {}
-    for name in _raced(precision, example):
+    for name in _raced(precision, calls[0]):
         reduced, summaries[name] = _candidate(gm, name, calls, tolerance, report)
         if reduced is None:
             report.notes.append(f"precision {name}: float32 kept: {summaries[name]}")
@@ -158,7 +171,7 @@ def with_precision(rewritten: Captured, precision: str, tolerance: Any) -> Captu
         return rewritten
     runs = {"float32": lower(gm), **{name: lower(reduced) for name, reduced in candidates.items()}}
     with torch.no_grad():
-        timings = time_interleaved({name: (lambda run=run: run(*example)) for name, run in runs.items()},
+        timings = time_interleaved({name: (lambda run=run: run(*calls[0])) for name, run in runs.items()},
                                    TIMING_BUDGET_S, decisive=DECISIVE)
     best = min(candidates, key=timings.__getitem__)
     faster = timings[best] < timings["float32"] * (1 - DECISIVE)

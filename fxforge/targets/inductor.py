@@ -21,7 +21,6 @@ from fxforge.core.target_cache import compile_rate, device_of, remember_compile_
 from fxforge.lowering.build import Lowering
 from fxforge.lowering.inductor import LEFT_TO_INDUCTOR, inductor_plan
 from fxforge.lowering.inductor_int8 import inductor_int8_plan
-from fxforge.lowering.precision_stage import precision_dtype
 from fxforge.runtime.race import Entrant
 from fxforge.targets.base import Contract, Target, prepared
 from fxforge.targets.native import NativeTarget
@@ -47,13 +46,6 @@ class InductorTarget(NativeTarget):
     precisions = ("int8", "auto")
     lowering = Lowering(_compiled, tuned=False, left_out=LEFT_TO_INDUCTOR, reduced=_reduced)
     compiled_training = True
-
-    def build(self, model: Any, example_inputs: Any, options: dict[str, Any]) -> nn.Module | type:
-        precision = options.get("precision", "float32")
-        if precision_dtype(precision) is not None and precision not in self.precisions:
-            raise ValueError(f"target='inductor' takes precision='int8' (or 'auto': int8 raced against float32), "
-                             f"not {precision!r}: bf16 and fp16 plans run on target='native'")
-        return super().build(model, example_inputs, options)
 
     def write(self, built: nn.Module, path: str, *, dynamic_batch: bool = False) -> Any:
         return Target.write(self, built, path)

@@ -59,7 +59,10 @@ class NativeTarget(Target):
                              options.get("max_plans", MAX_PLANS))
         plan_options = {k: options[k] for k in _PLAN_OPTIONS if k in options}
         if "precision" in plan_options:  # (checked before anything runs)
-            precision_dtype(plan_options["precision"])
+            precision = plan_options["precision"]
+            if precision_dtype(precision) is not None and precision not in self.precisions:
+                raise ValueError(f"target={self.name!r} takes precision={' or '.join(map(repr, self.precisions))}, "
+                                 f"not {precision!r}; every precision runs on target='native'")
             Tolerance.of(plan_options.get("tolerance"))
         method = plan_options.pop("method", "auto")
         if method != "dynamo":
