@@ -65,7 +65,7 @@ from fxforge.lowering.int8_ops import QMAX, input_qparams, weight_int8, weight_s
 from fxforge.lowering.int8_ops import _finite as finite
 from fxforge.lowering.precision import _module_call_as_function
 from fxforge.lowering.precision_choice import choose_layers
-from fxforge.lowering.precision_stage import CALIBRATION_DRAWS, KEYWORD_ONLY, calibration_calls
+from fxforge.lowering.precision_stage import CALIBRATION_DRAWS, KEYWORD_ONLY, _devices, calibration_calls
 from fxforge.lowering.timing import DECISIVE, time_interleaved
 from fxforge.rewrites.folding import attribute_tensor, fold_constants
 
@@ -329,7 +329,7 @@ def inductor_int8_plan(captured: Captured, float32_plan: Plan, tolerance: Any, *
     if calls is None:
         report.notes.append(f"precision int8: float32 kept: {KEYWORD_ONLY}")
         return float32_plan
-    if any(t.device.type != "cpu" for t in pytree.tree_leaves(calls[0]) if isinstance(t, torch.Tensor)):
+    if not _devices(calls[0]) <= {"cpu"}:
         report.notes.append("precision int8: float32 kept: Inductor's int8 kernels are oneDNN's, for the CPU (on a "
                             "GPU, target='native' runs linear layers in int8)")
         return float32_plan
