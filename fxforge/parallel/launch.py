@@ -116,7 +116,8 @@ def reference_step(model: torch.nn.Module, args: tuple, kwargs: dict, microbatch
 
 def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None = None, loss_fn: Any = None,
                  steps: int = 1, backend: str | None = None, threads: int | None = None,
-                 timeout: float = 600.0, worker_setup: Any = None, dtype: torch.dtype | None = None) -> PipelineRun:
+                 timeout: float = 600.0, worker_setup: Any = None, dtype: torch.dtype | None = None,
+                 optimizer: Any = None) -> PipelineRun:
     """Run ``part`` in ``part.stages`` local processes and check it against the model in this one.
 
     Args:
@@ -135,6 +136,9 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
             amplify (batch norm in train mode over a few samples per microbatch).
         worker_setup: a module-level function each worker calls before it unpickles the model (what this
             process did before building it, e.g. registering ops a model's library needs at import).
+        optimizer: an optimizer class or a picklable factory ``params -> Optimizer``: each stage steps it on
+            its own parameters after the schedule, inside the timed step (None: forward and backward only).
+            Gradients are checked on the first step, before its update.
 
     Raises:
         RuntimeError: a worker failed (its last error line is given) or did not finish in time.
@@ -165,7 +169,7 @@ def run_pipeline(part: Partition, example_inputs: Any, *, schedule: str | None =
     payload = {"model": staged, "microbatch": microbatch, "split_points": part.split_points,
                "stages": part.stages, "microbatches": part.microbatches, "schedule": schedule,
                "args": args, "kwargs": kwargs, "loss_fn": loss_fn, "steps": steps, "threads": threads,
-               "backend": backend, "cuda": use_cuda}
+               "backend": backend, "cuda": use_cuda, "optimizer": optimizer}
     results = run_workers("fxforge.parallel.worker", payload, part.stages, threads=threads, timeout=timeout,
                           worker_setup=worker_setup, what="pipeline stage")
     return _compare(part, reference_model, list(aliases.values()), args, kwargs, loss_fn, results, schedule,

@@ -192,6 +192,7 @@ def _pipeline(plan: Any, example_inputs: Any, steps: int, **options: Any) -> Mes
         raise ValueError("this pipeline plan has no partition to run (plan it with fxforge.parallelize)")
     if plan.loss is not None:
         options["loss_fn"] = plan.loss
+    options.setdefault("optimizer", plan.optimizer_factory)
     done = run_pipeline(part, example_inputs, steps=steps + 1, **options)
     steady = done.step_seconds[1:] or done.step_seconds
     return MeshRun(full(plan.strategy), done.backend, done.output_error, done.gradient_error,

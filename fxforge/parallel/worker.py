@@ -6,7 +6,7 @@
 
 with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
-and writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's
+(each followed by the optimizer's step on the stage's parameters, when the payload has an optimizer) and writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's
 outputs, and each step's wall time; or, when it fails, ``OUT_DIR/rank{RANK}.error``: the exception
 and its cause, on one line.
 """
@@ -47,6 +47,8 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     kwargs = {k: _to(v, device) for k, v in payload["kwargs"].items()}
     batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
     target = torch.zeros(batch, device=device)
+    factory = payload.get("optimizer")
+    optimizer = factory(list(stage.submod.parameters())) if factory is not None else None
     grads, output, seconds = None, None, []
     for _ in range(payload["steps"]):
         stage.submod.zero_grad(set_to_none=True)
@@ -60,6 +62,8 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
             out = schedule.step(target=target)
         else:
             out = schedule.step()
+        if optimizer is not None:
+            optimizer.step()
         dist.barrier()
         seconds.append(time.perf_counter() - start)
         if grads is None:

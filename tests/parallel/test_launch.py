@@ -8,6 +8,8 @@ residual's skip sent between stages); a loss failing on the last stage."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import fxforge
 from fxforge.parallel.launch import microbatches_of, reference_step, run_pipeline, square_mean_loss
 from fxforge.parallel.restructure import GradFree, no_grad_forward
 from fxforge.runtime.roofline import Machine
+from tests.parallel.mesh_models import RecordingSGD
 from tests.training import models
 
 
@@ -37,19 +40,25 @@ def test_gpt2_through_gloo_equals_one_process():
     assert len(run.step_seconds) == 2 and "match the single process" in str(run)
 
 
-def test_llama_through_gloo_with_the_users_loss_equals_one_process():
+def test_llama_through_gloo_with_the_users_loss_and_optimizer_equals_one_process(tmp_path):
     """LLaMA, whose rotary embedding runs under no_grad in transformers <= 5.23, split as GradFree
-    (fxforge/parallel/restructure.py); the user's loss runs on the last stage and in the reference alike."""
+    (fxforge/parallel/restructure.py); the user's loss runs on the last stage and in the reference alike; each
+    stage steps the user's optimizer on its own parameters after every step."""
     model = models.llama().eval()
     part = fxforge.partition(model, {"input_ids": models.ids(batch=8)}, 2, microbatches=4, schedule="1F1B")
     if no_grad_forward(model.model.rotary_emb) is not None:
         assert isinstance(part.pipeline_model.model.rotary_emb, GradFree)
     assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"   # the model is left as it was
-    run = run_pipeline(part, {"input_ids": models.ids(seed=4, batch=8)}, steps=2, loss_fn=cube_loss)
+    record = tmp_path / "steps"
+    run = run_pipeline(part, {"input_ids": models.ids(seed=4, batch=8)}, steps=2, loss_fn=cube_loss,
+                       optimizer=functools.partial(RecordingSGD, record=str(record)))
     assert run.backend == "gloo" and run.stages == 2 and run.schedule == "1F1B"
-    assert run.outputs_match and run.gradients_match, str(run)
+    assert run.outputs_match and run.gradients_match, str(run)     # checked on the first step, before its update
     assert run.output_error < 1e-4 and run.gradient_error < 1e-4
     assert len(run.step_seconds) == 2
+    stepped = [int(line) for line in record.read_text().split()]
+    assert len(stepped) == 4                                        # two stages, two steps each
+    assert sorted(set(stepped)) != [sum(p.numel() for p in model.parameters())]   # each its own stage's share
 
 
 def test_resnet_through_gloo_equals_one_process():
