@@ -3,16 +3,19 @@ that fits chosen.
 
 For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.strategy`):
 
-- **compute**: the one-process step (:mod:`fxforge.parallel.step_costs`), the forward and backward divided
-  over the data-parallel replicas and, for the share tensor parallelism splits, by its degree; the
-  optimizer's step over the local share of the parameters;
+- **compute**: rank 0's step as the run builds it (DDP, FSDP2, tensor parallel), on its slice of the batch,
+  under a fake process group (:mod:`fxforge.parallel.rank_steps`), timed beside the other ranks' twins
+  (:mod:`fxforge.parallel.twins`): DDP's bucket copies, DTensor's dispatch, FSDP2's buffer copies and the
+  sharded optimizer step are in it; on meta tensors, the roofline's share of the one-process step;
 - **collectives**: every collective of a step, predicted exactly from the graph and the parameters
   (tensor parallel: :func:`~fxforge.parallel.tp_build.predicted_tp_collectives`; fully sharded and data
   parallel: :mod:`fxforge.parallel.collectives`), each priced on the link (alpha-beta,
   :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute
   (gloo does not overlap them);
 - **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
-- **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule scaled by the measured step.
+- **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule with each stage's work scaled to
+  its step as built and timed under a fake process group (:func:`fxforge.parallel.rank_steps.stage_steps`),
+  then the slowest stage's optimizer step.
 
 The fastest candidate within ``memory_per_device`` is chosen; the others stay in the table with their
 figures, and those that do not fit say by how much.
@@ -27,6 +30,7 @@ Example (starts a link measurement the first time, cached after)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from typing import Any
@@ -77,7 +81,8 @@ def _slice(value: Any, parts: int) -> Any:
 class _Planner:
     """The figures shared by every candidate, computed once."""
 
-    def __init__(self, model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans=None):
+    def __init__(self, model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans=None,
+                 options=None):
         from fxforge.training.optimizer_memory import resolve_optimizer
 
         self.model, self.args, self.kwargs, self.devices, self.cap = model, args, kwargs, devices, cap
@@ -90,9 +95,11 @@ class _Planner:
         self._training: dict[int, Any] = {}
         self._ready: list[str] | None = None
         self._replica_steps: dict[int, tuple[float, float]] = {}
-        self._tp_steps: dict[tuple[int, int], tuple[float, float]] = {}
-        self._tp_weights: dict[int, int] = {}
+        self._built_steps: dict[str, tuple[float, float]] = {}
+        self._pipelines: dict[int, tuple[Any, str]] = {}
+        self._stage_steps: dict[int, list[tuple[float, float]]] = {}
         self.tp_plans = dict(tp_plans or {})
+        self.options = [full(m) for m in options or []]
         self.notes: list[str] = []
         self.costs = self._step_costs()
 
@@ -133,43 +140,55 @@ class _Planner:
                 beside.enter_context(twins)
             except TwinsUnavailable as why:
                 self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
-            self._time_tp_steps()
+            self._time_built_steps()
+            self._time_pipelines()
             return {r: self._time_slice(r) for r in counts}
+
+    def _time_pipelines(self) -> None:
+        """Each pipeline option's partition, and its stages' steps as the run builds them, timed under a fake
+        process group (:func:`fxforge.parallel.rank_steps.stage_steps`): the engine's own work per microbatch
+        and the stage's optimizer step, which the nodes' times leave out."""
+        import torch.distributed as dist
+
+        from fxforge.parallel.rank_steps import stage_steps
+
+        for mesh in self.options:
+            if mesh["pp"] == 1 or devices_of(mesh) != mesh["pp"]:
+                continue
+            part, _ = self._pipelines[mesh["pp"]] = self._pipeline_partition(mesh["pp"], measured=True)
+            if dist.is_initialized():
+                self.notes.append(f"{mesh_name(mesh)}: stages priced from their nodes' times (a process group is "
+                                  "already initialised here, so none was built to time them)")
+                continue
+            times = stage_steps(part, self.args, self.kwargs, self.loss_fn, self.optimizer_factory,
+                                threads=self.threads)
+            if isinstance(times, str):
+                self.notes.append(f"{mesh_name(mesh)}: stages priced from their nodes' times: {times}")
+            else:
+                self._stage_steps[mesh["pp"]] = times
 
     def _replica_counts(self, devices: int) -> list[int]:
         """The replica counts ``devices`` can hold that split the batch's rows evenly."""
         return [r for r in range(1, devices + 1) if devices % r == 0 and self.rows % r == 0]
 
-    def _time_tp_steps(self) -> None:
-        """Rank 0's step under each tensor-parallel plan, for every replica count beside it, timed in this
-        process under a fake process group (its collectives do nothing; the link prices them): the sharded
-        compute with DTensor's own dispatch, which the divided share of the one-process step leaves out."""
-        import copy
-
+    def _time_built_steps(self) -> None:
+        """Rank 0's step of every mesh but pipelines as built, timed in this process under a fake process group
+        (:mod:`fxforge.parallel.rank_steps`): DDP's bucket copies, DTensor's dispatch, FSDP2's buffer copies and
+        hooks and the sharded optimizer step, which the one-process step leaves out."""
         import torch.distributed as dist
 
-        if not self.tp_plans:
+        from fxforge.parallel.rank_steps import built, built_steps
+
+        meshes = [m for m in self.options if built(m) and (m["tp"] == 1 or m["tp"] in self.tp_plans)
+                  and self.rows % (m["dp"] * m["fsdp"]) == 0]
+        if not meshes:
             return
         if dist.is_initialized():
-            self.notes.append("tensor-parallel steps estimated from the one-process step (a process group is "
-                              "already initialised here, so none was built to time them)")
+            self.notes.append("ranks' steps estimated from the one-process step (a process group is already "
+                              "initialised here, so none was built to time them)")
             return
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        from fxforge.parallel.tp_build import apply_tp, tp_mesh
-
-        for degree, tp_plan in self.tp_plans.items():
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=degree)
-            try:
-                local = apply_tp(copy.deepcopy(self.model), tp_plan, tp_mesh(degree))
-                shards = [getattr(p, "_local_tensor", p) for p in dict.fromkeys(local.parameters())]
-                self._tp_weights[degree] = sum(t.numel() * t.element_size() for t in shards)
-                for replicas in self._replica_counts(self.devices // degree):
-                    args, kwargs = _slice((self.args, self.kwargs), replicas)
-                    self._tp_steps[degree, replicas] = time_step(local, args, kwargs, self.loss_fn,
-                                                                 self.optimizer_factory, threads=self.threads)
-            finally:
-                dist.destroy_process_group()
+        self._built_steps = built_steps(self.model, meshes, self.tp_plans, self.args, self.kwargs, self.loss_fn,
+                                        self.optimizer_factory, threads=self.threads, timer=time_step)
 
     def _time_slice(self, replicas: int) -> tuple[float, float]:
         args, kwargs = _slice((self.args, self.kwargs), replicas)
@@ -218,9 +237,8 @@ class _Planner:
         dims = shard_dims(self.model, styles)
         memory = device_memory(self.training(replicas), self.model, mesh, styles, dims, self.optimizer,
                                self.blocks)
-        if (tp, replicas) in self._tp_steps:  # rank 0's step as built, timed
-            forward_backward, optimizer = self._tp_steps[tp, replicas]
-            compute = forward_backward + optimizer * memory.weights / max(self._tp_weights[tp], 1)
+        if mesh_name(mesh) in self._built_steps:  # rank 0's step as built, timed
+            compute = sum(self._built_steps[mesh_name(mesh)])
         else:
             share = self.costs.sharded_share(styles) if tp > 1 else 0.0
             forward_backward, optimizer = self.replica_step(replicas)
@@ -234,11 +252,11 @@ class _Planner:
         return Candidate(mesh, compute + comm, compute, comm, memory.peak, total_bytes(collectives), fits,
                          reason, collectives, memory.parts())
 
-    def _partition(self, stages: int, cap: int | None) -> Any:
+    def _partition(self, stages: int, cap: int | None, measured: bool) -> Any:
         from fxforge.parallel.partition import partition
 
         inputs = as_inputs(self.args, self.kwargs)
-        if not self.costs.measured:
+        if not measured:
             return partition(self.model, inputs, stages, memory_per_stage=cap)
         previous = torch.get_num_threads()  # each node timed on one microbatch, on a stage's threads
         torch.set_num_threads(self.threads)
@@ -247,19 +265,33 @@ class _Planner:
         finally:
             torch.set_num_threads(previous)
 
-    def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
-        refusal = ""
+    def _pipeline_partition(self, stages: int, measured: bool) -> tuple[Any, str]:
+        """The partition into ``stages`` within the cap, or, where none fits, the one without it and why;
+        nodes timed (``measured``) or priced by the roofline."""
         try:
-            part = self._partition(mesh["pp"], self.cap)
+            return self._partition(stages, self.cap, measured), ""
         except ValueError as error:  # no split fits the cap: priced without it, and refused with its reason
-            refusal = " ".join(str(error).split())
-            part = self._partition(mesh["pp"], None)
-        # The stages' times are the nodes' own, timed one by one on a microbatch (or the roofline's); the real
-        # step also pays autograd's engine and its accumulation between them. The whole step measured in this
-        # process over the same nodes' sum on the whole batch gives that factor.
-        node_sum = float(part.units.seconds.sum()) * part.microbatches
-        engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
-        compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / mesh["pp"]
+            return self._partition(stages, None, measured), " ".join(str(error).split())
+
+    def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
+        pp = mesh["pp"]
+        part, refusal = self._pipelines.get(pp) or self._pipeline_partition(pp, self.costs.measured)
+        if pp in self._stage_steps:
+            # Each stage's simulated work scaled to its step as built and timed; the schedule's waits are the
+            # simulation's; the stages then step their optimizers side by side.
+            times = self._stage_steps[pp]
+            factors = [fb / busy if busy > 0 else 1.0 for (fb, _), busy in zip(times, part.simulate().busy)]
+            scaled = dataclasses.replace(
+                part, stage_forward_seconds=[f * k for f, k in zip(part.stage_forward_seconds, factors)],
+                stage_backward_seconds=[b * k for b, k in zip(part.stage_backward_seconds, factors)])
+            compute = scaled.simulate().makespan + max(opt for _, opt in times)
+        else:
+            # The nodes' own times, one by one on a microbatch (or the roofline's); the real step also pays
+            # autograd's engine and its accumulation between them: the whole step measured in this process
+            # over the same nodes' sum on the whole batch gives that factor.
+            node_sum = float(part.units.seconds.sum()) * part.microbatches
+            engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
+            compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
         sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
                  for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
                  for _ in range(part.microbatches)]
@@ -345,10 +377,10 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
         link = measured_link("gloo", 2)
     inputs = as_inputs(args, kwargs)
     tp_plans = tp_degrees(model, inputs, devices)
-    planner = _Planner(model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans)
-    units_max = len(planner.blocks) + 1
+    units_max = len(fsdp_blocks(model)) + 1
     options = [forced] if mesh is not None else meshes(devices, tp_degrees=tp_plans, pipeline=pipeline,
                                                        max_stages=units_max)
+    planner = _Planner(model, args, kwargs, devices, cap, loss_fn, optimizer, link, threads, tp_plans, options)
     candidates, notes = [], planner.notes
     for option in options:
         replicas = option["dp"] * option["fsdp"]

@@ -68,7 +68,7 @@ def test_each_replica_count_is_priced_from_its_own_slice_timed_beside_the_twins(
     monkeypatch.setattr(planner_module, "time_step", fake_time_step)
     plan = fxforge.parallelize(residual_mlp(), (torch.randn(8, 64),), devices=2, link=LINK, pipeline=False)
     assert beside == [(1, 4)]                          # one twin (the other rank) on a replica's slice
-    assert sorted(timed) == [4, 8, 8]                 # replicas of 1 and 2; the tensor-parallel rank
+    assert sorted(timed) == [4, 4, 4, 8, 8]           # replicas of 1 and 2; the DDP, FSDP2 and TP ranks
     rows = plan.candidates.set_index("strategy")
     assert rows.loc["dp2", "compute_s"] == pytest.approx(6e-3 + 1e-4)       # the 4-row step as timed, not 10/2
     assert not any("timed alone" in note for note in plan.notes)
@@ -85,20 +85,29 @@ def test_the_planner_times_alone_with_a_note_when_the_twins_cannot_run(monkeypat
     assert plan.chosen.compute_s > 0
 
 
-def test_a_tensor_parallel_candidate_is_priced_from_rank_zeros_step_as_built(monkeypatch):
+def test_every_candidate_but_pipelines_is_priced_from_rank_zeros_step_as_built(monkeypatch):
     from torch.distributed.tensor import DTensor
 
     seen = []
 
     def fake_time_step(model, args, kwargs, loss_fn, optimizer_factory, *, threads, repeats=5):
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        seen.append((sharded, args[0].shape[0]))
-        return (7e-3 if sharded else 1e-3 * (2 + args[0].shape[0])), 1e-4
+        fully = type(model).__name__.startswith("FSDP")
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        seen.append((sharded, fully, ddp, args[0].shape[0]))
+        built = 9e-3 if fully else 7e-3 if sharded else 5e-3 if ddp else 1e-3 * (2 + args[0].shape[0])
+        return built, 1e-4
 
     monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)
     monkeypatch.setattr(planner_module, "time_step", fake_time_step)
-    plan = fxforge.parallelize(residual_mlp(), (torch.randn(8, 64),), devices=2, link=LINK, pipeline=False)
-    assert (True, 8) in seen                           # the TP plan built under a fake group of 2, whole batch
+    model = residual_mlp()
+    plan = fxforge.parallelize(model, (torch.randn(8, 64),), devices=2, link=LINK, pipeline=False)
+    assert (True, False, False, 8) in seen             # the TP plan built under a fake group of 2, whole batch
+    assert (True, True, False, 4) in seen              # FSDP2 over 2 ranks, a replica's half of the batch
+    assert (False, False, True, 4) in seen             # DDP over 2 ranks, half the batch
     rows = plan.candidates.set_index("strategy")
-    assert 7e-3 < rows.loc["tp2", "compute_s"] < 7e-3 + 1e-4 + 1e-12
+    assert rows.loc["tp2", "compute_s"] == pytest.approx(7e-3 + 1e-4)
+    assert rows.loc["fsdp2", "compute_s"] == pytest.approx(9e-3 + 1e-4)   # not the model's 6e-3 on 4 rows
+    assert rows.loc["dp2", "compute_s"] == pytest.approx(5e-3 + 1e-4)
     assert not torch.distributed.is_initialized()      # the fake group is gone
+    assert not any(isinstance(p, DTensor) for p in model.parameters())   # built on copies
