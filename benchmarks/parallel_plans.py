@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from datetime import datetime, timezone
@@ -182,9 +183,11 @@ def markdown(result: dict[str, Any]) -> str:
         mib = "-" if r["measured_mib"] is None else f"{r['measured_mib']:.1f}"
         counted = "-" if r["counted_bytes"] is None else f"{r['counted_bytes']:,}"
         equal = {True: "yes", False: "NO", None: "-"}[r["collectives_match"]]
+        # A model whose outputs are NaN in one process and in the run "matches" vacuously: say so.
+        same = ("yes" if math.isfinite(r["max_error"]) else "NaN in both") if r["ok"] else "NO"
         lines.append(f"| {r['model']} | {r['rank']} | {r['strategy']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} "
                      f"| {report.fmt_float(ratio)} | {r['predicted_mib']:.1f} | {mib} | {r['predicted_bytes']:,} "
-                     f"| {counted} | {equal} | {'yes' if r['ok'] else 'NO'} ({r['max_error']:.1e}) "
+                     f"| {counted} | {equal} | {same} ({r['max_error']:.1e}) "
                      f"| {'yes' if r.get('fastest_measured') else ''} |")
     lines += ["", ("The derived tensor-parallel plan alone, float64, small configurations (hidden 64, 2 layers, "
               "4 heads, batch 2, 16 tokens):"), "",

@@ -119,7 +119,9 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
     from fxforge.parallel.restructure import pipeline_ready
     from fxforge.parallel.worker import _schedule_class
 
-    staged = pipeline_ready(part.model, part.column_blocks)
+    # A copy: the stages share their parameters with the model they are built from, and their optimizers step
+    # on whatever gradients the fake receives produced.
+    staged = pipeline_ready(copy.deepcopy(part.model), part.column_blocks)
     pipe = build_pipe(staged, part.units.microbatch, part.split_spec, part.stages)
     for index in range(1, part.stages):
         for node in pipe.get_stage_module(index).graph.find_nodes(op="placeholder"):

@@ -86,3 +86,12 @@ def test_shard_dims_and_the_local_model_keep_ties():
     assert local.head.weight is local.emb.weight and tuple(local.emb.weight.shape) == (5, 4)
     assert tuple(local.c.weight.shape) == (4, 4) and tuple(local.r.weight.shape) == (4, 4)
     assert local.emb.weight.is_meta and not model.emb.weight.is_meta
+
+
+def test_planning_leaves_the_model_as_it_was():
+    """Every rank and pipeline stage is built and stepped on copies (their optimizers step on what fake
+    collectives produced): the user's weights are untouched."""
+    model = residual_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fxforge.parallelize(model, (torch.randn(8, 64),), devices=2, link=LINK)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

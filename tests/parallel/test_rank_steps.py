@@ -61,10 +61,13 @@ def test_each_pipeline_stage_steps_as_built_or_says_why_it_cannot():
     import fxforge
 
     model, x = residual_mlp(), torch.randn(8, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     part = fxforge.partition(model, (x,), 2)
     times = stage_steps(part, (x,), {}, square_mean_loss, torch.optim.AdamW, threads=1)
     assert len(times) == 2 and all(fb > 0 and opt > 0 for fb, opt in times)
     assert not dist.is_initialized()
+    # the stages stepped their optimizers on copies: the model's weights are its own
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     ids = torch.randint(0, 50, (8, 6))
     carrier = fxforge.partition(IndexCarrier(), (ids,), 2)          # every split sends the ids on
     why = stage_steps(carrier, (ids,), {}, square_mean_loss, None, threads=1)
