@@ -65,6 +65,8 @@ class PipelineRun:
         outputs_match, gradients_match: within ``rtol=1e-4, atol=1e-5``.
         step_seconds: per step, the slowest rank's wall time (the first step included: it warms up).
         reference_seconds: per step, the single process's time for the same microbatches.
+        sends: every stage's sends of the last step, one record per microbatch and direction
+            (:func:`fxforge.parallel.worker.counted_sends`).
     """
 
     stages: int
@@ -77,6 +79,7 @@ class PipelineRun:
     gradients_match: bool
     step_seconds: tuple[float, ...]
     reference_seconds: tuple[float, ...]
+    sends: tuple[Any, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -223,8 +226,9 @@ def _compare(part: Partition, model: torch.nn.Module, aliases: list[tuple[str, l
         gradient_error = max(gradient_error, error)
         gradients_match &= close
     step_seconds = tuple(max(r["seconds"][i] for r in results) for i in range(steps))
+    sends = tuple(c for result in results for c in result.get("sends", ()))
     return PipelineRun(part.stages, part.microbatches, schedule, backend, output_error, gradient_error,
-                       outputs_match, gradients_match, step_seconds, tuple(reference_seconds))
+                       outputs_match, gradients_match, step_seconds, tuple(reference_seconds), sends)
 
 
 def _difference(expected: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, bool]:

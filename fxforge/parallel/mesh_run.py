@@ -50,8 +50,8 @@ class MeshRun:
         grad_error: the largest absolute difference of a parameter's full gradient from the single process's.
         step_s: the median wall time of a measured step (the slowest rank's, between barriers).
         comm_bytes: bytes of every collective one rank took part in during a steady step (the full tensors':
-            :class:`~fxforge.parallel.collectives.Collective`); None for a pipeline (its sends are not counted).
-        collectives: rank 0's collectives of the steady step.
+            :class:`~fxforge.parallel.collectives.Collective`); for a pipeline, every stage's sends.
+        collectives: rank 0's collectives of the steady step (a pipeline: every stage's sends).
         memory_per_device: the largest measured peak of a rank's steady step, in bytes (its share of the
             weights, buffers and optimizer state included); None for a pipeline.
         predicted_step_s, predicted_comm_bytes, predicted_memory: the plan's figures (None when not given).
@@ -195,7 +195,10 @@ def _pipeline(plan: Any, example_inputs: Any, steps: int, **options: Any) -> Mes
     options.setdefault("optimizer", plan.optimizer_factory)
     done = run_pipeline(part, example_inputs, steps=steps + 1, **options)
     steady = done.step_seconds[1:] or done.step_seconds
+    sends = list(done.sends)
     return MeshRun(full(plan.strategy), done.backend, done.output_error, done.gradient_error,
-                   statistics.median(steady), None, [], None,
+                   statistics.median(steady), total_bytes(sends), sends, None,
                    predicted_step_s=plan.chosen.step_s, predicted_comm_bytes=plan.chosen.comm_bytes,
-                   predicted_memory=plan.chosen.memory_per_device, step_seconds=tuple(steady), ok=done.ok)
+                   predicted_memory=plan.chosen.memory_per_device,
+                   collectives_match=comparable(sends) == comparable(plan.chosen.collectives),
+                   step_seconds=tuple(steady), ok=done.ok)

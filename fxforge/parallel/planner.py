@@ -50,6 +50,7 @@ from fxforge.parallel.collectives import (
 )
 from fxforge.parallel.device_memory import device_memory, local_model, shard_dims
 from fxforge.parallel.plan import Candidate, ParallelPlan
+from fxforge.parallel.stage_sends import predicted_sends
 from fxforge.parallel.step_costs import StepCosts, graph_shares, is_meta, time_step
 from fxforge.parallel.strategy import devices_of, full, meshes
 from fxforge.parallel.strategy import name as mesh_name
@@ -292,9 +293,7 @@ class _Planner:
             node_sum = float(part.units.seconds.sum()) * part.microbatches
             engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
             compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
-        sends = [Collective("send", b, 2, "pp", phase, f"stage {i} -> {i + 1}")
-                 for i, b in enumerate(part.transfer_bytes) for phase in ("forward", "backward")
-                 for _ in range(part.microbatches)]
+        sends = predicted_sends(part.pipe(), part.microbatches)
         comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
         peak = max(part.stage_memory)
         fits = not refusal and (self.cap is None or peak <= self.cap)

@@ -6,9 +6,10 @@
 
 with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its stage with
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
-(each followed by the optimizer's step on the stage's parameters, when the payload has an optimizer) and writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's
-outputs, and each step's wall time; or, when it fails, ``OUT_DIR/rank{RANK}.error``: the exception
-and its cause, on one line.
+(each followed by the optimizer's step on the stage's parameters, when the payload has an optimizer) and
+writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's outputs,
+each step's wall time and the last step's sends (:func:`fxforge.parallel.stage_sends.counted_sends`); or,
+when it fails, ``OUT_DIR/rank{RANK}.error``: the exception and its cause, on one line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from fxforge.parallel.engine import build_pipe
 from fxforge.parallel.processes import worker_main
+from fxforge.parallel.stage_sends import counted_sends
 
 
 def _schedule_class(name: str) -> Any:
@@ -49,8 +51,10 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     target = torch.zeros(batch, device=device)
     factory = payload.get("optimizer")
     optimizer = factory(list(stage.submod.parameters())) if factory is not None else None
-    grads, output, seconds = None, None, []
+    sends = counted_sends(stage, rank)
+    grads, output, seconds, last_sends = None, None, [], []
     for _ in range(payload["steps"]):
+        sends.clear()
         stage.submod.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
@@ -66,12 +70,14 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
             optimizer.step()
         dist.barrier()
         seconds.append(time.perf_counter() - start)
+        last_sends = list(sends)
         if grads is None:
             grads = {name: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                      for name, p in stage.submod.named_parameters()}
             output = torch.utils._pytree.tree_map(
                 lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
-    return {"grads": grads, "output": output if rank == world - 1 else None, "seconds": seconds}
+    return {"grads": grads, "output": output if rank == world - 1 else None, "seconds": seconds,
+            "sends": last_sends}
 
 
 def main(argv: list[str]) -> int:

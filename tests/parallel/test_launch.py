@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import fxforge
+from fxforge.parallel.collectives import comparable
 from fxforge.parallel.launch import microbatches_of, reference_step, run_pipeline, square_mean_loss
 from fxforge.parallel.restructure import GradFree, no_grad_forward
+from fxforge.parallel.stage_sends import predicted_sends
 from fxforge.runtime.roofline import Machine
 from tests.parallel.mesh_models import RecordingSGD
 from tests.training import models
@@ -38,6 +40,11 @@ def test_gpt2_through_gloo_equals_one_process():
     assert run.outputs_match and run.gradients_match, str(run)
     assert run.output_error < 1e-4 and run.gradient_error < 1e-4
     assert len(run.step_seconds) == 2 and "match the single process" in str(run)
+    # every send the stages made, microbatch by microbatch, as the split graph predicts: activations forward
+    # (the attention mask included), gradients of the floating-point ones back, between any two stages
+    predicted = predicted_sends(part.pipe(), part.microbatches)
+    assert comparable(run.sends) == comparable(predicted) and len(run.sends) == len(predicted) > 0
+    assert {c.where for c in run.sends} == {c.where for c in predicted}
 
 
 def test_llama_through_gloo_with_the_users_loss_and_optimizer_equals_one_process(tmp_path):

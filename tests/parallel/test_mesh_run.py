@@ -1,6 +1,7 @@
 """Plans run for real: one local gloo process per device, forward + backward + AdamW, outputs and every
 gradient against the model in one process, collectives counted against the prediction, memory measured
-(fxforge/parallel/mesh_run.py, mesh_worker.py). Each run starts two processes (5-15 s)."""
+(fxforge/parallel/mesh_run.py, mesh_worker.py; a pipeline's stages' sends counted by worker.py). Each run starts
+two processes (5-15 s)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ LINK = Link("test link", alpha_s=50e-6, bandwidth_gbs=1.0, source="a round figur
 (without it the first plan would measure this machine's gloo link: two more processes)."""
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2}, {"fsdp": 2}, {"tp": 2}])
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"fsdp": 2}, {"tp": 2}, {"pp": 2}])
 def test_a_user_model_trains_in_float64_as_one_process_does(mesh):
     model = residual_mlp(width=32, hidden=64).double()
     batch = (torch.randn(8, 32, dtype=torch.float64),)
@@ -28,8 +29,12 @@ def test_a_user_model_trains_in_float64_as_one_process_does(mesh):
     assert result.ok and result.max_error < 1e-12 and result.grad_error < 1e-12, str(result)
     assert result.collectives_match, (comparable(result.collectives), comparable(plan.collectives))
     assert result.comm_bytes == result.predicted_comm_bytes == plan.chosen.comm_bytes > 0
+    assert result.step_s > 0
+    if "pp" in mesh:  # a pipeline's sends are counted, its memory is not measured
+        assert {c.kind for c in result.collectives} == {"send"} and result.memory_per_device is None
+        return
     # every rank's share of the weights and the AdamW state, and the step's peak, measured
-    assert result.memory_per_device > 0 and result.step_s > 0
+    assert result.memory_per_device > 0
     if "dp" in mesh or "tp" in mesh:
         assert abs(result.memory_per_device / plan.chosen.memory_per_device - 1) < 0.05, str(result)
 
