@@ -113,7 +113,8 @@ def saved_share(training: Any, styles: dict[str, str]) -> float:
 
 
 def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], styles: dict[str, str],
-                  shard_dims: dict[str, int | None], optimizer: Any, blocks: list[str]) -> DeviceMemory:
+                  shard_dims: dict[str, int | None], optimizer: Any, blocks: list[str],
+                  measured: dict[str, int] | None = None) -> DeviceMemory:
     """One device's predicted memory under ``mesh``.
 
     Args:
@@ -124,6 +125,9 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
         shard_dims: the dimension each parameter is split on by tensor parallelism (None: replicated).
         optimizer: what :func:`~fxforge.training.optimizer_memory.optimizer_memory` takes.
         blocks: the modules ``fully_shard`` wraps before the root.
+        measured: a tensor-parallel rank's forward and backward peaks above the start of its step, measured as
+            built (:func:`~fxforge.parallel.rank_steps.built_peaks`); None: the one-process step's, with the
+            share of its saved values the split reaches divided by the degree.
     """
     from fxforge.training.optimizer_memory import optimizer_memory
 
@@ -138,6 +142,9 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
     persistent = training.persistent_bytes
     fwd = (training.forward_peak_bytes - persistent) * scale
     bwd = (training.backward_peak_bytes - persistent - training.gradients_bytes) * scale + gradients
+    activations = int(training.activations_bytes * scale)
+    if measured is not None:
+        fwd, bwd, activations = measured["forward"], measured["backward"], measured["forward"]
     opt = gradients + training.optimizer.step_peak_bytes * (weights / max(training.weights_bytes, 1))
     gathered = 0
     if fsdp > 1:
@@ -163,9 +170,8 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     phase = max(phases, key=phases.get)
     base = weights + training.buffers_bytes + state  # the batch itself is left out (as the run measures)
-    return DeviceMemory(weights, training.buffers_bytes, gradients, state,
-                        int(training.activations_bytes * scale), gathered, training.inputs_bytes,
-                        int(base + phases[phase]), phase)
+    return DeviceMemory(weights, training.buffers_bytes, gradients, state, activations, gathered,
+                        training.inputs_bytes, int(base + phases[phase]), phase)
 
 
 def shard_dims(model: torch.nn.Module, styles: dict[str, str]) -> dict[str, int | None]:

@@ -97,6 +97,7 @@ class _Planner:
         self._ready: list[str] | None = None
         self._replica_steps: dict[int, tuple[float, float]] = {}
         self._built_steps: dict[str, tuple[float, float]] = {}
+        self._built_peaks: dict[str, dict[str, int]] = {}
         self._pipelines: dict[int, tuple[Any, str]] = {}
         self._stage_steps: dict[int, list[tuple[float, float]]] = {}
         self.tp_plans = dict(tp_plans or {})
@@ -178,7 +179,7 @@ class _Planner:
         hooks and the sharded optimizer step, which the one-process step leaves out."""
         import torch.distributed as dist
 
-        from fxforge.parallel.rank_steps import built, built_steps
+        from fxforge.parallel.rank_steps import built, built_peaks, built_steps
 
         meshes = [m for m in self.options if built(m) and (m["tp"] == 1 or m["tp"] in self.tp_plans)
                   and self.rows % (m["dp"] * m["fsdp"]) == 0]
@@ -190,6 +191,10 @@ class _Planner:
             return
         self._built_steps = built_steps(self.model, meshes, self.tp_plans, self.args, self.kwargs, self.loss_fn,
                                         self.optimizer_factory, threads=self.threads, timer=time_step)
+        for mesh in meshes:  # what a tensor-parallel rank saves is DTensor's: measured as built (not FSDP2's)
+            if mesh["tp"] > 1 and mesh["fsdp"] == 1:
+                self._built_peaks[mesh_name(mesh)] = built_peaks(self.model, mesh, self.tp_plans[mesh["tp"]],
+                                                                 self.args, self.kwargs, self.loss_fn)
 
     def _time_slice(self, replicas: int) -> tuple[float, float]:
         args, kwargs = _slice((self.args, self.kwargs), replicas)
@@ -237,7 +242,7 @@ class _Planner:
         styles = tp_plan.styles if tp > 1 else {}
         dims = shard_dims(self.model, styles)
         memory = device_memory(self.training(replicas), self.model, mesh, styles, dims, self.optimizer,
-                               self.blocks)
+                               self.blocks, self._built_peaks.get(mesh_name(mesh)))
         if mesh_name(mesh) in self._built_steps:  # rank 0's step as built, timed
             compute = sum(self._built_steps[mesh_name(mesh)])
         else:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from fxforge.parallel.launch import square_mean_loss
 from fxforge.parallel.planner import tp_degrees
-from fxforge.parallel.rank_steps import built, built_steps, stage_steps
+from fxforge.parallel.rank_steps import built, built_peaks, built_steps, stage_steps
 from fxforge.parallel.strategy import meshes
 from tests.parallel.mesh_models import residual_mlp
 
@@ -87,3 +87,25 @@ def test_a_pipeline_is_priced_from_its_stages_as_built(monkeypatch):
     # stage 0 twice stage 1's work: the makespan is at least stage 0's whole step, and the optimizers run after
     assert 0.2 + 0.03 <= plan.chosen.compute_s < 0.2 + 0.1 + 0.03
     assert part.stages == 2 and not any("nodes' times" in note for note in plan.notes)
+
+
+def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
+    import fxforge
+    from fxforge.core.links import Link
+    from fxforge.parallel import rank_steps
+
+    model, x = residual_mlp(), torch.randn(8, 64)
+    plans = tp_degrees(model, (x,), 2)
+    peaks = built_peaks(model, {"tp": 2}, plans[2], (x,), {}, square_mean_loss)
+    assert 0 < peaks["forward"] < peaks["backward"] and not dist.is_initialized()
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)
+    monkeypatch.setattr(rank_steps, "built_peaks", lambda *a, **k: {"forward": 3 << 20, "backward": 5 << 20})
+    link = Link("test link", alpha_s=50e-6, bandwidth_gbs=1.0, source="a round figure for the tests")
+    plan = fxforge.parallelize(model, (x,), devices=2, link=link, pipeline=False)
+    tp2 = next(c for c in plan.options if c.name == "tp2")
+    dp2 = next(c for c in plan.options if c.name == "dp2")
+    parts = tp2.memory
+    assert parts["activations"] == 3 << 20
+    assert parts["peak"] == parts["weights"] + parts["buffers"] + parts["optimizer_state"] + (5 << 20)
+    assert dp2.memory["activations"] != 3 << 20                  # DDP keeps the training-memory model
