@@ -82,15 +82,14 @@ def built_steps(model: torch.nn.Module, meshes: list[dict[str, int]], tp_plans: 
     The model is copied for each mesh, never changed. Needs no process group to be initialised here.
     ``timer`` times a step (default :func:`fxforge.parallel.step_costs.time_step`).
     """
-    from fxforge.parallel.mesh_worker import build_mesh, parallelized
-    from fxforge.parallel.planner import _slice
+    from fxforge.parallel.mesh_worker import build_mesh, data_slice, parallelized
     from fxforge.parallel.step_costs import time_step
 
     timer = timer or time_step
     times: dict[str, tuple[float, float]] = {}
     for mesh in (full(m) for m in meshes if built(m)):
         replicas = mesh["dp"] * mesh["fsdp"]
-        rank_args, rank_kwargs = _slice((args, kwargs), replicas)
+        rank_args, rank_kwargs = data_slice((args, kwargs), 0, replicas)
         with fake_group(devices_of(mesh)), flushed_denormals():
             local, _ = parallelized(copy.deepcopy(model), mesh, tp_plans.get(mesh["tp"]), build_mesh(mesh, "cpu"),
                                     blocking_ddp=True)
@@ -176,12 +175,11 @@ def built_peaks(model: torch.nn.Module, mesh: dict[str, int], tp_plan: Any, args
         peaks = built_peaks(model, {"tp": 2}, plan.tp, (ids,), {}, square_mean_loss)
         peaks["forward"], peaks["backward"]
     """
-    from fxforge.parallel.mesh_worker import build_mesh, parallelized
-    from fxforge.parallel.planner import _slice
+    from fxforge.parallel.mesh_worker import build_mesh, data_slice, parallelized
     from fxforge.training.measure import PhaseMeter
 
     mesh = full(mesh)
-    rank_args, rank_kwargs = _slice((args, kwargs), mesh["dp"] * mesh["fsdp"])
+    rank_args, rank_kwargs = data_slice((args, kwargs), 0, mesh["dp"] * mesh["fsdp"])
     with fake_group(devices_of(mesh)), flushed_denormals():
         local, _ = parallelized(copy.deepcopy(model), mesh, tp_plan, build_mesh(mesh, "cpu"), blocking_ddp=True)
         loss_fn(local(*rank_args, **rank_kwargs), None).backward()  # a warm-up: lazy buffers, DTensor's caches
