@@ -44,6 +44,57 @@ class CompileRefused(RuntimeError):
     """The compiled graph does not compute what the rewritten graph computes (or could not be compiled)."""
 
 
+class RebuiltOutputs:
+    """``compiled`` (a graph returning its outputs flat) called, and its outputs put back into ``out_spec``'s
+    structure (a model output class, a cache object) outside the compiled code.
+
+    An export graph ends with ``pytree.tree_unflatten(outputs, self._out_spec)``, and TorchDynamo traces
+    that too: the library's unflatten functions run inside the compile, where some fail (transformers'
+    ``DynamicCache`` leaves a generator that TorchDynamo cannot rebuild: "'LocalGeneratorObjectVariable'
+    object has no attribute 'remaining_items'", and LLaMA ran eagerly on the inductor target).
+    """
+
+    def __init__(self, compiled: Any, out_spec: Any):
+        self.compiled, self.out_spec = compiled, out_spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils._pytree.tree_unflatten(list(self.compiled(*args, **kwargs)), self.out_spec)
+
+
+def flat_outputs(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Any]:
+    """A copy of ``gm`` (sharing its parameters and buffers) whose code returns its outputs flat, and the spec
+    that rebuilds them; ``(gm, None)`` where ``gm`` returns them as they are.
+
+    Example:
+        >>> class Pair(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return {"double": x * 2, "half": x / 2}
+        >>> gm = torch.export.export(Pair(), (torch.ones(2),)).module()
+        >>> flat, spec = flat_outputs(gm)
+        >>> type(flat(torch.ones(2))).__name__, spec is not None
+        ('tuple', True)
+    """
+    from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+    from fxforge.core.nodes import copy_graph_module
+
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if not isinstance(gm.graph._codegen, _PyTreeCodeGen) or info is None or info.out_spec is None:
+        return gm, None
+    flat = copy_graph_module(gm)
+    flat.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(info.orig_args, info.in_spec, None))
+    flat.recompile()
+    return flat, info.out_spec
+
+
+def compiled_with_flat_outputs(gm: torch.fx.GraphModule, **options: Any) -> Any:
+    """``torch.compile(gm, backend="inductor", fullgraph=True, **options)``, with the outputs' structure
+    rebuilt outside the compiled code (:class:`RebuiltOutputs`) where ``gm`` has one."""
+    flat, spec = flat_outputs(gm)
+    compiled = torch.compile(flat, backend="inductor", fullgraph=True, **options)
+    return compiled if spec is None else RebuiltOutputs(compiled, spec)
+
+
 def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
     """A :class:`~fxforge.core.plan.Plan` whose executable is ``torch.compile`` of the rewritten graph,
     compiled now and checked against it on the example inputs.
@@ -65,7 +116,7 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
             # at 1 is checked against eager by the plan cache instead. A graph Inductor cannot compile that way
             # is compiled as usual.
             try:
-                compiled = torch.compile(gm, backend="inductor", dynamic=True, fullgraph=True)
+                compiled = compiled_with_flat_outputs(gm, dynamic=True)
                 with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
                     actual = compiled(*_unbacked(gm, args, kwargs), **kwargs)
                 how, unbacked = "; its dynamic dims unbacked, so a size of 1 needs no compile of its own", True
@@ -76,7 +127,7 @@ def inductor_plan(captured: Captured, *, dynamic: bool = False) -> Plan:
                 # graph's code is generated again, a new code object.
                 gm.recompile()
         if compiled is None:
-            compiled = torch.compile(gm, backend="inductor", dynamic=dynamic, fullgraph=True)
+            compiled = compiled_with_flat_outputs(gm, dynamic=dynamic)
             with isolated(gm, inputs=(args, kwargs)), torch.no_grad():
                 actual = compiled(*args, **kwargs)
     except Exception as error:  # any compile failure refuses the plan, with its reason

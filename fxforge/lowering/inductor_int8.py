@@ -60,6 +60,7 @@ from fxforge.core.plan import Plan
 from fxforge.core.report import Tuning
 from fxforge.core.source import first_line
 from fxforge.core.verify import isolated, random_like
+from fxforge.lowering.inductor import compiled_with_flat_outputs
 from fxforge.lowering.int8 import _CONVS, _LINEARS, _is_conv, _parts, int8_layers, observe_inputs
 from fxforge.lowering.int8_ops import QMAX, input_qparams, weight_int8, weight_scale
 from fxforge.lowering.int8_ops import _finite as finite
@@ -204,8 +205,7 @@ def _copy_floating(tensor: torch.Tensor) -> torch.Tensor:
 def _freeze(gm: torch.fx.GraphModule, dynamic: bool) -> Any:
     """``torch.compile`` of a fresh copy of ``gm`` with freezing (a new code object: TorchDynamo's cache of an
     earlier compile, whose constants are the old weights, is not reused)."""
-    return torch.compile(copy_graph_module(gm), backend="inductor", dynamic=dynamic, fullgraph=True,
-                         options={"freezing": True})
+    return compiled_with_flat_outputs(copy_graph_module(gm), dynamic=dynamic, options={"freezing": True})
 
 
 class FrozenInt8:

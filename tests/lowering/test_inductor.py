@@ -138,3 +138,29 @@ def test_a_conv_net_gets_one_shape_generic_plan_for_new_image_sizes_and_inferenc
     with torch.inference_mode():
         torch.testing.assert_close(opt(outside), model(outside), rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_a_model_returning_a_cache_object_compiles_and_gets_it_back():
+    """LLaMA returns a DynamicCache: the export graph's unflatten of it ran inside TorchDynamo, which failed on
+    its generator ("'LocalGeneratorObjectVariable' object has no attribute 'remaining_items'") and the model ran
+    eagerly. The compiled graph now returns its outputs flat and the structure is rebuilt outside it."""
+    import transformers
+
+    from fxforge.lowering.inductor import RebuiltOutputs
+
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=256)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        opt = fxforge.optimize(model, (torch.randint(0, 256, (2, 12)),), target="inductor")
+        assert isinstance(opt.cache.last.executable, RebuiltOutputs)
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))   # fresh tokens
+        with torch.no_grad():
+            got, expected = opt(ids), model(ids)
+    assert type(got.past_key_values) is type(expected.past_key_values)
+    torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(got.past_key_values.layers, expected.past_key_values.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-5)
