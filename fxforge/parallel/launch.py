@@ -66,7 +66,9 @@ class PipelineRun:
         step_seconds: per step, the slowest rank's wall time (the first step included: it warms up).
         reference_seconds: per step, the single process's time for the same microbatches.
         sends: every stage's sends of the last step, one record per microbatch and direction
-            (:func:`fxforge.parallel.worker.counted_sends`).
+            (:func:`fxforge.parallel.stage_sends.counted_sends`).
+        memory_per_stage: per stage, the bytes one more step held at its peak (its weights, buffers and
+            optimizer state included), measured by the CPU allocator's records or CUDA's statistics.
     """
 
     stages: int
@@ -80,6 +82,7 @@ class PipelineRun:
     step_seconds: tuple[float, ...]
     reference_seconds: tuple[float, ...]
     sends: tuple[Any, ...] = ()
+    memory_per_stage: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -228,7 +231,8 @@ def _compare(part: Partition, model: torch.nn.Module, aliases: list[tuple[str, l
     step_seconds = tuple(max(r["seconds"][i] for r in results) for i in range(steps))
     sends = tuple(c for result in results for c in result.get("sends", ()))
     return PipelineRun(part.stages, part.microbatches, schedule, backend, output_error, gradient_error,
-                       outputs_match, gradients_match, step_seconds, tuple(reference_seconds), sends)
+                       outputs_match, gradients_match, step_seconds, tuple(reference_seconds), sends,
+                       tuple(result["memory"] for result in results))
 
 
 def _difference(expected: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, bool]:

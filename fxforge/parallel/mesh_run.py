@@ -53,7 +53,7 @@ class MeshRun:
             :class:`~fxforge.parallel.collectives.Collective`); for a pipeline, every stage's sends.
         collectives: rank 0's collectives of the steady step (a pipeline: every stage's sends).
         memory_per_device: the largest measured peak of a rank's steady step, in bytes (its share of the
-            weights, buffers and optimizer state included); None for a pipeline.
+            weights, buffers and optimizer state included); for a pipeline, of a stage's step.
         predicted_step_s, predicted_comm_bytes, predicted_memory: the plan's figures (None when not given).
         collectives_match: the counted collectives equal the predicted ones, record by record.
         ok: outputs and gradients within ``rtol=1e-4, atol=1e-5`` of the single process's.
@@ -197,7 +197,7 @@ def _pipeline(plan: Any, example_inputs: Any, steps: int, **options: Any) -> Mes
     steady = done.step_seconds[1:] or done.step_seconds
     sends = list(done.sends)
     return MeshRun(full(plan.strategy), done.backend, done.output_error, done.gradient_error,
-                   statistics.median(steady), total_bytes(sends), sends, None,
+                   statistics.median(steady), total_bytes(sends), sends, max(done.memory_per_stage),
                    predicted_step_s=plan.chosen.step_s, predicted_comm_bytes=plan.chosen.comm_bytes,
                    predicted_memory=plan.chosen.memory_per_device,
                    collectives_match=comparable(sends) == comparable(plan.chosen.collectives),

@@ -279,6 +279,19 @@ class _Planner:
         except ValueError as error:  # no split fits the cap: priced without it, and refused with its reason
             return self._partition(stages, None, measured), " ".join(str(error).split())
 
+    def _stage_peak(self, part: Any, stage: int) -> int:
+        """A stage's peak: the partition's (weights, gradients, the activations of the microbatches it holds),
+        or its optimizer step's (weights, gradients and the step's temporaries), over its optimizer state."""
+        from fxforge.training.optimizer_memory import optimizer_memory
+
+        params = list(dict.fromkeys(part.pipe().get_stage_module(stage).parameters()))
+        if self.optimizer is None or not params:
+            return part.stage_memory[stage]
+        metas = [torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad) for p in params]
+        memory = optimizer_memory(self.optimizer, metas)
+        weights = sum(p.numel() * p.element_size() for p in params)
+        return memory.state_bytes + max(part.stage_memory[stage], 2 * weights + memory.step_peak_bytes)
+
     def pipeline_candidate(self, mesh: dict[str, int]) -> Candidate:
         pp = mesh["pp"]
         part, refusal = self._pipelines.get(pp) or self._pipeline_partition(pp, self.costs.measured)
@@ -300,7 +313,7 @@ class _Planner:
             compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
         sends = predicted_sends(part.pipe(), part.microbatches)
         comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
-        peak = max(part.stage_memory)
+        peak = max(self._stage_peak(part, s) for s in range(part.stages))
         fits = not refusal and (self.cap is None or peak <= self.cap)
         reason = refusal or ("" if fits else f"a stage needs {format_bytes(peak)}, over the {format_bytes(self.cap)} given")
         return Candidate(mesh, compute + comm, compute, comm, peak, total_bytes(sends), fits, reason, sends,

@@ -8,8 +8,9 @@ with ``MASTER_ADDR``/``MASTER_PORT`` set. It joins the process group, builds its
 ``torch.distributed.pipelining`` at the partition's split spec, runs the schedule for the payload's steps
 (each followed by the optimizer's step on the stage's parameters, when the payload has an optimizer) and
 writes ``OUT_DIR/rank{RANK}.pt``: the first step's gradients by parameter name, the last stage's outputs,
-each step's wall time and the last step's sends (:func:`fxforge.parallel.stage_sends.counted_sends`); or,
-when it fails, ``OUT_DIR/rank{RANK}.error``: the exception and its cause, on one line.
+each step's wall time, the last step's sends (:func:`fxforge.parallel.stage_sends.counted_sends`) and the
+bytes one more, untimed step held at its peak; or, when it fails, ``OUT_DIR/rank{RANK}.error``: the exception
+and its cause, on one line.
 """
 
 from __future__ import annotations
@@ -52,12 +53,8 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     factory = payload.get("optimizer")
     optimizer = factory(list(stage.submod.parameters())) if factory is not None else None
     sends = counted_sends(stage, rank)
-    grads, output, seconds, last_sends = None, None, [], []
-    for _ in range(payload["steps"]):
-        sends.clear()
-        stage.submod.zero_grad(set_to_none=True)
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step() -> Any:
         if rank == 0 and world == 1:
             out = schedule.step(*args, target=target, **kwargs)
         elif rank == 0:
@@ -68,6 +65,15 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
             out = schedule.step()
         if optimizer is not None:
             optimizer.step()
+        return out
+
+    grads, output, seconds, last_sends = None, None, [], []
+    for _ in range(payload["steps"]):
+        sends.clear()
+        stage.submod.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        out = step()
         dist.barrier()
         seconds.append(time.perf_counter() - start)
         last_sends = list(sends)
@@ -77,7 +83,27 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
             output = torch.utils._pytree.tree_map(
                 lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
     return {"grads": grads, "output": output if rank == world - 1 else None, "seconds": seconds,
-            "sends": last_sends}
+            "sends": last_sends, "memory": _measured_step(stage, optimizer, step, device)}
+
+
+def _measured_step(stage: Any, optimizer: Any, step: Any, device: torch.device) -> int:
+    """One more step, untimed, under :class:`~fxforge.training.measure.PhaseMeter`: its peak above the start plus
+    what the stage keeps between steps (its weights, buffers and optimizer state), in bytes."""
+    from fxforge.training.measure import PhaseMeter
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+    stage.submod.zero_grad(set_to_none=True)
+    state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    kept = nbytes(stage.submod.parameters()) + nbytes(stage.submod.buffers()) + nbytes(state)
+    dist.barrier()
+    with PhaseMeter(device) as meter:
+        step()
+        meter.end("step")
+    dist.barrier()
+    return kept + meter.phases()["step"].peak_bytes
 
 
 def main(argv: list[str]) -> int:

@@ -64,7 +64,7 @@ def test_llama_through_gloo_with_the_users_loss_and_optimizer_equals_one_process
     assert run.output_error < 1e-4 and run.gradient_error < 1e-4
     assert len(run.step_seconds) == 2
     stepped = [int(line) for line in record.read_text().split()]
-    assert len(stepped) == 4                                        # two stages, two steps each
+    assert len(stepped) == 6                # two stages, two timed steps each and one measuring their memory
     assert sorted(set(stepped)) != [sum(p.numel() for p in model.parameters())]   # each its own stage's share
 
 
@@ -85,7 +85,7 @@ def test_the_check_fails_when_gradients_or_outputs_differ(small_gpt2):
     out, grads, _ = reference_step(model, (), batch, 2, square_mean_loss)
 
     def compare(output, gradients):
-        worker = {"grads": gradients, "output": output, "seconds": [0.1]}
+        worker = {"grads": gradients, "output": output, "seconds": [0.1], "sends": [], "memory": 0}
         aliases = [("transformer.wte.weight", ["transformer.wte.weight", "lm_head.weight"])]
         aliases += [(n, [n]) for n, _ in model.named_parameters() if n != "transformer.wte.weight"]
         return launch._compare(part, model, aliases, (), batch, square_mean_loss, [worker], "1F1B", "gloo", 1)

@@ -95,3 +95,14 @@ def test_planning_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fxforge.parallelize(model, (torch.randn(8, 64),), devices=2, link=LINK)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_pipeline_stage_holds_its_optimizer_state():
+    model, batch = residual_mlp(), (torch.randn(8, 64),)
+    with_adam = fxforge.parallelize(model, batch, mesh={"pp": 2}, link=LINK)
+    without = fxforge.parallelize(model, batch, mesh={"pp": 2}, link=LINK, optimizer=None)
+    part = with_adam.chosen.partition
+    params = [sum(p.numel() * p.element_size() for p in part.pipe().get_stage_module(s).parameters())
+              for s in range(2)]
+    # AdamW keeps two moments of every weight of the stage (and a step count per parameter)
+    assert with_adam.chosen.memory_per_device - without.chosen.memory_per_device >= 2 * min(params)
