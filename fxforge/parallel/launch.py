@@ -229,7 +229,7 @@ def _compare(part: Partition, model: torch.nn.Module, aliases: list[tuple[str, l
         gradient_error = max(gradient_error, error)
         gradients_match &= close
     step_seconds = tuple(max(r["seconds"][i] for r in results) for i in range(steps))
-    sends = tuple(c for result in results for c in result.get("sends", ()))
+    sends = tuple(c for result in results for c in result["sends"])
     return PipelineRun(part.stages, part.microbatches, schedule, backend, output_error, gradient_error,
                        outputs_match, gradients_match, step_seconds, tuple(reference_seconds), sends,
                        tuple(result["memory"] for result in results))

@@ -150,13 +150,19 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
         if meter is not None:
             memory = {phase: figures.peak_bytes for phase, figures in meter.phases().items()}
         del out, loss
-    persistent = _local_bytes(model, optimizer)
+    persistent = local_bytes(model, optimizer)
     return {"seconds": seconds, "output": output, "grads": grads, "collectives": counted, "style": style,
             "memory": memory, "persistent": persistent, "index": index}
 
 
-def _local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
-    """This rank's share of the weights and the optimizer's state, in bytes."""
+def local_bytes(model: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """This rank's share of the weights, buffers and the optimizer's state, in bytes (a tensor shared by
+    several names once; a DTensor by its local shard).
+
+    Example:
+        >>> local_bytes(torch.nn.Linear(2, 2), None)
+        {'weights': 24, 'buffers': 0, 'optimizer_state': 0}
+    """
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
 

@@ -73,6 +73,19 @@ def flushed_denormals() -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
+@contextlib.contextmanager
+def built_rank(model: torch.nn.Module, mesh: dict[str, int], tp_plan: Any) -> Iterator[torch.nn.Module]:
+    """Rank 0 of ``mesh``, for the block's duration: a copy of ``model`` parallelized as
+    :func:`fxforge.parallel.mesh_worker.parallelized` does for the run (DDP with a blocking all-reduce hook, as
+    the fake backend needs), under a fake process group, denormals flushed."""
+    from fxforge.parallel.mesh_worker import build_mesh, parallelized
+
+    mesh = full(mesh)
+    with fake_group(devices_of(mesh)), flushed_denormals():
+        local, _ = parallelized(copy.deepcopy(model), mesh, tp_plan, build_mesh(mesh, "cpu"), blocking_ddp=True)
+        yield local
+
+
 def built_steps(model: torch.nn.Module, meshes: list[dict[str, int]], tp_plans: dict[int, Any], args: tuple,
                 kwargs: dict, loss_fn: Any, optimizer_factory: Any, *, threads: int,
                 timer: Any = None) -> dict[str, tuple[float, float]]:
@@ -82,17 +95,14 @@ def built_steps(model: torch.nn.Module, meshes: list[dict[str, int]], tp_plans: 
     The model is copied for each mesh, never changed. Needs no process group to be initialised here.
     ``timer`` times a step (default :func:`fxforge.parallel.step_costs.time_step`).
     """
-    from fxforge.parallel.mesh_worker import build_mesh, data_slice, parallelized
+    from fxforge.parallel.mesh_worker import data_slice
     from fxforge.parallel.step_costs import time_step
 
     timer = timer or time_step
     times: dict[str, tuple[float, float]] = {}
     for mesh in (full(m) for m in meshes if built(m)):
-        replicas = mesh["dp"] * mesh["fsdp"]
-        rank_args, rank_kwargs = data_slice((args, kwargs), 0, replicas)
-        with fake_group(devices_of(mesh)), flushed_denormals():
-            local, _ = parallelized(copy.deepcopy(model), mesh, tp_plans.get(mesh["tp"]), build_mesh(mesh, "cpu"),
-                                    blocking_ddp=True)
+        rank_args, rank_kwargs = data_slice((args, kwargs), 0, mesh["dp"] * mesh["fsdp"])
+        with built_rank(model, mesh, tp_plans.get(mesh["tp"])) as local:
             times[mesh_name(mesh)] = timer(local, rank_args, rank_kwargs, loss_fn, optimizer_factory,
                                            threads=threads)
     return times
@@ -116,7 +126,7 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
 
     from fxforge.parallel.engine import build_pipe
     from fxforge.parallel.restructure import pipeline_ready
-    from fxforge.parallel.worker import _schedule_class
+    from fxforge.parallel.worker import schedule_class, schedule_step
 
     # A copy: the stages share their parameters with the model they are built from, and their optimizers step
     # on whatever gradients the fake receives produced.
@@ -129,6 +139,7 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
                 return (f"stage {index} receives {node.name} ({value.dtype}): not timed without the stage before it")
     rows = next(t.shape[0] for t in torch.utils._pytree.tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    target = torch.zeros(rows)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     times = []
@@ -136,18 +147,13 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
         for rank in range(part.stages):
             with fake_group(part.stages, rank), flushed_denormals():
                 stage = pipe.build_stage(rank, torch.device("cpu"), None)
-                schedule = _schedule_class(part.schedule)(stage, part.microbatches, loss_fn=loss_fn)
+                schedule = schedule_class(part.schedule)(stage, part.microbatches, loss_fn=loss_fn)
                 optimizer = optimizer_factory(list(stage.submod.parameters())) if optimizer_factory else None
                 runs = []
                 for _ in range(4):
                     stage.submod.zero_grad(set_to_none=True)
                     start = time.perf_counter()
-                    if rank == 0:
-                        schedule.step(*args, **kwargs)
-                    elif rank == part.stages - 1:
-                        schedule.step(target=torch.zeros(rows))
-                    else:
-                        schedule.step()
+                    schedule_step(schedule, rank, part.stages, args, kwargs, target)
                     middle = time.perf_counter()
                     if optimizer is not None:
                         optimizer.step()
@@ -175,13 +181,12 @@ def built_peaks(model: torch.nn.Module, mesh: dict[str, int], tp_plan: Any, args
         peaks = built_peaks(model, {"tp": 2}, plan.tp, (ids,), {}, square_mean_loss)
         peaks["forward"], peaks["backward"]
     """
-    from fxforge.parallel.mesh_worker import build_mesh, data_slice, parallelized
+    from fxforge.parallel.mesh_worker import data_slice
     from fxforge.training.measure import PhaseMeter
 
     mesh = full(mesh)
     rank_args, rank_kwargs = data_slice((args, kwargs), 0, mesh["dp"] * mesh["fsdp"])
-    with fake_group(devices_of(mesh)), flushed_denormals():
-        local, _ = parallelized(copy.deepcopy(model), mesh, tp_plan, build_mesh(mesh, "cpu"), blocking_ddp=True)
+    with built_rank(model, mesh, tp_plan) as local:
         loss_fn(local(*rank_args, **rank_kwargs), None).backward()  # a warm-up: lazy buffers, DTensor's caches
         for p in local.parameters():
             p.grad = None

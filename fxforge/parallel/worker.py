@@ -27,10 +27,33 @@ from fxforge.parallel.processes import worker_main
 from fxforge.parallel.stage_sends import counted_sends
 
 
-def _schedule_class(name: str) -> Any:
+def schedule_class(name: str) -> Any:
+    """The ``torch.distributed.pipelining`` schedule a partition names.
+
+    Example:
+        >>> schedule_class("1F1B").__name__
+        'Schedule1F1B'
+    """
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     return {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[name]
+
+
+def schedule_step(schedule: Any, rank: int, world: int, args: tuple, kwargs: dict, target: torch.Tensor) -> Any:
+    """One step of ``schedule`` as stage ``rank`` of ``world`` takes it: the first stage the batch, the last
+    the loss's target, one stage alone both, the others neither (they receive what they compute on).
+
+    Example (in each rank of an initialised process group, or alone under a fake one)::
+
+        out = schedule_step(schedule, rank, world, (ids,), {}, torch.zeros(len(ids)))
+    """
+    if rank == 0 and world == 1:
+        return schedule.step(*args, target=target, **kwargs)
+    if rank == 0:
+        return schedule.step(*args, **kwargs)
+    if rank == world - 1:
+        return schedule.step(target=target)
+    return schedule.step()
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -45,7 +68,7 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     spec = {name: SplitPoint.BEGINNING for name in payload["split_points"]}
     pipe = build_pipe(payload["model"], payload["microbatch"], spec, payload["stages"])
     stage = pipe.build_stage(rank, device, None)
-    schedule = _schedule_class(payload["schedule"])(stage, payload["microbatches"], loss_fn=payload["loss_fn"])
+    schedule = schedule_class(payload["schedule"])(stage, payload["microbatches"], loss_fn=payload["loss_fn"])
     args = tuple(_to(a, device) for a in payload["args"])
     kwargs = {k: _to(v, device) for k, v in payload["kwargs"].items()}
     batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -55,14 +78,7 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
     sends = counted_sends(stage, rank)
 
     def step() -> Any:
-        if rank == 0 and world == 1:
-            out = schedule.step(*args, target=target, **kwargs)
-        elif rank == 0:
-            out = schedule.step(*args, **kwargs)
-        elif rank == world - 1:
-            out = schedule.step(target=target)
-        else:
-            out = schedule.step()
+        out = schedule_step(schedule, rank, world, args, kwargs, target)
         if optimizer is not None:
             optimizer.step()
         return out
@@ -89,15 +105,11 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
 def _measured_step(stage: Any, optimizer: Any, step: Any, device: torch.device) -> int:
     """One more step, untimed, under :class:`~fxforge.training.measure.PhaseMeter`: its peak above the start plus
     what the stage keeps between steps (its weights, buffers and optimizer state), in bytes."""
+    from fxforge.parallel.mesh_worker import local_bytes
     from fxforge.training.measure import PhaseMeter
 
-    def nbytes(tensors: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-
     stage.submod.zero_grad(set_to_none=True)
-    state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()
-             if isinstance(t, torch.Tensor)]
-    kept = nbytes(stage.submod.parameters()) + nbytes(stage.submod.buffers()) + nbytes(state)
+    kept = sum(local_bytes(stage.submod, optimizer).values())
     dist.barrier()
     with PhaseMeter(device) as meter:
         step()
