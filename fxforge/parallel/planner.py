@@ -129,9 +129,10 @@ class _Planner:
         return StepCosts(fb, opt, True, self.threads, seconds, stacks, owners, forward)
 
     def _time_replica_steps(self) -> dict[int, tuple[float, float]]:
-        """Forward + backward and optimizer seconds of one replica's slice of the batch, for every replica
-        count the devices allow, each timed while the other ranks' twins run beside it on this machine's
-        cores (or alone, with a note, where the model cannot run in another process)."""
+        """Forward + backward and optimizer seconds of one replica's slice of the batch, for the whole batch and
+        each replica count the devices allow whose meshes were not timed as built, each timed while the other
+        ranks' twins run beside it on this machine's cores (or alone, with a note, where the model cannot run
+        in another process); the built ranks and the pipeline stages are timed beside the twins too."""
         from fxforge.parallel.twins import Twins, TwinsUnavailable
 
         counts = self._replica_counts(self.devices)
@@ -144,7 +145,11 @@ class _Planner:
                 self.notes.append(f"steps timed alone, not beside the other ranks' twins (they read low): {why}")
             self._time_built_steps()
             self._time_pipelines()
-            return {r: self._time_slice(r) for r in counts}
+            # The model's own step on a replica's slice: on the whole batch for the pipelines and the roofline's
+            # shares, and for each replica count whose meshes were not timed as built.
+            needed = {1} | {m["dp"] * m["fsdp"] for m in self.options
+                            if m["pp"] == 1 and mesh_name(m) not in self._built_steps}
+            return {r: self._time_slice(r) for r in counts if r in needed}
 
     def _time_pipelines(self) -> None:
         """Each pipeline option's partition, and its stages' steps as the run builds them, timed under a fake

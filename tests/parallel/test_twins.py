@@ -68,7 +68,8 @@ def test_each_replica_count_is_priced_from_its_own_slice_timed_beside_the_twins(
     monkeypatch.setattr(planner_module, "time_step", fake_time_step)
     plan = fxforge.parallelize(residual_mlp(), (torch.randn(8, 64),), devices=2, link=LINK, pipeline=False)
     assert beside == [(1, 4)]                          # one twin (the other rank) on a replica's slice
-    assert sorted(timed) == [4, 4, 4, 8, 8]           # replicas of 1 and 2; the DDP, FSDP2 and TP ranks
+    assert sorted(timed) == [4, 4, 8, 8]              # the whole batch; the DDP, FSDP2 and TP ranks (as built, the
+                                                      # model's own 2-replica slice is not timed)
     rows = plan.candidates.set_index("strategy")
     assert rows.loc["dp2", "compute_s"] == pytest.approx(6e-3 + 1e-4)       # the 4-row step as timed, not 10/2
     assert not any("timed alone" in note for note in plan.notes)
