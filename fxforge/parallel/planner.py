@@ -15,7 +15,8 @@ For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.s
 - **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
 - **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule with each stage's work scaled to
   its step as built and timed under a fake process group (:func:`fxforge.parallel.rank_steps.stage_steps`),
-  then the slowest stage's optimizer step.
+  then the slowest stage's optimizer step; each stage's peak measured on one more step as built (the
+  partition's own per-stage model where the stages cannot be built here).
 
 The fastest candidate within ``memory_per_device`` is chosen; the others stay in the table with their
 figures, and those that do not fit say by how much.
@@ -99,7 +100,7 @@ class _Planner:
         self._built_steps: dict[str, tuple[float, float]] = {}
         self._built_peaks: dict[str, dict[str, int]] = {}
         self._pipelines: dict[int, tuple[Any, str]] = {}
-        self._stage_steps: dict[int, list[tuple[float, float]]] = {}
+        self._stage_steps: dict[int, list[Any]] = {}  # StageStep per stage
         self.tp_plans = dict(tp_plans or {})
         self.options = [full(m) for m in options or []]
         self.notes: list[str] = []
@@ -303,12 +304,13 @@ class _Planner:
         if pp in self._stage_steps:
             # Each stage's simulated work scaled to its step as built and timed; the schedule's waits are the
             # simulation's; the stages then step their optimizers side by side.
-            times = self._stage_steps[pp]
-            factors = [fb / busy if busy > 0 else 1.0 for (fb, _), busy in zip(times, part.simulate().busy)]
+            steps = self._stage_steps[pp]
+            factors = [s.forward_backward / busy if busy > 0 else 1.0
+                       for s, busy in zip(steps, part.simulate().busy)]
             scaled = dataclasses.replace(
                 part, stage_forward_seconds=[f * k for f, k in zip(part.stage_forward_seconds, factors)],
                 stage_backward_seconds=[b * k for b, k in zip(part.stage_backward_seconds, factors)])
-            compute = scaled.simulate().makespan + max(opt for _, opt in times)
+            compute = scaled.simulate().makespan + max(s.optimizer for s in steps)
         else:
             # The nodes' own times, one by one on a microbatch (or the roofline's); the real step also pays
             # autograd's engine and its accumulation between them: the whole step measured in this process
@@ -318,7 +320,10 @@ class _Planner:
             compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
         sends = predicted_sends(part.pipe(), part.microbatches)
         comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
-        peak = max(self._stage_peak(part, s) for s in range(part.stages))
+        if pp in self._stage_steps:  # each stage's peak as built, measured as the run's worker measures it
+            peak = max(s.peak_bytes for s in self._stage_steps[pp])
+        else:
+            peak = max(self._stage_peak(part, s) for s in range(part.stages))
         fits = not refusal and (self.cap is None or peak <= self.cap)
         reason = refusal or ("" if fits else f"a stage needs {format_bytes(peak)}, over the {format_bytes(self.cap)} given")
         return Candidate(mesh, compute + comm, compute, comm, peak, total_bytes(sends), fits, reason, sends,

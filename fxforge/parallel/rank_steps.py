@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,25 +109,47 @@ def built_steps(model: torch.nn.Module, meshes: list[dict[str, int]], tp_plans: 
     return times
 
 
+@dataclasses.dataclass(frozen=True)
+class StageStep:
+    """One pipeline stage's step as built: median seconds of its part of the schedule (``forward_backward``) and
+    of its optimizer step, and the bytes it held at its peak (weights, buffers and optimizer state kept between
+    steps, plus the step's peak above its start: what the run's worker measures).
+
+    >>> StageStep(0.2, 0.01, 3 << 20).peak_bytes
+    3145728
+    """
+
+    forward_backward: float
+    optimizer: float
+    peak_bytes: int
+
+
 def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_factory: Any, *,
-                threads: int) -> list[tuple[float, float]] | str:
-    """Each pipeline stage's step as :mod:`fxforge.parallel.worker` builds it, timed in this process under a
-    fake process group as that stage's rank: median seconds of its part of the schedule over the whole batch
-    (every microbatch's forward and backward, the loss on the last stage, the engine's own work between
-    them; sends and receives move nothing) and of its optimizer step. Or the reason it cannot be timed so:
-    a later stage that receives integers would index with whatever its receive buffer held.
+                threads: int) -> list[StageStep] | str:
+    """Each pipeline stage's step as :mod:`fxforge.parallel.worker` builds it, in this process under a fake
+    process group as that stage's rank: timed over the whole batch (every microbatch's forward and backward,
+    the loss on the last stage, the engine's own work between them; sends and receives move nothing), its
+    optimizer step timed, and one more step's peak measured as the run's worker measures it
+    (:func:`fxforge.parallel.worker.measured_step`). Or the reason it cannot be run so: a later stage that
+    receives integers would index with whatever its receive buffer held.
+
+    What a stage holds is the engine's business as much as the graph's: the receive buffers of every
+    microbatch, the outputs it keeps until their gradients come back, the loss's values on the last stage.
+    The partition's per-stage activation model prices the graph's part (on the 4-layer models of
+    ``benchmarks/parallel_plans.py``: 3-17 % off the run), so the stage is measured as built.
 
     Example (slow: builds the stages)::
 
-        times = stage_steps(fxforge.partition(model, batch, 2), (x,), {}, square_mean_loss, torch.optim.AdamW,
+        steps = stage_steps(fxforge.partition(model, batch, 2), (x,), {}, square_mean_loss, torch.optim.AdamW,
                             threads=1)
+        steps[0].forward_backward, steps[0].peak_bytes
     """
     import statistics
     import time
 
     from fxforge.parallel.engine import build_pipe
     from fxforge.parallel.restructure import pipeline_ready
-    from fxforge.parallel.worker import schedule_class, schedule_step
+    from fxforge.parallel.worker import measured_step, schedule_class, schedule_step
 
     # A copy: the stages share their parameters with the model they are built from, and their optimizers step
     # on whatever gradients the fake receives produced.
@@ -142,7 +165,7 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
     target = torch.zeros(rows)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    times = []
+    steps = []
     try:
         for rank in range(part.stages):
             with fake_group(part.stages, rank), flushed_denormals():
@@ -158,11 +181,19 @@ def stage_steps(part: Any, args: tuple, kwargs: dict, loss_fn: Any, optimizer_fa
                     if optimizer is not None:
                         optimizer.step()
                     runs.append((middle - start, time.perf_counter() - middle))
+
+                def step(schedule=schedule, rank=rank, optimizer=optimizer) -> None:
+                    schedule_step(schedule, rank, part.stages, args, kwargs, target)
+                    if optimizer is not None:
+                        optimizer.step()
+
+                peak = measured_step(stage, optimizer, step, torch.device("cpu"))
                 steady = runs[1:]
-                times.append((statistics.median(r[0] for r in steady), statistics.median(r[1] for r in steady)))
+                steps.append(StageStep(statistics.median(r[0] for r in steady),
+                                       statistics.median(r[1] for r in steady), peak))
     finally:
         torch.set_num_threads(previous)
-    return times
+    return steps
 
 
 def built_peaks(model: torch.nn.Module, mesh: dict[str, int], tp_plan: Any, args: tuple, kwargs: dict,

@@ -99,22 +99,30 @@ def run_rank(payload: dict[str, Any], rank: int, world: int, device: torch.devic
             output = torch.utils._pytree.tree_map(
                 lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, out)
     return {"grads": grads, "output": output if rank == world - 1 else None, "seconds": seconds,
-            "sends": last_sends, "memory": _measured_step(stage, optimizer, step, device)}
+            "sends": last_sends, "memory": measured_step(stage, optimizer, step, device, barrier=dist.barrier)}
 
 
-def _measured_step(stage: Any, optimizer: Any, step: Any, device: torch.device) -> int:
-    """One more step, untimed, under :class:`~fxforge.training.measure.PhaseMeter`: its peak above the start plus
-    what the stage keeps between steps (its weights, buffers and optimizer state), in bytes."""
+def measured_step(stage: Any, optimizer: Any, step: Any, device: torch.device, barrier: Any = None) -> int:
+    """One more step of a pipeline stage, untimed, under :class:`~fxforge.training.measure.PhaseMeter`: its peak
+    above the start plus what the stage keeps between steps (its weights, buffers and optimizer state), in
+    bytes. ``barrier`` (``dist.barrier`` in a real run) is called before and after, so the ranks start together.
+
+    Example (the run's worker, and the planner on each stage built under a fake process group)::
+
+        peak_bytes = measured_step(stage, optimizer, lambda: schedule.step(x), torch.device("cpu"))
+    """
     from fxforge.parallel.mesh_worker import local_bytes
     from fxforge.training.measure import PhaseMeter
 
     stage.submod.zero_grad(set_to_none=True)
     kept = sum(local_bytes(stage.submod, optimizer).values())
-    dist.barrier()
+    if barrier is not None:
+        barrier()
     with PhaseMeter(device) as meter:
         step()
         meter.end("step")
-    dist.barrier()
+    if barrier is not None:
+        barrier()
     return kept + meter.phases()["step"].peak_bytes
 
 

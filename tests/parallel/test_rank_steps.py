@@ -63,8 +63,12 @@ def test_each_pipeline_stage_steps_as_built_or_says_why_it_cannot():
     model, x = residual_mlp(), torch.randn(8, 64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     part = fxforge.partition(model, (x,), 2)
-    times = stage_steps(part, (x,), {}, square_mean_loss, torch.optim.AdamW, threads=1)
-    assert len(times) == 2 and all(fb > 0 and opt > 0 for fb, opt in times)
+    steps = stage_steps(part, (x,), {}, square_mean_loss, torch.optim.AdamW, threads=1)
+    assert len(steps) == 2 and all(s.forward_backward > 0 and s.optimizer > 0 for s in steps)
+    # each stage holds at least its weights, their gradients and AdamW's two moments
+    for index, s in enumerate(steps):
+        weights = sum(p.numel() * 4 for p in part.pipe().get_stage_module(index).parameters())
+        assert s.peak_bytes >= 4 * weights
     assert not dist.is_initialized()
     # the stages stepped their optimizers on copies: the model's weights are its own
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -80,13 +84,15 @@ def test_a_pipeline_is_priced_from_its_stages_as_built(monkeypatch):
     from fxforge.parallel import rank_steps
 
     monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)
-    monkeypatch.setattr(rank_steps, "stage_steps", lambda part, *a, **k: [(0.2, 0.01), (0.1, 0.03)])
+    monkeypatch.setattr(rank_steps, "stage_steps", lambda part, *a, **k: [rank_steps.StageStep(0.2, 0.01, 7 << 20),
+                                                                           rank_steps.StageStep(0.1, 0.03, 5 << 20)])
     link = Link("test link", alpha_s=50e-6, bandwidth_gbs=1.0, source="a round figure for the tests")
     plan = fxforge.parallelize(residual_mlp(), (torch.randn(8, 64),), devices=2, link=link, mesh={"pp": 2})
     part = plan.chosen.partition
     # stage 0 twice stage 1's work: the makespan is at least stage 0's whole step, and the optimizers run after
     assert 0.2 + 0.03 <= plan.chosen.compute_s < 0.2 + 0.1 + 0.03
     assert part.stages == 2 and not any("nodes' times" in note for note in plan.notes)
+    assert plan.chosen.memory_per_device == 7 << 20          # the larger stage's peak as built
 
 
 def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
