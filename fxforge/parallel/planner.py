@@ -11,7 +11,8 @@ For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.s
   (tensor parallel: :func:`~fxforge.parallel.tp_build.predicted_tp_collectives`; fully sharded and data
   parallel: :mod:`fxforge.parallel.collectives`), each priced on the link (alpha-beta,
   :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute
-  (gloo does not overlap them);
+  (gloo does not overlap them), with the waits a blocking collective meets inside a step, measured on the
+  link too (:meth:`~fxforge.core.links.Link.synced`: the ranks reach each collective apart);
 - **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
 - **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule with each stage's work scaled to
   its step as built and timed under a fake process group (:func:`fxforge.parallel.rank_steps.stage_steps`),
@@ -257,7 +258,9 @@ class _Planner:
             compute = (forward_backward * ((1 - share) + share / tp)
                        + optimizer * memory.weights / max(self.weights, 1))
         collectives = self.collectives(mesh, tp_plan)
-        comm = sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
+        # Each collective blocks the step (gloo overlaps none), and waits for the rank that arrives last.
+        comm = (sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
+                + self.link.synced(len(collectives), compute))
         fits = self.cap is None or memory.peak <= self.cap
         reason = "" if fits else (f"needs {format_bytes(memory.peak)} per device, over the "
                                   f"{format_bytes(self.cap)} given")

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import json
@@ -43,11 +44,11 @@ import time
 import torch
 
 from fxforge.core.disk_cache import BUSY_LOAD, cpu_model, machine_load, open_cache
-from fxforge.core.links import Link, Timing, fit_link
+from fxforge.core.links import Link, Timing, fit_link, fit_sync
 from fxforge.runtime.roofline import disk_cache_enabled
 
 FILE_NAME = "links.json"
-VERSION = 1
+VERSION = 2  # 2: the in-step waits measured too
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 """The collectives timed."""
 SIZES = tuple(4096 * 4**i for i in range(7))
@@ -56,6 +57,12 @@ ROUNDS = 7
 """Timed rounds after one warm-up round: every size and kind once per round, the median kept. Tensors up to
 :data:`SMALL` bytes, whose times are short and noisier, run :data:`SMALL_ROUNDS` rounds instead."""
 SMALL, SMALL_ROUNDS = 2**18, 21
+SEGMENTS_S = (0.0, 0.002, 0.008, 0.032)
+"""The stretches of compute (seconds of 256 x 256 matrix products on one thread) each collective of a stream
+follows, on CPU links: the in-step waits (:attr:`fxforge.core.links.Link.sync_s`, ``sync_fraction``) are
+fitted over them."""
+STREAM, STREAM_ROUNDS, STREAM_BYTES = 12, 7, 2**16
+"""Collectives per stream, timed rounds (after a warm-up one) and the all-reduce's bytes."""
 TIMEOUT_S = 120.0
 PORT_TRIES = 3
 BACKENDS = ("gloo", "nccl")
@@ -123,7 +130,7 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
                 _KNOWN[memo] = link
                 return link
     load = machine_load()
-    timings = _launch(backend, ranks, SIZES, ROUNDS, SMALL_ROUNDS, SMALL)
+    timings, waits = _launch(backend, ranks, SIZES, ROUNDS, SMALL_ROUNDS, SMALL)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = platform.node() or "this host"
     note = f"; machine busy while measured (other work {load:.1f} per core)" if load > BUSY_LOAD else ""
@@ -131,6 +138,13 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
                     source=f"measured {backend} {ranks} ranks on {host} at {now}: {', '.join(KINDS)} of "
                            f"{SIZES[0]} B to {SIZES[-1]} B, median of {ROUNDS} interleaved rounds ({SMALL_ROUNDS} up to "
                            f"{SMALL} B){note}")
+    if waits:
+        sync_s, fraction = fit_sync(waits)
+        link = dataclasses.replace(
+            link, sync_s=sync_s, sync_fraction=fraction,
+            source=f"{link.source}; in a step, each collective waits {sync_s * 1e3:.2f} ms + {fraction:.1%} of the "
+                   f"compute before it (streams of {STREAM} all-reduces of {STREAM_BYTES} B, each after "
+                   f"{', '.join(f'{x * 1e3:g}' for x in SEGMENTS_S)} ms of compute, median of {STREAM_ROUNDS} rounds)")
     if cache:
         if store is not None:
             store.put(key, link.to_dict())
@@ -152,9 +166,10 @@ def free_port() -> int:
 
 
 def _launch(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, small_rounds: int, small: int
-            ) -> list[Timing]:
+            ) -> tuple[list[Timing], list[tuple[float, float]]]:
     """Start the ``ranks`` worker processes (:func:`_time_collectives`, run from its own source so that a
-    worker imports torch and nothing of fxforge) and return rank 0's medians. A port another process took
+    worker imports torch and nothing of fxforge) and return rank 0's medians, and the in-step waits
+    (``(compute seconds before a collective, extra seconds)``; none on GPUs). A port another process took
     between choosing it and binding it is chosen again (up to :data:`PORT_TRIES` times)."""
     for _ in range(PORT_TRIES - 1):
         try:
@@ -172,7 +187,7 @@ class _PortTaken(RuntimeError):
 
 
 def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, small_rounds: int, small: int
-                 ) -> list[Timing]:
+                 ) -> tuple[list[Timing], list[tuple[float, float]]]:
     port = free_port()
     code = textwrap.dedent(inspect.getsource(_time_collectives))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -181,7 +196,8 @@ def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, 
         try:
             for rank in range(ranks):
                 call = (f"_time_collectives({backend!r}, {rank}, {ranks}, {port}, {list(sizes)!r}, {rounds}, "
-                        f"{small_rounds}, {small}, {list(KINDS)!r})")
+                        f"{small_rounds}, {small}, {list(KINDS)!r}, {list(SEGMENTS_S)!r}, "
+                        f"{(STREAM, STREAM_ROUNDS, STREAM_BYTES)!r})")
                 outs.append(open(os.path.join(folder, f"{rank}.out"), "w+", encoding="utf-8"))  # noqa: SIM115
                 errs.append(open(os.path.join(folder, f"{rank}.err"), "w+", encoding="utf-8"))  # noqa: SIM115
                 procs.append(subprocess.Popen([sys.executable, "-c", f"{code}\n{call}\n"], env=env,
@@ -199,7 +215,7 @@ def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, 
                 rank, line = min(errors.items())
                 raise RuntimeError(f"measuring the {backend} link: rank {rank} failed: {line}")
             outs[0].seek(0)
-            medians = json.loads(outs[0].read().strip().splitlines()[-1])
+            result = json.loads(outs[0].read().strip().splitlines()[-1])
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -207,7 +223,8 @@ def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, 
                     proc.wait()
             for file in (*outs, *errs):
                 file.close()
-    return [Timing(kind, int(nbytes), ranks, float(seconds)) for kind, nbytes, seconds in medians]
+    return ([Timing(kind, int(nbytes), ranks, float(seconds)) for kind, nbytes, seconds in result["timings"]],
+            [(float(x), float(y)) for x, y in result["waits"]])
 
 
 def _wait(procs: list[subprocess.Popen], backend: str) -> list[int]:
@@ -225,11 +242,14 @@ def _wait(procs: list[subprocess.Popen], backend: str) -> list[int]:
 
 
 def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: list[int], rounds: int,
-                      small_rounds: int, small: int, kinds: list[str]) -> None:
+                      small_rounds: int, small: int, kinds: list[str], segments: list[float],
+                      stream: tuple[int, int, int]) -> None:
     """One worker: join the group, time ``kinds`` on ``sizes`` (full tensor bytes) for ``rounds`` interleaved
-    rounds (``small_rounds`` for sizes up to ``small`` bytes) after a warm-up round, and (rank 0) print
-    ``[[kind, nbytes, median seconds of the slowest rank], ...]`` as one JSON line. Self-contained:
-    :func:`_launch` runs its source in a fresh interpreter."""
+    rounds (``small_rounds`` for sizes up to ``small`` bytes) after a warm-up round; on CPU, time streams of
+    ``stream = (count, rounds, nbytes)`` all-reduces, each after ``segments`` seconds of compute on every rank.
+    Rank 0 prints one JSON line: ``{"timings": [[kind, nbytes, median seconds of the slowest rank], ...],
+    "waits": [[compute seconds before each collective, its extra seconds over one after a barrier], ...]}``.
+    Self-contained: :func:`_launch` runs its source in a fresh interpreter."""
     import json
     import statistics
     import time
@@ -275,10 +295,57 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
     # The slowest rank's time of each collective in each round.
     flat = torch.tensor([t for row in seconds for t in row], dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    waits = []
+    if device.type == "cpu" and segments:
+        # Each rank computes (matrix products) for a segment, then joins the all-reduce, ``count`` times; and,
+        # in the same round, the same compute without the collectives, every rank at once (as a step's compute
+        # is timed beside the other ranks' twins). The stream's wall time over that compute's and over the
+        # collective's time after a barrier is what each collective waited for the others, and lost to the
+        # communication threads on the shared cores.
+        count, stream_rounds, nbytes = stream
+        x, a, b = torch.ones(max(world, nbytes // 4)), torch.randn(256, 256), torch.randn(256, 256)
+        start = time.perf_counter()
+        for _ in range(20):
+            a @ b
+        product = (time.perf_counter() - start) / 20
+        extra = [[] for _ in segments]
+        computed = [[] for _ in segments]
+        after_barrier = []
+        for round_ in range(stream_rounds + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            alone = time.perf_counter() - start
+            for index, segment in enumerate(segments):
+                reps = round(segment / product)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(count):
+                    for _ in range(reps):
+                        a @ b
+                    dist.all_reduce(x)
+                wall = time.perf_counter() - start
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(count * reps):
+                    a @ b
+                compute = time.perf_counter() - start
+                if round_:
+                    extra[index].append((wall - compute) / count)
+                    computed[index].append(compute / count)
+            if round_:
+                after_barrier.append(alone)
+        # Each rank's medians, averaged over the ranks (each arrives first in some collectives, last in others).
+        mine = torch.tensor([[statistics.median(c), statistics.median(e)] for c, e in zip(computed, extra)]
+                            + [[0.0, statistics.median(after_barrier)]], dtype=torch.float64)
+        dist.all_reduce(mine)
+        mine /= world
+        base = float(mine[-1, 1])
+        waits = [[float(c), float(e) - base] for c, e in mine[:-1].tolist()]
     dist.destroy_process_group()
     if rank == 0:
         values, rows = flat.cpu().tolist(), []
         for (kind, nbytes, _, _), row in zip(cases, seconds):
             rows.append([kind, nbytes, statistics.median(values[:len(row)])])
             values = values[len(row):]
-        print(json.dumps(rows))
+        print(json.dumps({"timings": rows, "waits": waits}))

@@ -165,3 +165,26 @@ def test_time_scale_of_a_real_plan():
     # on NVLink 4 at the data-sheet 450 GB/s take 2*7/8*28e9/450e9 s, about 109 ms.
     assert PUBLISHED["nvlink4-h100"].seconds("all_reduce", 28e9, 8) == pytest.approx(2 * 7 / 8 * 28e9 / 450e9 + 14 * 3e-6)
     assert math.isclose(PUBLISHED["nvlink4-h100"].seconds("all_reduce", 28e9, 8), 0.109, rel_tol=0.01)
+
+
+def test_in_step_waits_are_a_line_through_the_measured_points():
+    from fxforge.core.links import fit_sync
+
+    truth = [(c, 4e-4 + 0.06 * c) for c in (0.0, 0.0015, 0.0056, 0.022)]
+    a, b = fit_sync(truth)
+    assert a == pytest.approx(4e-4) and b == pytest.approx(0.06)
+    # noise below the barrier's time at short stretches: the fit stays >= 0 everywhere
+    a, b = fit_sync([(0.0, 3e-4), (0.0015, -1e-4), (0.0056, 3e-4), (0.022, 2.4e-3)])
+    assert a >= 0 and b > 0
+    assert fit_sync([(0.001, 2e-3), (0.02, 1e-3)]) == (pytest.approx(1.5e-3), 0.0)   # falling: no fraction
+    assert fit_sync([]) == (0.0, 0.0)
+
+
+def test_in_step_waits_add_per_collective_and_with_the_compute():
+    link = Link("x", 1e-4, 1.0, "made up", sync_s=5e-4, sync_fraction=0.05)
+    assert link.synced(4, 0.1) == pytest.approx(4 * 5e-4 + 0.005)
+    assert link.synced(0, 0.1) == 0.0
+    assert Link("x", 1e-4, 1.0, "made up").synced(10, 1.0) == 0.0       # published links carry none
+    with pytest.raises(ValueError, match="sync figures must be >= 0"):
+        Link("x", 1e-4, 1.0, "made up", sync_fraction=-0.1)
+    assert Link.from_dict({"name": "old", "alpha_s": 1e-4, "bandwidth_gbs": 1.0, "source": "v1 cache"}).sync_s == 0

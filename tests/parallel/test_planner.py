@@ -106,3 +106,18 @@ def test_a_pipeline_stage_holds_its_optimizer_state():
               for s in range(2)]
     # AdamW keeps two moments of every weight of the stage (and a step count per parameter)
     assert with_adam.chosen.memory_per_device - without.chosen.memory_per_device >= 2 * min(params)
+
+
+def test_each_blocking_collective_pays_the_links_in_step_wait(monkeypatch):
+    # The same plan on a link that says each collective waits 1 ms plus 10 % of the compute before it: every
+    # mesh but the pipeline (whose sends the schedule's simulation waits for) pays exactly that on top.
+    import dataclasses
+
+    monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)
+    waiting = dataclasses.replace(LINK, sync_s=1e-3, sync_fraction=0.1)
+    model, batch = residual_mlp(), (torch.randn(8, 64),)
+    plan = fxforge.parallelize(model, batch, devices=2, link=waiting, pipeline=False, mesh={"fsdp": 2})
+    c = plan.chosen
+    bare = sum(LINK.seconds(x.kind, x.nbytes, x.ranks) for x in c.collectives)
+    assert c.comm_s == pytest.approx(bare + len(c.collectives) * 1e-3 + 0.1 * c.compute_s)
+    assert len(c.collectives) > 0

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fxforge.core.links import KINDS, Link, Timing
+from fxforge.core.links import KINDS, Link, Timing, fit_sync
 from fxforge.runtime import link_measure
 from fxforge.runtime.link_measure import cache_key, measured_link
 
@@ -30,11 +30,14 @@ def _refuse(*args, **kwargs):
 
 def test_real_gloo_measurement_fits_and_is_cached(fresh_cache, monkeypatch):
     measured: list[Timing] = []
+    waits: list[tuple[float, float]] = []
     real_launch = link_measure._launch
 
     def spy(*args, **kwargs):
-        measured.extend(real_launch(*args, **kwargs))
-        return measured
+        timings, in_step = real_launch(*args, **kwargs)
+        measured.extend(timings)
+        waits.extend(in_step)
+        return measured, waits
 
     monkeypatch.setattr(link_measure, "_launch", spy)
     link = measured_link("gloo", 2)
@@ -48,6 +51,14 @@ def test_real_gloo_measurement_fits_and_is_cached(fresh_cache, monkeypatch):
     # Larger tensors take longer: the fit found a bandwidth, not only a latency.
     for kind in link_measure.KINDS:
         assert link.seconds(kind, link_measure.SIZES[-1], 2) > 3 * link.seconds(kind, link_measure.SIZES[0], 2)
+
+    # The in-step waits: one point per stretch of compute, the longer stretches measured longer, and the link's
+    # figures are the fit through them (both >= 0), said in its source.
+    assert len(waits) == len(link_measure.SEGMENTS_S)
+    computes = [c for c, _ in waits]
+    assert computes[0] < 1e-4 and computes == sorted(computes) and computes[-1] > 0.005
+    assert (link.sync_s, link.sync_fraction) == fit_sync(waits)
+    assert "in a step, each collective waits" in link.source
 
     # Second call: no process starts (the process starter fails if called); in this process, then from the file.
     monkeypatch.setattr(link_measure, "_launch", _refuse)
@@ -64,7 +75,8 @@ def test_real_gloo_measurement_fits_and_is_cached(fresh_cache, monkeypatch):
 
 def _fake_timings(backend, ranks, sizes, *args):
     truth = Link("fake", 1e-4, 1.0, "test")
-    return [Timing(kind, n, ranks, truth.seconds(kind, n, ranks)) for kind in link_measure.KINDS for n in sizes]
+    timings = [Timing(kind, n, ranks, truth.seconds(kind, n, ranks)) for kind in link_measure.KINDS for n in sizes]
+    return timings, [(0.0, 3e-4), (0.002, 4e-4), (0.008, 7e-4), (0.032, 1.9e-3)]  # 0.3 ms + 5 % of the compute
 
 
 def test_cache_is_keyed_and_survives_a_bad_entry(fresh_cache, monkeypatch):
@@ -72,6 +84,8 @@ def test_cache_is_keyed_and_survives_a_bad_entry(fresh_cache, monkeypatch):
     monkeypatch.setattr(link_measure, "_launch", lambda *a: calls.append(a[:2]) or _fake_timings(*a))
     two = measured_link("gloo", 2)
     assert two.alpha_s == pytest.approx(1e-4) and two.bandwidth_gbs == pytest.approx(1.0)
+    assert two.sync_s == pytest.approx(3e-4) and two.sync_fraction == pytest.approx(0.05)
+    assert "0.30 ms + 5.0% of the compute" in two.source
     three = measured_link("gloo", 3)
     assert calls == [("gloo", 2), ("gloo", 3)] and three.name.startswith("gloo 3 ranks")
     stored = json.loads(fresh_cache.read_text())
@@ -121,7 +135,7 @@ def test_a_taken_port_is_chosen_again(monkeypatch):
         real_free_port = link_measure.free_port
         monkeypatch.setattr(link_measure, "free_port", lambda: ports.pop(0) if ports else real_free_port())
         start = time.monotonic()
-        timings = link_measure._launch("gloo", 2, (4096,), 1, 1, 4096)
+        timings, _ = link_measure._launch("gloo", 2, (4096,), 1, 1, 4096)
     assert not ports and time.monotonic() - start < 30
     assert [(t.kind, t.nbytes, t.ranks) for t in timings] == [(k, 4096, 2) for k in link_measure.KINDS]
     assert all(0 < t.seconds < 1 for t in timings)
