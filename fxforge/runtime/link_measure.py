@@ -61,7 +61,7 @@ SEGMENTS_S = (0.0, 0.002, 0.008, 0.032)
 """The stretches of compute (seconds of 256 x 256 matrix products on one thread) each collective of a stream
 follows, on CPU links: the in-step waits (:attr:`fxforge.core.links.Link.sync_s`, ``sync_fraction``) are
 fitted over them."""
-STREAM, STREAM_ROUNDS, STREAM_BYTES = 12, 7, 2**16
+STREAM, STREAM_ROUNDS, STREAM_BYTES = 12, 9, 2**16
 """Collectives per stream, timed rounds (after a warm-up one) and the all-reduce's bytes."""
 TIMEOUT_S = 120.0
 PORT_TRIES = 3
@@ -138,8 +138,9 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
                     source=f"measured {backend} {ranks} ranks on {host} at {now}: {', '.join(KINDS)} of "
                            f"{SIZES[0]} B to {SIZES[-1]} B, median of {ROUNDS} interleaved rounds ({SMALL_ROUNDS} up to "
                            f"{SMALL} B){note}")
-    if waits:
-        sync_s, fraction = fit_sync(waits)
+    if waits:  # over the fitted link's time of the same all-reduce: what the planner prices it at
+        alone = link.seconds("all_reduce", STREAM_BYTES, ranks)
+        sync_s, fraction = fit_sync([(compute, seconds - alone) for compute, seconds in waits])
         link = dataclasses.replace(
             link, sync_s=sync_s, sync_fraction=fraction,
             source=f"{link.source}; in a step, each collective waits {sync_s * 1e3:.2f} ms + {fraction:.1%} of the "
@@ -168,8 +169,8 @@ def free_port() -> int:
 def _launch(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, small_rounds: int, small: int
             ) -> tuple[list[Timing], list[tuple[float, float]]]:
     """Start the ``ranks`` worker processes (:func:`_time_collectives`, run from its own source so that a
-    worker imports torch and nothing of fxforge) and return rank 0's medians, and the in-step waits
-    (``(compute seconds before a collective, extra seconds)``; none on GPUs). A port another process took
+    worker imports torch and nothing of fxforge) and return rank 0's medians, and the streams' collectives
+    (``(compute seconds before a collective, its seconds there)``; none on GPUs). A port another process took
     between choosing it and binding it is chosen again (up to :data:`PORT_TRIES` times)."""
     for _ in range(PORT_TRIES - 1):
         try:
@@ -248,7 +249,7 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
     rounds (``small_rounds`` for sizes up to ``small`` bytes) after a warm-up round; on CPU, time streams of
     ``stream = (count, rounds, nbytes)`` all-reduces, each after ``segments`` seconds of compute on every rank.
     Rank 0 prints one JSON line: ``{"timings": [[kind, nbytes, median seconds of the slowest rank], ...],
-    "waits": [[compute seconds before each collective, its extra seconds over one after a barrier], ...]}``.
+    "waits": [[compute seconds before each collective, the collective's seconds in the stream], ...]}``.
     Self-contained: :func:`_launch` runs its source in a fresh interpreter."""
     import json
     import statistics
@@ -299,23 +300,18 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
     if device.type == "cpu" and segments:
         # Each rank computes (matrix products) for a segment, then joins the all-reduce, ``count`` times; and,
         # in the same round, the same compute without the collectives, every rank at once (as a step's compute
-        # is timed beside the other ranks' twins). The stream's wall time over that compute's and over the
-        # collective's time after a barrier is what each collective waited for the others, and lost to the
-        # communication threads on the shared cores.
+        # is timed beside the other ranks' twins). The stream's wall time over that compute's, per collective,
+        # is what a collective costs inside a step: its own time, the wait for the others, and what the
+        # communication threads took from the shared cores.
         count, stream_rounds, nbytes = stream
         x, a, b = torch.ones(max(world, nbytes // 4)), torch.randn(256, 256), torch.randn(256, 256)
         start = time.perf_counter()
         for _ in range(20):
             a @ b
         product = (time.perf_counter() - start) / 20
-        extra = [[] for _ in segments]
+        inside = [[] for _ in segments]
         computed = [[] for _ in segments]
-        after_barrier = []
         for round_ in range(stream_rounds + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            alone = time.perf_counter() - start
             for index, segment in enumerate(segments):
                 reps = round(segment / product)
                 dist.barrier()
@@ -331,17 +327,13 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
                     a @ b
                 compute = time.perf_counter() - start
                 if round_:
-                    extra[index].append((wall - compute) / count)
+                    inside[index].append((wall - compute) / count)
                     computed[index].append(compute / count)
-            if round_:
-                after_barrier.append(alone)
         # Each rank's medians, averaged over the ranks (each arrives first in some collectives, last in others).
-        mine = torch.tensor([[statistics.median(c), statistics.median(e)] for c, e in zip(computed, extra)]
-                            + [[0.0, statistics.median(after_barrier)]], dtype=torch.float64)
+        mine = torch.tensor([[statistics.median(c), statistics.median(e)] for c, e in zip(computed, inside)],
+                            dtype=torch.float64)
         dist.all_reduce(mine)
-        mine /= world
-        base = float(mine[-1, 1])
-        waits = [[float(c), float(e) - base] for c, e in mine[:-1].tolist()]
+        waits = (mine / world).tolist()
     dist.destroy_process_group()
     if rank == 0:
         values, rows = flat.cpu().tolist(), []
