@@ -68,3 +68,19 @@ class RecordingSGD(torch.optim.SGD):
         with open(self.record, "a") as out:
             out.write(f"{sum(p.numel() for g in self.param_groups for p in g['params'])}\n")
         return super().step(closure)
+
+
+def slow_measurement() -> None:
+    """A worker setup: the step whose memory is measured takes half a second more (its meter sleeps on entry),
+    so a timed step that included it would show."""
+    import sys
+    import time
+
+    from fxforge.training.measure import PhaseMeter
+
+    class SlowMeter(PhaseMeter):
+        def __enter__(self):
+            time.sleep(0.5)
+            return super().__enter__()
+
+    sys.modules["__main__"].PhaseMeter = SlowMeter  # the worker runs as ``python -m``: its module is __main__
