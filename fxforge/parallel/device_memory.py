@@ -125,9 +125,10 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
         shard_dims: the dimension each parameter is split on by tensor parallelism (None: replicated).
         optimizer: what :func:`~fxforge.training.optimizer_memory.optimizer_memory` takes.
         blocks: the modules ``fully_shard`` wraps before the root.
-        measured: a tensor-parallel rank's forward and backward peaks above the start of its step, measured as
-            built (:func:`~fxforge.parallel.rank_steps.built_peaks`); None: the one-process step's, with the
-            share of its saved values the split reaches divided by the degree.
+        measured: a tensor-parallel rank's forward, backward and optimizer-step peaks above the start of its
+            step, measured as built (:func:`~fxforge.parallel.rank_steps.built_peaks`; the optimizer's where
+            there is one); None: the one-process step's, with the share of its saved values the split reaches
+            divided by the degree.
     """
     from fxforge.training.optimizer_memory import optimizer_memory
 
@@ -146,6 +147,8 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
     if measured is not None:
         fwd, bwd, activations = measured["forward"], measured["backward"], measured["forward"]
     opt = gradients + training.optimizer.step_peak_bytes * (weights / max(training.weights_bytes, 1))
+    if measured is not None and "optimizer" in measured:
+        opt = measured["optimizer"]
     gathered = 0
     if fsdp > 1:
         unsharded = {name: 0 for name in blocks}

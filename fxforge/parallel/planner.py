@@ -201,7 +201,8 @@ class _Planner:
         for mesh in meshes:  # what a tensor-parallel rank saves is DTensor's: measured as built (not FSDP2's)
             if mesh["tp"] > 1 and mesh["fsdp"] == 1:
                 self._built_peaks[mesh_name(mesh)] = built_peaks(self.model, mesh, self.tp_plans[mesh["tp"]],
-                                                                 self.args, self.kwargs, self.loss_fn)
+                                                                 self.args, self.kwargs, self.loss_fn,
+                                                                 self.optimizer_factory)
 
     def _time_slice(self, replicas: int) -> tuple[float, float]:
         args, kwargs = _slice((self.args, self.kwargs), replicas)

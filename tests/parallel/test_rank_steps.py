@@ -103,15 +103,20 @@ def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
     model, x = residual_mlp(), torch.randn(8, 64)
     plans = tp_degrees(model, (x,), 2)
     peaks = built_peaks(model, {"tp": 2}, plans[2], (x,), {}, square_mean_loss)
-    assert 0 < peaks["forward"] < peaks["backward"] and not dist.is_initialized()
+    assert 0 < peaks["forward"] < peaks["backward"] and not dist.is_initialized() and "optimizer" not in peaks
+    # with an optimizer, its step's peak too: the gradients and its temporaries, its state made before (kept)
+    with_step = built_peaks(model, {"tp": 2}, plans[2], (x,), {}, square_mean_loss, torch.optim.AdamW)
+    local_weights = sum(p.numel() * 4 for p in model.parameters()) // 2
+    assert local_weights // 2 < with_step["optimizer"] < 4 * local_weights
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)
-    monkeypatch.setattr(rank_steps, "built_peaks", lambda *a, **k: {"forward": 3 << 20, "backward": 5 << 20})
+    monkeypatch.setattr(rank_steps, "built_peaks",
+                        lambda *a, **k: {"forward": 3 << 20, "backward": 5 << 20, "optimizer": 7 << 20})
     link = Link("test link", alpha_s=50e-6, bandwidth_gbs=1.0, source="a round figure for the tests")
     plan = fxforge.parallelize(model, (x,), devices=2, link=link, pipeline=False)
     tp2 = next(c for c in plan.options if c.name == "tp2")
     dp2 = next(c for c in plan.options if c.name == "dp2")
     parts = tp2.memory
     assert parts["activations"] == 3 << 20
-    assert parts["peak"] == parts["weights"] + parts["buffers"] + parts["optimizer_state"] + (5 << 20)
+    assert parts["peak"] == parts["weights"] + parts["buffers"] + parts["optimizer_state"] + (7 << 20)
     assert dp2.memory["activations"] != 3 << 20                  # DDP keeps the training-memory model
