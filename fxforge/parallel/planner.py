@@ -364,7 +364,8 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
         optimizer: an optimizer class, factory or name, as for :func:`fxforge.training.training_memory`.
         mesh: force a mesh (``{"tp": 2}``, ``{"dp": 2, "tp": 2}``) instead of choosing; its product is the
             device count.
-        link: a :class:`~fxforge.core.links.Link` to cost collectives on (default: gloo measured here).
+        link: a :class:`~fxforge.core.links.Link` to cost collectives on (default: gloo measured here between
+            ``devices`` processes, as the run will start them; cached per count).
         threads: torch threads per device for the compute (default: this machine's cores shared).
         pipeline: offer pipeline stages.
         cluster: a :class:`~fxforge.parallel.cluster.Cluster` to plan for on paper (usually with the model and
@@ -402,10 +403,10 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int = 4, m
     if precision is not None or activation_checkpointing is not None:
         raise ValueError("precision= and activation_checkpointing= are planned on paper only: give cluster= too")
     threads = threads or max(1, (os.cpu_count() or 1) // devices)
-    if link is None:
+    if link is None:  # the link the run will use: gloo between as many local processes as devices
         from fxforge.runtime.link_measure import measured_link
 
-        link = measured_link("gloo", 2)
+        link = measured_link("gloo", max(2, devices))
     inputs = as_inputs(args, kwargs)
     tp_plans = tp_degrees(model, inputs, devices)
     units_max = len(fsdp_blocks(model)) + 1
