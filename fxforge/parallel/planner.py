@@ -12,7 +12,8 @@ For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.s
   parallel: :mod:`fxforge.parallel.collectives`), each priced on the link (alpha-beta,
   :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute
   (gloo does not overlap them), with the waits a blocking collective meets inside a step, measured on the
-  link too (:meth:`~fxforge.core.links.Link.synced`: the ranks reach each collective apart);
+  link too (:meth:`~fxforge.core.links.Link.synced`: the ranks reach each collective apart; a pipeline's
+  sends are such meetings too);
 - **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
 - **pipelines**: :func:`fxforge.partition`'s split, its simulated schedule with each stage's work scaled to
   its step as built and timed under a fake process group (:func:`fxforge.parallel.rank_steps.stage_steps`),
@@ -315,6 +316,7 @@ class _Planner:
                 part, stage_forward_seconds=[f * k for f, k in zip(part.stage_forward_seconds, factors)],
                 stage_backward_seconds=[b * k for b, k in zip(part.stage_backward_seconds, factors)])
             compute = scaled.simulate().makespan + max(s.optimizer for s in steps)
+            busiest = max(s.forward_backward for s in steps)
         else:
             # The nodes' own times, one by one on a microbatch (or the roofline's); the real step also pays
             # autograd's engine and its accumulation between them: the whole step measured in this process
@@ -322,8 +324,14 @@ class _Planner:
             node_sum = float(part.units.seconds.sum()) * part.microbatches
             engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
             compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
+            busiest = max(part.simulate().busy) * max(engine, 1.0)
         sends = predicted_sends(part.pipe(), part.microbatches)
-        comm = sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
+        # A send and its receive hold both stages: each one a blocking meeting of two ranks, which pays the
+        # link's in-step waits as a collective does (a stage meets 2/pp of the sends, on average), over the
+        # busiest stage's compute; the schedule's own waits for the work upstream are the simulation's.
+        meetings = math.ceil(2 * len(sends) / pp)
+        comm = (sum(self.link.seconds("send", c.nbytes, 2) for c in sends)
+                + self.link.synced(meetings, busiest))
         if pp in self._stage_steps:  # each stage's peak as built, measured as the run's worker measures it
             peak = max(s.peak_bytes for s in self._stage_steps[pp])
         else:

@@ -109,8 +109,8 @@ def test_a_pipeline_stage_holds_its_optimizer_state():
 
 
 def test_each_blocking_collective_pays_the_links_in_step_wait(monkeypatch):
-    # The same plan on a link that says each collective waits 1 ms plus 10 % of the compute before it: every
-    # mesh but the pipeline (whose sends the schedule's simulation waits for) pays exactly that on top.
+    # The same plan on a link that says each collective waits 1 ms plus 10 % of the compute before it: a mesh
+    # pays exactly that on top of its collectives.
     import dataclasses
 
     monkeypatch.setattr("fxforge.parallel.twins.Twins.__enter__", lambda self: self)

@@ -3,6 +3,7 @@ layout the planner offers but pipelines at 4 devices builds and steps here, on c
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -93,6 +94,16 @@ def test_a_pipeline_is_priced_from_its_stages_as_built(monkeypatch):
     assert 0.2 + 0.03 <= plan.chosen.compute_s < 0.2 + 0.1 + 0.03
     assert part.stages == 2 and not any("nodes' times" in note for note in plan.notes)
     assert plan.chosen.memory_per_device == 7 << 20          # the larger stage's peak as built
+    # each send holds two stages: on a link with in-step waits, each stage pays them for its share of the sends,
+    # over the busiest stage's compute
+    import dataclasses
+    import math
+
+    waiting = dataclasses.replace(link, sync_s=1e-3, sync_fraction=0.1)
+    slow = fxforge.parallelize(residual_mlp(), (torch.randn(8, 64),), devices=2, link=waiting, mesh={"pp": 2})
+    sends = slow.chosen.collectives
+    bare = sum(link.seconds("send", c.nbytes, 2) for c in sends)
+    assert slow.chosen.comm_s == pytest.approx(bare + math.ceil(2 * len(sends) / 2) * 1e-3 + 0.1 * 0.2)
 
 
 def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
