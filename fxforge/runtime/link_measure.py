@@ -22,7 +22,7 @@ Example (starts processes the first time on a machine)::
     link.seconds("all_reduce", 2**20, 2)      # predicted seconds of a 1 MiB all-reduce between 2 processes
 
 Example:
-    >>> cache_key("gloo", 2).startswith("v1 gloo ranks 2 host ")
+    >>> cache_key("gloo", 2).startswith("v2 gloo ranks 2 host ")
     True
 """
 
