@@ -35,8 +35,8 @@ each rank arrives when its own compute since the previous collective is done, an
 compute also share the cores). A measured link carries that too: :attr:`Link.sync_s` per collective and
 :attr:`Link.sync_fraction` of the compute between collectives (:meth:`Link.synced`), fitted
 (:func:`fit_sync`) on streams of collectives that each follow a stretch of compute on every rank. On this
-machine's gloo at 2 ranks, a 64 KiB all-reduce took 0.3 ms after a barrier and 0.6-1.9 ms after 0-16 ms of
-compute. Published links carry none (0: the data sheets say nothing of it).
+machine's gloo at 2 ranks, a 64 KiB all-reduce took 0.3-0.5 ms after a barrier, and 0.6-7 ms each in streams
+of them after 0-24 ms of compute. Published links carry none (0: the data sheets say nothing of it).
 
 A :class:`Link` is measured (:func:`fxforge.runtime.link_measure.measured_link`) or taken from public
 figures (:data:`PUBLISHED`, for planning a cluster on paper); :func:`link_for` picks the link a group of
@@ -285,8 +285,8 @@ def fit_link(timings: Iterable[Timing], *, name: str, source: str) -> Link:
 
 def fit_sync(points: Iterable[tuple[float, float]]) -> tuple[float, float]:
     """``(sync_s, sync_fraction)``: the line ``extra = sync_s + sync_fraction * compute`` through measured
-    ``(compute seconds before a collective, its extra seconds over the collective after a barrier)`` points,
-    by least squares, both kept >= 0 (noise can put a point below the barrier's time).
+    ``(compute seconds before a collective, its extra seconds over the link's own time of it)`` points, by
+    least squares, both kept >= 0 (noise can put a point below the link's time).
 
     Example:
         >>> a, b = fit_sync([(0.001, 0.0006), (0.004, 0.0009), (0.016, 0.0021)])
