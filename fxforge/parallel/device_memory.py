@@ -125,10 +125,11 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
         shard_dims: the dimension each parameter is split on by tensor parallelism (None: replicated).
         optimizer: what :func:`~fxforge.training.optimizer_memory.optimizer_memory` takes.
         blocks: the modules ``fully_shard`` wraps before the root.
-        measured: a tensor-parallel rank's forward, backward and optimizer-step peaks above the start of its
-            step, measured as built (:func:`~fxforge.parallel.rank_steps.built_peaks`; the optimizer's where
-            there is one); None: the one-process step's, with the share of its saved values the split reaches
-            divided by the degree.
+        measured: a tensor-parallel or fully sharded rank's forward, backward and optimizer-step peaks above
+            the start of its step, measured as built (:func:`~fxforge.parallel.rank_steps.built_peaks`; the
+            optimizer's where there is one; FSDP2's gathered parameters are in them); None: the one-process
+            step's, with the share of its saved values the split reaches divided by the degree, and the
+            gathered blocks added.
     """
     from fxforge.training.optimizer_memory import optimizer_memory
 
@@ -168,8 +169,9 @@ def device_memory(training: Any, model: torch.nn.Module, mesh: dict[str, int], s
         gathered = FSDP_BLOCKS_HELD * block + root
         # The root's parameters stay gathered from its forward to the end of the backward (FSDP2 does not
         # reshard the root after forward), and its whole gradients wait there for the last reduce-scatter.
-        fwd += gathered
-        bwd += gathered + root_grads
+        if measured is None:
+            fwd += gathered
+            bwd += gathered + root_grads
     phases = {"forward": fwd, "backward": bwd, "optimizer": opt}
     phase = max(phases, key=phases.get)
     base = weights + training.buffers_bytes + state  # the batch itself is left out (as the run measures)

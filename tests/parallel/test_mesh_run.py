@@ -39,8 +39,7 @@ def test_a_user_model_trains_in_float64_as_one_process_does(mesh):
         return
     # every rank's share of the weights and the AdamW state, and the step's peak, measured
     assert result.memory_per_device > 0
-    if "dp" in mesh or "tp" in mesh:
-        assert abs(result.memory_per_device / plan.chosen.memory_per_device - 1) < 0.05, str(result)
+    assert abs(result.memory_per_device / plan.chosen.memory_per_device - 1) < 0.05, str(result)
 
 
 def test_llama_tensor_parallel_runs_on_gloo_like_one_process():

@@ -106,7 +106,7 @@ def test_a_pipeline_is_priced_from_its_stages_as_built(monkeypatch):
     assert slow.chosen.comm_s == pytest.approx(bare + math.ceil(2 * len(sends) / 2) * 1e-3 + 0.1 * 0.2)
 
 
-def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
+def test_tensor_parallel_and_fully_sharded_ranks_are_held_to_their_peaks_as_built(monkeypatch):
     import fxforge
     from fxforge.core.links import Link
     from fxforge.parallel import rank_steps
@@ -131,3 +131,8 @@ def test_a_tensor_parallel_rank_is_held_to_its_peaks_as_built(monkeypatch):
     assert parts["activations"] == 3 << 20
     assert parts["peak"] == parts["weights"] + parts["buffers"] + parts["optimizer_state"] + (7 << 20)
     assert dp2.memory["activations"] != 3 << 20                  # DDP keeps the training-memory model
+    # a fully sharded rank too: its measured peaks hold the gathered blocks, which are not added again
+    fsdp2 = next(c for c in plan.options if c.name == "fsdp2")
+    parts = fsdp2.memory
+    assert parts["gathered"] > 0
+    assert parts["peak"] == parts["weights"] + parts["buffers"] + parts["optimizer_state"] + (7 << 20)
