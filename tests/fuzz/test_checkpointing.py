@@ -68,11 +68,18 @@ def test_a_checkpointed_step_is_eagers(program, fraction, seed):
             torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
         except AssertionError:
             # A gradient that is zero but for rounding (a BatchNorm's bias before another BatchNorm, which takes
-            # out the mean of what flows back) differs by rounding alone: within a few times eager's own error
+            # out the mean of what flows back), or a sum whose terms cancel to a thousandth of their size (a
+            # scale after BatchNorm and tanh: -3.2e-4 from terms near 1), differs by rounding alone: within a
+            # few times eager's own error, or 1e-4 of the step's largest gradient (a fresh-clone run met a
+            # checkpointed scale's gradient 1.6e-5 from float64 where eager's was 4.3e-7, the step's largest
+            # gradient near 1)
             if exact_grads is None:
                 exact_grads = _step(exact, fresh.double(), seed)[2]
+            scale = max(float(g.abs().max()) for g in exact_grads.values() if g is not None)
             noise = float((want_grads[name].double() - exact_grads[name]).abs().max())
             error = float((grad.double() - exact_grads[name]).abs().max())
-            assert error <= max(4 * noise, 1e-5), f"{name}: error {error:.3g} against float64, eager's {noise:.3g}"
+            assert error <= max(4 * noise, 1e-5, 1e-4 * scale), (
+                f"{name}: error {error:.3g} against float64, eager's {noise:.3g}, the step's largest gradient "
+                f"{scale:.3g}")
     for got_buffer, want_buffer in zip(model.buffers(), eager.buffers()):
         torch.testing.assert_close(got_buffer, want_buffer, rtol=1e-5, atol=1e-6)
