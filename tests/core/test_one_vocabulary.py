@@ -3,6 +3,8 @@ readers' tables are all read from fxforge.core.vocabulary, so every call form ha
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -21,9 +23,16 @@ aten = torch.ops.aten
 
 
 def _in_order(forms) -> list:
-    """A vocabulary entry's forms (a frozenset) in an order every pytest-xdist worker agrees on: by module and
-    name, which do not depend on the process (a set's order of functions does)."""
-    return sorted(forms, key=lambda f: (str(getattr(f, "__module__", "")), str(getattr(f, "__qualname__", f)), repr(f)))
+    """A vocabulary entry's forms (a frozenset) in an order every pytest-xdist worker agrees on: by module,
+    qualified name and name, which do not depend on the process (a set's order of functions does). The name
+    matters: torch's ``boolean_dispatch`` makes ``max_pool2d``, ``adaptive_max_pool2d`` and their kin functions
+    that share one module and qualified name, and ``repr`` tells them apart only by address, which differs
+    between workers (a fresh-clone run's workers collected them in two orders and refused to start)."""
+    def key(f) -> tuple[str, ...]:
+        return (str(getattr(f, "__module__", "")), str(getattr(f, "__qualname__", f)),
+                str(getattr(f, "__name__", "")), re.sub(r" at 0x[0-9a-f]+", "", repr(f)))
+
+    return sorted(forms, key=key)
 
 
 def _forms():
@@ -33,7 +42,7 @@ def _forms():
             yield name, "function", f
         for m in _in_order(forms.methods):
             yield name, "method", m
-        for cls in forms.modules:
+        for cls in _in_order(forms.modules):
             yield name, "module", cls
 
 
