@@ -327,8 +327,9 @@ class _Planner:
             # over the same nodes' sum on the whole batch gives that factor.
             node_sum = float(part.units.seconds.sum()) * part.microbatches
             engine = self.costs.forward_backward_s / node_sum if self.costs.measured and node_sum > 0 else 1.0
-            compute = part.simulate().makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
-            busiest = max(part.simulate().busy) * max(engine, 1.0)
+            simulated = part.simulate()
+            compute = simulated.makespan * max(engine, 1.0) + self.costs.optimizer_s / pp
+            busiest = max(simulated.busy) * max(engine, 1.0)
         sends = predicted_sends(part.pipe(), part.microbatches)
         # A send and its receive hold both stages: each one a blocking meeting of two ranks, which pays the
         # link's in-step waits as a collective does (a stage meets 2/pp of the sends, on average), over the
