@@ -61,9 +61,10 @@ from fxforge.core.report import Tuning
 from fxforge.core.source import first_line
 from fxforge.core.verify import isolated, random_like
 from fxforge.lowering.inductor import compiled_with_flat_outputs
-from fxforge.lowering.int8 import _CONVS, _LINEARS, _is_conv, _parts, int8_layers, observe_inputs
+from fxforge.lowering.int8 import _CONVS, _LINEARS, _is_conv, _parts, int8_layers
 from fxforge.lowering.int8_ops import QMAX, input_qparams, weight_int8, weight_scale
 from fxforge.lowering.int8_ops import _finite as finite
+from fxforge.lowering.int8_ranges import observe_inputs
 from fxforge.lowering.precision import _module_call_as_function
 from fxforge.lowering.precision_choice import choose_layers
 from fxforge.lowering.precision_stage import CALIBRATION_DRAWS, KEYWORD_ONLY, _devices, calibration_calls

@@ -2,7 +2,7 @@
 
 A layer is int8-able when its weight is a tensor of the model (a parameter, buffer or folded constant), it
 computes in float32, and (convolutions) its padding is numeric. :func:`int8_layers` lists them;
-:func:`observe_inputs` runs the float32 graph on calibration calls and records each convolution's input range
+:func:`~fxforge.lowering.int8_ranges.observe_inputs` records each convolution's input range on calibration calls
 (the observers of static quantization); :func:`quantize_layers` replaces the chosen layers by the int8 ops,
 their int8 weights and scales folded from the live float weights (so a changed weight is quantized again), and
 a fused op's residual and activation applied to the float32 result.
@@ -14,6 +14,7 @@ Example:
     >>> gm = torch.fx.symbolic_trace(model)
     >>> [n.name for n in int8_layers(gm)]
     ['_0', '_3']
+    >>> from fxforge.lowering.int8_ranges import observe_inputs
     >>> x = torch.randn(2, 3, 6, 6)
     >>> ranges = observe_inputs(gm, [(x,)], ["_0"])
     >>> quantize_layers(gm, int8_layers(gm), ranges)
@@ -123,40 +124,6 @@ def int8_layers(gm: torch.fx.GraphModule) -> list[Node]:
                 and _float32(node) and _float32(parts.input):
             found.append(node)
     return found
-
-
-class _Observer(torch.fx.Interpreter):
-    """Runs the graph and widens each named layer's recorded input range by what it is given."""
-
-    def __init__(self, gm: torch.fx.GraphModule, names: set[str], ranges: dict[str, tuple[float, float]]):
-        super().__init__(gm)
-        self.names, self.ranges = names, ranges
-
-    def run_node(self, n: Node) -> Any:
-        if n.name in self.names:
-            x = self.env[_argument(n, 0, "input", None)]
-            finite = x[torch.isfinite(x)]
-            if finite.numel():
-                low, high = self.ranges.get(n.name, (0.0, 0.0))
-                self.ranges[n.name] = (min(low, finite.min().item()), max(high, finite.max().item()))
-        return super().run_node(n)
-
-
-def observe_inputs(gm: torch.fx.GraphModule, calls: Sequence[tuple], names: Sequence[str]
-                   ) -> dict[str, tuple[float, float]]:
-    """The range of the input each named layer of ``gm`` met on ``calls`` (each a tuple of arguments), widened
-    to hold 0.
-
-    Example:
-        >>> gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(2, 2)))
-        >>> observe_inputs(gm, [(torch.tensor([[-1.0, 3.0]]),)], ["_1"])
-        {'_1': (0.0, 3.0)}
-    """
-    ranges: dict[str, tuple[float, float]] = {}
-    with torch.no_grad():
-        for args in calls:
-            _Observer(gm, set(names), ranges).run(*args)
-    return ranges
 
 
 def _after(y: torch.Tensor, other: torch.Tensor | None, binary: str, activation: str,

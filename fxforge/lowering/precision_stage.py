@@ -39,7 +39,8 @@ from fxforge.core.captured import Captured
 from fxforge.core.report import Tuning
 from fxforge.core.source import node_source
 from fxforge.core.verify import random_like
-from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs
+from fxforge.lowering.int8 import Int8Reduction, int8_layers
+from fxforge.lowering.int8_ranges import observe_inputs
 from fxforge.lowering.int8_speed import layer_speeds
 from fxforge.lowering.lower import lower
 from fxforge.lowering.precision_choice import FloatReduction, choose_layers

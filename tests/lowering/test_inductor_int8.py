@@ -16,7 +16,7 @@ import fxforge
 from fxforge.core.accuracy import agreement
 from fxforge.lowering import inductor_int8
 from fxforge.lowering.inductor_int8 import FrozenInt8, QdqReduction, qdq_copy, qdq_layers
-from fxforge.lowering.int8 import observe_inputs
+from fxforge.lowering.int8_ranges import observe_inputs
 
 QD = torch.ops.quantized_decomposed
 

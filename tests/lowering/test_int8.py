@@ -12,8 +12,9 @@ from torch import nn
 import fxforge
 from fxforge.core.accuracy import Tolerance, agreement
 from fxforge.lowering import int8_speed, precision_stage
-from fxforge.lowering.int8 import Int8Reduction, int8_layers, observe_inputs, quantize_layers
+from fxforge.lowering.int8 import Int8Reduction, int8_layers, quantize_layers
 from fxforge.lowering.int8_ops import input_qparams, weight_int8, weight_scale
+from fxforge.lowering.int8_ranges import observe_inputs
 from fxforge.lowering.precision_choice import choose_layers
 from tests.lowering.test_precision import MODELS, Cancelling, _model
 

@@ -12,7 +12,8 @@ from torch import nn
 import fxforge
 from fxforge.core.accuracy import Tolerance, agreement
 from fxforge.lowering import int8_speed, precision_stage
-from fxforge.lowering.int8 import int8_layers, observe_inputs, quantize_layers
+from fxforge.lowering.int8 import int8_layers, quantize_layers
+from fxforge.lowering.int8_ranges import observe_inputs
 from fxforge.lowering.lower import derived_values
 from fxforge.lowering.precision import reduce_layers, reducible
 from fxforge.lowering.precision_choice import choose_layers
