@@ -38,6 +38,12 @@ compute also share the cores). A measured link carries that too: :attr:`Link.syn
 machine's gloo at 2 ranks, a 64 KiB all-reduce took 0.3-0.5 ms after a barrier, and 0.6-7 ms each in streams
 of them after 0-24 ms of compute. Published links carry none (0: the data sheets say nothing of it).
 
+**An asynchronous collective** (DDP's bucket all-reduces, started as each bucket's gradients are ready and
+waited for after the backward) runs while the ranks compute: a measured link carries the share of its time that
+compute hides (:attr:`Link.overlap`, timed on all-reduces started just before a stretch of compute, against the
+same compute alone), and :meth:`Link.behind` prices a step's asynchronous collectives from it and from when
+each is ready. Published links carry 0 (priced as blocking: the data sheets say nothing of it either).
+
 A :class:`Link` is measured (:func:`fxforge.runtime.link_measure.measured_link`) or taken from public
 figures (:data:`PUBLISHED`, for planning a cluster on paper); :func:`link_for` picks the link a group of
 ranks runs on when a node holds some of them (:func:`spanning`: the slowest hop's, see there).
@@ -111,6 +117,9 @@ class Link:
         sync_s, sync_fraction: what a blocking collective inside a step costs beyond :meth:`seconds`: seconds
             per collective, and a fraction of the compute each rank did since the one before
             (:meth:`synced`; 0 where not measured).
+        overlap: the share of an asynchronous collective's time that the ranks' compute hides, when it runs
+            while they compute (DDP's bucket all-reduces during the backward; :meth:`behind`): 1 hides it all,
+            0 (where not measured) prices it as blocking.
 
     Example:
         >>> link = Link("lan", 5e-5, 1.0, "made up", by_kind=(("all_reduce", 1e-4, 0.5),))
@@ -125,8 +134,11 @@ class Link:
     by_kind: tuple[tuple[str, float, float], ...] = ()
     sync_s: float = 0.0
     sync_fraction: float = 0.0
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"link {self.name!r}: overlap must be in [0, 1], not {self.overlap!r}")
         if not (self.sync_s >= 0 and self.sync_fraction >= 0 and math.isfinite(self.sync_s + self.sync_fraction)):
             raise ValueError(f"link {self.name!r}: sync figures must be >= 0 (got {self.sync_s!r} s, "
                              f"{self.sync_fraction!r} of the compute)")
@@ -177,6 +189,27 @@ class Link:
             return 0.0
         return collectives * self.sync_s + self.sync_fraction * compute_s
 
+    def behind(self, durations: Iterable[float], ready_s: Iterable[float], window_s: float) -> float:
+        """The seconds asynchronous collectives add to a step: each of ``durations`` (seconds on the link, in the
+        order issued) starts when it is ready (``ready_s``, seconds into a stretch of compute ``window_s`` long)
+        and the one before it is done; while the compute goes on, :attr:`overlap` of its time is hidden, the rest
+        taken from the compute; what runs after the compute ends is waited for whole.
+
+        Example:
+            >>> link = Link("x", 1e-4, 1.0, "made up", overlap=0.75)
+            >>> round(link.behind([0.004, 0.004], [0.002, 0.010], 0.012), 6)  # the second outlasts it by 2 ms
+            0.0035
+            >>> Link("x", 1e-4, 1.0, "made up").behind([0.004, 0.004], [0.002, 0.010], 0.012)  # blocking
+            0.008
+        """
+        free, added = 0.0, 0.0
+        for seconds, ready in zip(durations, ready_s):
+            start = max(float(ready), free)
+            free = start + float(seconds)
+            during = max(0.0, min(free, window_s) - start)
+            added += during * (1 - self.overlap) + (float(seconds) - during)
+        return added
+
     def derated(self, fraction: float, why: str) -> Link:
         """The same link at ``fraction`` of its bandwidth (a data sheet's peak to what software reaches).
 
@@ -195,20 +228,22 @@ class Link:
         """Plain values (what a cache file stores); :meth:`from_dict` reads them back.
 
         Example:
-            >>> link = Link("x", 1e-6, 10.0, "made up", (("send", 2e-6, 5.0),), sync_s=1e-4, sync_fraction=0.02)
+            >>> link = Link("x", 1e-6, 10.0, "made up", (("send", 2e-6, 5.0),), sync_s=1e-4, sync_fraction=0.02,
+            ...             overlap=0.5)
             >>> Link.from_dict(link.to_dict()) == link
             True
         """
         return {"name": self.name, "alpha_s": self.alpha_s, "bandwidth_gbs": self.bandwidth_gbs,
                 "source": self.source, "by_kind": [list(entry) for entry in self.by_kind],
-                "sync_s": self.sync_s, "sync_fraction": self.sync_fraction}
+                "sync_s": self.sync_s, "sync_fraction": self.sync_fraction, "overlap": self.overlap}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Link:
         """The link :meth:`to_dict` wrote (raises ``KeyError``/``TypeError``/``ValueError`` on anything else)."""
         by_kind = tuple((str(k), float(a), float(b)) for k, a, b in data.get("by_kind", ()))
         return cls(str(data["name"]), float(data["alpha_s"]), float(data["bandwidth_gbs"]), str(data["source"]),
-                   by_kind, float(data.get("sync_s", 0.0)), float(data.get("sync_fraction", 0.0)))
+                   by_kind, float(data.get("sync_s", 0.0)), float(data.get("sync_fraction", 0.0)),
+                   float(data.get("overlap", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)

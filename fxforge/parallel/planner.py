@@ -10,8 +10,9 @@ For each mesh ``pp x dp x fsdp x tp`` over the devices (:mod:`fxforge.parallel.s
 - **collectives**: every collective of a step, predicted exactly from the graph and the parameters
   (tensor parallel: :func:`~fxforge.parallel.tp_build.predicted_tp_collectives`; fully sharded and data
   parallel: :mod:`fxforge.parallel.collectives`), each priced on the link (alpha-beta,
-  :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute
-  (gloo does not overlap them), with the waits a blocking collective meets inside a step, measured on the
+  :mod:`fxforge.core.links`: measured here for gloo, or a published figure) and added to the compute as
+  blocking, but DDP's bucket all-reduces, which run behind the rest of the backward as far as the link's measured
+  overlap lets them (:mod:`fxforge.parallel.overlap`), with the waits a blocking collective meets inside a step, measured on the
   link too (:meth:`~fxforge.core.links.Link.synced`: the ranks reach each collective apart; a pipeline's
   sends are such meetings too);
 - **memory**: one device's peak (:mod:`fxforge.parallel.device_memory`);
@@ -48,10 +49,10 @@ from fxforge.parallel.collectives import (
     data_parallel_collectives,
     fsdp_blocks,
     fsdp_collectives,
-    gradient_ready_order,
     total_bytes,
 )
 from fxforge.parallel.device_memory import device_memory, local_model, shard_dims
+from fxforge.parallel.overlap import bucket_ready_shares, ddp_communication, gradient_ready_times
 from fxforge.parallel.plan import Candidate, ParallelPlan
 from fxforge.parallel.stage_sends import predicted_sends
 from fxforge.parallel.step_costs import StepCosts, graph_shares, is_meta, time_step
@@ -97,7 +98,7 @@ class _Planner:
         self.blocks = fsdp_blocks(model)
         self.weights = sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
         self._training: dict[int, Any] = {}
-        self._ready: list[str] | None = None
+        self._ready: tuple[list[tuple[str, float]], float] | None = None
         self._replica_steps: dict[int, tuple[float, float]] = {}
         self._built_steps: dict[str, tuple[float, float]] = {}
         self._built_peaks: dict[str, dict[str, int]] = {}
@@ -219,11 +220,17 @@ class _Planner:
             return self.costs.forward_backward_s / replicas, self.costs.optimizer_s
         return self._replica_steps[replicas]
 
-    def ready_order(self) -> list[str]:
+    def ready_times(self) -> tuple[list[tuple[str, float]], float]:
+        """Each trainable parameter's gradient's ready time in a backward (a share of it) in ready order, and
+        the backward's share of forward + backward (:func:`~fxforge.parallel.overlap.gradient_ready_times`)."""
         if self._ready is None:
-            self._ready = gradient_ready_order(self.model, as_inputs(self.args, self.kwargs),
-                                               loss=lambda out: self.loss_fn(out, None))
+            self._ready = gradient_ready_times(self.model, as_inputs(self.args, self.kwargs),
+                                               loss=lambda out: self.loss_fn(out, None),
+                                               steps=1 if is_meta(self.args, self.kwargs, self.model) else 2)
         return self._ready
+
+    def ready_order(self) -> list[str]:
+        return [name for name, _ in self.ready_times()[0]]
 
     def collectives(self, mesh: dict[str, int], tp_plan: Any) -> list[Collective]:
         dp, fsdp, tp = mesh["dp"], mesh["fsdp"], mesh["tp"]
@@ -263,10 +270,17 @@ class _Planner:
             compute = (forward_backward * ((1 - share) + share / tp)
                        + optimizer * memory.weights / max(self.weights, 1))
         collectives = self.collectives(mesh, tp_plan)
-        # Each collective priced as blocking the step, and waiting for the rank that arrives last (DDP's real
-        # bucket all-reduces overlap part of the backward: its steps read up to 16 % under the prediction).
-        comm = (sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
-                + self.link.synced(len(collectives), compute))
+        if dp > 1 and fsdp == 1 and tp == 1:  # DDP: each bucket's all-reduce behind the rest of the backward
+            ready, backward_share = self.ready_times()
+            if mesh_name(mesh) in self._built_steps:
+                forward_backward = self._built_steps[mesh_name(mesh)][0]
+            else:
+                forward_backward = self.replica_step(replicas)[0]
+            comm = ddp_communication(self.link, collectives, bucket_ready_shares(self.model, ready),
+                                     forward_backward * backward_share, compute)
+        else:  # each collective blocking the step, and waiting for the rank that arrives last
+            comm = (sum(self.link.seconds(c.kind, c.nbytes, c.ranks) for c in collectives)
+                    + self.link.synced(len(collectives), compute))
         fits = self.cap is None or memory.peak <= self.cap
         reason = "" if fits else (f"needs {format_bytes(memory.peak)} per device, over the "
                                   f"{format_bytes(self.cap)} given")

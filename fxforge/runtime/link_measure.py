@@ -48,7 +48,7 @@ from fxforge.core.links import Link, Timing, fit_link, fit_sync
 from fxforge.runtime.roofline import disk_cache_enabled
 
 FILE_NAME = "links.json"
-VERSION = 2  # 2: the in-step waits measured too
+VERSION = 3  # 2: the in-step waits measured too; 3: and the overlap of asynchronous all-reduces
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 """The collectives timed."""
 SIZES = tuple(4096 * 4**i for i in range(7))
@@ -63,6 +63,9 @@ follows, on CPU links: the in-step waits (:attr:`fxforge.core.links.Link.sync_s`
 fitted over them."""
 STREAM, STREAM_ROUNDS, STREAM_BYTES = 12, 9, 2**16
 """Collectives per stream, timed rounds (after a warm-up one) and the all-reduce's bytes."""
+OVERLAP_BYTES = (2**20, 2**22)
+"""The asynchronous all-reduces each timed behind twice its own time of compute, on CPU links (the overlap,
+:attr:`fxforge.core.links.Link.overlap`): DDP's first bucket's size, and a larger one."""
 TIMEOUT_S = 120.0
 PORT_TRIES = 3
 BACKENDS = ("gloo", "nccl")
@@ -130,7 +133,7 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
                 _KNOWN[memo] = link
                 return link
     load = machine_load()
-    timings, waits = _launch(backend, ranks, SIZES, ROUNDS, SMALL_ROUNDS, SMALL)
+    timings, waits, overlaps = _launch(backend, ranks, SIZES, ROUNDS, SMALL_ROUNDS, SMALL)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = platform.node() or "this host"
     note = f"; machine busy while measured (other work {load:.1f} per core)" if load > BUSY_LOAD else ""
@@ -146,6 +149,14 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
             source=f"{link.source}; in a step, each collective waits {sync_s * 1e3:.2f} ms + {fraction:.1%} of the "
                    f"compute before it (streams of {STREAM} all-reduces of {STREAM_BYTES} B, each after "
                    f"{', '.join(f'{x * 1e3:g}' for x in SEGMENTS_S)} ms of compute, median of {STREAM_ROUNDS} rounds)")
+    if overlaps:  # (the all-reduce's own seconds, what it added behind compute), per size
+        alone, added = sum(a for a, _ in overlaps), sum(max(0.0, x) for _, x in overlaps)
+        hidden = min(1.0, max(0.0, 1 - added / alone)) if alone > 0 else 0.0
+        link = dataclasses.replace(
+            link, overlap=hidden,
+            source=f"{link.source}; an all-reduce started before compute hides {hidden:.0%} of its time behind "
+                   f"it ({', '.join(f'{n} B' for n in OVERLAP_BYTES)}, each behind twice its time of compute, "
+                   f"median of {STREAM_ROUNDS} rounds)")
     if cache:
         if store is not None:
             store.put(key, link.to_dict())
@@ -167,10 +178,12 @@ def free_port() -> int:
 
 
 def _launch(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, small_rounds: int, small: int
-            ) -> tuple[list[Timing], list[tuple[float, float]]]:
+            ) -> tuple[list[Timing], list[tuple[float, float]], list[tuple[float, float]]]:
     """Start the ``ranks`` worker processes (:func:`_time_collectives`, run from its own source so that a
-    worker imports torch and nothing of fxforge) and return rank 0's medians, and the streams' collectives
-    (``(compute seconds before a collective, its seconds there)``; none on GPUs). A port another process took
+    worker imports torch and nothing of fxforge) and return rank 0's medians, the streams' collectives
+    (``(compute seconds before a collective, its seconds there)``) and the asynchronous all-reduces
+    (``(seconds alone, seconds added behind compute)``, one per :data:`OVERLAP_BYTES`); the last two none on
+    GPUs. A port another process took
     between choosing it and binding it is chosen again (up to :data:`PORT_TRIES` times)."""
     for _ in range(PORT_TRIES - 1):
         try:
@@ -188,7 +201,7 @@ class _PortTaken(RuntimeError):
 
 
 def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, small_rounds: int, small: int
-                 ) -> tuple[list[Timing], list[tuple[float, float]]]:
+                 ) -> tuple[list[Timing], list[tuple[float, float]], list[tuple[float, float]]]:
     port = free_port()
     code = textwrap.dedent(inspect.getsource(_time_collectives))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -198,7 +211,7 @@ def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, 
             for rank in range(ranks):
                 call = (f"_time_collectives({backend!r}, {rank}, {ranks}, {port}, {list(sizes)!r}, {rounds}, "
                         f"{small_rounds}, {small}, {list(KINDS)!r}, {list(SEGMENTS_S)!r}, "
-                        f"{(STREAM, STREAM_ROUNDS, STREAM_BYTES)!r})")
+                        f"{(STREAM, STREAM_ROUNDS, STREAM_BYTES)!r}, {list(OVERLAP_BYTES)!r})")
                 outs.append(open(os.path.join(folder, f"{rank}.out"), "w+", encoding="utf-8"))  # noqa: SIM115
                 errs.append(open(os.path.join(folder, f"{rank}.err"), "w+", encoding="utf-8"))  # noqa: SIM115
                 procs.append(subprocess.Popen([sys.executable, "-c", f"{code}\n{call}\n"], env=env,
@@ -225,7 +238,8 @@ def _run_workers(backend: str, ranks: int, sizes: tuple[int, ...], rounds: int, 
             for file in (*outs, *errs):
                 file.close()
     return ([Timing(kind, int(nbytes), ranks, float(seconds)) for kind, nbytes, seconds in result["timings"]],
-            [(float(x), float(y)) for x, y in result["waits"]])
+            [(float(x), float(y)) for x, y in result["waits"]],
+            [(float(x), float(y)) for x, y in result.get("overlaps", [])])
 
 
 def _wait(procs: list[subprocess.Popen], backend: str) -> list[int]:
@@ -244,12 +258,14 @@ def _wait(procs: list[subprocess.Popen], backend: str) -> list[int]:
 
 def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: list[int], rounds: int,
                       small_rounds: int, small: int, kinds: list[str], segments: list[float],
-                      stream: tuple[int, int, int]) -> None:
+                      stream: tuple[int, int, int], overlap_sizes: list[int]) -> None:
     """One worker: join the group, time ``kinds`` on ``sizes`` (full tensor bytes) for ``rounds`` interleaved
     rounds (``small_rounds`` for sizes up to ``small`` bytes) after a warm-up round; on CPU, time streams of
-    ``stream = (count, rounds, nbytes)`` all-reduces, each after ``segments`` seconds of compute on every rank.
+    ``stream = (count, rounds, nbytes)`` all-reduces, each after ``segments`` seconds of compute on every rank,
+    and an asynchronous all-reduce of each of ``overlap_sizes`` bytes started before twice its time of compute.
     Rank 0 prints one JSON line: ``{"timings": [[kind, nbytes, median seconds of the slowest rank], ...],
-    "waits": [[compute seconds before each collective, the collective's seconds in the stream], ...]}``.
+    "waits": [[compute seconds before each collective, the collective's seconds in the stream], ...],
+    "overlaps": [[an all-reduce's seconds alone, the seconds it added behind compute], ...]}``.
     Self-contained: :func:`_launch` runs its source in a fresh interpreter."""
     import json
     import statistics
@@ -297,18 +313,19 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
     flat = torch.tensor([t for row in seconds for t in row], dtype=torch.float64, device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     waits = []
+    count, stream_rounds, nbytes = stream
+    a, b = torch.randn(256, 256), torch.randn(256, 256)  # (the compute: one matrix product takes ``product`` s)
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    product = (time.perf_counter() - start) / 20
     if device.type == "cpu" and segments:
         # Each rank computes (matrix products) for a segment, then joins the all-reduce, ``count`` times; and,
         # in the same round, the same compute without the collectives, every rank at once (as a step's compute
         # is timed beside the other ranks' twins). The stream's wall time over that compute's, per collective,
         # is what a collective costs inside a step: its own time, the wait for the others, and what the
         # communication threads took from the shared cores.
-        count, stream_rounds, nbytes = stream
-        x, a, b = torch.ones(max(world, nbytes // 4)), torch.randn(256, 256), torch.randn(256, 256)
-        start = time.perf_counter()
-        for _ in range(20):
-            a @ b
-        product = (time.perf_counter() - start) / 20
+        x = torch.ones(max(world, nbytes // 4))
         inside = [[] for _ in segments]
         computed = [[] for _ in segments]
         for round_ in range(stream_rounds + 1):
@@ -334,10 +351,44 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
                             dtype=torch.float64)
         dist.all_reduce(mine)
         waits = (mine / world).tolist()
+    overlaps = []
+    if device.type == "cpu" and overlap_sizes:
+        # An all-reduce started asynchronously (as DDP starts a bucket's), then twice its own time of compute on
+        # every rank, then waited for; against the same compute alone. What it added over the compute is the
+        # part of its time the compute did not hide (the communication threads share the cores with it).
+        for nbytes in overlap_sizes:
+            x = torch.ones(max(world, nbytes // 4))
+            alone = []
+            for _ in range(stream_rounds + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(x)
+                alone.append(time.perf_counter() - start)
+            own = torch.tensor([statistics.median(alone[1:])], dtype=torch.float64)
+            dist.all_reduce(own, op=dist.ReduceOp.MAX)
+            reps = max(1, round(2 * own.item() / product))
+            added = []
+            for round_ in range(stream_rounds + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                work = dist.all_reduce(x, async_op=True)
+                for _ in range(reps):
+                    a @ b
+                work.wait()
+                wall = time.perf_counter() - start
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    a @ b
+                if round_:
+                    added.append(wall - (time.perf_counter() - start))
+            mine = torch.tensor([own.item(), statistics.median(added)], dtype=torch.float64)
+            dist.all_reduce(mine)
+            overlaps.append((mine / world).tolist())
     dist.destroy_process_group()
     if rank == 0:
         values, rows = flat.cpu().tolist(), []
         for (kind, nbytes, _, _), row in zip(cases, seconds):
             rows.append([kind, nbytes, statistics.median(values[:len(row)])])
             values = values[len(row):]
-        print(json.dumps({"timings": rows, "waits": waits}))
+        print(json.dumps({"timings": rows, "waits": waits, "overlaps": overlaps}))

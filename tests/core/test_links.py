@@ -188,3 +188,20 @@ def test_in_step_waits_add_per_collective_and_with_the_compute():
     with pytest.raises(ValueError, match="sync figures must be >= 0"):
         Link("x", 1e-4, 1.0, "made up", sync_fraction=-0.1)
     assert Link.from_dict({"name": "old", "alpha_s": 1e-4, "bandwidth_gbs": 1.0, "source": "v1 cache"}).sync_s == 0
+
+
+def test_asynchronous_collectives_are_hidden_by_the_links_overlap_while_the_compute_lasts():
+    hiding = Link("x", 1e-4, 1.0, "made up", overlap=0.8)
+    # all within the compute: a fifth of each shows
+    assert hiding.behind([0.002, 0.003], [0.001, 0.004], 0.05) == pytest.approx(0.2 * 0.005)
+    # ready together: the second waits for the first, and what runs past the compute shows whole
+    assert hiding.behind([0.004, 0.004], [0.009, 0.009], 0.010) == pytest.approx(0.2 * 0.001 + 0.003 + 0.004)
+    # ready after the compute (a bucket of the first layer's gradients): whole
+    assert hiding.behind([0.004], [0.010], 0.010) == pytest.approx(0.004)
+    blocking = Link("x", 1e-4, 1.0, "made up")
+    assert blocking.overlap == 0 and blocking.behind([0.002, 0.003], [0.0, 0.0], 1.0) == pytest.approx(0.005)
+    assert Link("x", 1e-4, 1.0, "made up", overlap=1.0).behind([0.002], [0.0], 1.0) == 0.0
+    with pytest.raises(ValueError, match=r"overlap must be in \[0, 1\]"):
+        Link("x", 1e-4, 1.0, "made up", overlap=1.5)
+    assert Link.from_dict(hiding.to_dict()) == hiding
+    assert Link.from_dict({"name": "old", "alpha_s": 1e-4, "bandwidth_gbs": 1.0, "source": "v2 cache"}).overlap == 0

@@ -31,13 +31,15 @@ def _refuse(*args, **kwargs):
 def test_real_gloo_measurement_fits_and_is_cached(fresh_cache, monkeypatch):
     measured: list[Timing] = []
     waits: list[tuple[float, float]] = []
+    overlaps: list[tuple[float, float]] = []
     real_launch = link_measure._launch
 
     def spy(*args, **kwargs):
-        timings, in_step = real_launch(*args, **kwargs)
+        timings, in_step, behind = real_launch(*args, **kwargs)
         measured.extend(timings)
         waits.extend(in_step)
-        return measured, waits
+        overlaps.extend(behind)
+        return measured, waits, overlaps
 
     monkeypatch.setattr(link_measure, "_launch", spy)
     link = measured_link("gloo", 2)
@@ -60,6 +62,12 @@ def test_real_gloo_measurement_fits_and_is_cached(fresh_cache, monkeypatch):
     alone = link.seconds("all_reduce", link_measure.STREAM_BYTES, 2)
     assert (link.sync_s, link.sync_fraction) == fit_sync([(c, t - alone) for c, t in waits])
     assert "in a step, each collective waits" in link.source
+    # The overlap: one asynchronous all-reduce per size, each taking longer the larger; the link's share hidden
+    # is one less what they added behind compute over their own time, said in its source.
+    assert len(overlaps) == len(link_measure.OVERLAP_BYTES) and overlaps[0][0] < overlaps[1][0]
+    hidden = 1 - sum(max(0.0, x) for _, x in overlaps) / sum(a for a, _ in overlaps)
+    assert link.overlap == pytest.approx(min(1.0, max(0.0, hidden)))
+    assert f"hides {link.overlap:.0%} of its time behind" in link.source
 
     # Second call: no process starts (the process starter fails if called); in this process, then from the file.
     monkeypatch.setattr(link_measure, "_launch", _refuse)
@@ -79,7 +87,10 @@ def _fake_timings(backend, ranks, sizes, *args):
     timings = [Timing(kind, n, ranks, truth.seconds(kind, n, ranks)) for kind in link_measure.KINDS for n in sizes]
     # in the streams, the all-reduce's own time, 0.3 ms more and 5 % of the compute before it
     alone = truth.seconds("all_reduce", link_measure.STREAM_BYTES, ranks)
-    return timings, [(c, alone + 3e-4 + 0.05 * c) for c in (0.0, 0.002, 0.008, 0.032)]
+    # behind compute, a quarter of each asynchronous all-reduce's own time shows
+    behind = [(truth.seconds("all_reduce", n, ranks), 0.25 * truth.seconds("all_reduce", n, ranks))
+              for n in link_measure.OVERLAP_BYTES]
+    return timings, [(c, alone + 3e-4 + 0.05 * c) for c in (0.0, 0.002, 0.008, 0.032)], behind
 
 
 def test_cache_is_keyed_and_survives_a_bad_entry(fresh_cache, monkeypatch):
@@ -89,6 +100,7 @@ def test_cache_is_keyed_and_survives_a_bad_entry(fresh_cache, monkeypatch):
     assert two.alpha_s == pytest.approx(1e-4) and two.bandwidth_gbs == pytest.approx(1.0)
     assert two.sync_s == pytest.approx(3e-4) and two.sync_fraction == pytest.approx(0.05)
     assert "0.30 ms + 5.0% of the compute" in two.source
+    assert two.overlap == pytest.approx(0.75) and "hides 75% of its time behind" in two.source
     three = measured_link("gloo", 3)
     assert calls == [("gloo", 2), ("gloo", 3)] and three.name.startswith("gloo 3 ranks")
     stored = json.loads(fresh_cache.read_text())
@@ -138,7 +150,7 @@ def test_a_taken_port_is_chosen_again(monkeypatch):
         real_free_port = link_measure.free_port
         monkeypatch.setattr(link_measure, "free_port", lambda: ports.pop(0) if ports else real_free_port())
         start = time.monotonic()
-        timings, _ = link_measure._launch("gloo", 2, (4096,), 1, 1, 4096)
+        timings, _, _ = link_measure._launch("gloo", 2, (4096,), 1, 1, 4096)
     assert not ports and time.monotonic() - start < 30
     assert [(t.kind, t.nbytes, t.ranks) for t in timings] == [(k, 4096, 2) for k in link_measure.KINDS]
     assert all(0 < t.seconds < 1 for t in timings)
