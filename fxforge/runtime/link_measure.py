@@ -22,7 +22,7 @@ Example (starts processes the first time on a machine)::
     link.seconds("all_reduce", 2**20, 2)      # predicted seconds of a 1 MiB all-reduce between 2 processes
 
 Example:
-    >>> cache_key("gloo", 2).startswith("v2 gloo ranks 2 host ")
+    >>> cache_key("gloo", 2).startswith("v4 gloo ranks 2 host ")
     True
 """
 
@@ -48,7 +48,8 @@ from fxforge.core.links import Link, Timing, fit_link, fit_sync
 from fxforge.runtime.roofline import disk_cache_enabled
 
 FILE_NAME = "links.json"
-VERSION = 3  # 2: the in-step waits measured too; 3: and the overlap of asynchronous all-reduces
+VERSION = 4  # 2: the in-step waits measured too; 3: and the overlap of asynchronous all-reduces; 4: behind
+# products that do not stay in cache, up to DDP's bucket size
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 """The collectives timed."""
 SIZES = tuple(4096 * 4**i for i in range(7))
@@ -63,9 +64,9 @@ follows, on CPU links: the in-step waits (:attr:`fxforge.core.links.Link.sync_s`
 fitted over them."""
 STREAM, STREAM_ROUNDS, STREAM_BYTES = 12, 9, 2**16
 """Collectives per stream, timed rounds (after a warm-up one) and the all-reduce's bytes."""
-OVERLAP_BYTES = (2**20, 2**22)
+OVERLAP_BYTES = (2**20, 2**24, 25 * 2**20)
 """The asynchronous all-reduces each timed behind twice its own time of compute, on CPU links (the overlap,
-:attr:`fxforge.core.links.Link.overlap`): DDP's first bucket's size, and a larger one."""
+:attr:`fxforge.core.links.Link.overlap`): DDP's first bucket's size, a middle one and DDP's default cap."""
 TIMEOUT_S = 120.0
 PORT_TRIES = 3
 BACKENDS = ("gloo", "nccl")
@@ -155,8 +156,8 @@ def measured_link(backend: str = "gloo", ranks: int = 2, *, refresh: bool = Fals
         link = dataclasses.replace(
             link, overlap=hidden,
             source=f"{link.source}; an all-reduce started before compute hides {hidden:.0%} of its time behind "
-                   f"it ({', '.join(f'{n} B' for n in OVERLAP_BYTES)}, each behind twice its time of compute, "
-                   f"median of {STREAM_ROUNDS} rounds)")
+                   f"it ({', '.join(f'{n} B' for n in OVERLAP_BYTES)}, each behind twice its time of 1024 x 1024 "
+                   f"products, median of {2 * STREAM_ROUNDS} rounds)")
     if cache:
         if store is not None:
             store.put(key, link.to_dict())
@@ -355,7 +356,14 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
     if device.type == "cpu" and overlap_sizes:
         # An all-reduce started asynchronously (as DDP starts a bucket's), then twice its own time of compute on
         # every rank, then waited for; against the same compute alone. What it added over the compute is the
-        # part of its time the compute did not hide (the communication threads share the cores with it).
+        # part of its time the compute did not hide (the communication threads share the cores and the memory
+        # with it). The compute: 1024 x 1024 products, whose operands do not stay in cache (a backward's
+        # products do not either).
+        c, d = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        start = time.perf_counter()
+        for _ in range(5):
+            c @ d
+        large = (time.perf_counter() - start) / 5
         for nbytes in overlap_sizes:
             x = torch.ones(max(world, nbytes // 4))
             alone = []
@@ -366,20 +374,20 @@ def _time_collectives(backend: str, rank: int, world: int, port: int, sizes: lis
                 alone.append(time.perf_counter() - start)
             own = torch.tensor([statistics.median(alone[1:])], dtype=torch.float64)
             dist.all_reduce(own, op=dist.ReduceOp.MAX)
-            reps = max(1, round(2 * own.item() / product))
+            reps = max(1, round(2 * own.item() / large))
             added = []
-            for round_ in range(stream_rounds + 1):
+            for round_ in range(2 * stream_rounds + 1):
                 dist.barrier()
                 start = time.perf_counter()
                 work = dist.all_reduce(x, async_op=True)
                 for _ in range(reps):
-                    a @ b
+                    c @ d
                 work.wait()
                 wall = time.perf_counter() - start
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(reps):
-                    a @ b
+                    c @ d
                 if round_:
                     added.append(wall - (time.perf_counter() - start))
             mine = torch.tensor([own.item(), statistics.median(added)], dtype=torch.float64)
