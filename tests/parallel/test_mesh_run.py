@@ -39,7 +39,16 @@ def test_a_user_model_trains_in_float64_as_one_process_does(mesh):
         return
     # every rank's share of the weights and the AdamW state, and the step's peak, measured
     assert result.memory_per_device > 0
-    assert abs(result.memory_per_device / plan.chosen.memory_per_device - 1) < 0.05, str(result)
+    predicted = plan.chosen.memory_per_device
+    if "fsdp" in mesh:
+        # A fully sharded run's peak is one of two values from step to step (here 237,400 or 271,448 bytes
+        # against 236,824 predicted, quiet or busy): gloo's reduce-scatter of one block's gradients may still
+        # hold its unsharded input when the next block's backward peaks. The plan, measured under the fake
+        # group (whose collectives end at once), predicts the lower.
+        block = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers)
+        assert predicted * 0.95 < result.memory_per_device < (predicted + block) * 1.05, str(result)
+        return
+    assert abs(result.memory_per_device / predicted - 1) < 0.05, str(result)
 
 
 def test_llama_tensor_parallel_runs_on_gloo_like_one_process():
