@@ -27,12 +27,10 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fxforge.lowering.int8 import _argument
+
 BINS = 2048  # the histogram's bins over a layer input's observed range
 CANDIDATES = 512  # candidate edges on each side of zero, at most
-
-
-def _argument(node: Node, index: int) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get("input")  # (a layer's input)
 
 
 def fitted_range(histogram: torch.Tensor, low: float, high: float) -> tuple[float, float]:
@@ -57,8 +55,8 @@ def fitted_range(histogram: torch.Tensor, low: float, high: float) -> tuple[floa
     s1 = torch.cat([zero, (counts * centres).cumsum(0)])
     s2 = torch.cat([zero, (counts * centres * centres).cumsum(0)])
     total = n[-1]
-    lower = [k for k in range(bins + 1) if edges[k] <= 0]
-    upper = [k for k in range(bins + 1) if edges[k] >= 0]
+    lower = torch.nonzero(edges <= 0).flatten().tolist()
+    upper = torch.nonzero(edges >= 0).flatten().tolist()
     lower = sorted(set(lower[::max(1, len(lower) // CANDIDATES)] + [lower[-1]]))
     upper = sorted(set(upper[::max(1, len(upper) // CANDIDATES)] + [upper[-1]]))
     i, j = torch.tensor(lower), torch.tensor(upper)
@@ -86,7 +84,7 @@ class _Extremes(torch.fx.Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.name in self.names:
-            x = self.env[_argument(n, 0)]
+            x = self.env[_argument(n, 0, "input", None)]
             finite = x[torch.isfinite(x)]
             if finite.numel():
                 low, high = self.ranges.get(n.name, (0.0, 0.0))
@@ -104,7 +102,7 @@ class _Histograms(torch.fx.Interpreter):
 
     def run_node(self, n: Node) -> Any:
         if n.name in self.ranges:
-            x = self.env[_argument(n, 0)].detach()
+            x = self.env[_argument(n, 0, "input", None)].detach()
             low, high = self.ranges[n.name]
             if high > low:
                 counts = torch.histc(x.float().flatten(), BINS, low, high)  # (NaN and infinities fall outside)

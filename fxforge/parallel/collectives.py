@@ -34,16 +34,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from fxforge.capture.inputs import normalize_inputs
-from fxforge.core.memory import tensor_leaves
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 """DDP's first bucket (the last gradients of the backward) when ``bucket_cap_mb`` is left at its default."""
@@ -321,33 +318,6 @@ def fsdp_collectives(model: torch.nn.Module, ranks: int, *, blocks: Iterable[str
     return [c for c in forward if c.nbytes] + backward
 
 
-def gradient_ready_order(model: torch.nn.Module, example_inputs: Any,
-                         loss: Callable[[Any], torch.Tensor] | None = None) -> list[str]:
-    """The names of ``model``'s trainable parameters in the order their gradients become ready in one
-    backward (DDP rebuilds its buckets in this order after the first step). Runs one forward and backward
-    (``loss(output)``, default the sum of the floating-point outputs); the gradients are put back.
-
-    Example:
-        >>> gradient_ready_order(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.ones(1, 2))
-        ['0.bias', '0.weight']
-    """
-    args, kwargs = normalize_inputs(example_inputs)
-    params = [(n, p) for n, p in _params(model) if p.requires_grad]
-    saved = [p.grad for _, p in params]
-    order: list[str] = []
-    handles = [p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n)) for n, p in params]
-    try:
-        out = model(*args, **kwargs)
-        value = loss(out) if loss else sum(t.sum() for t in tensor_leaves(out) if t.is_floating_point())
-        value.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for (_, p), grad in zip(params, saved):
-            p.grad = grad
-    return order
-
-
 def _ddp_buckets(params: list[tuple[str, torch.Tensor]], limits: list[int]) -> list[list[int]]:
     tensors = [p for _, p in params]
     indices, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors),
@@ -370,7 +340,7 @@ def data_parallel_collectives(model: torch.nn.Module, ranks: int, *, style: str 
         step: DDP's step number: 1 (one bucket per dtype), 2 (the bucket rebuild's two broadcasts, then
             the rebuilt buckets) or later (the rebuilt buckets).
         bucket_cap_mb: DDP's ``bucket_cap_mb`` (default 25, with a 1 MiB first bucket).
-        ready_order: parameter names in gradient-ready order (:func:`gradient_ready_order`); DDP cuts its
+        ready_order: parameter names in gradient-ready order (:func:`~fxforge.parallel.overlap.gradient_ready_order`); DDP cuts its
             rebuilt buckets along it. Default: the reverse of registration order, which moves the cuts
             (never the total) where the backward produces gradients in another order.
         broadcast_buffers: DDP's flag: buffers are broadcast from rank 0 in each forward.

@@ -8,7 +8,8 @@ measured, not assumed). Pricing the buckets as blocking over-predicted DDP's ste
 (``benchmarks/RESULTS.md``, issue 52).
 
 - :func:`gradient_ready_times`: one timed backward (after a warm-up), each trainable parameter's gradient's
-  ready time as a share of the backward, and the backward's share of forward + backward;
+  ready time as a share of the backward, and the backward's share of forward + backward
+  (:func:`gradient_ready_order`: the order alone, from one backward);
 - :func:`bucket_ready_shares`: DDP's rebuilt buckets (cut along the ready order, as
   :func:`~fxforge.parallel.collectives.data_parallel_collectives` cuts them) and the share of the backward done
   when each is ready: its last gradient's;
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fxforge.capture.model import normalize_inputs
+from fxforge.capture.inputs import normalize_inputs
 from fxforge.core.links import Link
 from fxforge.core.memory import tensor_leaves
 from fxforge.parallel.collectives import (
@@ -83,6 +84,19 @@ def gradient_ready_times(model: torch.nn.Module, example_inputs: Any,
             backward / max(end - start, 1e-9))
 
 
+def gradient_ready_order(model: torch.nn.Module, example_inputs: Any,
+                         loss: Callable[[Any], torch.Tensor] | None = None) -> list[str]:
+    """The names of ``model``'s trainable parameters in the order their gradients become ready in one
+    backward (DDP rebuilds its buckets in this order after the first step; :func:`gradient_ready_times` of one
+    step). The gradients are put back.
+
+    Example:
+        >>> gradient_ready_order(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.ones(1, 2))
+        ['0.bias', '0.weight']
+    """
+    return [name for name, _ in gradient_ready_times(model, example_inputs, loss, steps=1)[0]]
+
+
 def bucket_ready_shares(model: torch.nn.Module, ready: list[tuple[str, float]]) -> list[float]:
     """The share of the backward done when each of DDP's rebuilt buckets (default caps; in the order their
     all-reduces are issued) has all its gradients.
@@ -112,10 +126,11 @@ def ddp_communication(link: Link, collectives: list[Collective], bucket_shares: 
         >>> round(ddp_communication(link, reduces, [0.2, 0.996], 0.1, 0.15) * 1e3, 3)  # 1.2 ms each: the last
         0.8
     """
-    buckets = [c for c in collectives if c.kind == "all_reduce" and c.phase == "backward"]
+    buckets, blocking = [], []
+    for c in collectives:
+        (buckets if c.kind == "all_reduce" and c.phase == "backward" else blocking).append(c)
     if len(buckets) != len(bucket_shares):
         raise ValueError(f"{len(buckets)} bucket all-reduces but {len(bucket_shares)} ready shares")
-    blocking = [c for c in collectives if not (c.kind == "all_reduce" and c.phase == "backward")]
     durations = [link.seconds(c.kind, c.nbytes, c.ranks) for c in buckets]
     behind = link.behind(durations, [share * backward_s for share in bucket_shares], backward_s)
     meetings = len(blocking) + (1 if buckets else 0)

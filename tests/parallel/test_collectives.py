@@ -30,9 +30,9 @@ from fxforge.parallel.collectives import (
     data_parallel_collectives,
     fsdp_blocks,
     fsdp_collectives,
-    gradient_ready_order,
     total_bytes,
 )
+from fxforge.parallel.overlap import gradient_ready_order
 from fxforge.parallel.processes import run_workers, worker_main
 
 
